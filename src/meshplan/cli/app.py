@@ -1,0 +1,108 @@
+"""The Typer app, the error contract and shared option parsing.
+
+Errors: bad input prints one line on stderr starting `error:` and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from meshplan.errors import MeshplanError
+
+# Typer re-exports click's exceptions (newer versions vendor click); find the base class through them so
+# this works whichever click Typer carries.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+app = typer.Typer(
+    name="meshplan",
+    help="Plan how to split a transformer across TPUs and GPUs, predict speed, memory and cost, and check it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    """Raise the one-line user error."""
+    raise MeshplanError(message)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and (math.isinf(obj) or math.isnan(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return obj.item()
+    return obj
+
+
+def print_json(obj: Any) -> None:
+    """One JSON object on stdout (NaN/inf become null so the output is strict JSON)."""
+    sys.stdout.write(json.dumps(_jsonable(obj), indent=2) + "\n")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`data=8,tensor=4` → {'data': 8, 'tensor': 4}."""
+    mesh: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" not in part:
+            fail(f"bad mesh '{text}': each axis is name=size, e.g. data=8,tensor=4")
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if not name.isidentifier():
+            fail(f"bad mesh axis name '{name}' in '{text}'")
+        if name in mesh:
+            fail(f"mesh axis '{name}' appears twice in '{text}'")
+        try:
+            n = int(size)
+        except ValueError:
+            fail(f"bad mesh axis size '{size}' for axis '{name}' (must be a positive integer)")
+        if n <= 0:
+            fail(f"mesh axis '{name}' must have a positive size, got {n}")
+        mesh[name] = n
+    if not mesh:
+        fail("mesh is empty: give axes as name=size, e.g. data=8,tensor=4")
+    return mesh
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: run the app and turn every user error into `error: ...` + exit 2."""
+    from meshplan.cli import commands  # noqa: F401  (registers the commands)
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]
+    try:
+        result = app(args=args, standalone_mode=False)
+    except MeshplanError as exc:
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return _exit(2)
+    except typer.Abort:
+        err_console.print("error: aborted", markup=False, highlight=False)
+        return _exit(130)
+    except _ClickException as exc:
+        msg = exc.format_message().replace("\n", " ")
+        err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+        return _exit(2)
+    except typer.Exit as exc:
+        return _exit(exc.exit_code)
+    return _exit(result if isinstance(result, int) else 0)
+
+
+def _exit(code: int) -> int:
+    if __name__ != "__main__":
+        sys.exit(code)
+    return code

@@ -1,0 +1,169 @@
+"""`meshplan model`, `meshplan hardware`, `meshplan roofline`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cost import roofline as rf
+from meshplan.math import transformer as tm
+from meshplan.specs.hardware import load_chip, preset_chips
+from meshplan.specs.model import load_model
+from meshplan.units import fmt_bytes, fmt_count, fmt_flops, fmt_rate, fmt_time
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+
+
+def model_summary(name: str, seq_len: int | None = None) -> dict:
+    """The `meshplan model --json` contract."""
+    m = load_model(name)
+    S = seq_len or m.max_seq_len
+    if S <= 0:
+        fail(f"--seq-len must be positive, got {S}")
+    pc = tm.param_counts(m)
+    tf = tm.flops_per_token(m, S, causal=True)
+    return {
+        "name": m.name,
+        "params_total": pc.total,
+        "params_active": pc.active,
+        "params_non_embedding": pc.non_embedding,
+        "flops_per_token_forward": tf.forward,
+        "flops_per_token_training": tf.training,
+        "flops_per_token_breakdown": {
+            "forward/matmul": tf.forward_matmul,
+            "forward/attention_causal": tf.forward_attention,
+            "forward/attention_full": tm.attention_flops_per_token(m, S, causal=False),
+        },
+        "seq_len": S,
+        "kv_cache_bytes_per_token": {d: tm.kv_cache_bytes_per_token(m, d) for d in ("bf16", "fp8", "int8")},
+        "weight_bytes": {d: pc.total * tm.dtype_bytes(d) for d in ("bf16", "fp8", "int8", "int4")},
+        "params_breakdown": {
+            "embedding": pc.embedding, "position": pc.position,
+            "attention": pc.per_layer_attention * m.n_layers, "mlp": pc.per_layer_mlp * m.n_layers,
+            "router": pc.per_layer_router * m.n_layers, "norms": pc.per_layer_norms * m.n_layers + pc.final_norm,
+            "unembedding": pc.unembedding,
+        },
+        "architecture": m.as_dict(),
+    }
+
+
+@app.command()
+def model(
+    name: Annotated[str, typer.Argument(help="Preset name (e.g. llama3-70b) or path to a HF config.json.")],
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length for attention FLOPs (default: the model's).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Parameters, FLOPs per token, KV-cache bytes and weight memory of a model."""
+    s = model_summary(name, seq_len)
+    if json_out:
+        print_json(s)
+        return
+    a = s["architecture"]
+    t = Table(title=f"{s['name']}  (L={a['n_layers']} D={a['d_model']} N={a['n_heads']} K={a['n_kv_heads']} "
+                    f"H={a['head_dim']} F={a['d_ff']} V={a['vocab_size']}"
+                    + (f" E={a['n_experts']} k={a['experts_per_token']}" if a["n_experts"] else "") + ")")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("parameters (total)", fmt_count(s["params_total"]))
+    t.add_row("parameters (active per token)", fmt_count(s["params_active"]))
+    t.add_row(f"FLOPs/token forward (seq {s['seq_len']}, causal)", fmt_flops(s["flops_per_token_forward"]))
+    t.add_row("FLOPs/token training (fwd+bwd)", fmt_flops(s["flops_per_token_training"]))
+    for d, v in s["kv_cache_bytes_per_token"].items():
+        t.add_row(f"KV cache per token ({d})", fmt_bytes(v))
+    for d, v in s["weight_bytes"].items():
+        t.add_row(f"weights ({d})", fmt_bytes(v))
+    console.print(t)
+
+
+@app.command()
+def hardware(
+    name: Annotated[str | None, typer.Argument(help="Preset (e.g. h100-sxm, tpu-v5e) or a YAML path; omit to list.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Chip specifications: peak FLOP/s, HBM, links, price — with their sources."""
+    chips = [load_chip(name)] if name else [load_chip(n) for n in preset_chips()]
+    if json_out:
+        print_json(chips[0].as_dict() if name else [c.as_dict() for c in chips])
+        return
+    t = Table(title="hardware")
+    for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h"):
+        t.add_column(col, justify="right" if col != "chip" else "left")
+    for c in chips:
+        p = c.peak_flops_per_s
+        t.add_row(c.name, *(fmt_rate(p[d], "FLOP") if d in p else "—" for d in ("bf16", "fp8", "int8")),
+                  fmt_bytes(c.hbm_bytes), fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
+                  fmt_rate(c.links.fast_bandwidth_bytes_per_s, "B"),
+                  ("x".join(map(str, c.links.max_slice_shape)) + " torus") if c.links.is_torus
+                  else f"{c.links.nvlink_domain_size} NVLink",
+                  fmt_rate(c.links.scale_out_bandwidth_bytes_per_s, "B"), f"{c.price_per_chip_hour:.2f}")
+    console.print(t)
+    if name:
+        for field, src in chips[0].sources.items():
+            console.print(f"[dim]{field}: {src}[/dim]")
+
+
+def _parse_op(text: str) -> rf.Op:
+    """`matmul:B,D,F`, `attention:B,T,S,N,K,H`, `elementwise:n`, with an optional `@dtype` suffix."""
+    body, _, dtype = text.partition("@")
+    kind, _, dims_s = body.partition(":")
+    try:
+        dims = [float(x) for x in dims_s.split(",") if x.strip()]
+    except ValueError:
+        fail(f"bad op '{text}': sizes must be numbers")
+    dtype = dtype or "bf16"
+    want = {"matmul": 3, "attention": 6, "elementwise": 1, "dot": 1}
+    if kind not in want:
+        fail(f"unknown op kind '{kind}' (known: {', '.join(want)})")
+    if len(dims) != want[kind]:
+        fail(f"op '{kind}' takes {want[kind]} sizes, got {len(dims)} in '{text}'")
+    if kind == "matmul":
+        return rf.matmul(*dims, lhs_dtype=dtype, rhs_dtype=dtype, name=body)
+    if kind == "attention":
+        B, T, S, N, K, H = dims
+        return rf.attention(B, T, S, int(N), int(K), int(H), dtype=dtype, name=body)
+    if kind == "dot":
+        return rf.dot_product(dims[0], dtype)
+    return rf.elementwise(dims[0], dtype=dtype, name=body)
+
+
+@app.command()
+def roofline(
+    hardware_name: Annotated[str, typer.Option("--hardware", "-h", help="Chip preset or YAML path.")],
+    model_name: Annotated[str | None, typer.Option("--model", "-m", help="Model: per-layer roofline.")] = None,
+    op: Annotated[list[str] | None, typer.Option(help="Op(s): matmul:B,D,F  attention:B,T,S,N,K,H  elementwise:n  [@dtype]")] = None,
+    tokens_per_chip: Annotated[int, typer.Option(help="Tokens per chip for the model roofline.")] = 4096,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length (default: min(model's, tokens)).")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: bf16, fp8, int8.")] = "bf16",
+    plot: Annotated[str | None, typer.Option(help="Write a log-log roofline PNG here.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Roofline of ops, or of every op in one layer of a model, on one chip (book ch.1, 12)."""
+    chip = load_chip(hardware_name)
+    if not model_name and not op:
+        fail("give --model or at least one --op")
+    if tokens_per_chip <= 0:
+        fail(f"--tokens-per-chip must be positive, got {tokens_per_chip}")
+    rows: list[rf.Roofline] = []
+    if model_name:
+        rows += rf.model_roofline(load_model(model_name), chip, tokens_per_chip, seq_len, dtype=dtype)
+    rows += [rf.roofline(_parse_op(o), chip) for o in op or []]
+    if plot:
+        from meshplan.report.plots import plot_roofline
+
+        plot_roofline(rows, chip, plot, dtype=dtype)
+    if json_out:
+        print_json({"hardware": chip.name, "critical_intensity": chip.critical_intensity(dtype),
+                    "ops": [r.as_dict() for r in rows]})
+        return
+    t = Table(title=f"roofline on {chip.name} (critical intensity {chip.critical_intensity(dtype):.0f} FLOP/B)")
+    for col in ("op", "FLOPs", "bytes", "intensity", "T_math", "T_mem", "lower", "upper", "bound"):
+        t.add_column(col, justify="left" if col in ("op", "bound") else "right")
+    for r in rows:
+        t.add_row(r.name, fmt_flops(r.flops), fmt_bytes(r.bytes), f"{r.intensity:.1f}", fmt_time(r.t_math_s),
+                  fmt_time(r.t_mem_s), fmt_time(r.t_lower_s), fmt_time(r.t_upper_s), r.bound)
+    console.print(t)
+    if plot:
+        console.print(f"wrote {plot}")

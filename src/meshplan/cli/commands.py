@@ -1,0 +1,3 @@
+"""Imports every command module so each registers its commands on the one app."""
+
+from meshplan.cli import basic  # noqa: F401

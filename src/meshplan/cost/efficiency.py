@@ -1,0 +1,105 @@
+"""Kernel efficiency: how far real kernels fall short of the datasheet (DESIGN.md, source 2 of accuracy).
+
+Defaults come from `data/efficiency.yaml` (each number with its public source). A calibrated profile from
+`meshplan calibrate` (JSON, schema `meshplan-profile/1`) replaces them for the device it was measured on.
+Every function here is numpy-vectorised so the layout search can call it on arrays of layouts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import Chip
+
+EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.yaml"
+PROFILE_SCHEMA = "meshplan-profile/1"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak. `matmul(m, n, k)` etc. give the efficiency of one kernel."""
+
+    matmul_peak_fraction: float
+    matmul_half_dim: float
+    fp8_peak_fraction: float
+    attention_fwd_fraction: float
+    attention_bwd_fraction: float
+    hbm_fraction: float
+    kernel_overhead_s: float
+    step_overhead_s: float
+    origin: str = "defaults"
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def matmul(self, m: Any, n: Any, k: Any) -> Any:
+        """Fraction of peak for an [m,k]·[k,n] GEMM: the large-GEMM fraction times a thin-dimension
+        penalty d/(d + d_half) for the smallest dimension (tile/wave quantization, book ch.12)."""
+        d = np.minimum(np.minimum(m, n), k)
+        return self.matmul_peak_fraction * d / (d + self.matmul_half_dim)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("sources")
+        return d
+
+
+_FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "fp8_peak_fraction", "attention_fwd_fraction",
+           "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s")
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, Any]:
+    return yaml.safe_load(EFFICIENCY_FILE.read_text())
+
+
+def default_efficiency(chip: Chip) -> Efficiency:
+    """Look up each efficiency for the chip by name, then by kind ('gpu'/'tpu')."""
+    table = _table()
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for f in _FIELDS:
+        entry = table[f].get(chip.name) or table[f].get(chip.kind)
+        if entry is None:
+            raise MeshplanError(f"no default efficiency '{f}' for {chip.name} ({chip.kind}); give --profile")
+        values[f] = float(entry["value"])
+        sources[f] = entry["source"]
+    return Efficiency(**values, origin="defaults", sources=sources)
+
+
+def load_profile(path: str | Path, chip: Chip) -> Efficiency:
+    """Read a calibrated profile; refuse one measured on another device kind (exit 2 at the CLI)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise MeshplanError(f"cannot read profile '{path}': {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MeshplanError(f"malformed profile '{path}': {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise MeshplanError(f"profile '{path}' is not a {PROFILE_SCHEMA} file")
+    measured_on = data.get("chip")
+    if measured_on != chip.name:
+        raise MeshplanError(
+            f"profile '{path}' was measured on '{measured_on}' ({data.get('device_kind', '?')}), "
+            f"not on {chip.name}; calibrate on {chip.name} or drop --profile")
+    base = default_efficiency(chip)
+    eff = data.get("efficiency", {})
+    changes: dict[str, float] = {}
+    for f in _FIELDS:
+        if f in eff:
+            v = eff[f]
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise MeshplanError(f"profile '{path}': efficiency.{f} must be a non-negative number")
+            changes[f] = float(v)
+    return replace(base, **changes, origin=f"profile {p.name}")
+
+
+def resolve_efficiency(chip: Chip, profile: str | None) -> Efficiency:
+    return load_profile(profile, chip) if profile else default_efficiency(chip)

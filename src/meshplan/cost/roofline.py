@@ -1,0 +1,160 @@
+"""Rooflines (book ch.1 and ch.12): an op's FLOPs and bytes against a chip's compute and memory bandwidth.
+
+T_math = FLOPs / C, T_mem = bytes / W. With perfect overlap the op takes max(T_math, T_mem) (lower
+bound); with none it takes T_math + T_mem (upper bound). An op is compute-bound when its arithmetic
+intensity FLOPs/bytes exceeds the chip's critical intensity C/W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshplan.errors import MeshplanError
+from meshplan.math.transformer import dtype_bytes
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Op:
+    """An operation reduced to what a roofline needs: FLOPs and bytes moved to and from memory."""
+
+    name: str
+    flops: float
+    bytes: float
+    kind: str = "matmul"  # matmul | attention | elementwise
+    dtype: str = "bf16"  # the precision the FLOPs run at
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+@dataclass(frozen=True)
+class Roofline:
+    name: str
+    kind: str
+    flops: float
+    bytes: float
+    intensity: float
+    critical_intensity: float
+    t_math_s: float
+    t_mem_s: float
+    t_lower_s: float
+    t_upper_s: float
+    bound: str  # "compute" | "memory"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_positive(**dims: float) -> None:
+    for k, v in dims.items():
+        if v is None or v <= 0:
+            raise MeshplanError(f"{k} must be positive, got {v}")
+
+
+def matmul(B: float, D: float, F: float, *, lhs_dtype: str = "bf16", rhs_dtype: str = "bf16",
+           out_dtype: str | None = None, compute_dtype: str | None = None, name: str = "matmul") -> Op:
+    """X[B,D]·W[D,F] → Y[B,F]: 2BDF FLOPs; bytes B·D·x + D·F·w + B·F·y (book ch.1)."""
+    _check_positive(B=B, D=D, F=F)
+    out_dtype = out_dtype or lhs_dtype
+    nbytes = B * D * dtype_bytes(lhs_dtype) + D * F * dtype_bytes(rhs_dtype) + B * F * dtype_bytes(out_dtype)
+    return Op(name, 2.0 * B * D * F, nbytes, "matmul", compute_dtype or lhs_dtype)
+
+
+def batched_matmul(batch: float, B: float, D: float, F: float, *, per_example_weights: bool = True,
+                   dtype: str = "bf16", name: str = "batched_matmul") -> Op:
+    """`batch` independent [B,D]·[D,F] products. With per-example weights (book ch.1 Q: int8[B,D,F])
+    every weight is read once per example, so intensity stays near 1 whatever the batch."""
+    _check_positive(batch=batch, B=B, D=D, F=F)
+    w = batch * D * F if per_example_weights else D * F
+    nbytes = (batch * B * D + w + batch * B * F) * dtype_bytes(dtype)
+    return Op(name, 2.0 * batch * B * D * F, nbytes, "matmul", dtype)
+
+
+def attention(B: float, T: float, S: float, N: int, K: int, H: int, *, causal: bool = False,
+              dtype: str = "bf16", kv_dtype: str | None = None, name: str = "attention") -> Op:
+    """Fused (flash) attention of B sequences, T queries over S keys. FLOPs 4·B·T·S·N·H (QKᵀ and AV;
+    halved by a causal mask when T = S); bytes read Q and write O (B·T·N·H each) and read K and V
+    (B·S·K·H each) — book ch.4 (GQA intensity) and ch.7 §attention."""
+    _check_positive(B=B, T=T, S=S, N=N, K=K, H=H)
+    flops = 4.0 * B * T * S * N * H * (0.5 if causal and T == S else 1.0)
+    kvb = dtype_bytes(kv_dtype or dtype)
+    nbytes = 2 * B * T * N * H * dtype_bytes(dtype) + 2 * B * S * K * H * kvb
+    return Op(name, flops, nbytes, "attention", dtype)
+
+
+def elementwise(n_elements: float, *, flops_per_element: float = 1.0, n_inputs: int = 1, n_outputs: int = 1,
+                dtype: str = "bf16", name: str = "elementwise") -> Op:
+    """A pointwise op: reads n_inputs arrays and writes n_outputs, each of n_elements."""
+    _check_positive(n_elements=n_elements)
+    return Op(name, flops_per_element * n_elements, (n_inputs + n_outputs) * n_elements * dtype_bytes(dtype),
+              "elementwise", "fp32")
+
+
+def dot_product(N: float, dtype: str = "bf16") -> Op:
+    """x·y of two length-N vectors: 2N−1 FLOPs, reads 2N elements and writes 1 (book ch.1)."""
+    _check_positive(N=N)
+    return Op("dot", 2.0 * N - 1, (2 * N + 1) * dtype_bytes(dtype), "elementwise", dtype)
+
+
+def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None = None,
+             bandwidth_bytes_per_s: float | None = None) -> Roofline:
+    """Time bounds of `op` on a chip (or on explicit C and W, e.g. PCIe or ICI instead of HBM)."""
+    if chip is None and (peak_flops_per_s is None or bandwidth_bytes_per_s is None):
+        raise MeshplanError("roofline needs a chip or both peak_flops_per_s and bandwidth_bytes_per_s")
+    if peak_flops_per_s is None:
+        if op.kind == "elementwise" and chip.kind == "gpu" and "fp32" in chip.peak_flops_per_s:
+            peak_flops_per_s = chip.peak_flops_per_s["fp32"]  # CUDA cores, not tensor cores
+        else:
+            peak_flops_per_s = chip.peak(op.dtype if op.dtype in chip.peak_flops_per_s or op.dtype == "int4" else "bf16")
+    W = bandwidth_bytes_per_s or chip.hbm_bandwidth_bytes_per_s
+    _check_positive(peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=W)
+    t_math, t_mem = op.flops / peak_flops_per_s, op.bytes / W
+    return Roofline(op.name, op.kind, op.flops, op.bytes, op.intensity, peak_flops_per_s / W, t_math, t_mem,
+                    max(t_math, t_mem), t_math + t_mem, "compute" if t_math >= t_mem else "memory")
+
+
+def critical_batch(peak_flops_per_s: float, bandwidth_bytes_per_s: float, weight_bytes: float = 2.0) -> float:
+    """Tokens per replica above which X[B,D]·W[D,F] is compute-bound, for B ≪ D, F (book ch.1, ch.7):
+    FLOPs 2BDF over weight bytes D·F·w gives intensity 2B/w, so B_crit = (C/W)·w/2."""
+    _check_positive(peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    return peak_flops_per_s / bandwidth_bytes_per_s * weight_bytes / 2.0
+
+
+def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16", causal: bool = True,
+              include_unembedding: bool = True) -> list[Op]:
+    """The forward ops of one transformer layer on `tokens` tokens (book ch.4 per-layer table), plus the
+    output projection. `tokens` = sequences × seq_len on this chip."""
+    _check_positive(tokens=tokens, seq_len=seq_len)
+    D, F = m.d_model, m.d_ff
+    seqs = tokens / seq_len
+    ops = [
+        elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype),
+        matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
+        attention(seqs, seq_len, seq_len, m.n_heads, m.n_kv_heads, m.head_dim, causal=causal, dtype=dtype,
+                  name="attn/core"),
+        matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype),
+        elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype),
+    ]
+    experts = m.experts_per_token if m.is_moe else 1
+    # With k of E experts active, each expert sees tokens·k/E tokens but all E weight matrices are read.
+    mlp_tokens = tokens * experts / m.n_experts if m.is_moe else tokens
+    n_mats = m.n_experts if m.is_moe else 1
+    up = matmul(mlp_tokens, D, F * (2 if m.gated else 1), name="mlp/up", lhs_dtype=dtype, rhs_dtype=dtype)
+    down = matmul(mlp_tokens, F, D, name="mlp/down", lhs_dtype=dtype, rhs_dtype=dtype)
+    ops += [Op(up.name, up.flops * n_mats, up.bytes * n_mats, "matmul", dtype),
+            elementwise(tokens * F * experts, flops_per_element=5, n_inputs=2 if m.gated else 1,
+                        name="mlp/act", dtype=dtype),
+            Op(down.name, down.flops * n_mats, down.bytes * n_mats, "matmul", dtype)]
+    if include_unembedding:
+        ops.append(matmul(tokens, D, m.vocab_size, name="unembed", lhs_dtype=dtype, rhs_dtype=dtype))
+    return ops
+
+
+def model_roofline(m: ModelConfig, chip: Chip, tokens_per_chip: float, seq_len: int | None = None,
+                   dtype: str = "bf16", causal: bool = True) -> list[Roofline]:
+    """The per-layer roofline of a model at `tokens_per_chip` (forward), one row per op."""
+    S = seq_len or min(m.max_seq_len, int(tokens_per_chip)) or 1
+    return [roofline(op, chip) for op in layer_ops(m, tokens_per_chip, S, dtype=dtype, causal=causal)]

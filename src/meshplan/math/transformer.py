@@ -1,0 +1,294 @@
+"""Transformer math for one device with no parallelism (book ch. 4; Korthikanti et al. 2022).
+
+Everything here knows nothing of layouts: `train/` applies a layout on top. Notation is the book's:
+L layers, D d_model, N query heads, K KV heads, H head dim, F MLP width, V vocab, E experts (k active),
+T/S sequence length, b micro-batch in sequences. FLOPs count a multiply-add as 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.errors import MeshplanError
+from meshplan.specs.model import ModelConfig
+
+BYTES_PER_DTYPE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+RECOMPUTE_POLICIES = ("none", "selective", "full", "gemm-last")
+
+
+def dtype_bytes(dtype: str) -> float:
+    try:
+        return BYTES_PER_DTYPE[dtype]
+    except KeyError:
+        raise MeshplanError(f"unknown dtype '{dtype}' (known: {', '.join(BYTES_PER_DTYPE)})") from None
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+def _mlp_params(m: ModelConfig, width: int) -> int:
+    """One MLP of hidden width F: 3DF gated (W_in1, W_in2, W_out) or 2DF plain (book ch.4 table)."""
+    weights = (3 if m.gated else 2) * m.d_model * width
+    bias = (width * (2 if m.gated else 1) + m.d_model) if m.linear_bias else 0
+    return weights + bias
+
+
+def _norm_params(m: ModelConfig) -> int:
+    """RMSNorm has a scale (D); LayerNorm a scale and a bias (2D)."""
+    return m.d_model * (2 if m.norm == "layernorm" else 1)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts by part. `per_layer_*` are for one layer; totals cover the whole model."""
+
+    embedding: int
+    position: int
+    per_layer_attention: int
+    per_layer_mlp: int  # all experts (total) for MoE
+    per_layer_mlp_active: int  # k routed + shared experts for MoE
+    per_layer_router: int
+    per_layer_norms: int
+    final_norm: int
+    unembedding: int  # 0 when tied
+    n_layers: int
+
+    @property
+    def per_layer(self) -> int:
+        return self.per_layer_attention + self.per_layer_mlp + self.per_layer_router + self.per_layer_norms
+
+    @property
+    def per_layer_active(self) -> int:
+        return self.per_layer_attention + self.per_layer_mlp_active + self.per_layer_router + self.per_layer_norms
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.position + self.n_layers * self.per_layer + self.final_norm
+                + self.unembedding)
+
+    @property
+    def active(self) -> int:
+        return (self.embedding + self.position + self.n_layers * self.per_layer_active + self.final_norm
+                + self.unembedding)
+
+    @property
+    def non_embedding(self) -> int:
+        """Parameters other than the token/position embeddings and untied output projection."""
+        return self.total - self.embedding - self.position - self.unembedding
+
+
+def param_counts(m: ModelConfig) -> ParamCounts:
+    """Exact parameter count. Book ch.4: L·(3DF + 2D(N+K)H + 2D) + DV (tied) or 2DV (untied),
+    extended with biases, LayerNorm biases, learned positions, MoE experts, router and shared experts."""
+    D, H = m.d_model, m.head_dim
+    attn = D * m.q_dim * 2 + D * m.kv_dim * 2  # W_Q, W_O [D, N·H] and W_K, W_V [D, K·H]
+    if m.linear_bias:
+        attn += m.q_dim + 2 * m.kv_dim + D
+    elif m.qkv_bias:
+        attn += m.q_dim + 2 * m.kv_dim
+    if m.is_moe:
+        mlp = m.n_experts * _mlp_params(m, m.d_ff)
+        mlp_active = m.experts_per_token * _mlp_params(m, m.d_ff)
+        shared = m.n_shared_experts * _mlp_params(m, m.shared_expert_d_ff or m.d_ff)
+        mlp, mlp_active = mlp + shared, mlp_active + shared
+        router = D * m.n_experts
+    else:
+        mlp = mlp_active = _mlp_params(m, m.d_ff)
+        router = 0
+    del H
+    return ParamCounts(
+        embedding=m.vocab_size * D,
+        position=m.max_seq_len * D if m.position == "learned" else 0,
+        per_layer_attention=attn,
+        per_layer_mlp=mlp,
+        per_layer_mlp_active=mlp_active,
+        per_layer_router=router,
+        per_layer_norms=2 * _norm_params(m),
+        final_norm=_norm_params(m),
+        unembedding=0 if m.tied_embeddings else m.vocab_size * D,
+        n_layers=m.n_layers,
+    )
+
+
+def matmul_params_active(m: ModelConfig) -> int:
+    """Weights that take part in a matmul for each token: every layer's active weights and the output
+    projection (tied or not). The embedding lookup and position table are gathers, not matmuls."""
+    D = m.d_model
+    attn = 2 * D * m.q_dim + 2 * D * m.kv_dim
+    width_mult = 3 if m.gated else 2
+    if m.is_moe:
+        mlp = m.experts_per_token * width_mult * D * m.d_ff
+        mlp += m.n_shared_experts * width_mult * D * (m.shared_expert_d_ff or m.d_ff) + D * m.n_experts
+    else:
+        mlp = width_mult * D * m.d_ff
+    return m.n_layers * (attn + mlp) + D * m.vocab_size
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """FLOPs per token. Forward = 2·(matmul params) + attention; training = 3× forward (book ch.4:
+    backward is dL/dW plus dL/dX, each as costly as the forward)."""
+
+    forward_matmul: float
+    forward_attention: float
+
+    @property
+    def forward(self) -> float:
+        return self.forward_matmul + self.forward_attention
+
+    @property
+    def training(self) -> float:
+        return 3.0 * self.forward
+
+    @property
+    def training_matmul(self) -> float:
+        return 3.0 * self.forward_matmul
+
+    @property
+    def training_attention(self) -> float:
+        return 3.0 * self.forward_attention
+
+
+def attention_flops_per_token(m: ModelConfig, context_len: float, causal: bool = True) -> float:
+    """Forward QKᵀ and AV for one query token over `context_len` keys: 4·S·N·H per layer
+    (book ch.4: 12BT²NH training = 3 × 4BT²NH forward). A causal mask with a proper kernel
+    halves the useful work (the average query sees S/2 keys)."""
+    s = context_len / 2.0 if causal else float(context_len)
+    return 4.0 * s * m.n_heads * m.head_dim * m.n_layers
+
+
+def flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = True) -> TokenFlops:
+    """FLOPs per token at sequence length `seq_len` (default: the model's own)."""
+    S = seq_len or m.max_seq_len
+    if S <= 0:
+        raise MeshplanError(f"sequence length must be positive, got {S}")
+    return TokenFlops(2.0 * matmul_params_active(m), attention_flops_per_token(m, S, causal))
+
+
+def einsum_flops(dim_sizes: dict[str, int], contracted: bool = True) -> float:
+    """Book ch.4: an einsum costs 2 × the product of all distinct dimension sizes when something is
+    contracted (a multiply-add each), and 1 × for a purely elementwise product."""
+    n = 1.0
+    for size in dim_sizes.values():
+        n *= size
+    return 2.0 * n if contracted else n
+
+
+# --- KV cache ------------------------------------------------------------------------------------
+
+def kv_cache_bytes_per_token(m: ModelConfig, dtype: str = "bf16") -> float:
+    """Keys and values for every layer: 2·L·K·H elements per token (book ch.4 §KV cache)."""
+    return 2.0 * m.n_layers * m.kv_dim * dtype_bytes(dtype)
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    recompute: str = "none",
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    flash_attention: bool = True,
+    dropout: bool = False,
+    act_bytes: float = 2.0,
+) -> dict[str, float]:
+    """Bytes saved for the backward pass by one transformer layer, by tensor (sums to 'total').
+
+    Korthikanti et al. 2022 §4: with 16-bit activations, 1-byte dropout masks, MHA, a 4h GeLU MLP and
+    materialized attention this is s·b·h·(34 + 5as/h) with no recompute; 34sbh with selective
+    recompute (the 5as²b attention-score terms recomputed); 2sbh with full recompute (layer input only).
+    Generalised here to GQA (K·H-wide K and V), gated MLPs (the two up-projections, the activation
+    output and the product: 4 tensors of F), flash attention (no s² terms) and TP/SP/CP sharding.
+
+    `gemm-last` recomputes only the cheap ops between matmuls, so each recompute segment ends in a
+    matmul: it keeps the layer input and every matmul's output (Q, K, V, attention output, O-projection
+    output, MLP up-projections) and drops norm outputs, the activation output and the gated product,
+    which the backward of the following matmul needs but which are cheap to rebuild. No matmul FLOPs
+    are added.
+    """
+    if recompute not in RECOMPUTE_POLICIES:
+        raise MeshplanError(f"unknown recompute policy '{recompute}' (known: {', '.join(RECOMPUTE_POLICIES)})")
+    if tp <= 0 or cp <= 0 or micro_batch <= 0 or seq_len <= 0:
+        raise MeshplanError("sequence length, micro-batch, tp and cp must be positive")
+    s = seq_len / cp  # tokens of one sequence held by this device
+    sb = s * micro_batch
+    a = act_bytes
+    D, F = m.d_model, m.d_ff
+    rep = 1.0 / tp if sequence_parallel else 1.0  # layer-norm region: replicated under TP unless SP
+    q = m.q_dim / tp
+    kv = m.kv_dim * max(m.n_kv_heads / tp, 1.0) / m.n_kv_heads  # KV heads are replicated when K < tp
+    heads = m.n_heads / tp
+    if m.is_moe:
+        F = F * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)
+    f = F / tp
+    mask = 1.0 if dropout else 0.0
+
+    if recompute == "full":
+        return {"layer_input": a * sb * D * rep, "total": a * sb * D * rep}
+
+    parts: dict[str, float] = {}
+    if recompute == "gemm-last":
+        parts["layer_input"] = a * sb * D * rep
+        parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
+        parts["attn/core_out"] = a * sb * q
+        if not flash_attention:
+            parts["attn/scores"] = a * heads * s * seq_len * micro_batch
+        parts["attn/o_proj_out"] = a * sb * D * rep
+        parts["mlp/up_out"] = a * sb * f * (2 if m.gated else 1)
+    else:
+        parts["norm/inputs"] = 2 * a * sb * D * rep
+        parts["attn/qkv_in"] = a * sb * D * rep
+        parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
+        if not flash_attention and recompute == "none":
+            # softmax output (a·N·s²·b) and, with dropout, its mask and the dropped-out probabilities
+            parts["attn/scores"] = (a + mask * (1 + a)) * heads * s * seq_len * micro_batch
+        parts["attn/o_proj_in"] = a * sb * q
+        parts["mlp/up_in"] = a * sb * D * rep
+        parts["mlp/hidden"] = a * sb * f * (4 if m.gated else 2)
+    if dropout:
+        parts["dropout/masks"] = 2 * mask * sb * D * rep
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, causal: bool = True) -> float:
+    """Extra forward FLOPs per token spent on recomputation in the backward pass.
+
+    full: the whole layer forward again (≈ 2N per token: 6N → 8N, book ch.4); selective: the attention
+    core only (Korthikanti et al. 2022: QKᵀ and AV recomputed); gemm-last and none: no matmul FLOPs
+    (gemm-last rebuilds only elementwise ops)."""
+    if recompute not in RECOMPUTE_POLICIES:
+        raise MeshplanError(f"unknown recompute policy '{recompute}' (known: {', '.join(RECOMPUTE_POLICIES)})")
+    tf = flops_per_token(m, seq_len, causal)
+    layers_matmul = tf.forward_matmul - 2.0 * m.d_model * m.vocab_size  # the output projection is not redone
+    if recompute == "full":
+        return layers_matmul + tf.forward_attention
+    if recompute == "selective":
+        return tf.forward_attention
+    return 0.0
+
+
+# --- optimizer state -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of training state (ZeRO, Rajbhandari et al. 2020 §3.1: mixed-precision
+    Adam keeps 2 (fp16/bf16 params) + 2 (grads) + 12 (fp32 master, momentum, variance) = 16)."""
+
+    params: float = 2.0
+    grads: float = 2.0
+    optimizer: float = 12.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def adam_state_bytes(param_dtype: str = "bf16", grad_dtype: str = "bf16", master_weights: bool = True) -> StateBytes:
+    """Mixed-precision Adam: low-precision params and grads, fp32 moments (+ fp32 master copy)."""
+    return StateBytes(dtype_bytes(param_dtype), dtype_bytes(grad_dtype), 8.0 + (4.0 if master_weights else 0.0))

@@ -1,0 +1,114 @@
+"""Shared helpers for reading spec files: {value, source} leaves, typed field checks with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshplan.errors import MeshplanError
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def read_mapping(path: Path, what: str) -> dict[str, Any]:
+    """Parse a YAML or JSON file into a mapping, or raise a one-line MeshplanError."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MeshplanError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MeshplanError(f"malformed {what} file '{path}': {first}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise MeshplanError(f"malformed {what} file '{path}': {type(exc).__name__}") from None
+    if not isinstance(data, dict):
+        raise MeshplanError(f"malformed {what} file '{path}': expected a mapping at the top level")
+    return data
+
+
+def unwrap(node: Any) -> tuple[Any, str | None]:
+    """A leaf is either a bare value or {value: ..., source: ...}; return (value, source)."""
+    if isinstance(node, dict) and "value" in node:
+        src = node.get("source")
+        return node["value"], (str(src) if src is not None else None)
+    return node, None
+
+
+class FieldReader:
+    """Reads typed fields from a nested mapping; errors name the file and the dotted field."""
+
+    def __init__(self, data: dict[str, Any], origin: str):
+        self.data = data
+        self.origin = origin
+        self.sources: dict[str, str] = {}
+
+    def _get(self, dotted: str, required: bool) -> Any:
+        node: Any = self.data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                if required:
+                    raise MeshplanError(f"{self.origin}: missing field '{dotted}'")
+                return None
+            node = node[part]
+        value, src = unwrap(node)
+        if src:
+            self.sources[dotted] = src
+        return value
+
+    def number(self, dotted: str, *, required: bool = True, positive: bool = True,
+               default: float | None = None) -> float | None:
+        value = self._get(dotted, required and default is None)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            try:
+                value = float(value)  # YAML reads "1e14" (no dot) as a string
+            except (TypeError, ValueError):
+                raise MeshplanError(f"{self.origin}: field '{dotted}' must be a number, got {value!r}") from None
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be finite, got {value!r}")
+        if positive and value <= 0:
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be positive, got {value!r}")
+        return value
+
+    def integer(self, dotted: str, *, required: bool = True, default: int | None = None) -> int | None:
+        value = self.number(dotted, required=required, default=default)
+        if value is None:
+            return None
+        if value != int(value):
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be an integer, got {value!r}")
+        return int(value)
+
+    def string(self, dotted: str, *, required: bool = True, choices: tuple[str, ...] | None = None,
+               default: str | None = None) -> str | None:
+        value = self._get(dotted, required and default is None)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be a string, got {value!r}")
+        if choices and value not in choices:
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be one of {', '.join(choices)}, got '{value}'")
+        return value
+
+    def boolean(self, dotted: str, *, default: bool = False) -> bool:
+        value = self._get(dotted, False)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be true or false, got {value!r}")
+        return value
+
+    def int_list(self, dotted: str, *, required: bool = True) -> tuple[int, ...] | None:
+        value = self._get(dotted, required)
+        if value is None:
+            return None
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            raise MeshplanError(f"{self.origin}: field '{dotted}' must be a list of positive integers, got {value!r}")
+        return tuple(value)

@@ -1,0 +1,211 @@
+"""Chips: peak FLOP/s per dtype, HBM, host link, fast domain (ICI torus or NVLink/NVSwitch), scale-out.
+
+Loaded from `data/hardware/*.yaml` (one file per chip, every number with its source) or from a user's YAML
+of the same schema. Units are SI on load: bytes, bytes/s, FLOP/s, seconds, dollars per chip-hour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from meshplan.errors import MeshplanError, unknown_name_error
+from meshplan.specs._load import DATA_DIR, FieldReader, read_mapping
+
+HARDWARE_DIR = DATA_DIR / "hardware"
+DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
+# Datasheets quote fp16 tensor throughput equal to bf16 on every chip in the catalog.
+_DTYPE_ALIASES = {"fp16": "bf16", "float16": "bf16", "bfloat16": "bf16", "float8": "fp8", "e4m3": "fp8"}
+
+
+@dataclass(frozen=True)
+class Links:
+    """The chip's networks. `fast_domain` is 'ici_torus' (TPU) or 'nvswitch' (GPU NVLink domain).
+
+    Bandwidths are one direction per chip (egress); the book's bidirectional W_ici is 2x the per-link value.
+    """
+
+    fast_domain: str
+    scale_out_bandwidth_bytes_per_s: float
+    scale_out_kind: str
+    sharp: bool
+    fast_hop_latency_s: float
+    scale_out_hop_latency_s: float
+    # GPU (nvswitch)
+    nvlink_bandwidth_bytes_per_s: float = 0.0
+    nvlink_domain_size: int = 1
+    # TPU (ici_torus)
+    ici_links_per_chip: int = 0
+    ici_bandwidth_per_link_bytes_per_s: float = 0.0
+    torus_dims: int = 0
+    max_slice_shape: tuple[int, ...] = ()
+    wraparound: str = "none"
+    chips_per_host: int = 8
+
+    @property
+    def is_torus(self) -> bool:
+        return self.fast_domain == "ici_torus"
+
+    @property
+    def fast_domain_size(self) -> int:
+        """Chips reachable over the fast network: a full TPU pod or one NVLink domain."""
+        if self.is_torus:
+            n = 1
+            for s in self.max_slice_shape:
+                n *= s
+            return n
+        return self.nvlink_domain_size
+
+    @property
+    def fast_bandwidth_bytes_per_s(self) -> float:
+        """One-way egress of one chip over its fast network (all ICI links, or NVLink)."""
+        if self.is_torus:
+            return self.ici_links_per_chip * self.ici_bandwidth_per_link_bytes_per_s
+        return self.nvlink_bandwidth_bytes_per_s
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["max_slice_shape"] = list(self.max_slice_shape)
+        if self.is_torus:
+            for k in ("nvlink_bandwidth_bytes_per_s", "nvlink_domain_size"):
+                d.pop(k)
+        else:
+            for k in ("ici_links_per_chip", "ici_bandwidth_per_link_bytes_per_s", "torus_dims",
+                      "max_slice_shape", "wraparound"):
+                d.pop(k)
+        return d
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator. `peak_flops_per_s` holds dense peaks only, keyed by dtype."""
+
+    name: str
+    kind: str  # "gpu" | "tpu"
+    description: str
+    peak_flops_per_s: dict[str, float]
+    hbm_bytes: float
+    hbm_bandwidth_bytes_per_s: float
+    host_bandwidth_bytes_per_s: float
+    links: Links
+    price_per_chip_hour: float
+    host_memory_bytes: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s (or OP/s) for `dtype`; an error if the chip has no such unit."""
+        key = _DTYPE_ALIASES.get(dtype, dtype)
+        if key == "int4" and "int4" not in self.peak_flops_per_s:
+            raise MeshplanError(f"{self.name} has no int4 matmul unit; int4 weights compute in bf16 or int8")
+        if key not in self.peak_flops_per_s:
+            have = ", ".join(sorted(self.peak_flops_per_s))
+            raise MeshplanError(f"{self.name} has no dense {dtype} peak in its spec (has: {have})")
+        return self.peak_flops_per_s[key]
+
+    def critical_intensity(self, dtype: str = "bf16") -> float:
+        """C / W_hbm in FLOPs per byte (book ch.1): above it a kernel is compute-bound."""
+        return self.peak(dtype) / self.hbm_bandwidth_bytes_per_s
+
+    def with_overrides(self, **changes: Any) -> Chip:
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        peaks = {d: self.peak_flops_per_s.get(d) for d in ("bf16", "fp8", "int8")}
+        peaks.update({d: v for d, v in self.peak_flops_per_s.items() if d not in peaks})
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "peak_flops_per_s": peaks,
+            "hbm_bytes": self.hbm_bytes,
+            "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth_bytes_per_s,
+            "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
+            "links": self.links.as_dict(),
+            "price_per_chip_hour": self.price_per_chip_hour,
+            "sources": dict(self.sources),
+        }
+
+
+def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
+    """Validate a hardware mapping; every problem names its field."""
+    r = FieldReader(data, origin)
+    name = r.string("name")
+    kind = r.string("kind", choices=("gpu", "tpu"))
+    peaks_node = data.get("peak_flops_per_s")
+    if not isinstance(peaks_node, dict) or not peaks_node:
+        raise MeshplanError(f"{origin}: missing field 'peak_flops_per_s' (a mapping of dtype to dense FLOP/s)")
+    peaks: dict[str, float] = {}
+    for dtype in peaks_node:
+        if dtype not in DTYPES:
+            raise MeshplanError(f"{origin}: field 'peak_flops_per_s.{dtype}' is not a known dtype ({', '.join(DTYPES)})")
+        peaks[dtype] = r.number(f"peak_flops_per_s.{dtype}")
+    if "bf16" not in peaks:
+        raise MeshplanError(f"{origin}: missing field 'peak_flops_per_s.bf16'")
+    top = {k: r.number(k) for k in ("hbm_bytes", "hbm_bandwidth_bytes_per_s", "host_bandwidth_bytes_per_s")}
+    fast = r.string("links.fast_domain", choices=("ici_torus", "nvswitch"))
+    common = dict(
+        fast_domain=fast,
+        scale_out_bandwidth_bytes_per_s=r.number("links.scale_out_bandwidth_bytes_per_s"),
+        scale_out_kind=r.string("links.scale_out_kind", choices=("dcn", "infiniband", "roce", "ethernet")),
+        sharp=r.boolean("links.sharp"),
+        fast_hop_latency_s=r.number("links.fast_hop_latency_s"),
+        scale_out_hop_latency_s=r.number("links.scale_out_hop_latency_s"),
+    )
+    if fast == "ici_torus":
+        links = Links(
+            **common,
+            ici_links_per_chip=r.integer("links.ici_links_per_chip"),
+            ici_bandwidth_per_link_bytes_per_s=r.number("links.ici_bandwidth_per_link_bytes_per_s"),
+            torus_dims=r.integer("links.torus_dims"),
+            max_slice_shape=r.int_list("links.max_slice_shape"),
+            wraparound=r.string("links.wraparound", choices=("full_axis", "cube_multiple", "none")),
+            chips_per_host=r.integer("links.chips_per_host"),
+        )
+        if len(links.max_slice_shape) != links.torus_dims:
+            raise MeshplanError(f"{origin}: field 'links.max_slice_shape' must have torus_dims={links.torus_dims} entries")
+    else:
+        links = Links(
+            **common,
+            nvlink_bandwidth_bytes_per_s=r.number("links.nvlink_bandwidth_bytes_per_s"),
+            nvlink_domain_size=r.integer("links.nvlink_domain_size"),
+            chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
+        )
+    return Chip(
+        name=name,
+        kind=kind,
+        description=r.string("description", required=False, default=name),
+        peak_flops_per_s=peaks,
+        **top,
+        host_memory_bytes=r.number("host_memory_bytes", required=False, default=0.0, positive=False),
+        links=links,
+        price_per_chip_hour=r.number("price_per_chip_hour"),
+        sources=r.sources,
+    )
+
+
+def preset_chips() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+@lru_cache(maxsize=64)
+def _load_path(path: str) -> Chip:
+    p = Path(path)
+    return chip_from_mapping(read_mapping(p, "hardware"), f"hardware file '{p.name}'")
+
+
+def load_chip(name_or_path: str) -> Chip:
+    """A preset name (`h100-sxm`) or a path to a YAML file of the same schema."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise MeshplanError("hardware name is empty")
+    key = name_or_path.strip()
+    preset = HARDWARE_DIR / f"{key.lower()}.yaml"
+    if preset.is_file():
+        return _load_path(str(preset))
+    p = Path(key)
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.is_file():
+        if not p.is_file():
+            raise MeshplanError(f"hardware file '{key}' does not exist")
+        return _load_path(str(p.resolve()))
+    raise unknown_name_error("hardware", key, preset_chips())
