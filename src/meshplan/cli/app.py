@@ -26,7 +26,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
+# Rich assumes 80 columns when stdout is not a terminal; plans are wider than that.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 

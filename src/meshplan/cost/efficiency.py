@@ -35,6 +35,8 @@ class Efficiency:
     hbm_fraction: float
     kernel_overhead_s: float
     step_overhead_s: float
+    memory_reserved_bytes: float
+    attention_bwd_flops_ratio: float
     origin: str = "defaults"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -51,7 +53,8 @@ class Efficiency:
 
 
 _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "fp8_peak_fraction", "attention_fwd_fraction",
-           "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s")
+           "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
+           "memory_reserved_bytes", "attention_bwd_flops_ratio")
 
 
 @lru_cache(maxsize=1)

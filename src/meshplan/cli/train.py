@@ -1,0 +1,118 @@
+"""`meshplan train`: the training planner."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cost.efficiency import resolve_efficiency
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.costmodel import Options
+from meshplan.train.planner import plan
+from meshplan.train.space import Pins, Problem
+from meshplan.units import fmt_bytes, fmt_time
+
+Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
+
+
+def build_problem(model: str, hardware: str, chips: int, seq_len: int, global_batch: int) -> Problem:
+    for name, v in (("--chips", chips), ("--seq-len", seq_len), ("--global-batch", global_batch)):
+        if v <= 0:
+            fail(f"{name} must be positive, got {v}")
+    return Problem(load_model(model), load_chip(hardware), chips, seq_len, global_batch)
+
+
+def parse_tokens(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        v = float(text.replace("_", ""))
+    except ValueError:
+        fail(f"--tokens must be a number such as 15e12, got '{text}'")
+    if v <= 0:
+        fail(f"--tokens must be positive, got {text}")
+    return v
+
+
+@app.command()
+def train(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset or HF config.json.")],
+    hardware: Annotated[str, typer.Option("--hardware", help="Chip preset or YAML.")],
+    chips: Annotated[int, typer.Option(help="Number of chips.")],
+    seq_len: Annotated[int, typer.Option(help="Sequence length (tokens).")],
+    global_batch: Annotated[int, typer.Option(help="Global batch in sequences.")],
+    tokens: Annotated[str | None, typer.Option(help="Training tokens: adds wall-clock days and cost.")] = None,
+    dp: Pin = None, fsdp: Pin = None, tp: Pin = None, pp: Pin = None, vpp: Pin = None, cp: Pin = None,
+    ep: Pin = None, microbatch: Pin = None,
+    recompute: Annotated[str | None, typer.Option(help="none | selective | full | gemm-last")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2 (3 = use --fsdp).")] = None,
+    offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
+    sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
+    dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
+    headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
+    tp_overlap: Annotated[bool | None, typer.Option("--tp-overlap/--no-tp-overlap",
+                                                    help="Collective-matmul TP overlap (default: on for TPU).")] = None,
+    profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
+    top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
+    plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the DESIGN.md JSON object.")] = False,
+) -> None:
+    """Search every parallel layout; predict step time, MFU, memory; explain the best."""
+    problem = build_problem(model, hardware, chips, seq_len, global_batch)
+    if dtype not in ("bf16", "fp8"):
+        fail(f"--dtype must be bf16 or fp8, got '{dtype}'")
+    if not 0 <= headroom < 1:
+        fail(f"--headroom is a fraction in [0, 1), got {headroom}")
+    if top < 1:
+        fail(f"--top must be at least 1, got {top}")
+    if dtype == "fp8":
+        problem.chip.peak("fp8")
+    zero_dp = zero
+    if zero == 3:  # ZeRO-3 over the data-parallel ranks is FSDP: all of them shard unless --dp says otherwise
+        zero_dp, dp = 0, 1 if dp is None else dp
+    pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
+                recompute=recompute, zero=zero_dp, offload=offload, sequence_parallel=sequence_parallel)
+    eff = resolve_efficiency(problem.chip, profile)
+    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap)
+    result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
+    if plot:
+        from meshplan.report.train_plots import write_train_plots
+
+        write_train_plots(plot, problem, pins, eff, opts, result)
+    if json_out:
+        print_json(result.as_dict())
+        return
+    show(problem, result)
+
+
+def show(problem: Problem, result) -> None:
+    best = result.plans[0]
+    t = Table(title=f"{problem.model.name} on {problem.chips}× {problem.chip.name}, seq {problem.seq_len}, "
+                    f"batch {problem.global_batch} — {result.searched} layouts in {result.search_time_s:.2f} s "
+                    f"({result.feasible} fit)")
+    for col in ("#", "layout", "step", "MFU", "HFU", "tok/s/chip", "compute", "exp. comm", "bubble", "memory"):
+        t.add_column(col, justify="left" if col == "layout" else "right")
+    for i, pl in enumerate(result.plans, 1):
+        from meshplan.train.config import ParallelConfig
+
+        cfg = ParallelConfig(**pl["config"])
+        ts = pl["time_s"]
+        t.add_row(str(i), cfg.describe(), fmt_time(pl["step_time_s"]), f"{pl['mfu']:.1%}", f"{pl['hfu']:.1%}",
+                  f"{pl['tokens_per_s_per_chip']:.0f}", fmt_time(ts["compute"]), fmt_time(ts["exposed_comm"]),
+                  fmt_time(ts["bubble"]), fmt_bytes(pl["memory_bytes_per_chip"]["total"]))
+    console.print(t)
+    mem = best["memory_bytes_per_chip"]
+    console.print("memory per chip (best): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
+    console.print(f"mesh: {best['mesh']}")
+    console.print(f"bottleneck: {best['bottleneck']} — {best['explanation']}")
+    if "training" in best:
+        tr = best["training"]
+        console.print(f"{tr['tokens']:.3g} tokens: {tr['days']:.1f} days, ${tr['cost_usd']:,.0f} "
+                      f"({tr['chip_hours']:,.0f} chip-hours at ${problem.chip.price_per_chip_hour}/h)")
+    if result.infeasible:
+        reason, count = next(iter(result.infeasible.items()))
+        console.print(f"[dim]rejected layouts: most often '{reason}' ({count})[/dim]")

@@ -1,0 +1,329 @@
+"""Collective costs on real topologies: AllGather, ReduceScatter, AllReduce, AllToAll, permute.
+
+V (`nbytes`) is the full (gathered) array of ONE group (AllToAll: the whole array exchanged; permute: the
+bytes each chip sends). Each cost has a bandwidth term (per network level, the slowest level binds as the
+levels pipeline) and a latency term (hops x per-hop latency); total = max(latency, bandwidth) as in the
+book's latest edition (ch.3 §latency), except permute / point-to-point where they add (book ch.2 Q5).
+`ideal=True` gives the book's formulas exactly; otherwise each level's bandwidth is scaled by the measured
+efficiency in data/collective_efficiency.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from meshplan.cost.topology import Cluster, GroupPlacement, MeshMapping, Span, place_group
+from meshplan.errors import MeshplanError
+
+KINDS = ("allgather", "reducescatter", "allreduce", "alltoall", "permute")
+_EFF_FILE = Path(__file__).parent / "data" / "collective_efficiency.yaml"
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    kind: str
+    time_s: float
+    bytes_per_chip: float  # bytes each chip sends
+    algorithm: str
+    regime: str  # "bandwidth" | "latency"
+    bandwidth_time_s: float
+    latency_time_s: float
+    group_size: int
+    link: str  # "ici", "nvlink", "infiniband", "dcn", "nvlink+infiniband", ...
+    levels: tuple[tuple[str, float], ...] = field(default=())  # bandwidth time per network level
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "levels"}
+        d["levels"] = dict(self.levels)
+        return d
+
+
+# ---------------------------------------------------------------- efficiency catalog
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict:
+    return yaml.safe_load(_EFF_FILE.read_text())
+
+
+def efficiency(link: str, nbytes: float) -> float:
+    """Achieved fraction of peak bandwidth on `link` for a V-byte collective (log-interpolated curve)."""
+    entry = _catalog()["links"].get(link)
+    if entry is None:
+        return 1.0
+    pts = entry.get("points")
+    if not pts or nbytes <= 0:
+        return float(entry["value"])
+    (x0, y0), (x1, y1) = pts[0], pts[-1]
+    if nbytes <= x0:
+        return float(y0)
+    if nbytes >= x1:
+        return float(y1)
+    for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
+        if xa <= nbytes <= xb:
+            f = math.log(nbytes / xa) / math.log(xb / xa)
+            return float(ya + f * (yb - ya))
+    return float(y1)
+
+
+def sharp_speedup(ideal: bool) -> float:
+    """AllReduce speed-up from in-network reduction: 2x in theory (B/W vs 2B/W), ~1.3x measured (ch.12)."""
+    return 2.0 if ideal else float(_catalog()["sharp"]["allreduce_speedup"]["value"])
+
+
+def leaf_degree_nodes(domain_size: int) -> int:
+    """Nodes under one leaf level of the fat tree (DGX SuperPOD SU: 32 nodes; NVL72: 8 racks)."""
+    key = "leaf_degree_nodes_nvl72" if domain_size >= 72 else "leaf_degree_nodes"
+    return int(_catalog()["fat_tree"][key]["value"])
+
+
+# ---------------------------------------------------------------- levels
+
+
+@dataclass(frozen=True)
+class Level:
+    """One network level of a group: AllGather bandwidth time of V over it, and its latency."""
+
+    name: str
+    link: str
+    bandwidth_time_s: float
+    latency_time_s: float
+
+
+def _eff(link: str, nbytes: float, ideal: bool) -> float:
+    return 1.0 if ideal else efficiency(link, nbytes)
+
+
+def _torus_axis_bw(s: Span, w1: float) -> float:
+    """AllGather bandwidth of one torus axis (book ch.3 §4.3): a ring with wraparound gives T = V/W_bidir,
+    W_bidir = 2 x one-way link; without, T = V(X-1)/(X W_oneway). A strided span shares links `step` ways."""
+    if s.wrap:
+        return 2.0 * w1 / s.step
+    return w1 * s.length / ((s.length - 1) * s.step)
+
+
+def _hops(s: Span) -> float:
+    """Ring hops along one axis: X/2 with wraparound, X-1 without (book ch.3 §latency)."""
+    return (s.length / 2 if s.wrap else s.length - 1) * s.step
+
+
+def _torus_levels(p: GroupPlacement, V: float, ideal: bool) -> list[Level]:
+    links, out = p.cluster.links, []
+    spans = [s for s in p.spans if s.length > 1]
+    if spans:
+        # several torus axes at once divide the bandwidth term by the number of axes (book ch.3 §4.3)
+        bw = sum(_torus_axis_bw(s, links.ici_bandwidth_per_link_bytes_per_s) for s in spans)
+        lat = sum(_hops(s) for s in spans) * links.fast_hop_latency_s
+        out.append(Level("ici", "ici", V / (bw * _eff("ici", V, ideal)), lat))
+    if p.n_domains > 1:
+        out.append(_scale_out_ring(p, V, ideal, "dcn"))
+    return out
+
+
+def _scale_out_ring(p: GroupPlacement, V: float, ideal: bool, name: str) -> Level:
+    """Ring across M domains, each chip on its own NIC/DCN share (book ch.5 §DCN, ch.12 rail-aligned):
+    T = V (M-1) / (M k W_chip), k = group members per domain."""
+    M, k, links = p.n_domains, p.fast_members, p.cluster.links
+    w = k * links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
+    return Level(name, links.scale_out_kind, V * (M - 1) / (M * w), (M - 1) * links.scale_out_hop_latency_s)
+
+
+def _gpu_levels(p: GroupPlacement, V: float, ideal: bool) -> list[Level]:
+    """Book ch.12 §collectives (precise): T = V max_i (D_i - 1) / (D_i W_i) over NVLink, leaf and spine."""
+    links, out = p.cluster.links, []
+    k, M = p.fast_members, p.n_domains
+    if k > 1:
+        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
+        out.append(Level("nvlink", "nvlink", V * (k - 1) / (k * w), (k - 1) * links.fast_hop_latency_s))
+    if M > 1:
+        L = leaf_degree_nodes(p.cluster.domain_size)
+        w_nic = k * links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
+        d_leaf, d_spine = min(M, L), math.ceil(M / L)
+        lat = (M - 1) * links.scale_out_hop_latency_s
+        out.append(Level("leaf", links.scale_out_kind, V * (d_leaf - 1) / (d_leaf * w_nic), lat))
+        if d_spine > 1:  # spine children are whole leaf groups at full bisection: L x node egress
+            out.append(Level("spine", links.scale_out_kind, V * (d_spine - 1) / (d_spine * L * w_nic), 0.0))
+    return out
+
+
+def network_levels(p: GroupPlacement, nbytes: float, *, ideal: bool = False) -> list[Level]:
+    """AllGather of `nbytes` over the group, level by level (the slowest bandwidth level binds)."""
+    return _torus_levels(p, nbytes, ideal) if p.cluster.is_torus else _gpu_levels(p, nbytes, ideal)
+
+
+def level_bandwidths(p: GroupPlacement) -> dict[str, float]:
+    """Effective AllGather bandwidth per level, V / T_level (book ch.12: node 514 GB/s, leaf 413 GB/s)."""
+    return {lv.name: 1.0 / lv.bandwidth_time_s for lv in network_levels(p, 1.0, ideal=True) if lv.bandwidth_time_s}
+
+
+# ---------------------------------------------------------------- costs
+
+
+def _result(kind: str, p: GroupPlacement, sent: float, algo: str, bw: float, lat: float,
+            levels: Sequence[Level] = (), additive: bool = False) -> CollectiveCost:
+    total = bw + lat if additive else max(bw, lat)
+    regime = "latency" if lat > bw else "bandwidth"
+    return CollectiveCost(kind, total, sent, algo, regime, bw, lat, p.size, p.link,
+                          tuple((lv.name, lv.bandwidth_time_s) for lv in levels))
+
+
+def _algo_name(p: GroupPlacement, base: str) -> str:
+    if p.cluster.is_torus:
+        axes = [s for s in p.spans if s.length > 1]
+        wrap = "bidirectional ring (wraparound)" if axes and all(s.wrap for s in axes) else "ring"
+        parts = [f"{wrap} over {len(axes)} torus axis(es)"] if axes else []
+        parts += [f"DCN ring across {p.n_domains} slices"] if p.n_domains > 1 else []
+    else:
+        parts = [f"NVLink {base} ({p.fast_members} GPUs)"] if p.fast_members > 1 else []
+        parts += [f"rail-aligned {p.cluster.scale_out_link} ring ({p.n_domains} nodes)"] if p.n_domains > 1 else []
+    return ("hierarchical: " if len(parts) > 1 else "") + " + ".join(parts)
+
+
+def _gather(kind: str, p: GroupPlacement, V: float, ideal: bool) -> CollectiveCost:
+    """AllGather = ReduceScatter (transposes, book ch.3): each chip sends V (n-1)/n."""
+    levels = network_levels(p, V, ideal=ideal)
+    bw = max(lv.bandwidth_time_s for lv in levels)
+    lat = sum(lv.latency_time_s for lv in levels)
+    return _result(kind, p, V * (p.size - 1) / p.size, _algo_name(p, "ring"), bw, lat, levels)
+
+
+def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> CollectiveCost:
+    """AllReduce = ReduceScatter + AllGather (2x, book ch.3 §4.2); with SHARP the switch reduces, B/W in
+    theory (book ch.12 §in-network reductions) but only ~1.3x faster measured."""
+    ag = _gather("allgather", p, V, ideal)
+    f = sharp_speedup(ideal) if sharp else 1.0
+    bw, lat = 2 * ag.bandwidth_time_s / f, ag.latency_time_s * (1 if sharp else 2)
+    algo = "SHARP in-network reduction" if sharp else "reduce-scatter + all-gather: " + ag.algorithm
+    sent = V if sharp else 2 * ag.bytes_per_chip  # SHARP: egress V(N-1)/N + V/N per GPU (book ch.12)
+    levels = tuple((n, 2 * t / f) for n, t in ag.levels)
+    return CollectiveCost("allreduce", max(bw, lat), sent, algo, "latency" if lat > bw else "bandwidth",
+                          bw, lat, p.size, p.link, levels)
+
+
+def _alltoall_torus(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, float]:
+    """Book ch.3 §4.3 (latest): ND AllToAll T = V max(axis) / (4 N W_bidir); without wraparound the
+    bisection halves (W_oneway). Across M slices each chip sends V (M-1) / (M N) over DCN."""
+    links, N, M = p.cluster.links, p.size, p.n_domains
+    w1 = links.ici_bandwidth_per_link_bytes_per_s * _eff("ici", V, ideal)
+    bw = 0.0
+    for s in (s for s in p.spans if s.length > 1):
+        w = 2 * w1 if s.wrap else w1
+        bw = max(bw, (V / M) * s.length * s.step / (4 * p.fast_members * w))
+    lat = sum(_hops(s) for s in p.spans if s.length > 1) * links.fast_hop_latency_s
+    if M > 1:
+        w_dcn = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
+        bw = max(bw, V * (M - 1) / (M * N * w_dcn))
+        lat += links.scale_out_hop_latency_s
+    return bw, lat
+
+
+def _alltoall_gpu(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, float]:
+    """Book ch.12: in node T = V (N-1) / (W N^2); across M nodes T = V (M-1) / (M^2 W_node), W_node = k NICs.
+    In general each GPU holds V/(kM) and sends 1/(kM) of it to every peer."""
+    links, k, M = p.cluster.links, p.fast_members, p.n_domains
+    w_gpu = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
+    w_nic = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
+    t_node = V * (k - 1) / (k * k * M * M * w_gpu)
+    t_out = V * (M - 1) / (M * M * k * w_nic)
+    lat = (links.fast_hop_latency_s if k > 1 else 0.0) + (links.scale_out_hop_latency_s if M > 1 else 0.0)
+    return max(t_node, t_out), lat
+
+
+def _alltoall(p: GroupPlacement, V: float, ideal: bool) -> CollectiveCost:
+    bw, lat = (_alltoall_torus if p.cluster.is_torus else _alltoall_gpu)(p, V, ideal)
+    sent = V / p.size * (p.size - 1) / p.size  # each chip holds V/N and keeps 1/N of it
+    return _result("alltoall", p, sent, "direct all-to-all (bisection-bound)", bw, lat)
+
+
+def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:
+    """Ring shift by one: bytes / one-way link bandwidth + hop latency (book ch.2 Q5, ch.3 collective matmul).
+    Members at a domain boundary send over the scale-out link, which then binds."""
+    links = p.cluster.links
+    if p.n_domains > 1:
+        w = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, nbytes, ideal)
+        return _result("permute", p, nbytes, f"ring shift over {p.cluster.scale_out_link}", nbytes / w,
+                       links.scale_out_hop_latency_s, additive=True)
+    if not p.cluster.is_torus:
+        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", nbytes, ideal)
+        return _result("permute", p, nbytes, "ring shift over NVLink", nbytes / w, links.fast_hop_latency_s,
+                       additive=True)
+    s = next(s for s in p.spans if s.length > 1)  # shift along the innermost axis
+    w = links.ici_bandwidth_per_link_bytes_per_s * _eff("ici", nbytes, ideal)
+    hops = s.step if s.wrap else (s.length - 1) * s.step  # without wraparound the last chip sends the long way
+    return _result("permute", p, nbytes, "ring shift over ICI", nbytes * s.step / w,
+                   hops * links.fast_hop_latency_s, additive=True)
+
+
+def _zero(kind: str, p: GroupPlacement) -> CollectiveCost:
+    return CollectiveCost(kind, 0.0, 0.0, "none (group of 1)", "bandwidth", 0.0, 0.0, p.size, "none")
+
+
+@lru_cache(maxsize=65536)
+def placement_cost(kind: str, nbytes: float, p: GroupPlacement, ideal: bool = False,
+                   sharp: bool | None = None) -> CollectiveCost:
+    """The cost of one collective over a placed group (cached)."""
+    _check(kind, nbytes)
+    if p.size == 1 or nbytes == 0:
+        return _zero(kind, p)
+    if kind in ("allgather", "reducescatter"):
+        return _gather(kind, p, float(nbytes), ideal)
+    if kind == "allreduce":
+        use_sharp = p.cluster.links.sharp if sharp is None else sharp
+        return _allreduce(p, float(nbytes), ideal, use_sharp)
+    if kind == "alltoall":
+        return _alltoall(p, float(nbytes), ideal)
+    return _permute(p, float(nbytes), ideal)
+
+
+def _check(kind: str, nbytes: float) -> None:
+    if kind not in KINDS:
+        raise MeshplanError(f"unknown collective '{kind}' (known: {', '.join(KINDS)})")
+    if not isinstance(nbytes, int | float) or isinstance(nbytes, bool) or math.isnan(nbytes) or nbytes < 0:
+        raise MeshplanError(f"byte count must be a non-negative number, got {nbytes}")
+    if math.isinf(nbytes):
+        raise MeshplanError("byte count must be finite")
+
+
+def group_collective(kind: str, nbytes: float, cluster: Cluster, size: int, stride: int = 1, *,
+                     ideal: bool = False, sharp: bool | None = None) -> CollectiveCost:
+    """A collective over `size` chips spaced `stride` apart. `sharp=None` uses the chip's catalog flag."""
+    _check(kind, nbytes)
+    return placement_cost(kind, nbytes, place_group(cluster, size, stride), ideal, sharp)
+
+
+def collective(kind: str, nbytes: float, mapping: MeshMapping, axes: Sequence[str], *, ideal: bool = False,
+               sharp: bool | None = None) -> CollectiveCost:
+    """A collective over the named mesh axes (the other axes index independent groups running at once)."""
+    _check(kind, nbytes)
+    return placement_cost(kind, nbytes, mapping.group(axes), ideal, sharp)
+
+
+def point_to_point(cluster: Cluster, nbytes: float, src: Sequence[int], dst: Sequence[int], *,
+                   ideal: bool = True) -> CollectiveCost:
+    """Send `nbytes` between two chips of one TPU slice (coordinates): bytes split over the usable ports
+    (one per axis that differs) + hops x per-hop latency, added (book ch.2 Q5, latest edition)."""
+    if not cluster.is_torus:
+        raise MeshplanError("point_to_point takes torus coordinates; use permute for GPUs")
+    _check("permute", nbytes)
+    shape, links = cluster.slice_shape, cluster.links
+    if len(src) != len(shape) or len(dst) != len(shape):
+        raise MeshplanError(f"coordinates need {len(shape)} entries for slice {list(shape)}")
+    dist = [_axis_distance(a, b, s, w) for a, b, s, w in zip(src, dst, shape, cluster.wraparound, strict=True)]
+    ports = max(sum(1 for d in dist if d), 1)
+    w = links.ici_bandwidth_per_link_bytes_per_s * _eff("ici", nbytes, ideal)
+    p = place_group(cluster, 1, 1)
+    return _result("permute", p, nbytes, f"point-to-point over {ports} port(s)", nbytes / (ports * w),
+                   sum(dist) * links.fast_hop_latency_s, additive=True)
+
+
+def _axis_distance(a: int, b: int, size: int, wrap: bool) -> int:
+    if not (0 <= a < size and 0 <= b < size):
+        raise MeshplanError(f"coordinate out of range for an axis of {size}")
+    d = abs(a - b)
+    return min(d, size - d) if wrap else d

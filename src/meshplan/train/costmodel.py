@@ -1,0 +1,244 @@
+"""Step time, memory and FLOPs of many training layouts at once (numpy arrays, one entry per layout).
+
+The layout is applied in a fixed order on top of the single-device math of `math/transformer.py`
+(STYLE.md §2): TP (Megatron with sequence parallelism, Korthikanti et al. 2022) → CP (ring attention,
+load-balanced causal split) → EP (all-to-all dispatch/combine) → PP (1F1B / interleaved 1F1B, Narayanan
+et al. 2021) → FSDP/ZeRO-3 (per-layer all-gather/reduce-scatter, Rajbhandari et al. 2020) → DP all-reduce
+or ZeRO-1/2 reduce-scatter + all-gather. Overlap is explicit: what a collective can hide behind is named
+at each term, and only the excess is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.math import transformer as tm
+from meshplan.train.comm import CommModel
+from meshplan.train.config import LayoutArrays
+from meshplan.train.space import Problem
+
+ACT_BYTES = 2.0  # bf16 activations
+PARAM_BYTES = 2.0  # bf16 working copy of the weights
+OPT_BYTES = 12.0  # fp32 master, Adam m and v (ZeRO paper §3.1)
+ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
+KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Modelling choices a user can change (`meshplan train --help`)."""
+
+    compute_dtype: str = "bf16"  # matmul precision: bf16 or fp8
+    headroom: float = 0.05  # fraction of HBM kept free
+    tp_overlap: bool | None = None  # collective matmul / async TP; None = on for TPU (XLA), off for GPU
+    fsdp_param_bytes: float = 2.0  # dtype of the FSDP all-gather (MaxText with fp32 weights: 4)
+    grad_reduce_bytes: float = 4.0  # gradients reduced in fp32 (Megatron main_grad, torchtitan reduce_dtype)
+    flash_attention: bool = True
+    dropout: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
+
+
+class Terms(dict):
+    """name -> array over layouts; a dict so parts can be listed and summed."""
+
+
+def _shape_constants(m) -> dict[str, float]:
+    D, F = m.d_model, m.d_ff
+    mult = 3 if m.gated else 2
+    k = m.experts_per_token if m.is_moe else 1
+    shared_F = m.n_shared_experts * (m.shared_expert_d_ff or F)
+    return dict(
+        D=D, F=F, V=m.vocab_size, N=m.n_heads, K=m.n_kv_heads, H=m.head_dim, k=k, mult=mult,
+        attn_w=2 * D * m.q_dim + 2 * D * m.kv_dim,
+        mlp_w_active=mult * D * (F * k + shared_F) + (D * m.n_experts if m.is_moe else 0),
+        expert_w=mult * D * F * m.n_experts if m.is_moe else 0.0,
+    )
+
+
+class CostModel:
+    """Evaluates arrays of layouts for one problem."""
+
+    def __init__(self, problem: Problem, eff: Efficiency, options: Options | None = None):
+        self.p = problem
+        self.eff = eff
+        self.opt = options or Options()
+        self.comm = CommModel(problem.chip, problem.chips)
+        self.c = _shape_constants(problem.model)
+        self.pc = tm.param_counts(problem.model)
+        chip = problem.chip
+        self.peak_bf16 = chip.peak("bf16")
+        if self.opt.compute_dtype == "fp8":
+            self.mm_peak = chip.peak("fp8") * eff.fp8_peak_fraction / eff.matmul_peak_fraction
+        else:
+            self.mm_peak = self.peak_bf16
+        self.hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
+        self.tp_overlap = self.opt.tp_overlap if self.opt.tp_overlap is not None else chip.kind == "tpu"
+
+    # --- compute -------------------------------------------------------------------------------
+    def _matmul_time(self, flops, m_, n_, k_):
+        return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
+
+    def compute_terms(self, L: LayoutArrays, g: dict) -> Terms:
+        """Forward/backward/recompute seconds per micro-batch on the busiest pipeline stage."""
+        c, e, S = self.c, self.eff, self.p.seq_len
+        tp, t = g["tp"], g["t_mb"]
+        m = self.p.model
+        T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
+        f_qkv = 2 * t * c["D"] * (c["N"] + 2 * c["K"]) * c["H"] / tp
+        f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
+        f_mlp = 2 * t * c["mlp_w_active"] / tp
+        mm_f = (self._matmul_time(f_qkv, t, (c["N"] + 2 * c["K"]) * c["H"] / tp, c["D"])
+                + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)
+                + self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]))
+        f_core = 4.0 * t * (S / 2.0) * c["N"] * c["H"] / tp  # causal, load-balanced over cp (book ch.4)
+        core_f = f_core / (self.peak_bf16 * e.attention_fwd_fraction)
+        core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
+        sp_div = np.where(g["sp"], tp, 1)
+        act_w = (3 if m.gated else 2) * c["F"] * c["k"]
+        elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
+        elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
+        f_un = 2 * t * c["D"] * c["V"] / tp
+        un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
+        nl = g["layers_stage"]
+        rc = L.recompute
+        recompute = np.select([rc == 2, rc == 1, rc == 3], [mm_f + core_f + elem_f, core_f, elem_f], 0.0)
+        return Terms(
+            layer_fwd=mm_f + core_f + elem_f, layer_bwd=2 * mm_f + core_b + 2 * elem_f, layer_recompute=recompute,
+            layer_matmul_fwd=mm_f, layer_core_fwd=core_f, layer_core_bwd=core_b,
+            fwd=nl * (mm_f + core_f + elem_f) + un_f,
+            bwd=nl * (2 * mm_f + core_b + 2 * elem_f + recompute) + 2 * un_f,
+        )
+
+    # --- communication -------------------------------------------------------------------------
+    def comm_terms(self, L: LayoutArrays, g: dict, ct: Terms) -> Terms:
+        """Exposed communication seconds: per micro-batch (`*_mb`) and once per step (`*_step`)."""
+        c, comm, m = self.c, self.comm, self.p.model
+        tp, cp, fs, dp, ep, pp, t = g["tp"], g["cp"], g["fsdp"], g["dp"], g["ep"], g["pp"], g["t_mb"]
+        nl = g["layers_stage"]
+        out = Terms()
+        # TP (Megatron-SP): per layer 2 all-gathers + 2 reduce-scatters of [t, D] forward and again backward
+        # (Korthikanti et al. 2022 §4.2.2); without SP, 2 all-reduces each way.
+        v_tp = ACT_BYTES * t * c["D"]
+        ag = comm.time("allgather", v_tp, tp, 1)
+        rs = comm.time("reducescatter", v_tp, tp, 1)
+        ar = comm.time("allreduce", v_tp, tp, 1)
+        tp_layer = np.where(g["sp"], 2 * (ag + rs), 2 * ar)
+        # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
+        # the tp steps cannot overlap.
+        hidden_f = np.maximum(tp_layer - ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
+        hidden_b = np.maximum(tp_layer - 2 * ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
+        tp_exp = (np.where(self.tp_overlap, hidden_f, tp_layer) + np.where(self.tp_overlap, hidden_b, tp_layer))
+        out["tp_mb"] = nl * tp_exp * (tp > 1)
+        out["tp_link_mb"] = nl * 2 * tp_layer
+        # CP ring attention: cp-1 KV block passes forward, KV and dKV backward, each overlapped with the
+        # attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes.
+        kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
+        perm = comm.time("permute", 2 * ACT_BYTES * t * kv_per_rank, cp, tp)
+        cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
+        out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0))
+        out["cp_link_mb"] = nl * (cp_f + cp_b)
+        # EP: dispatch + combine all-to-all forward, twice again backward, not overlapped (GShard).
+        if m.is_moe:
+            a2a = comm.time("alltoall", ep * ACT_BYTES * t * c["k"] * c["D"], ep, tp * cp)
+            out["ep_mb"] = nl * 4 * a2a
+        else:
+            out["ep_mb"] = np.zeros_like(t)
+        # PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p).
+        p2p = comm.time("permute", ACT_BYTES * t * c["D"] / np.where(g["sp"], tp, 1), pp, tp * cp * fs * dp)
+        out["pp_mb"] = 2 * g["vpp"] * p2p
+        self._data_parallel_terms(L, g, ct, out)
+        return out
+
+    def _data_parallel_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
+        """FSDP per-layer gathers/scatters (overlapped layer by layer) and the once-a-step DP reduction."""
+        comm, o = self.comm, self.opt
+        tp, cp, fs, dp = g["tp"], g["cp"], g["fsdp"], g["dp"]
+        nl = g["layers_stage"]
+        w_layer = g["params_layer_local"]  # parameters of one layer on this TP/EP rank
+        stride_fs = tp * cp
+        ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, fs, stride_fs)
+        rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, fs, stride_fs)
+        emb = g["params_embed_local"]
+        ag_emb = comm.time("allgather", o.fsdp_param_bytes * emb, fs, stride_fs)
+        rs_emb = comm.time("reducescatter", o.grad_reduce_bytes * emb, fs, stride_fs)
+        # ZeRO-3 / FSDP (Rajbhandari et al. 2020; torchtitan FSDP2): gather before each layer's forward and
+        # again before its backward (reshard after forward), reduce-scatter its gradients; the next layer's
+        # gather is prefetched behind the current layer's compute, so only the excess and the first bucket show.
+        comp_f = nl * ct["layer_fwd"]
+        comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
+        fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
+        fs_b = np.maximum(nl * (ag + rs) + ag_emb + rs_emb - comp_b, 0) + rs
+        out["fsdp_mb"] = np.where(fs > 1, fs_f + fs_b, 0.0)
+        out["fsdp_link_mb"] = np.where(fs > 1, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
+        # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
+        # distributed optimizer), bucketed and overlapped with the last micro-batch's backward.
+        grads = g["params_stage_local"] / fs
+        stride_dp = tp * cp * fs
+        ar = comm.time("allreduce", o.grad_reduce_bytes * grads, dp, stride_dp)
+        rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, dp, stride_dp)
+        ag_dp = comm.time("allgather", PARAM_BYTES * grads, dp, stride_dp)
+        window = comp_b
+        zero = L.zero
+        reduce = np.where(zero >= 1, rs_dp, ar)
+        gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
+        out["dp_step"] = np.where(dp > 1, np.maximum(reduce - window, 0) + gather, 0.0)
+        out["dp_link_step"] = np.where(dp > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
+
+    # --- geometry, memory, totals --------------------------------------------------------------
+    def geometry(self, L: LayoutArrays) -> dict:
+        m, pc, c = self.p.model, self.pc, self.c
+        f = {k: getattr(L, k).astype(float) for k in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep")}
+        g = dict(f)
+        g["mb"] = L.microbatch.astype(float)
+        g["sp"] = L.sequence_parallel & (L.tp > 1)
+        g["t_mb"] = g["mb"] * self.p.seq_len / g["cp"]
+        g["n_micro"] = self.p.global_batch / (g["dp"] * g["fsdp"] * g["mb"])
+        # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage)
+        g["layers_stage"] = np.ceil(m.n_layers / (g["pp"] * g["vpp"])) * g["vpp"]
+        dense_layer = pc.per_layer - (c["expert_w"] if m.is_moe else 0)
+        g["params_layer_local"] = dense_layer / g["tp"] + c["expert_w"] / (g["tp"] * g["ep"])
+        embed = pc.embedding + pc.position + pc.unembedding
+        embed_stage = np.where(g["pp"] > 1, max(pc.embedding + pc.position, pc.unembedding or pc.embedding), embed)
+        g["params_embed_local"] = embed_stage / g["tp"]
+        g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
+        return g
+
+    def activation_per_layer(self, L: LayoutArrays, g: dict, policy_codes: np.ndarray) -> np.ndarray:
+        """Saved bytes per layer per micro-batch (Korthikanti et al. 2022, generalised in math/transformer)."""
+        keys = np.stack([L.tp, L.cp, L.microbatch, policy_codes], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        vals = np.array([
+            tm.activation_bytes_per_layer(
+                self.p.model, self.p.seq_len, int(mb), tm.RECOMPUTE_POLICIES[int(rc)], tp=int(tp),
+                sequence_parallel=L.sequence_parallel and tp > 1, cp=int(cp),
+                flash_attention=self.opt.flash_attention, dropout=self.opt.dropout)["total"]
+            for tp, cp, mb, rc in uniq])
+        return vals[inv.ravel()]
+
+    def memory_terms(self, L: LayoutArrays, g: dict) -> Terms:
+        """Bytes per chip on the busiest stage: params, grads, optimizer, activations, other."""
+        fs, dp, zero = g["fsdp"], g["dp"], L.zero
+        P = g["params_stage_local"]
+        shard_g = fs * np.where(zero >= 2, dp, 1)
+        shard_o = fs * np.where(zero >= 1, dp, 1)
+        act_layer = self.activation_per_layer(L, g, L.recompute)
+        pp, vpp = g["pp"], g["vpp"]
+        # 1F1B: the first stage holds min(pp, micro-batches) in flight; interleaving multiplies by
+        # 1 + (p-1)/(p·v) (Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3).
+        inflight = np.where(pp > 1, np.minimum(pp, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
+        acts = g["layers_stage"] * act_layer * inflight
+        # full recompute re-materialises one layer's activations at a time in the backward
+        acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
+        logits = 2 * 4.0 * g["t_mb"] * self.c["V"] / g["tp"]  # fp32 logits and their gradient (last stage)
+        acts = acts * (1 - L.offload) + logits
+        # FSDP keeps the gathered layer plus the prefetched next one, and one layer's unsharded gradients.
+        fsdp_buf = np.where(fs > 1, 2 * self.opt.fsdp_param_bytes * g["params_layer_local"]
+                            + self.opt.grad_reduce_bytes * g["params_layer_local"], 0.0)
+        other = self.eff.memory_reserved_bytes + fsdp_buf
+        t = Terms(params=PARAM_BYTES * P / fs, grads=self.opt.grad_reduce_bytes * P / shard_g,
+                  optimizer=OPT_BYTES * P / shard_o, activations=acts, other=other)
+        t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
+        return t

@@ -1,0 +1,69 @@
+"""Totals over layouts: step time, MFU/HFU, tokens/s, memory fit, bottleneck (all numpy arrays)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.math import transformer as tm
+from meshplan.train.config import LayoutArrays
+from meshplan.train.costmodel import ADAM_UPDATE_BYTES, CostModel, Terms
+
+COMM_KINDS = ("tp", "cp", "ep", "pp", "fsdp", "dp")
+
+
+@dataclass
+class Evaluation:
+    layouts: LayoutArrays
+    step_time_s: np.ndarray
+    time: Terms  # compute, exposed_comm, bubble, other (+ exposed_comm/<kind>, offload)
+    memory: Terms  # params, grads, optimizer, activations, other, total
+    fits: np.ndarray
+    model_flops_per_step: float
+    hardware_flops_per_step: np.ndarray
+    mfu: np.ndarray
+    hfu: np.ndarray
+    tokens_per_s: np.ndarray
+    link_time: Terms  # time each kind of traffic occupies its links per step (hidden or not)
+    n_micro: np.ndarray
+    hbm_budget_bytes: float
+
+
+def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
+    """Evaluate every layout in `L` under the cost model."""
+    p, e = cm.p, cm.eff
+    g = cm.geometry(L)
+    ct = cm.compute_terms(L, g)
+    cc = cm.comm_terms(L, g, ct)
+    mem = cm.memory_terms(L, g)
+    m = g["n_micro"]
+    # activation offload: out in the forward, back in the backward over the host link, hidden behind the
+    # micro-batch's compute where it fits (the seed talk's pipeline-aware offload)
+    act_mb = mem["activations"] / np.maximum(1 - L.offload, 1e-9) * L.offload / np.maximum(
+        np.where(g["pp"] > 1, np.minimum(g["pp"], m), 1.0), 1.0)
+    host = 2 * act_mb / p.chip.host_bandwidth_bytes_per_s
+    offload_exposed = np.maximum(host - (ct["fwd"] + ct["bwd"]), 0)
+    per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
+    per_mb = ct["fwd"] + ct["bwd"] + per_mb_comm + offload_exposed
+    # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)
+    bubble = (g["pp"] - 1) / g["vpp"] * per_mb
+    opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["fsdp"] * np.where(L.zero >= 1, g["dp"], 1)) / cm.hbm
+    step = m * per_mb + bubble + cc["dp_step"] + opt_update + e.step_overhead_s
+    time = Terms(compute=m * (ct["fwd"] + ct["bwd"]), exposed_comm=m * per_mb_comm + cc["dp_step"],
+                 bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
+    for k in ("tp", "cp", "ep", "pp", "fsdp"):
+        time[f"exposed_comm/{k}"] = m * cc[f"{k}_mb"]
+    time["exposed_comm/dp"] = cc["dp_step"]
+    time["other/offload"] = m * offload_exposed
+    tokens = p.global_batch * p.seq_len
+    tf = tm.flops_per_token(p.model, p.seq_len, causal=True)
+    model_flops = tokens * tf.training
+    rc_flops = np.array([tokens * tm.recompute_flops_per_token(p.model, p.seq_len, pol) for pol in tm.RECOMPUTE_POLICIES])
+    hw_flops = model_flops + rc_flops[L.recompute]
+    denom = step * p.chips * cm.peak_bf16
+    budget = p.chip.hbm_bytes * (1 - cm.opt.headroom)
+    links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"],
+                  dp=cc["dp_link_step"], ep=m * cc["ep_mb"], pp=m * cc["pp_mb"])
+    return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
+                      hw_flops / denom, tokens / step, links, m, budget)

@@ -1,0 +1,184 @@
+"""`meshplan train`: search the layouts, rank by step time (= MFU), explain the winner."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.cost.collectives import group_collective
+from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import InfeasibleError
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.evaluate import Evaluation, evaluate
+from meshplan.train.space import Pins, Problem, enumerate_layouts
+from meshplan.units import GIB, fmt_bytes
+
+SUGGEST = {
+    "fsdp": "raise the per-chip batch (micro-batch) or add tensor/pipeline parallelism inside the fast domain "
+            "so each FSDP gather has more compute to hide behind",
+    "dp": "shard the optimizer (--zero 1/2) and overlap the gradient reduction, or grow the batch per replica",
+    "tp": "lower the tensor-parallel degree (use FSDP or pipeline stages instead) or overlap it with "
+          "collective matmuls (--tp-overlap)",
+    "cp": "use less context parallelism: the ring passes outgrow the attention blocks they hide behind",
+    "ep": "keep expert parallelism inside the fast domain or raise the tokens per expert",
+    "pp": "use fewer pipeline stages",
+    "bubble": "use more micro-batches per step (smaller micro-batch or larger global batch) or interleave (--vpp)",
+    "other": "the fixed per-step costs dominate: raise the batch per step",
+    "compute": "the kernels themselves bound the step; a calibrated profile (--profile) sharpens this",
+}
+
+
+@dataclass
+class PlanResult:
+    plans: list[dict]
+    searched: int
+    feasible: int
+    search_time_s: float
+    infeasible: dict[str, int] = field(default_factory=dict)
+    evaluation: Evaluation | None = None
+
+    def as_dict(self) -> dict:
+        return {"plans": self.plans, "searched": self.searched, "search_time_s": self.search_time_s,
+                "feasible": self.feasible, "infeasible_reasons": self.infeasible}
+
+
+def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None) -> tuple[Evaluation, Counter, int]:
+    """Enumerate and evaluate; retries with activation offload when nothing fits and offload is free."""
+    cm = CostModel(problem, eff, options)
+    layouts, reasons = enumerate_layouts(problem, pins)
+    ev = evaluate(cm, layouts)
+    searched = len(layouts)
+    if not ev.fits.any() and pins.offload is None:
+        more, _ = enumerate_layouts(problem, pins, offload_choices=(0.5, 1.0))
+        ev2 = evaluate(cm, more)
+        searched += len(more)
+        if ev2.fits.any():
+            ev = ev2
+    reasons["does not fit in HBM"] += int((~ev.fits).sum())
+    return ev, reasons, searched
+
+
+def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None, top: int = 5,
+         tokens: float | None = None) -> PlanResult:
+    """The best `top` feasible layouts, best first, each as the DESIGN.md JSON plan object."""
+    t0 = time.perf_counter()
+    ev, reasons, searched = search(problem, pins, eff, options)
+    if len(ev.step_time_s) == 0:
+        raise InfeasibleError(f"no layout satisfies the constraints: {reasons.most_common(1)[0][0]}")
+    pinned_all = all(getattr(pins, k) is not None for k in ("dp", "fsdp", "tp", "pp", "cp"))
+    if not ev.fits.any():
+        raise InfeasibleError(_not_fit_message(problem, ev, pinned_all))
+    order = np.argsort(np.where(ev.fits, ev.step_time_s, np.inf), kind="stable")
+    chosen = [int(i) for i in order[:top] if ev.fits[i]]
+    cm = CostModel(problem, eff, options)
+    plans = [plan_dict(problem, cm, ev, i, tokens) for i in chosen]
+    elapsed = time.perf_counter() - t0
+    infeasible = {k: v for k, v in reasons.most_common()}
+    return PlanResult(plans, searched, int(ev.fits.sum()), elapsed, infeasible, ev)
+
+
+def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
+    i = int(np.argmin(ev.memory["total"]))
+    need, have = ev.memory["total"][i], ev.hbm_budget_bytes
+    cfg = ev.layouts.config(i)
+    what = "the pinned layout" if pinned_all else "no layout"
+    hint = ("try more chips, full recompute (--recompute full), FSDP/ZeRO (--fsdp, --zero), more tensor/pipeline "
+            "parallelism, activation offload (--offload 1), or a smaller micro-batch")
+    return (f"{what} fits in HBM: the smallest needs {fmt_bytes(need)} per chip but {p.chip.name} has "
+            f"{fmt_bytes(have)} usable (short by {fmt_bytes(need - have)}; best: {cfg.describe()}); {hint}")
+
+
+def _arr(d: dict, i: int) -> dict:
+    return {k: float(v[i]) for k, v in d.items()}
+
+
+def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float | None) -> dict:
+    cfg = ev.layouts.config(i)
+    t = _arr(ev.time, i)
+    mem = _arr(ev.memory, i)
+    bottleneck, explanation = explain(p, cm, ev, i)
+    out = {
+        "config": cfg.as_dict(),
+        "step_time_s": float(ev.step_time_s[i]),
+        "mfu": float(ev.mfu[i]),
+        "hfu": float(ev.hfu[i]),
+        "tokens_per_s": float(ev.tokens_per_s[i]),
+        "tokens_per_s_per_chip": float(ev.tokens_per_s[i]) / p.chips,
+        "model_flops_per_step": float(ev.model_flops_per_step),
+        "hardware_flops_per_step": float(ev.hardware_flops_per_step[i]),
+        "fits": bool(ev.fits[i]),
+        "memory_bytes_per_chip": {k: mem[k] for k in ("params", "grads", "optimizer", "activations", "other", "total")},
+        "time_s": {k: t[k] for k in ("compute", "exposed_comm", "bubble", "other")},
+        "time_breakdown_s": t,
+        "micro_batches": float(ev.n_micro[i]),
+        "bottleneck": bottleneck,
+        "explanation": explanation,
+        "mesh": mesh_description(p, cfg),
+    }
+    if tokens:
+        days = tokens / out["tokens_per_s"] / 86400
+        out["training"] = {"tokens": tokens, "days": days,
+                           "cost_usd": days * 24 * p.chips * p.chip.price_per_chip_hour,
+                           "chip_hours": days * 24 * p.chips}
+    return out
+
+
+def mesh_description(p: Problem, cfg) -> str:
+    """Which link each parallel axis lands on (tensor innermost)."""
+    parts, stride = [], 1
+    for name, size in (("tensor", cfg.tp), ("context", cfg.cp), ("fsdp", cfg.fsdp), ("data", cfg.dp),
+                       ("pipeline", cfg.pp)):
+        if size > 1:
+            link = group_collective("allgather", 1e6, CostModel_cluster(p), size, stride).link
+            parts.append(f"{name}={size} → {link}")
+        stride *= size
+    return "; ".join(parts) or "single chip"
+
+
+def CostModel_cluster(p: Problem):  # noqa: N802 - small cached accessor
+    from meshplan.cost.topology import make_cluster
+
+    return make_cluster(p.chip, p.chips)
+
+
+def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str]:
+    """The bottleneck's name and a sentence a person can act on."""
+    step = float(ev.step_time_s[i])
+    parts = {k.split("/")[1]: float(v[i]) for k, v in ev.time.items() if k.startswith("exposed_comm/")}
+    parts["bubble"] = float(ev.time["bubble"][i])
+    parts["other"] = float(ev.time["other"][i])
+    worst = max(parts, key=parts.get)
+    compute = float(ev.time["compute"][i])
+    mfu = float(ev.mfu[i])
+    if parts[worst] < 0.1 * step:
+        return "compute", (f"compute-bound: {compute / step:.0%} of the {step:.3g} s step is kernel time at "
+                           f"{mfu:.1%} MFU; {SUGGEST['compute']}")
+    share = parts[worst] / step
+    if worst in ("bubble", "other"):
+        what = "the pipeline bubble" if worst == "bubble" else "fixed per-step overhead"
+        return worst, f"{what} takes {share:.0%} of the step; {SUGGEST[worst]}"
+    link_t = float(ev.link_time[worst][i]) if worst in ev.link_time else parts[worst]
+    exposed = parts[worst] / link_t if link_t > 0 else 1.0
+    names = {"fsdp": "FSDP all-gathers/reduce-scatters", "dp": "data-parallel gradient reduction",
+             "tp": "tensor-parallel collectives", "cp": "context-parallel KV passes",
+             "ep": "expert all-to-alls", "pp": "pipeline sends"}
+    return (f"comm/{worst}", f"the {names[worst]} are {share:.0%} of the step ({min(exposed, 1):.0%} of their "
+            f"link time is exposed on {_link_of(p, ev, i, worst)}): {SUGGEST[worst]}")
+
+
+def _link_of(p: Problem, ev: Evaluation, i: int, kind: str) -> str:
+    cfg = ev.layouts.config(i)
+    sizes = {"tp": (cfg.tp, 1), "cp": (cfg.cp, cfg.tp), "ep": (cfg.ep, cfg.tp * cfg.cp),
+             "fsdp": (cfg.fsdp, cfg.tp * cfg.cp), "dp": (cfg.dp, cfg.tp * cfg.cp * cfg.fsdp),
+             "pp": (cfg.pp, cfg.tp * cfg.cp * cfg.fsdp * cfg.dp)}
+    size, stride = sizes[kind]
+    if size <= 1:
+        return "no link"
+    return group_collective("allgather", 1e6, CostModel_cluster(p), size, stride).link
+
+
+def headroom_gib(ev: Evaluation, i: int) -> float:
+    return (ev.hbm_budget_bytes - float(ev.memory["total"][i])) / GIB

@@ -1,0 +1,179 @@
+"""The search space: every layout of `chips` chips that the model, batch and pins allow.
+
+Mesh shapes (tp, pp, cp, fsdp, dp) are few (products of divisors of the chip count); the rest of the
+space (vpp, micro-batch, recompute, ZeRO stage, expert parallelism, offload) is crossed with numpy
+broadcasting, so no Python code runs per layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+from meshplan.train.config import RECOMPUTE_CODES, LayoutArrays, check_recompute
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Pins:
+    """Degrees the user fixed; None means free."""
+
+    dp: int | None = None
+    fsdp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    microbatch: int | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    offload: float | None = None
+    sequence_parallel: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is being planned: a model on `chips` chips at a sequence length and global batch (sequences)."""
+
+    model: ModelConfig
+    chip: Chip
+    chips: int
+    seq_len: int
+    global_batch: int
+
+
+def validate_pins(p: Problem, pins: Pins) -> None:
+    """Reject impossible pins with a message that says why and what would work."""
+    m = p.model
+    for name in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "microbatch"):
+        v = getattr(pins, name)
+        if v is not None and v < 1:
+            raise MeshplanError(f"--{name} must be a positive integer, got {v}")
+    if pins.tp and m.n_heads % pins.tp:
+        ok = [d for d in divisors(m.n_heads) if d <= 64]
+        raise MeshplanError(f"--tp {pins.tp} does not divide the {m.n_heads} attention heads of {m.name} "
+                            f"(valid: {', '.join(map(str, ok))})")
+    if pins.pp and pins.pp > m.n_layers:
+        raise MeshplanError(f"--pp {pins.pp} exceeds the {m.n_layers} layers of {m.name}")
+    if pins.pp and pins.vpp and pins.pp * pins.vpp > m.n_layers:
+        raise MeshplanError(f"--pp {pins.pp} × --vpp {pins.vpp} exceeds the {m.n_layers} layers of {m.name}")
+    if pins.ep and pins.ep > 1 and (not m.is_moe or m.n_experts % pins.ep):
+        raise MeshplanError(f"--ep {pins.ep} needs a MoE model whose expert count it divides "
+                            f"({m.name} has {m.n_experts or 'no'} experts)")
+    if pins.cp and p.seq_len % (2 * pins.cp):
+        raise MeshplanError(f"--cp {pins.cp}: sequence length {p.seq_len} must divide into 2×cp chunks "
+                            "(load-balanced causal split)")
+    if pins.recompute:
+        check_recompute(pins.recompute)
+    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
+        raise MeshplanError(f"--zero must be 0, 1, 2 or 3, got {pins.zero}")
+    if pins.offload is not None and not 0.0 <= pins.offload <= 1.0:
+        raise MeshplanError(f"--offload is a fraction between 0 and 1, got {pins.offload}")
+    fixed = 1
+    for name in ("dp", "fsdp", "tp", "pp", "cp"):
+        fixed *= getattr(pins, name) or 1
+    if p.chips % fixed:
+        raise MeshplanError(f"the pinned degrees multiply to {fixed}, which does not divide {p.chips} chips")
+    if all(getattr(pins, n) for n in ("dp", "fsdp", "tp", "pp", "cp")) and fixed != p.chips:
+        raise MeshplanError(f"dp×fsdp×tp×pp×cp = {fixed} but there are {p.chips} chips")
+
+
+def _choices(pin, candidates):
+    return [pin] if pin is not None else candidates
+
+
+def _mesh_shapes(p: Problem, pins: Pins, reasons: Counter) -> list[tuple[int, int, int, int, int]]:
+    """All (tp, pp, cp, fsdp, dp) with product = chips that pass the per-degree rules."""
+    m, n = p.model, p.chips
+    max_tp = 64 if p.chip.kind == "tpu" else max(p.chip.links.nvlink_domain_size, 8)
+    shapes = []
+    for tp in _choices(pins.tp, [d for d in divisors(n) if d <= max_tp]):
+        if m.n_heads % tp:
+            reasons["attention heads not divisible by tp"] += 1
+            continue
+        for pp in _choices(pins.pp, [d for d in divisors(n // tp) if d <= m.n_layers]):
+            rest = n // (tp * pp)
+            if rest * tp * pp != n:
+                continue
+            for cp in _choices(pins.cp, [d for d in divisors(rest) if d <= 32]):
+                if p.seq_len % (2 * cp) and cp > 1:
+                    reasons["sequence not divisible into 2×cp chunks"] += 1
+                    continue
+                data = rest // cp
+                if data * cp != rest:
+                    continue
+                shapes += _data_splits(data, pins, tp, pp, cp)
+    return shapes
+
+
+def _data_splits(data: int, pins: Pins, tp: int, pp: int, cp: int) -> list[tuple[int, int, int, int, int]]:
+    out = []
+    for fs in _choices(pins.fsdp, divisors(data)):
+        dp = data // fs
+        if dp * fs != data or (pins.dp is not None and pins.dp != dp):
+            continue
+        out.append((tp, pp, cp, fs, dp))
+    return out
+
+
+def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...] = (0.0,)) -> tuple[LayoutArrays, Counter]:
+    """Every candidate layout as arrays, and a count of rejected ones by reason."""
+    validate_pins(p, pins)
+    reasons: Counter = Counter()
+    shapes = _mesh_shapes(p, pins, reasons)
+    if not shapes:
+        raise InfeasibleError(_no_shape_message(p, pins, reasons))
+    mesh = np.asarray(shapes, dtype=np.int64)  # [n_shapes, 5]
+    m = p.model
+    vpp_c = np.asarray(_choices(pins.vpp, [1, 2, 4, 8]), dtype=np.int64)
+    mb_c = np.asarray(_choices(pins.microbatch, [1, 2, 4, 8, 16]), dtype=np.int64)
+    rc_c = np.asarray([RECOMPUTE_CODES[pins.recompute]] if pins.recompute else list(RECOMPUTE_CODES.values()))
+    zero_c = np.asarray(_choices(pins.zero, [0, 1, 2]), dtype=np.int64)
+    ep_c = np.asarray(_choices(pins.ep, divisors(m.n_experts) if m.is_moe else [1]), dtype=np.int64)
+    off_c = np.asarray([pins.offload] if pins.offload is not None else list(offload_choices), dtype=float)
+    grids = np.meshgrid(np.arange(len(mesh)), vpp_c, mb_c, rc_c, zero_c, ep_c, off_c, indexing="ij")
+    idx, vpp, mb, rc, zero, ep, off = (g.ravel() for g in grids)
+    tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
+    keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons)
+    arrays = LayoutArrays(dp=dp[keep], fsdp=fs[keep], tp=tp[keep], pp=pp[keep], vpp=vpp[keep], cp=cp[keep],
+                          ep=ep[keep], microbatch=mb[keep], recompute=rc[keep], zero=zero[keep],
+                          offload=off[keep], sequence_parallel=pins.sequence_parallel)
+    return arrays, reasons
+
+
+def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) -> np.ndarray:
+    """Mask of layouts that satisfy the divisibility rules; counts the rest by reason."""
+    m = p.model
+    data = dp * fs
+    rules = [
+        ("global batch not divisible by data-parallel degree × micro-batch", p.global_batch % (data * mb) == 0),
+        # the search keeps stages even; a pinned uneven split is modelled with the busiest stage
+        ("layers not divisible by pp × vpp",
+         (m.n_layers % (pp * vpp) == 0) | ((pins.pp is not None) & (pp * vpp <= m.n_layers))),
+        ("virtual stages need pipeline parallelism", (vpp == 1) | (pp > 1)),
+        ("ZeRO stage applies to the replicated data-parallel group", (zero == 0) | (dp > 1) | (pins.zero is not None)),
+        ("expert parallelism must divide the data-parallel ranks", data % ep == 0),
+    ]
+    keep = np.ones(tp.shape, dtype=bool)
+    for reason, ok in rules:
+        bad = keep & ~ok
+        if bad.any():
+            reasons[reason] += int(bad.sum())
+        keep &= ok
+    return keep
+
+
+def _no_shape_message(p: Problem, pins: Pins, reasons: Counter) -> str:
+    why = reasons.most_common(1)[0][0] if reasons else "the pinned degrees do not multiply to the chip count"
+    return f"no layout of {p.chips} chips fits the constraints for {p.model.name}: {why}"
