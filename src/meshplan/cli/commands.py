@@ -2,3 +2,4 @@
 
 from meshplan.cli import basic  # noqa: F401
 from meshplan.cli import train  # noqa: F401
+from meshplan.cli import net  # noqa: F401

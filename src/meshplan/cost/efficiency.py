@@ -37,6 +37,8 @@ class Efficiency:
     step_overhead_s: float
     memory_reserved_bytes: float
     attention_bwd_flops_ratio: float
+    unfused_elementwise_factor: float
+    comm_compute_interference: float
     origin: str = "defaults"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -54,7 +56,8 @@ class Efficiency:
 
 _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "fp8_peak_fraction", "attention_fwd_fraction",
            "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
-           "memory_reserved_bytes", "attention_bwd_flops_ratio")
+           "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
+           "comm_compute_interference")
 
 
 @lru_cache(maxsize=1)

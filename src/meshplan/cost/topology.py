@@ -247,7 +247,7 @@ class GroupPlacement:
         for s in self.spans:
             full = self.cluster.slice_shape[s.dim]
             wrap = "wraparound" if s.wrap else "no wraparound"
-            step = f", every {s.step}th chip" if s.step > 1 else ""
+            step = f", stride {s.step}" if s.step > 1 else ""
             axes.append(f"axis {s.dim} ({s.length} of {full}{step}, {wrap})")
         return "ICI " + ", ".join(axes)
 
@@ -270,8 +270,8 @@ def _spans_of(dims: tuple[int, ...], size: int, stride: int) -> list[tuple[int, 
         if s % r:
             raise MeshplanError(f"stride {r} does not divide a physical axis of {s}")
         m = min(n, s // r)
-        if n % m:
-            raise MeshplanError(f"a group of {size} does not divide evenly over a physical axis of {s}")
+        if n % m or s % (m * r):
+            raise MeshplanError(f"a group of {size} (stride {stride}) does not tile a physical axis of {s}")
         out.append((d, m, r))
         n, r = n // m, 1
     if n > 1:

@@ -39,6 +39,11 @@ class Options:
     flash_attention: bool = True
     dropout: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
+    fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
+    # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
+    # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
+    # (every second layer fully recomputed).
+    selective_flavor: str = "attention"
 
 
 class Terms(dict):
@@ -94,23 +99,42 @@ class CostModel:
                 + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)
                 + self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]))
         f_core = 4.0 * t * (S / 2.0) * c["N"] * c["H"] / tp  # causal, load-balanced over cp (book ch.4)
-        core_f = f_core / (self.peak_bf16 * e.attention_fwd_fraction)
-        core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
+        if self.opt.flash_attention:
+            core_f = f_core / (self.peak_bf16 * e.attention_fwd_fraction)
+            core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
+        else:
+            core_f, core_b = self._materialized_attention(g, f_core)
         sp_div = np.where(g["sp"], tp, 1)
         act_w = (3 if m.gated else 2) * c["F"] * c["k"]
         elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
+        if not self.opt.fused_elementwise:
+            elem_bytes = elem_bytes * e.unfused_elementwise_factor
         elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
         f_un = 2 * t * c["D"] * c["V"] / tp
         un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
         nl = g["layers_stage"]
         rc = L.recompute
-        recompute = np.select([rc == 2, rc == 1, rc == 3], [mm_f + core_f + elem_f, core_f, elem_f], 0.0)
+        full = mm_f + core_f + elem_f
+        selective = {"attention": core_f, "op": 0.5 * mm_f + elem_f, "layer": 0.5 * full}[self.opt.selective_flavor]
+        recompute = np.select([rc == 2, rc == 1, rc == 3], [full, selective, elem_f], 0.0)
         return Terms(
             layer_fwd=mm_f + core_f + elem_f, layer_bwd=2 * mm_f + core_b + 2 * elem_f, layer_recompute=recompute,
             layer_matmul_fwd=mm_f, layer_core_fwd=core_f, layer_core_bwd=core_b,
             fwd=nl * (mm_f + core_f + elem_f) + un_f,
             bwd=nl * (2 * mm_f + core_b + 2 * elem_f + recompute) + 2 * un_f,
         )
+
+    def _materialized_attention(self, g: dict, f_core):
+        """Attention without a flash kernel (Megatron 2020-21, BLOOM): QKᵀ and AV as batched matmuls of
+        inner dimension H, plus softmax (and dropout) over the N·s² score matrix in HBM; no causal saving
+        (Korthikanti et al. 2022 §4.1 counts the 5as²b bytes these tensors take)."""
+        S, c = self.p.seq_len, self.c
+        flops = 2 * f_core  # the full score matrix is computed
+        mm = flops / (self.mm_peak * self.eff.matmul(S, S, c["H"]))
+        scores = c["N"] / g["tp"] * g["mb"] * S * (S / g["cp"])
+        per_elem = ACT_BYTES * 2 + (ACT_BYTES * 2 + 1 if self.opt.dropout else 0)  # softmax r/w, dropout r/w + mask
+        ew = scores * per_elem / self.hbm
+        return mm + ew, 2 * mm + 2 * ew
 
     # --- communication -------------------------------------------------------------------------
     def comm_terms(self, L: LayoutArrays, g: dict, ct: Terms) -> Terms:
@@ -233,6 +257,7 @@ class CostModel:
         # full recompute re-materialises one layer's activations at a time in the backward
         acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         logits = 2 * 4.0 * g["t_mb"] * self.c["V"] / g["tp"]  # fp32 logits and their gradient (last stage)
+        saved = acts
         acts = acts * (1 - L.offload) + logits
         # FSDP keeps the gathered layer plus the prefetched next one, and one layer's unsharded gradients.
         fsdp_buf = np.where(fs > 1, 2 * self.opt.fsdp_param_bytes * g["params_layer_local"]
@@ -240,5 +265,7 @@ class CostModel:
         other = self.eff.memory_reserved_bytes + fsdp_buf
         t = Terms(params=PARAM_BYTES * P / fs, grads=self.opt.grad_reduce_bytes * P / shard_g,
                   optimizer=OPT_BYTES * P / shard_o, activations=acts, other=other)
+        t["offloaded"] = saved * L.offload
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
+        t["offloaded_per_microbatch"] = t["offloaded"] / inflight
         return t

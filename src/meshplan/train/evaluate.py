@@ -40,8 +40,7 @@ def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     m = g["n_micro"]
     # activation offload: out in the forward, back in the backward over the host link, hidden behind the
     # micro-batch's compute where it fits (the seed talk's pipeline-aware offload)
-    act_mb = mem["activations"] / np.maximum(1 - L.offload, 1e-9) * L.offload / np.maximum(
-        np.where(g["pp"] > 1, np.minimum(g["pp"], m), 1.0), 1.0)
+    act_mb = mem["offloaded_per_microbatch"]
     host = 2 * act_mb / p.chip.host_bandwidth_bytes_per_s
     offload_exposed = np.maximum(host - (ct["fwd"] + ct["bwd"]), 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
@@ -49,8 +48,14 @@ def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)
     bubble = (g["pp"] - 1) / g["vpp"] * per_mb
     opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["fsdp"] * np.where(L.zero >= 1, g["dp"], 1)) / cm.hbm
-    step = m * per_mb + bubble + cc["dp_step"] + opt_update + e.step_overhead_s
-    time = Terms(compute=m * (ct["fwd"] + ct["bwd"]), exposed_comm=m * per_mb_comm + cc["dp_step"],
+    compute = m * (ct["fwd"] + ct["bwd"])
+    # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
+    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"]) + cc["dp_link_step"]
+    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"]) + cc["dp_step"]
+    hidden = np.clip(link_total - exposed_total, 0, None)
+    contention = e.comm_compute_interference * np.minimum(hidden, compute)
+    step = m * per_mb + bubble + cc["dp_step"] + opt_update + e.step_overhead_s + contention
+    time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + cc["dp_step"],
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
     for k in ("tp", "cp", "ep", "pp", "fsdp"):
         time[f"exposed_comm/{k}"] = m * cc[f"{k}_mb"]

@@ -1,0 +1,98 @@
+"""Predicted vs measured training throughput for every run in training_measurements.yaml.
+
+Each run is evaluated at exactly its published layout (every published degree pinned; what the source
+omits is chosen by meshplan). Compared like with like (flops_conventions.md): step time, tokens/s per chip
+(no FLOP convention needed). Also runs meshplan's own search at the same chips, batch and sequence length
+and checks it finds a layout at least as good as the published one under meshplan's own model.
+
+    python benchmarks/accuracy.py [--group NAME] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from _measurements import load_entries, measured_step_time_s, options_of, pins_of, problem_of
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.train.planner import plan
+from meshplan.train.space import Pins
+
+
+def evaluate_entry(e: dict, search: bool = True) -> dict:
+    prob, pins, opts = problem_of(e), pins_of(e), options_of(e)
+    eff = default_efficiency(prob.chip)
+    row = {"id": e["id"], "group": e["group"], "measured_step_s": measured_step_time_s(e)}
+    try:
+        res = plan(prob, pins, eff, opts, top=1)
+        best = res.plans[0]
+        row.update(pred_step_s=best["step_time_s"], fits=best["fits"], layout=_short(best["config"]),
+                   bottleneck=best["bottleneck"], mfu=best["mfu"])
+    except MeshplanError as exc:
+        # the published layout does not fit under meshplan's memory model: still report its time
+        res = plan(prob, pins, eff, _no_memory_limit(opts), top=1)
+        best = res.plans[0]
+        row.update(pred_step_s=best["step_time_s"], fits=False, layout=_short(best["config"]),
+                   bottleneck=best["bottleneck"], mfu=best["mfu"], note=str(exc)[:80])
+    row["rel_err"] = row["pred_step_s"] / row["measured_step_s"] - 1
+    tokens = prob.global_batch * prob.seq_len
+    row["measured_tok_s_chip"] = tokens / row["measured_step_s"] / prob.chips
+    row["pred_tok_s_chip"] = tokens / row["pred_step_s"] / prob.chips
+    if search:
+        free = Pins(sequence_parallel=pins.sequence_parallel)
+        try:
+            own = plan(prob, free, eff, opts, top=1).plans[0]
+            row["search_step_s"] = own["step_time_s"]
+            row["search_layout"] = _short(own["config"])
+        except MeshplanError:
+            row["search_step_s"] = float("nan")
+    return row
+
+
+def _no_memory_limit(opts):
+    from dataclasses import replace
+
+    return replace(opts, headroom=-1e6)
+
+
+def _short(c: dict) -> str:
+    keys = ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep")
+    s = " ".join(f"{k}{c[k]}" for k in keys if c[k] > 1)
+    return f"{s} mb{c['microbatch']} {c['recompute']}" + (f" z{c['zero']}" if c["zero"] else "")
+
+
+def summarize(rows: list[dict]) -> None:
+    groups = sorted({r["group"] for r in rows})
+    print(f"\n{'group':34s} {'n':>3s} {'median |err|':>13s} {'worst |err|':>12s}")
+    for g in groups + ["ALL"]:
+        errs = [abs(r["rel_err"]) for r in rows if g == "ALL" or r["group"] == g]
+        print(f"{g:34s} {len(errs):3d} {statistics.median(errs):13.1%} {max(errs):12.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--group")
+    ap.add_argument("--no-search", action="store_true")
+    args = ap.parse_args(argv)
+    entries = [e for e in load_entries() if not args.group or e["group"] == args.group]
+    t0 = time.perf_counter()
+    rows = [evaluate_entry(e, search=not args.no_search) for e in entries]
+    print(f"{'id':46s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'tok/s/chip m/p':>15s} {'fit':>4s}  "
+          f"{'search s':>8s}  layout / bottleneck")
+    for r in rows:
+        srch = r.get("search_step_s", float("nan"))
+        flag = "" if not (srch == srch) or srch <= r["pred_step_s"] * 1.0001 else " SEARCH-WORSE"
+        print(f"{r['id'][:46]:46s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} {r['rel_err']:+7.1%} "
+              f"{r['measured_tok_s_chip']:7.0f}/{r['pred_tok_s_chip']:<7.0f} {'y' if r['fits'] else 'N':>4s}  "
+              f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}")
+    summarize(rows)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

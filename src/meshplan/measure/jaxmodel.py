@@ -1,0 +1,530 @@
+"""A LLaMA-style reference decoder and its training step in pure JAX, sharded by a meshplan Layout.
+
+Needs the `jax` extra; only `meshplan verify` (and later `measure`/`calibrate`) import this module.
+Params are a pytree of arrays; every weight and activation carries logical dim names which one rules
+table (`layout.logical_rules`) maps onto mesh axes (STYLE.md §3). Book notation: B batch (sequences),
+T sequence, D d_model, N query heads, K KV heads, H head dim, F MLP width, V vocab, E experts, k active.
+
+Parallelism (book ch.5; Korthikanti et al. 2022): data (params replicated, batch sharded), FSDP (weights
+sharded on `embed`, gathered before use and again in the backward), tensor with sequence parallelism
+(heads/MLP/vocab over `tensor`, activations between blocks sharded on T), context parallelism (load-balanced
+causal split, all-gather of K/V over `context`), expert parallelism (experts over `expert`, tokens moved by
+all-to-all under shard_map). Pipeline parallelism is not built (Layout.pp must be 1).
+
+Recompute policies map onto `jax.checkpoint` policies (see `remat_policy`). Communication results
+(all-gathers, sharding constraints) are never saved: FSDP weights and SP/CP gathered activations are
+gathered again in the backward, as ZeRO-3 and Megatron-SP do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshplan.errors import MeshplanError
+from meshplan.measure.layout import MESH_AXES, Layout, logical_rules
+from meshplan.specs.model import ModelConfig
+
+Params = dict[str, Any]
+GATHER_PRIMS = ("sharding_constraint", "all_gather")  # communication we always recompute
+ATTN_SCORES = "attn_scores"
+GEMM_OUTPUTS = ("q_out", "k_out", "v_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out",
+                "mlp_up_out", "router_out", "moe_down_out")
+CAPACITY_FACTOR = 1.0
+
+
+# --- mesh and sharding rules -----------------------------------------------------------------------
+
+def make_mesh(layout: Layout, devices: list | None = None) -> Mesh:
+    """A named Mesh with every axis of MESH_AXES (size-1 axes included) over the first layout.devices."""
+    devs = list(devices if devices is not None else jax.devices())
+    if len(devs) < layout.devices:
+        raise MeshplanError(f"layout needs {layout.devices} devices, JAX has {len(devs)}")
+    shape = tuple(layout.mesh_shape.values())
+    return Mesh(np.array(devs[: layout.devices]).reshape(shape), MESH_AXES)
+
+
+@dataclass(frozen=True)
+class Sharder:
+    """Applies the rules table: logical dims → PartitionSpec → NamedSharding / sharding constraint."""
+
+    mesh: Mesh
+    rules: dict[str, tuple[str, ...]]
+
+    def spec(self, dims: tuple[str | None, ...]) -> P:
+        return P(*[(self.rules.get(d) or None) if d else None for d in dims])
+
+    def sharding(self, dims: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(dims))
+
+    def constrain(self, x: jax.Array, dims: tuple[str | None, ...]) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding(dims))
+
+    def axis_size(self, axis: str) -> int:
+        return self.mesh.shape[axis]
+
+
+def make_sharder(layout: Layout, model: ModelConfig, mesh: Mesh) -> Sharder:
+    """Rules for this model: KV heads are replicated over `tensor` when K does not divide by tp."""
+    rules = logical_rules(layout)
+    if model.n_kv_heads % layout.tp:
+        rules = {**rules, "kv_heads": (), "act_kv_heads": ()}
+    return Sharder(mesh, rules)
+
+
+def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> None:
+    """Raise MeshplanError for layouts the reference model does not build."""
+    if layout.pp > 1:
+        raise MeshplanError("verify: pipeline parallelism is not built into the reference model (use pp=1)")
+    if layout.zero in (1, 2):
+        raise MeshplanError("verify: ZeRO-1/2 are not built; use --fsdp for ZeRO-3 sharding")
+    if model.is_moe and (layout.tp > 1 or layout.cp > 1):
+        raise MeshplanError("verify: the MoE reference supports dp, fsdp and ep (not tp or cp)")
+    if layout.ep > 1 and (not model.is_moe or model.n_experts % layout.ep):
+        raise MeshplanError(f"verify: ep={layout.ep} needs an MoE model whose experts divide by ep")
+    checks = {"global batch": (global_batch, layout.batch_shards * layout.microbatch),
+              "sequence length": (seq_len, 2 * layout.cp * (layout.tp if layout.sp else 1)),
+              "query heads": (model.n_heads, layout.tp), "MLP width": (model.d_ff, layout.tp),
+              "vocab": (model.vocab_size, layout.tp * layout.fsdp), "d_model": (model.d_model, layout.fsdp)}
+    for what, (size, div) in checks.items():
+        if size % div:
+            raise MeshplanError(f"verify: {what} {size} does not divide by {div} for this layout")
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+def param_dims(model: ModelConfig) -> Params:
+    """Logical dim names of every weight, in the same pytree structure as the params."""
+    if model.is_moe:
+        mlp = {"router": ("embed", None), "w_gate": ("expert", "embed", "mlp"),
+               "w_up": ("expert", "embed", "mlp"), "w_down": ("expert", "mlp", "embed")}
+    elif model.gated:
+        mlp = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+    else:
+        mlp = {"w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+    layer = {"attn_norm": ("embed",), "wq": ("embed", "heads", "head_dim"),
+             "wk": ("embed", "kv_heads", "head_dim"), "wv": ("embed", "kv_heads", "head_dim"),
+             "wo": ("heads", "head_dim", "embed"), "mlp_norm": ("embed",), **mlp}
+    dims: Params = {"embed": ("vocab", "embed"), "layers": [dict(layer) for _ in range(model.n_layers)],
+                    "final_norm": ("embed",)}
+    if not model.tied_embeddings:
+        dims["unembed"] = ("embed", "vocab")
+    return dims
+
+
+def param_shapes(model: ModelConfig) -> Params:
+    """Shapes of every weight (same structure as `param_dims`)."""
+    size = {"embed": model.d_model, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
+            "head_dim": model.head_dim, "mlp": model.d_ff, "vocab": model.vocab_size,
+            "expert": model.n_experts, None: model.n_experts}
+    return jax.tree.map(lambda dims: tuple(size[d] for d in dims), param_dims(model), is_leaf=_is_dims)
+
+
+def _is_dims(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Normal(0, 1/fan_in) weights, ones for norm scales."""
+    shapes = param_shapes(model)
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=_is_dims)
+    keys = jax.random.split(key, len(leaves))
+
+    def one(shape: tuple[int, ...], k: jax.Array) -> jax.Array:
+        if len(shape) == 1:
+            return jnp.ones(shape, dtype)
+        fan_in = shape[-2] if len(shape) == 3 and shape[0] == model.n_experts and model.is_moe else shape[0]
+        if shape == (model.n_heads, model.head_dim, model.d_model):
+            fan_in = model.n_heads * model.head_dim
+        return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    return jax.tree.unflatten(tree, [one(s, k) for s, k in zip(leaves, keys, strict=True)])
+
+
+def param_shardings(model: ModelConfig, sh: Sharder) -> Params:
+    return jax.tree.map(sh.sharding, param_dims(model), is_leaf=_is_dims)
+
+
+# --- building blocks -----------------------------------------------------------------------------
+
+def rmsnorm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def rotary(x: jax.Array, pos: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotate-half RoPE. x [B,T,n,H], pos [T] (absolute positions, permuted under CP)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos.astype(jnp.float32)[:, None] * freq[None, :]  # [T, H/2]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather_weight(w: jax.Array, dims: tuple[str | None, ...], sh: Sharder) -> jax.Array:
+    """FSDP: all-gather a weight's `embed` dim before use (a sharding constraint; never saved, so the
+    backward gathers again — ZeRO-3)."""
+    if not sh.rules.get("embed"):
+        return w
+    return sh.constrain(w, tuple(None if d == "embed" else d for d in dims))
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array) -> jax.Array:
+    """Causal GQA softmax attention, materialised (no flash kernel). q [B,Tq,N,H], k/v [B,Tk,K,H];
+    the mask compares absolute positions, so it is right for any token order (CP load balancing)."""
+    B, Tq, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, Tq, K, N // K, H)
+    s = checkpoint_name(jnp.einsum("bqkgh,bskh->bkgqs", q, k), ATTN_SCORES)
+    s = s * (H ** -0.5)
+    mask = pos_q[:, None] >= pos_k[None, :]
+    s = jnp.where(mask[None, None, None], s, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bkgqs,bskh->bqkgh", p, v).reshape(B, Tq, N, H)
+
+
+def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sh: Sharder,
+                               core: Callable) -> jax.Array:
+    """CP with all-gathered K/V (Llama 3 style): each device keeps its queries (one early and one late chunk
+    of the sequence, see `load_balanced_order`), gathers every K/V over `context`, and masks by position."""
+    q_spec = sh.spec(("batch", "seq", "act_heads", None))
+    kv_spec = sh.spec(("batch", "seq", "act_kv_heads", None))
+
+    def local(q, k, v, pos):
+        k_all = jax.lax.all_gather(k, "context", axis=1, tiled=True)
+        v_all = jax.lax.all_gather(v, "context", axis=1, tiled=True)
+        pos_all = jax.lax.all_gather(pos, "context", axis=0, tiled=True)
+        return core(q, k_all, v_all, pos, pos_all)
+
+    return jax.shard_map(local, mesh=sh.mesh, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
+                         out_specs=q_spec)(q, k, v, pos)
+
+
+def load_balanced_order(seq_len: int, cp: int) -> np.ndarray:
+    """Token order for load-balanced causal CP: 2·cp chunks; device i holds chunks i and 2cp−1−i, so every
+    device does the same causal work. Identity for cp = 1."""
+    chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+
+
+# --- attention and MLP blocks --------------------------------------------------------------------
+
+def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recompute: str) -> jax.Array:
+    """h [B,T,D] (normed, seq-sharded under SP) → o-projection output [B,T,D]."""
+    h = sh.constrain(h, ("batch", "seq", "act_embed"))  # SP: all-gather T over `tensor`
+    wq = gather_weight(lp["wq"], ("embed", "heads", "head_dim"), sh)
+    wk = gather_weight(lp["wk"], ("embed", "kv_heads", "head_dim"), sh)
+    wv = gather_weight(lp["wv"], ("embed", "kv_heads", "head_dim"), sh)
+    q = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wq), ("batch", "seq", "act_heads", None)), "q_out")
+    k = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wk), ("batch", "seq", "act_kv_heads", None)), "k_out")
+    v = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wv), ("batch", "seq", "act_kv_heads", None)), "v_out")
+    q, k = rotary(q, pos), rotary(k, pos)
+    core = attention_core
+    if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
+        core = jax.checkpoint(attention_core, policy=jax.checkpoint_policies.nothing_saveable)
+    if sh.axis_size("context") > 1:
+        o = context_parallel_attention(q, k, v, pos, sh, core)
+    else:
+        o = core(q, k, v, pos, pos)
+    o = checkpoint_name(sh.constrain(o, ("batch", "seq", "act_heads", None)), "attn_out")
+    wo = gather_weight(lp["wo"], ("heads", "head_dim", "embed"), sh)
+    y = jnp.einsum("btnh,nhd->btd", o, wo)
+    return checkpoint_name(sh.constrain(y, ("batch", "seq_sp", "act_embed")), "o_proj_out")
+
+
+def _act(model: ModelConfig, x: jax.Array) -> jax.Array:
+    if model.mlp_act in ("swiglu", "silu"):
+        return jax.nn.silu(x)
+    if model.mlp_act == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x)
+
+
+def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
+    """Dense MLP: SwiGLU (gated) or plain GELU/ReLU. h [B,T,D] → [B,T,D]."""
+    h = sh.constrain(h, ("batch", "seq", "act_embed"))
+    w_up = gather_weight(lp["w_up"], ("embed", "mlp"), sh)
+    up = checkpoint_name(sh.constrain(h @ w_up, ("batch", "seq", "act_mlp")), "mlp_up_out")
+    if model.gated:
+        w_gate = gather_weight(lp["w_gate"], ("embed", "mlp"), sh)
+        gate = checkpoint_name(sh.constrain(h @ w_gate, ("batch", "seq", "act_mlp")), "mlp_gate_out")
+        up = _act(model, gate) * up
+    else:
+        up = _act(model, up)
+    y = up @ gather_weight(lp["w_down"], ("mlp", "embed"), sh)
+    return sh.constrain(y, ("batch", "seq_sp", "act_embed"))
+
+
+def moe_capacity(model: ModelConfig, seq_len: int) -> int:
+    """Slots per expert per sequence: capacity factor × T·k/E (GShard; one routing group per sequence, so
+    the routing does not depend on the layout and the sharded loss equals the unsharded one)."""
+    return max(1, math.ceil(CAPACITY_FACTOR * seq_len * model.experts_per_token / model.n_experts))
+
+
+def _route(x: jax.Array, router: jax.Array, model: ModelConfig, C: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing. x [b,T,D] → (gate weights [b,T·k], slot index [b,T·k] into E·C, E·C when dropped)."""
+    b, T, _ = x.shape
+    E, k = model.n_experts, model.experts_per_token
+    logits = checkpoint_name(jnp.einsum("btd,de->bte", x, router), "router_out")
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [b,T,k]
+    w = (w / jnp.sum(w, axis=-1, keepdims=True)).reshape(b, T * k)
+    onehot = jax.nn.one_hot(idx.reshape(b, T * k), E, dtype=jnp.int32)  # [b,T·k,E]
+    slot = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # position in its expert's queue
+    dest = jnp.where(slot < C, idx.reshape(b, T * k) * C + slot, E * C)
+    return w, dest
+
+
+def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp: bool, ep: int):
+    """One device's MoE: route, scatter into [E,C] slots, all-to-all over `expert`, expert MLPs, back."""
+    if fsdp:
+        router = jax.lax.all_gather(router, "fsdp", axis=0, tiled=True)
+        w_gate, w_up = (jax.lax.all_gather(w, "fsdp", axis=1, tiled=True) for w in (w_gate, w_up))
+        w_down = jax.lax.all_gather(w_down, "fsdp", axis=2, tiled=True)
+    b, T, D = x.shape
+    E, k = model.n_experts, model.experts_per_token
+    w, dest = _route(x, router, model, C)
+    rows = jnp.repeat(x, k, axis=1)  # [b,T·k,D]
+    buf = jnp.zeros((b, E * C + 1, D), x.dtype).at[jnp.arange(b)[:, None], dest].set(rows)
+    buf = buf[:, : E * C].reshape(b, ep, E // ep, C, D)
+    buf = jax.lax.all_to_all(buf, "expert", 1, 1, tiled=True)  # [b, source, E/ep, C, D]
+    gate = checkpoint_name(jnp.einsum("bsecd,edf->bsecf", buf, w_gate), "mlp_gate_out")
+    up = checkpoint_name(jnp.einsum("bsecd,edf->bsecf", buf, w_up), "mlp_up_out")
+    hid = _act(model, gate) * up if model.gated else _act(model, up)
+    y = checkpoint_name(jnp.einsum("bsecf,efd->bsecd", hid, w_down), "moe_down_out")
+    y = jax.lax.all_to_all(y, "expert", 1, 1, tiled=True).reshape(b, E * C, D)
+    y = jnp.concatenate([y, jnp.zeros((b, 1, D), y.dtype)], axis=1)
+    y_tok = jnp.take_along_axis(y, dest[:, :, None], axis=1)  # [b,T·k,D]; dropped tokens read zeros
+    return jnp.sum((y_tok * w[:, :, None]).reshape(b, T, k, D), axis=2)
+
+
+def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
+    """Top-k MoE with expert parallelism under shard_map (all-to-all over `expert`)."""
+    C = moe_capacity(model, h.shape[1])
+    fsdp = sh.axis_size("fsdp") > 1
+    x_spec = sh.spec(("batch", "seq", "act_embed"))
+    w_specs = [sh.spec(d) for d in (("embed", None), ("expert", "embed", "mlp"), ("expert", "embed", "mlp"),
+                                    ("expert", "mlp", "embed"))]
+
+    def local(x, r, g, u, d):
+        return _moe_local(x, r, g, u, d, model, C, fsdp, sh.axis_size("expert"))
+
+    fn = jax.shard_map(local, mesh=sh.mesh, in_specs=(x_spec, *w_specs), out_specs=x_spec)
+    return fn(h, lp["router"], lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
+# --- layers, loss, step --------------------------------------------------------------------------
+
+def remat_policy(recompute: str) -> Callable:
+    """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
+    never saved. none: everything else saved. selective: the attention core sits in its own nothing-saveable
+    checkpoint (scores/softmax recomputed), everything else saved. full: nothing saved but the layer input.
+    gemm-last: only matmul outputs saved (GEMM_OUTPUTS; with materialised attention that includes QKᵀ), the
+    cheap ops after them (norms, RoPE, softmax, activations) recomputed."""
+    keep_names = recompute == "gemm-last"
+
+    def policy(prim, *_, **params) -> bool:
+        if prim.name in GATHER_PRIMS:
+            return False
+        if recompute == "full":
+            return False
+        if keep_names:
+            return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
+        return True
+
+    return policy
+
+
+def decoder_layer(lp: Params, x: jax.Array, pos: jax.Array, model: ModelConfig, sh: Sharder,
+                  recompute: str) -> jax.Array:
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). x [B,T,D] sharded (batch, seq_sp)."""
+    x = sh.constrain(x, ("batch", "seq_sp", "act_embed"))
+    h = rmsnorm(x, gather_weight(lp["attn_norm"], ("embed",), sh))
+    x = x + attention_block(lp, h, pos, sh, recompute)
+    h = rmsnorm(x, gather_weight(lp["mlp_norm"], ("embed",), sh))
+    y = moe_block(lp, h, model, sh) if model.is_moe else mlp_block(lp, h, model, sh)
+    return sh.constrain(x + y, ("batch", "seq_sp", "act_embed"))
+
+
+def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
+            recompute: str) -> jax.Array:
+    """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
+    emb = gather_weight(params["embed"], ("vocab", "embed"), sh)
+    x = sh.constrain(jnp.take(emb, batch["tokens"], axis=0), ("batch", "seq_sp", "act_embed"))
+    layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute),
+                           policy=remat_policy(recompute), prevent_cse=True)
+    for lp in params["layers"]:
+        x = layer(lp, x, batch["pos"])
+    x = rmsnorm(x, gather_weight(params["final_norm"], ("embed",), sh))
+    x = sh.constrain(x, ("batch", "seq", "act_embed"))
+    w_out = emb.T if model.tied_embeddings else gather_weight(params["unembed"], ("embed", "vocab"), sh)
+    logits = sh.constrain(x @ w_out, ("batch", "seq", "act_vocab")).astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - target)
+
+
+def init_opt_state(params: Params) -> dict[str, Any]:
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return {"m": zeros, "v": jax.tree.map(jnp.copy, zeros), "step": jnp.zeros((), jnp.int32)}
+
+
+def adamw_update(params: Params, grads: Params, opt: dict[str, Any], lr: float = 1e-3, b1: float = 0.9,
+                 b2: float = 0.95, eps: float = 1e-8, wd: float = 0.1) -> tuple[Params, dict[str, Any]]:
+    """AdamW (Loshchilov & Hutter 2019), written out: bias-corrected moments, decoupled weight decay."""
+    t = opt["step"] + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt["m"], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt["v"], grads)
+    c1, c2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)
+
+    def upd(p, m, v):
+        return (p - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + wd * p)).astype(p.dtype)
+
+    return jax.tree.map(upd, params, m, v), {"m": m, "v": v, "step": t}
+
+
+def make_train_step(model: ModelConfig, sh: Sharder, recompute: str) -> Callable:
+    """(params, opt, batch) → (params, opt, loss): forward, loss, backward (jax.grad), AdamW."""
+
+    def step(params, opt, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, model, sh, recompute)
+        params, opt = adamw_update(params, grads, opt)
+        return params, opt, loss
+
+    return step
+
+
+# --- putting it together -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Program:
+    """A sharded training step ready to lower: the jitted step, its shardings and abstract inputs."""
+
+    model: ModelConfig
+    layout: Layout
+    mesh: Mesh
+    sharder: Sharder
+    step: Callable  # jitted (params, opt, batch) -> (params, opt, loss)
+    param_shardings: Params
+    opt_shardings: dict[str, Any]
+    batch_shardings: dict[str, NamedSharding]
+
+
+def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                  devices: list | None = None) -> Program:
+    """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet)."""
+    check_supported(model, layout, seq_len, global_batch)
+    mesh = make_mesh(layout, devices)
+    sh = make_sharder(layout, model, mesh)
+    ps = param_shardings(model, sh)
+    os_ = {"m": ps, "v": ps, "step": NamedSharding(mesh, P())}
+    bs = {"tokens": sh.sharding(("batch", "seq")), "targets": sh.sharding(("batch", "seq")),
+          "pos": sh.sharding(("seq",))}
+    step = jax.jit(make_train_step(model, sh, layout.recompute), in_shardings=(ps, os_, bs),
+                   out_shardings=(ps, os_, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    return Program(model, layout, mesh, sh, step, ps, os_, bs)
+
+
+def abstract_inputs(prog: Program, seq_len: int, global_batch: int, dtype: Any = jnp.float32) -> tuple:
+    """ShapeDtypeStructs of (params, opt, batch) for lowering without allocating anything."""
+    def sds(shape, dt, sharding):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    shapes = param_shapes(prog.model)
+    params = jax.tree.map(lambda s, shd: sds(s, dtype, shd), shapes, prog.param_shardings, is_leaf=_is_dims)
+    moments = jax.tree.map(lambda s, shd: sds(s, jnp.float32, shd), shapes, prog.param_shardings, is_leaf=_is_dims)
+    opt = {"m": moments, "v": moments, "step": sds((), jnp.int32, prog.opt_shardings["step"])}
+    bs = prog.batch_shardings
+    batch = {"tokens": sds((global_batch, seq_len), jnp.int32, bs["tokens"]),
+             "targets": sds((global_batch, seq_len), jnp.int32, bs["targets"]),
+             "pos": sds((seq_len,), jnp.int32, bs["pos"])}
+    return params, opt, batch
+
+
+def synthetic_batch(model: ModelConfig, seq_len: int, global_batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tokens; targets are the tokens shifted by one (numpy, natural order)."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, model.vocab_size, size=(global_batch, seq_len + 1), dtype=np.int32)
+    return {"tokens": toks[:, :-1], "targets": toks[:, 1:], "pos": np.arange(seq_len, dtype=np.int32)}
+
+
+def place_batch(prog: Program, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Reorder the sequence for load-balanced CP, then shard onto the mesh."""
+    order = load_balanced_order(batch["tokens"].shape[1], prog.layout.cp)
+    b = {"tokens": batch["tokens"][:, order], "targets": batch["targets"][:, order], "pos": batch["pos"][order]}
+    return {k: jax.device_put(v, prog.batch_shardings[k]) for k, v in b.items()}
+
+
+def init_state(prog: Program, seed: int = 0, dtype: Any = jnp.float32) -> tuple[Params, dict[str, Any]]:
+    """Params and AdamW state created directly in their shardings."""
+    init = jax.jit(lambda k: init_params(prog.model, k, dtype), out_shardings=prog.param_shardings)
+    params = init(jax.random.key(seed))
+    opt = jax.jit(init_opt_state, out_shardings=prog.opt_shardings)(params)
+    return params, opt
+
+
+def run_steps(prog: Program, seq_len: int, global_batch: int, steps: int = 3, seed: int = 0) -> list[float]:
+    """Run `steps` training steps on synthetic data; the losses, one per step."""
+    params, opt = init_state(prog, seed)
+    losses = []
+    for i in range(steps):
+        batch = place_batch(prog, synthetic_batch(prog.model, seq_len, global_batch, seed + i))
+        params, opt, loss = prog.step(params, opt, batch)
+        losses.append(float(loss))
+    return losses
+
+
+# --- TP collective matmul --------------------------------------------------------------------------
+
+def collective_matmul_allgather(x: jax.Array, w: jax.Array, mesh: Mesh, axis: str = "tensor") -> jax.Array:
+    """y = x @ w with x [M, K] sharded on M over `axis` and w [K, F] sharded on F: instead of all-gathering x
+    and then multiplying, pass x's shards round a ring with ppermute and multiply each shard as it arrives,
+    so the transfer of the next shard overlaps the current matmul (book ch.10 / Wang et al. 2023). Returns
+    y [M, F] sharded on F."""
+    n = mesh.shape[axis]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def local(x_blk, w_blk):
+        idx = jax.lax.axis_index(axis)
+        m = x_blk.shape[0]
+        out = jnp.zeros((m * n, w_blk.shape[1]), jnp.result_type(x_blk, w_blk))
+        for step in range(n):
+            src = (idx - step) % n  # which row block we hold now
+            nxt = jax.lax.ppermute(x_blk, axis, perm) if step < n - 1 else x_blk
+            out = jax.lax.dynamic_update_slice_in_dim(out, x_blk @ w_blk, src * m, axis=0)
+            x_blk = nxt
+        return out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis, None), P(None, axis)),
+                         out_specs=P(None, axis))(x, w)
+
+
+def collective_matmul_reducescatter(x: jax.Array, w: jax.Array, mesh: Mesh, axis: str = "tensor") -> jax.Array:
+    """y = x @ w with x [M, F] sharded on F and w [F, D] sharded on F; the result [M, D] is reduce-scattered on
+    M. Each step multiplies the row block that the ring's accumulator will carry next, adds it to the partial
+    sum that arrived by ppermute, and passes it on: after n steps each device holds its own block, summed."""
+    n = mesh.shape[axis]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def local(x_blk, w_blk):
+        idx = jax.lax.axis_index(axis)
+        m = x_blk.shape[0] // n
+        acc = jnp.zeros((m, w_blk.shape[1]), jnp.result_type(x_blk, w_blk))
+        for step in range(n):
+            blk = (idx - step - 1) % n  # the block this accumulator will belong to after the remaining hops
+            part = jax.lax.dynamic_slice_in_dim(x_blk, blk * m, m, axis=0) @ w_blk
+            acc = acc + part
+            if step < n - 1:
+                acc = jax.lax.ppermute(acc, axis, perm)
+        return acc
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, axis), P(axis, None)),
+                         out_specs=P(axis, None))(x, w)

@@ -1,0 +1,130 @@
+"""A layout: how one training step is split over a mesh (STYLE.md §3: a plan is a rules table plus a
+mesh shape). Pure Python; importing this module does not import JAX.
+
+Mesh axes (book ch.5 names in brackets): `data` [X, pure data parallel], `fsdp` [ZeRO-3 / FSDP], `expert`
+[EP; also a batch axis outside the experts], `context` [CP], `tensor` [Megatron TP, with sequence
+parallelism], `stage` [PP]. Devices = dp·fsdp·ep·cp·tp·pp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.math.transformer import RECOMPUTE_POLICIES
+
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "stage")
+_AXIS_OF = {"data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp", "tensor": "tp", "stage": "pp"}
+
+# Logical dims of weights and activations. Weights use the bare names; activations the `act_` ones, so
+# that FSDP shards a weight's embed dim without sharding the activations' embed dim.
+WEIGHT_DIMS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers")
+ACTIVATION_DIMS = ("batch", "seq", "seq_sp", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of each parallelism and the per-device execution policy (book ch.5 notation)."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    microbatch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    zero: int = 0
+    offload: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "fsdp", "tp", "cp", "ep", "pp", "microbatch"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise MeshplanError(f"layout: {f} must be a positive integer, got {v!r}")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise MeshplanError(f"layout: unknown recompute policy '{self.recompute}' "
+                                f"(known: {', '.join(RECOMPUTE_POLICIES)})")
+        if self.zero not in (0, 1, 2, 3):
+            raise MeshplanError(f"layout: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.fsdp * self.ep * self.cp * self.tp * self.pp
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Mesh axis → size, in MESH_AXES order (size-1 axes included, so every rule resolves)."""
+        return {axis: getattr(self, _AXIS_OF[axis]) for axis in MESH_AXES}
+
+    @property
+    def batch_shards(self) -> int:
+        """Ways the batch is split: every axis but context, tensor and stage carries different sequences."""
+        return self.dp * self.fsdp * self.ep
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is in effect (it only means something with tp > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, obj: Any, devices: int | None = None) -> Layout:
+        """Read a planner config duck-typed (attributes dp, fsdp, tp, pp, cp, ep, microbatch, recompute, zero,
+        offload; `vpp` is ignored). Where the planner counts EP inside the data-parallel ranks (dp·fsdp·tp·cp·pp
+        = devices), `ep` is carved out of dp here, because this mesh gives experts their own axis."""
+        names = {f.name for f in fields(cls)}
+        kw = {n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None}
+        if isinstance(obj, dict):
+            kw = {n: obj[n] for n in names if obj.get(n) is not None}
+        layout = cls(**kw)
+        ep = layout.ep
+        if devices and ep > 1 and layout.devices != devices and layout.devices // ep == devices:
+            if layout.dp % ep:
+                raise MeshplanError(f"layout: ep={ep} must divide dp={layout.dp} when experts share the data ranks")
+            layout = cls(**{**kw, "dp": layout.dp // ep})
+        return layout
+
+
+def logical_rules(layout: Layout) -> dict[str, tuple[str, ...]]:
+    """The rules table: logical dim name → mesh axes it is sharded over (empty tuple: replicated).
+
+    FSDP shards weights on `embed`; TP shards heads, KV heads (when K divides by tp), MLP width and vocab;
+    the batch goes over every data-like axis; the sequence over `context`, and, between blocks under
+    sequence parallelism, over `context` and `tensor` (Korthikanti et al. 2022 §4.2.2)."""
+
+    def on(axis: str) -> tuple[str, ...]:
+        return (axis,) if layout.mesh_shape[axis] > 1 else ()
+
+    batch = on("data") + on("fsdp") + on("expert")
+    tensor = on("tensor")
+    return {
+        "batch": batch,
+        "seq": on("context"),
+        "seq_sp": on("context") + (tensor if layout.sequence_parallel else ()),
+        "act_embed": (),
+        "act_heads": tensor,
+        "act_kv_heads": tensor,
+        "act_mlp": tensor,
+        "act_vocab": tensor,
+        "embed": on("fsdp"),
+        "heads": tensor,
+        "kv_heads": tensor,
+        "head_dim": (),
+        "mlp": tensor,
+        "vocab": tensor,
+        "expert": on("expert"),
+        "layers": on("stage"),
+    }
+
+
+def describe(layout: Layout) -> str:
+    """`dp=2 fsdp=4 tp=1 ...` with only the axes in use, e.g. for table titles."""
+    parts = [f"{k}={v}" for k, v in (("dp", layout.dp), ("fsdp", layout.fsdp), ("tp", layout.tp),
+                                    ("cp", layout.cp), ("ep", layout.ep), ("pp", layout.pp)) if v > 1]
+    sp = " +SP" if layout.sp else ""
+    return (" ".join(parts) or "single device") + sp + f", recompute={layout.recompute}"
