@@ -1,0 +1,139 @@
+"""Serving layout and workload: tensor/expert/pipeline parallel degrees, quantization, sequence lengths.
+
+A deployment of `n_chips` runs `replicas` independent copies of the model, each on tp x pp chips (book ch.7:
+generation uses model parallelism only; more throughput comes from separate replicas, never DP inside one).
+Expert parallelism shares the TP chips: MoE layers split their E experts ep ways and each expert tp/ep ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.math.transformer import dtype_bytes
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp8", "int8")
+SERVING_FILE = Path(__file__).resolve().parents[1] / "cost" / "data" / "serving.yaml"
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, Any]:
+    return yaml.safe_load(SERVING_FILE.read_text())
+
+
+def serving_constant(name: str, chip: Chip) -> float:
+    """A sourced constant from cost/data/serving.yaml, by chip name then chip kind."""
+    entry = _table()[name]
+    hit = entry.get(chip.name) or entry.get(chip.kind)
+    if hit is None:
+        raise MeshplanError(f"no serving constant '{name}' for {chip.name} ({chip.kind})")
+    return float(hit["value"])
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One replica's layout and number formats."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    act_dtype: str = "bf16"
+
+    @property
+    def chips_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def weight_bytes(self) -> float:
+        return dtype_bytes(self.weight_dtype)
+
+    @property
+    def kv_bytes(self) -> float:
+        return dtype_bytes(self.kv_dtype)
+
+    @property
+    def act_bytes(self) -> float:
+        return dtype_bytes(self.act_dtype)
+
+    def compute_dtype(self, chip: Chip) -> str:
+        """FLOP precision: fp8 weights run fp8 GEMMs where the chip has fp8 units; int8/int4 are weight-only
+        quantization computing in bf16 (book ch.7 B_crit with beta = weight bits / activation bits, and ch.8
+        'int8 weights, bf16 FLOPs')."""
+        if self.weight_dtype == "fp8" and "fp8" in chip.peak_flops_per_s:
+            return "fp8"
+        return "bf16"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request shape: prompt (input) and generated (output) tokens per request."""
+
+    input_len: int
+    output_len: int
+
+    @property
+    def mean_decode_context(self) -> float:
+        """Average KV length seen by a decode step: the prompt plus half the output."""
+        return self.input_len + self.output_len / 2.0
+
+    @property
+    def max_context(self) -> int:
+        return self.input_len + self.output_len
+
+
+def check_workload(w: Workload) -> None:
+    if w.output_len <= 0:
+        raise MeshplanError(f"output length must be at least 1 token, got {w.output_len}")
+    if w.input_len <= 0:
+        raise MeshplanError(f"input length must be at least 1 token, got {w.input_len}")
+
+
+def kv_heads_per_chip(m: ModelConfig, tp: int) -> int:
+    """KV heads each TP chip holds: K/tp, or one replicated head when tp > K (book ch.7 §sharding: shard
+    KV heads up to K ways; beyond that heads are replicated)."""
+    return max(m.n_kv_heads // tp, 1)
+
+
+def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> int:
+    """Validate a layout; return the number of replicas."""
+    if cfg.weight_dtype not in WEIGHT_DTYPES:
+        raise MeshplanError(f"unknown weight quantization '{cfg.weight_dtype}' (known: {', '.join(WEIGHT_DTYPES)})")
+    if cfg.kv_dtype not in KV_DTYPES:
+        raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
+    for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
+        if v <= 0:
+            raise MeshplanError(f"{name} must be positive, got {v}")
+    if n_chips % cfg.chips_per_replica:
+        raise InfeasibleError(f"{n_chips} chips cannot hold whole replicas of tp={cfg.tp} x pp={cfg.pp}")
+    if m.n_heads % cfg.tp:
+        raise InfeasibleError(f"tp={cfg.tp} must divide the {m.n_heads} query heads of {m.name}")
+    K = m.n_kv_heads
+    if (cfg.tp < K and K % cfg.tp) or (cfg.tp > K and cfg.tp % K):
+        raise InfeasibleError(f"tp={cfg.tp} must divide the {K} KV heads of {m.name} or be a multiple of them "
+                              f"(tp > K replicates KV heads)")
+    if cfg.pp > m.n_layers:
+        raise InfeasibleError(f"pp={cfg.pp} exceeds the {m.n_layers} layers of {m.name}")
+    _check_ep(m, cfg)
+    return n_chips // cfg.chips_per_replica
+
+
+def _check_ep(m: ModelConfig, cfg: ServeConfig) -> None:
+    if cfg.ep == 1:
+        return
+    if not m.is_moe:
+        raise InfeasibleError(f"ep={cfg.ep} needs a mixture-of-experts model; {m.name} is dense")
+    if cfg.tp % cfg.ep or m.n_experts % cfg.ep:
+        raise InfeasibleError(f"ep={cfg.ep} must divide tp={cfg.tp} and the {m.n_experts} experts")
