@@ -1,5 +1,7 @@
 """Imports every command module so each registers its commands on the one app."""
 
-from meshplan.cli import basic  # noqa: F401
-from meshplan.cli import train  # noqa: F401
-from meshplan.cli import net  # noqa: F401
+from meshplan.cli import (
+    basic,  # noqa: F401
+    net,  # noqa: F401
+    train,  # noqa: F401
+)

@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, parse_mesh, print_json
-from meshplan.cost.collectives import KINDS, collective as collective_cost
+from meshplan.cost.collectives import KINDS
+from meshplan.cost.collectives import collective as collective_cost
 from meshplan.cost.sharded_matmul import collective_matmul_time, sharded_matmul
 from meshplan.cost.topology import MeshMapping, make_cluster, map_mesh
 from meshplan.specs.hardware import load_chip
