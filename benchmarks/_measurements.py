@@ -89,8 +89,13 @@ def pins_of(e: dict) -> Pins:
     vpp = p.get("vpp")
     if isinstance(vpp, str) and "interleaved" in vpp:
         vpp = 2  # interleaving with the stage count unstated: 2 virtual stages per rank, the common default
+    mb = t.get("micro_batch")
+    if mb is None and e["group"].startswith(("torchtitan", "megatron2020", "megatron_2020")):
+        # torchtitan (2024) and the 2020 Megatron runs had no gradient accumulation: the local batch is the
+        # micro-batch; with pipelining torchtitan splits it into pp micro-batches
+        mb = max(1, t["global_batch_seqs"] // dp_total // ((p["pp"] or 1) if (p["pp"] or 1) > 1 else 1))
     return Pins(dp=dp, fsdp=fs, tp=p["tp"] or 1, pp=p["pp"] or 1, cp=p.get("cp") or 1, ep=p.get("ep") or 1,
-                vpp=vpp if isinstance(vpp, int) else (None if vpp else 1), microbatch=t.get("micro_batch"),
+                vpp=vpp if isinstance(vpp, int) else (None if vpp else 1), microbatch=mb,
                 recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")))
 
 
@@ -99,8 +104,8 @@ def options_of(e: dict) -> Options:
     return Options(
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=True if "asynctp" in prec else None,
-        # MaxText keeps fp32 weights by default, so its FSDP all-gathers move 4 bytes per parameter
-        fsdp_param_bytes=4.0 if "weight dtype fp32" in prec else 2.0,
+        # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
+        # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
         dropout="BLOOM" in e["model"]["name"] or e["group"].startswith("megatron"),
         flash_attention=not (e["group"].startswith("megatron") or "bloom" in e["group"]),
         headroom=0.0,

@@ -5,3 +5,4 @@ from meshplan.cli import (
     net,  # noqa: F401
     train,  # noqa: F401
 )
+from meshplan.cli import serve  # noqa: F401

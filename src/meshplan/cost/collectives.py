@@ -11,6 +11,7 @@ efficiency in data/collective_efficiency.yaml.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -284,7 +285,7 @@ def placement_cost(kind: str, nbytes: float, p: GroupPlacement, ideal: bool = Fa
 def _check(kind: str, nbytes: float) -> None:
     if kind not in KINDS:
         raise MeshplanError(f"unknown collective '{kind}' (known: {', '.join(KINDS)})")
-    if not isinstance(nbytes, int | float) or isinstance(nbytes, bool) or math.isnan(nbytes) or nbytes < 0:
+    if not isinstance(nbytes, numbers.Real) or isinstance(nbytes, bool) or math.isnan(nbytes) or nbytes < 0:
         raise MeshplanError(f"byte count must be a non-negative number, got {nbytes}")
     if math.isinf(nbytes):
         raise MeshplanError("byte count must be finite")

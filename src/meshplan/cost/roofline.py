@@ -158,3 +158,57 @@ def model_roofline(m: ModelConfig, chip: Chip, tokens_per_chip: float, seq_len: 
     """The per-layer roofline of a model at `tokens_per_chip` (forward), one row per op."""
     S = seq_len or min(m.max_seq_len, int(tokens_per_chip)) or 1
     return [roofline(op, chip) for op in layer_ops(m, tokens_per_chip, S, dtype=dtype, causal=causal)]
+
+
+# --- helpers for the book's single-chip questions (ch.1, ch.2, ch.4, ch.9) ---------------------------
+
+def memory_read(n_bytes: float, *, chips: int = 1, name: str = "read") -> Op:
+    """Streaming `n_bytes` split evenly over `chips`, no FLOPs: each chip moves n_bytes/chips, so its
+    roofline time is n_bytes/(chips·W) on whichever link W is (HBM, PCIe, ICI). Book ch.2 Q1: the decode
+    latency lower bound is parameter bytes/(chips·W_hbm); ch.2 Q6: the PCIe and HBM stages."""
+    _check_positive(n_bytes=n_bytes, chips=chips)
+    return Op(name, 0.0, n_bytes / chips, "memory", "bf16")
+
+
+def matmul_balance_batch(D: float, F: float, peak_flops_per_s: float, bandwidth_bytes_per_s: float, *,
+                         lhs_dtype: str = "bf16", rhs_dtype: str = "bf16", out_dtype: str | None = None) -> float:
+    """The batch B at which X[B,D]·W[D,F] turns compute-bound, solved exactly (no B ≪ D, F approximation):
+    2BDF/C = (B·D·x + D·F·w + B·F·y)/W  ⇒  B = α·D·F·w / (2DF − α·(D·x + F·y)), α = C/W (book ch.2 Q4).
+    `inf` when the matmul stays memory-bound at any batch."""
+    _check_positive(D=D, F=F, peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    x, w, y = dtype_bytes(lhs_dtype), dtype_bytes(rhs_dtype), dtype_bytes(out_dtype or lhs_dtype)
+    alpha = peak_flops_per_s / bandwidth_bytes_per_s
+    denom = 2.0 * D * F - alpha * (D * x + F * y)
+    return alpha * D * F * w / denom if denom > 0 else float("inf")
+
+
+def moe_critical_batch(peak_flops_per_s: float, bandwidth_bytes_per_s: float, n_experts: int,
+                       experts_per_token: int, weight_bytes: float = 2.0) -> float:
+    """Tokens per replica above which an MoE MLP is compute-bound (book ch.4 Q8, ch.7): all E experts'
+    weights are read (E·D·F·w bytes) but each token uses k of them (2·k·B·D·F FLOPs), so
+    B_crit = (C/W)·(w/2)·E/k. v5e, int8 weights, bf16 FLOPs, DeepSeek E=256, k=8 → 120·32 = 3840."""
+    _check_positive(n_experts=n_experts, experts_per_token=experts_per_token, weight_bytes=weight_bytes)
+    if experts_per_token > n_experts:
+        raise MeshplanError(f"experts per token ({experts_per_token}) exceed the number of experts ({n_experts})")
+    return critical_batch(peak_flops_per_s, bandwidth_bytes_per_s, weight_bytes) * n_experts / experts_per_token
+
+
+def padded_shape(shape: tuple[int, ...], tile: tuple[int, ...]) -> tuple[int, ...]:
+    """Physical shape of an array stored with tiling T(tile) (book ch.9, XLA layouts): the last len(tile)
+    dims are each rounded up to a multiple of their tile; f32[3,5] with T(2,2) → [4,6]."""
+    shape, tile = tuple(shape), tuple(tile)
+    if len(tile) > len(shape):
+        raise MeshplanError(f"tile {tile} has more dims than shape {shape}")
+    if any(s <= 0 for s in shape) or any(t <= 0 for t in tile):
+        raise MeshplanError(f"shape {shape} and tile {tile} must be positive")
+    lead = len(shape) - len(tile)
+    return shape[:lead] + tuple(-(-s // t) * t for s, t in zip(shape[lead:], tile, strict=True))
+
+
+def padding_overhead(shape: tuple[int, ...], tile: tuple[int, ...]) -> float:
+    """Memory blow-up of tiled storage: padded elements / logical elements (book ch.9: f32[3,5], T(2,2)
+    → 24/15 = 1.6×). Bytes moved by a memory-bound op scale by the same factor."""
+    padded, logical = 1, 1
+    for p, s in zip(padded_shape(shape, tile), shape, strict=True):
+        padded, logical = padded * p, logical * s
+    return padded / logical

@@ -276,7 +276,8 @@ def collective_matmul_time(kind: str, nbytes: float, compute_s: float, mapping: 
     """Decompose an AllGather (or ReduceScatter) of `nbytes` over `axes`, feeding (fed by) a matmul of
     `compute_s`, into ring permutes (Wang et al. 2023; book ch.10). Each chip starts on its own shard;
     every step moves one shard per direction (two on a bidirectional torus ring) while the matmul on the
-    shard(s) in hand runs: T = c + steps x max(k c, t_permute), c = compute/N, k shards per step."""
+    shard(s) in hand runs: T = c + sum over steps of max(shards x c, t_permute), c = compute/N, up to
+    k shards per step (k = 2 on a bidirectional torus ring, else 1). Hidden when T = compute."""
     if kind not in ("allgather", "reducescatter"):
         raise MeshplanError(f"a collective matmul replaces an allgather or reducescatter, not '{kind}'")
     if compute_s < 0:
@@ -287,9 +288,10 @@ def collective_matmul_time(kind: str, nbytes: float, compute_s: float, mapping: 
     if n == 1:
         return CollectiveMatmul(kind, 0, 0.0, compute_s, compute_s, compute_s, 0.0, compute_s, True)
     k = 2 if bidirectional and p.cluster.is_torus and p.n_domains == 1 else 1
-    steps = math.ceil((n - 1) / k)
+    full, rest = divmod(n - 1, k)  # steps carrying k shards, and a last one carrying fewer
     t_step = placement_cost("permute", nbytes / n, p, ideal).time_s
     c = compute_s / n
-    total = c + steps * max(k * c, t_step)
-    return CollectiveMatmul(kind, steps, t_step, k * c, compute_s, total, total - compute_s,
-                            compute_s + plain.time_s, t_step <= k * c)
+    total = c + full * max(k * c, t_step) + (max(rest * c, t_step) if rest else 0.0)
+    exposed = max(total - compute_s, 0.0)
+    return CollectiveMatmul(kind, full + (1 if rest else 0), t_step, k * c, compute_s, total, exposed,
+                            compute_s + plain.time_s, exposed <= 1e-9 * max(compute_s, 1e-30))

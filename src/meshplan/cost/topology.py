@@ -119,14 +119,15 @@ def _shape(shape: Sequence[int]) -> str:
 def _default_shape(links: Links, n: int) -> tuple[int, ...]:
     if not links.is_torus:
         return (min(n, links.nvlink_domain_size),)
-    return _default_torus(n, tuple(links.max_slice_shape))
+    return _default_torus(n, tuple(links.max_slice_shape), links.wraparound == "cube_multiple")
 
 
 @lru_cache(maxsize=1024)
-def _default_torus(n: int, max_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The largest slice that divides n and fits the pod, as balanced as possible (smallest axis first)."""
+def _default_torus(n: int, max_shape: tuple[int, ...], cubes: bool) -> tuple[int, ...]:
+    """The largest slice that divides n and fits the pod, as balanced as possible (smallest axis first);
+    on v4/v5p a shape made of whole 4x4x4 cubes (which wraps around) is preferred."""
     for d in sorted(_divisors(n), reverse=True):
-        best = _balanced_fit(d, max_shape)
+        best = _balanced_fit(d, max_shape, cubes)
         if best:
             return best
     return (1,) * len(max_shape)
@@ -143,9 +144,9 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in _divisors(n) for rest in _factorizations(n // d, k - 1)]
 
 
-def _balanced_fit(n: int, max_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def _balanced_fit(n: int, max_shape: tuple[int, ...], cubes: bool) -> tuple[int, ...] | None:
     fits = [f for f in _factorizations(n, len(max_shape)) if all(a <= b for a, b in zip(f, max_shape, strict=True))]
-    return min(fits, key=lambda f: (max(f), f)) if fits else None
+    return min(fits, key=lambda f: (cubes and any(a % 4 for a in f), max(f), -min(f), f)) if fits else None
 
 
 def _check_shape(links: Links, n: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -295,12 +295,15 @@ def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp
     rows = jnp.repeat(x, k, axis=1)  # [b,T·k,D]
     buf = jnp.zeros((b, E * C + 1, D), x.dtype).at[jnp.arange(b)[:, None], dest].set(rows)
     buf = buf[:, : E * C].reshape(b, ep, E // ep, C, D)
-    buf = jax.lax.all_to_all(buf, "expert", 1, 1, tiled=True)  # [b, source, E/ep, C, D]
+    if ep > 1:
+        buf = jax.lax.all_to_all(buf, "expert", 1, 1, tiled=True)  # [b, source, E/ep, C, D]
     gate = checkpoint_name(jnp.einsum("bsecd,edf->bsecf", buf, w_gate), "mlp_gate_out")
     up = checkpoint_name(jnp.einsum("bsecd,edf->bsecf", buf, w_up), "mlp_up_out")
     hid = _act(model, gate) * up if model.gated else _act(model, up)
     y = checkpoint_name(jnp.einsum("bsecf,efd->bsecd", hid, w_down), "moe_down_out")
-    y = jax.lax.all_to_all(y, "expert", 1, 1, tiled=True).reshape(b, E * C, D)
+    if ep > 1:
+        y = jax.lax.all_to_all(y, "expert", 1, 1, tiled=True)
+    y = y.reshape(b, E * C, D)
     y = jnp.concatenate([y, jnp.zeros((b, 1, D), y.dtype)], axis=1)
     y_tok = jnp.take_along_axis(y, dest[:, :, None], axis=1)  # [b,T·k,D]; dropped tokens read zeros
     return jnp.sum((y_tok * w[:, :, None]).reshape(b, T, k, D), axis=2)

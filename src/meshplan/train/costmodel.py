@@ -23,6 +23,7 @@ from meshplan.train.space import Problem
 ACT_BYTES = 2.0  # bf16 activations
 PARAM_BYTES = 2.0  # bf16 working copy of the weights
 OPT_BYTES = 12.0  # fp32 master, Adam m and v (ZeRO paper §3.1)
+FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 
@@ -256,15 +257,19 @@ class CostModel:
         acts = g["layers_stage"] * act_layer * inflight
         # full recompute re-materialises one layer's activations at a time in the backward
         acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
-        logits = 2 * 4.0 * g["t_mb"] * self.c["V"] / g["tp"]  # fp32 logits and their gradient (last stage)
+        logits = (4.0 + ACT_BYTES) * g["t_mb"] * self.c["V"] / g["tp"]  # fp32 logits for the loss + bf16 grad
         saved = acts
         acts = acts * (1 - L.offload) + logits
-        # FSDP keeps the gathered layer plus the prefetched next one, and one layer's unsharded gradients.
-        fsdp_buf = np.where(fs > 1, 2 * self.opt.fsdp_param_bytes * g["params_layer_local"]
-                            + self.opt.grad_reduce_bytes * g["params_layer_local"], 0.0)
+        # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
+        # the reduce-scatter (the prefetched next layer replaces the freed current one).
+        fsdp_buf = np.where(fs > 1, (self.opt.fsdp_param_bytes + ACT_BYTES) * g["params_layer_local"], 0.0)
         other = self.eff.memory_reserved_bytes + fsdp_buf
-        t = Terms(params=PARAM_BYTES * P / fs, grads=self.opt.grad_reduce_bytes * P / shard_g,
-                  optimizer=OPT_BYTES * P / shard_o, activations=acts, other=other)
+        # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
+        # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
+        p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, PARAM_BYTES)
+        o_bytes = np.where(fs > 1, OPT_BYTES - FSDP_PARAM_STATE_BYTES, OPT_BYTES)
+        t = Terms(params=p_bytes * P / fs, grads=self.opt.grad_reduce_bytes * P / shard_g,
+                  optimizer=o_bytes * P / shard_o, activations=acts, other=other)
         t["offloaded"] = saved * L.offload
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight

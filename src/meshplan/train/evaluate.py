@@ -41,8 +41,9 @@ def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # activation offload: out in the forward, back in the backward over the host link, hidden behind the
     # micro-batch's compute where it fits (the seed talk's pipeline-aware offload)
     act_mb = mem["offloaded_per_microbatch"]
-    host = 2 * act_mb / p.chip.host_bandwidth_bytes_per_s
-    offload_exposed = np.maximum(host - (ct["fwd"] + ct["bwd"]), 0)
+    host = act_mb / p.chip.host_bandwidth_bytes_per_s  # one way
+    # out during the forward, back during the backward, each hidden behind that pass's compute
+    offload_exposed = np.maximum(host - ct["fwd"], 0) + np.maximum(host - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + per_mb_comm + offload_exposed
     # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)

@@ -1,0 +1,162 @@
+"""`meshplan serve`: the inference planner (book ch.7, ch.8)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cost.efficiency import resolve_efficiency
+from meshplan.infer.config import ServeConfig, Workload, check_layout, check_workload
+from meshplan.infer.disagg import disaggregate
+from meshplan.infer.frontier import Targets, frontier, search
+from meshplan.infer.memory import max_batch_per_replica, require_fit
+from meshplan.infer.metrics import MODES
+from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, simulate
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.units import fmt_bytes, fmt_time
+
+Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        fail(f"{name} must be one of {', '.join(choices)}, got '{value}'")
+    return value
+
+
+def _pins(tp: int | None, pp: int | None, ep: int | None, do_search: bool) -> tuple:
+    """--search or no --tp: search the unpinned degrees; a --tp alone pins pp=1, ep=1."""
+    if do_search or tp is None:
+        return tp, pp, ep
+    return tp, pp or 1, ep or 1
+
+
+def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_len: int, *, batch: int | None = None,
+                 tp: int | None = None, pp: int | None = None, ep: int | None = None, quant: str = "bf16",
+                 kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
+                 do_search: bool = False, mode: str = "continuous", profile: str | None = None) -> dict:
+    """Everything `serve --json` prints except the simulation and disaggregation sections."""
+    m, chip = load_model(model), load_chip(hardware)
+    w = Workload(input_len, output_len)
+    check_workload(w)
+    if chips <= 0:
+        fail(f"--chips must be positive, got {chips}")
+    if batch is not None and batch <= 0:
+        fail(f"--batch must be positive, got {batch}")
+    for name, v in (("--tpot-target", tpot_target), ("--ttft-target", ttft_target)):
+        if v is not None and v <= 0:
+            fail(f"{name} must be positive seconds, got {v}")
+    eff = resolve_efficiency(chip, profile)
+    base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant)
+    tp, pp, ep = _pins(tp, pp, ep, do_search)
+    if tp and pp and ep:
+        cfg = ServeConfig(tp, pp, ep, quant, kv_quant)
+        check_layout(m, chip, chips, cfg)
+        if batch:
+            require_fit(m, chip, cfg, eff, w, batch)
+    res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch)
+    best = res.best
+    mb = max_batch_per_replica(m, chip, best.config, eff, w)
+    out = best.as_dict()
+    out.update({
+        "model": m.name, "hardware": chip.name, "chips": chips, "input_len": input_len, "output_len": output_len,
+        "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
+        "targets": {"tpot_s": tpot_target, "ttft_s": ttft_target},
+        "efficiency": eff.origin,
+        "frontier": [p.as_dict() for p in frontier(m, chip, chips, best.config, eff, w, mode)],
+        "layouts": [{"config": p.as_dict()["config"], "batch": p.batch, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
+                     "throughput_tokens_per_s": p.throughput_tokens_per_s} for p in res.ranked[:10]],
+        "searched": res.searched,
+    })
+    out["_objects"] = (m, chip, eff, w, best)
+    return out
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset or HF config.json.")],
+    hardware: Annotated[str, typer.Option("--hardware", help="Chip preset or YAML.")],
+    chips: Annotated[int, typer.Option(help="Number of chips in the deployment.")],
+    input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")],
+    output_len: Annotated[int, typer.Option(help="Generated tokens per request.")],
+    batch: Annotated[int | None, typer.Option(help="Sequences in flight per replica (default: best that fits).")] = None,
+    tp: Pin = None, ep: Pin = None, pp: Pin = None,
+    quant: Annotated[str, typer.Option(help="Weights: bf16 | fp8 | int8 | int4.")] = "bf16",
+    kv_quant: Annotated[str, typer.Option(help="KV cache: bf16 | fp8 | int8.")] = "bf16",
+    tpot_target: Annotated[float | None, typer.Option(help="Time per output token target (s).")] = None,
+    ttft_target: Annotated[float | None, typer.Option(help="Time to first token target (s).")] = None,
+    do_search: Annotated[bool, typer.Option("--search", help="Search layouts and batches.")] = False,
+    batching: Annotated[str, typer.Option(help="continuous (chunked prefill) | static.")] = "continuous",
+    do_simulate: Annotated[bool, typer.Option("--simulate", help="Poisson-arrival simulation.")] = False,
+    rate: Annotated[float | None, typer.Option(help="Arrivals per second for --simulate.")] = None,
+    requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
+    seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
+    input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",
+    output_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --output-len).")] = "fixed",
+    disaggregate_: Annotated[bool, typer.Option("--disaggregate", help="Size prefill and decode pools.")] = False,
+    profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
+    plot: Annotated[str | None, typer.Option(help="Write the latency-throughput frontier to this PNG.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Serve a model: layout, batch, TTFT/TPOT, throughput, memory and cost per million tokens."""
+    _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
+    _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
+    _choice("--batching", batching, MODES)
+    if do_simulate:
+        _choice("--input-dist", input_dist, DISTRIBUTIONS)
+        _choice("--output-dist", output_dist, DISTRIBUTIONS)
+        if rate is None:
+            fail("--simulate needs --rate (requests per second)")
+    out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
+                       quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
+                       do_search=do_search, mode=batching, profile=profile)
+    m, chip, eff, w, best = out.pop("_objects")
+    if do_simulate:
+        out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
+                                     SimSpec(rate, requests, seed, input_dist, output_dist))
+    if disaggregate_:
+        out["disaggregated"] = disaggregate(m, chip, chips, best.config, best.config, eff, w, batch).as_dict()
+    if plot:
+        from meshplan.infer.plots import plot_frontier
+
+        pts = frontier(m, chip, chips, best.config, eff, w, batching)
+        plot_frontier(pts, plot, f"{m.name} on {chips} x {chip.name} (tp={best.config.tp}, pp={best.config.pp})")
+        out["plot"] = plot
+    if json_out:
+        print_json(out)
+        return
+    _print_table(out)
+
+
+def _print_table(o: dict) -> None:
+    c = o["config"]
+    t = Table(title=f"{o['model']} on {o['chips']} x {o['hardware']}: tp={c['tp']} pp={c['pp']} ep={c['ep']} "
+                    f"x {c['replicas']} replicas, {c['weight_dtype']} weights, {c['kv_dtype']} KV ({o['mode']})")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    cost = o["cost_per_million_tokens"]
+    rows = [("batch per replica (max that fits)", f"{o['batch']} ({o['max_batch_per_replica']})"),
+            ("TTFT", fmt_time(o["ttft_s"])), ("TPOT", fmt_time(o["tpot_s"])),
+            ("end-to-end latency", fmt_time(o["e2e_latency_s"])),
+            ("output tokens/s (deployment)", f"{o['throughput_tokens_per_s']:,.0f}"),
+            ("output tokens/s per chip", f"{o['throughput_tokens_per_s_per_chip']:,.1f}"),
+            ("memory per chip", f"{fmt_bytes(o['memory_bytes_per_chip']['total'])} of "
+                                f"{fmt_bytes(o['memory_bytes_per_chip']['budget'])}"),
+            ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f}"),
+            ("decode step bound by", o["decode_step"]["bound"])]
+    for k, v in rows:
+        t.add_row(k, v)
+    if "simulation" in o:
+        s = o["simulation"]
+        t.add_row("sim TTFT p50/p90/p99", " / ".join(fmt_time(s["ttft_s"][k]) for k in ("p50", "p90", "p99")))
+        t.add_row("sim TPOT p50/p90/p99", " / ".join(fmt_time(s["tpot_s"][k]) for k in ("p50", "p90", "p99")))
+    if "disaggregated" in o:
+        d = o["disaggregated"]
+        t.add_row("disaggregated prefill:decode instances", f"{d['prefill_instances']}:{d['decode_instances']} "
+                                                             f"(ratio {d['prefill_per_decode_ratio']:.2f})")
+        t.add_row("KV transfer per request", fmt_time(d["kv_transfer_s"]))
+    console.print(t)

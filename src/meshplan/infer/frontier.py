@@ -1,0 +1,121 @@
+"""Latency-throughput frontier over batch sizes, the best batch for latency targets, and the layout search.
+
+Book ch.8 'Pareto': small batches give the lowest TPOT, throughput rises with batch until memory (or the
+compute roofline) stops it. The search tries every layout (tp, pp, ep, replicas) that divides the chips and
+the model's heads, and every batch on the grid, and keeps the highest output throughput meeting the targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.infer.config import ServeConfig, Workload, check_layout
+from meshplan.infer.memory import max_batch_per_replica
+from meshplan.infer.metrics import ServePoint, evaluate
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Targets:
+    tpot_s: float | None = None
+    ttft_s: float | None = None
+
+    def met(self, p: ServePoint) -> bool:
+        return (self.tpot_s is None or p.tpot_s <= self.tpot_s) and (self.ttft_s is None or p.ttft_s <= self.ttft_s)
+
+    def describe(self) -> str:
+        parts = [f"TPOT <= {self.tpot_s * 1e3:.3g} ms"] if self.tpot_s is not None else []
+        parts += [f"TTFT <= {self.ttft_s * 1e3:.3g} ms"] if self.ttft_s is not None else []
+        return " and ".join(parts) or "no target"
+
+
+def batch_grid(max_batch: int) -> list[int]:
+    """Powers of two up to the largest batch that fits, plus that batch."""
+    grid, b = [], 1
+    while b < max_batch:
+        grid.append(b)
+        b *= 2
+    return grid + [max_batch] if max_batch >= 1 else []
+
+
+def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
+             mode: str = "continuous", batches: Iterable[int] | None = None) -> list[ServePoint]:
+    """Metrics at each batch on the grid (or `batches`), smallest first; only batches that fit."""
+    mb = max_batch_per_replica(m, chip, cfg, eff, w)
+    grid = sorted(set(b for b in (batches or batch_grid(mb)) if 1 <= b <= mb))
+    return [evaluate(m, chip, n_chips, cfg, eff, w, b, mode) for b in grid]
+
+
+def best_point(points: Iterable[ServePoint], targets: Targets = Targets()) -> ServePoint | None:
+    """Highest output throughput among points meeting the targets (ties: lower TPOT)."""
+    ok = [p for p in points if targets.met(p)]
+    return max(ok, key=lambda p: (p.throughput_tokens_per_s, -p.tpot_s)) if ok else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, tp: int | None = None,
+            pp: int | None = None, ep: int | None = None) -> list[ServeConfig]:
+    """Every valid layout; pinned degrees stay fixed. TP stays inside one fast domain on GPUs (NVLink)."""
+    out = []
+    fast = chip.links.fast_domain_size
+    for t in ([tp] if tp else _divisors(n_chips)):
+        if tp is None and t > fast:
+            continue
+        for p in ([pp] if pp else _divisors(n_chips // t if n_chips % t == 0 else 1)):
+            for e in ([ep] if ep else (_divisors(t) if m.is_moe else [1])):
+                cfg = ServeConfig(t, p, e, base.weight_dtype, base.kv_dtype, base.act_dtype)
+                try:
+                    check_layout(m, chip, n_chips, cfg)
+                except InfeasibleError:
+                    continue
+                out.append(cfg)
+    return out
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: ServePoint
+    ranked: list[ServePoint]  # best point of each layout, best first
+    searched: int
+
+
+def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
+           targets: Targets = Targets(), mode: str = "continuous", tp: int | None = None, pp: int | None = None,
+           ep: int | None = None, batch: int | None = None) -> SearchResult:
+    """Try layouts and batches; raise with the best reachable latency when no layout meets the targets."""
+    cands = layouts(m, chip, n_chips, base, tp, pp, ep)
+    if not cands:
+        raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees")
+    ranked, fastest, searched = [], [], 0
+    for cfg in cands:
+        pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None)
+        searched += len(pts)
+        if pts:
+            fastest.append(min(pts, key=lambda p: p.tpot_s))
+        b = best_point(pts, targets)
+        if b is not None:
+            ranked.append(b)
+    if not ranked:
+        raise _no_layout_error(m, chip, n_chips, w, targets, fastest, batch)
+    ranked.sort(key=lambda p: (-p.throughput_tokens_per_s, p.tpot_s))
+    return SearchResult(ranked[0], ranked, searched)
+
+
+def _no_layout_error(m, chip, n_chips, w, targets, fastest, batch) -> MeshplanError:
+    if not fastest:
+        what = f"batch {batch}" if batch else "even batch 1"
+        return InfeasibleError(f"{m.name} does not fit on {n_chips} x {chip.name} in any layout at {what} "
+                               f"({w.input_len}+{w.output_len} tokens per sequence); add chips or quantize")
+    t = min(fastest, key=lambda p: p.tpot_s)
+    f = min(fastest, key=lambda p: p.ttft_s)
+    return InfeasibleError(
+        f"no layout meets {targets.describe()}: the best reachable TPOT is {t.tpot_s * 1e3:.3g} ms "
+        f"(tp={t.config.tp} pp={t.config.pp} ep={t.config.ep}, batch {t.batch}) and the best TTFT is "
+        f"{f.ttft_s * 1e3:.3g} ms (tp={f.config.tp} pp={f.config.pp}, batch {f.batch})")

@@ -1,0 +1,123 @@
+"""Serving memory per chip: one copy of the (quantized) weights, the KV cache, activation workspace.
+
+Book ch.7 §memory: inference keeps no gradients or optimizer state; activations are small next to weights
+and KV. The KV cache of a sequence is 2*L*K*H*bytes per token (ch.4); under TP each chip holds K/tp heads
+(one replicated head when tp > K) and under PP only its L/pp layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import InfeasibleError
+from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant
+from meshplan.math.transformer import param_counts
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+from meshplan.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    weights: float
+    kv_cache: float
+    activations: float
+    reserved: float
+    budget: float  # usable HBM per chip (HBM x memory utilization)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.activations + self.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def as_dict(self) -> dict[str, float]:
+        return {"weights": self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
+                "reserved": self.reserved, "total": self.total, "budget": self.budget}
+
+
+def layers_per_stage(m: ModelConfig, pp: int) -> int:
+    """The largest pipeline stage's layer count (ceil(L/pp))."""
+    return math.ceil(m.n_layers / pp)
+
+
+def layer_weight_params_per_chip(m: ModelConfig, tp: int) -> float:
+    """One layer's parameters on one TP chip: Q/O and MLP split tp ways (Megatron sharding, book ch.5),
+    K/V projections split over KV heads (replicated when tp > K), norms replicated."""
+    pc = param_counts(m)
+    D, H = m.d_model, m.head_dim
+    q_o = 2 * D * m.q_dim / tp
+    k_v = 2 * D * H * kv_heads_per_chip(m, tp)
+    other_attn = pc.per_layer_attention - 2 * D * m.q_dim - 2 * D * m.kv_dim  # biases
+    return q_o + k_v + other_attn / tp + (pc.per_layer_mlp + pc.per_layer_router) / tp + pc.per_layer_norms
+
+
+def embedding_params_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
+    """Embedding and output projection, vocab-sharded over TP; with PP the first stage holds one and the last
+    the other, so the largest stage holds max(embed, unembed)."""
+    pc = param_counts(m)
+    embed = pc.embedding + pc.position
+    unembed = pc.unembedding
+    held = embed + unembed if cfg.pp == 1 else max(embed, unembed)
+    return held / cfg.tp + pc.final_norm
+
+
+def weight_bytes_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
+    """Weights on the most loaded chip of a replica."""
+    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp)
+    return (layers + embedding_params_per_chip(m, cfg)) * cfg.weight_bytes
+
+
+def kv_bytes_per_token_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
+    """KV cache bytes one token adds to one chip: 2 * (L/pp) * (K/tp heads) * H * bytes (book ch.4, ch.7)."""
+    return 2.0 * layers_per_stage(m, cfg.pp) * kv_heads_per_chip(m, cfg.tp) * m.head_dim * cfg.kv_bytes
+
+
+def activation_bytes_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, batch: int) -> float:
+    """Step workspace: max_num_tokens tokens of live activations (a few D-wide tensors and the 2F/tp MLP
+    hidden) plus fp32 logits for the decode batch (vocab-sharded). vLLM profile_run reserves the same."""
+    tokens = serving_constant("max_num_tokens", chip)
+    width = serving_constant("activation_workspace_factor", chip) * m.d_model
+    f = m.d_ff * (m.experts_per_token if m.is_moe else 1)
+    width += 2 * f / cfg.tp
+    logits = batch * m.vocab_size / cfg.tp * 4.0
+    return tokens * width * cfg.act_bytes + logits
+
+
+def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, batch: int,
+                    context_len: float) -> MemoryBreakdown:
+    """Per-chip memory of a replica serving `batch` sequences of up to `context_len` tokens each. With PP
+    each stage holds the KV of every sequence for its own layers."""
+    return MemoryBreakdown(
+        weights=weight_bytes_per_chip(m, cfg),
+        kv_cache=batch * context_len * kv_bytes_per_token_per_chip(m, cfg),
+        activations=activation_bytes_per_chip(m, chip, cfg, batch),
+        reserved=eff.memory_reserved_bytes,
+        budget=chip.hbm_bytes * serving_constant("memory_utilization", chip),
+    )
+
+
+def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload) -> int:
+    """Most sequences one replica holds with every sequence's KV reserved at its full length (input+output,
+    TensorRT-LLM's default guaranteed-no-evict scheduling). 0 when even the weights do not fit."""
+    empty = memory_per_chip(m, chip, cfg, eff, 0, w.max_context)
+    per_seq = (w.max_context * kv_bytes_per_token_per_chip(m, cfg)
+               + activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0))
+    free = empty.budget - empty.total
+    return max(int(free // per_seq), 0) if free > 0 else 0
+
+
+def require_fit(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload, batch: int) -> None:
+    """Raise a one-line error saying what a batch needs per chip against what the chip offers."""
+    mem = memory_per_chip(m, chip, cfg, eff, batch, w.max_context)
+    if mem.fits:
+        return
+    raise InfeasibleError(
+        f"batch {batch} does not fit: it needs {fmt_bytes(mem.total)} per chip (weights {fmt_bytes(mem.weights)}, "
+        f"KV cache {fmt_bytes(mem.kv_cache)}, activations+reserve {fmt_bytes(mem.activations + mem.reserved)}) "
+        f"but {chip.name} offers {fmt_bytes(mem.budget)} usable; largest batch that fits per replica is "
+        f"{max_batch_per_replica(m, chip, cfg, eff, w)}")

@@ -1,0 +1,128 @@
+"""Serving metrics at one batch: TTFT, TPOT, end-to-end latency, output tokens/s, memory, cost per token.
+
+Two batching modes:
+* "continuous" (default; Orca/vLLM iteration-level scheduling with chunked prefill, Sarathi-Serve): in steady
+  state each step decodes B sequences and prefills the prompts of the B/O requests that replace those finishing,
+  i.e. B*I/O prompt tokens per step. TPOT = that mixed step; throughput = B/TPOT per replica. A new request's
+  TTFT = its prompt in chunks of the step token budget, each chunk riding one mixed step.
+* "static" (book ch.7 'batched prefill + generate'; TensorRT-LLM gptSessionBenchmark): the B prompts prefill
+  together (TTFT), then O-1 decode steps at the mean context; throughput = B*O / e2e.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import MeshplanError
+from meshplan.infer.config import ServeConfig, Workload, serving_constant
+from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
+from meshplan.infer.step import StepCost, decode_step, prefill_step, step_cost
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class ServePoint:
+    """Metrics of one layout at one batch. `batch` is sequences in flight per replica."""
+
+    config: ServeConfig
+    mode: str
+    batch: int
+    replicas: int
+    n_chips: int
+    ttft_s: float
+    tpot_s: float
+    e2e_latency_s: float
+    throughput_tokens_per_s: float  # OUTPUT tokens/s of the whole deployment
+    input_tokens_per_s: float
+    input_time_fraction: float  # share of chip time spent on prompts (splits the cost)
+    memory: MemoryBreakdown
+    step: StepCost
+    price_per_chip_hour: float
+
+    @property
+    def throughput_per_chip(self) -> float:
+        return self.throughput_tokens_per_s / self.n_chips
+
+    @property
+    def deployment_batch(self) -> int:
+        return self.batch * self.replicas
+
+    def cost_per_million_tokens(self) -> dict[str, float]:
+        """Dollars per million input and output tokens at the catalog price, chip time split by the share
+        spent on prompts vs generation; `blended` divides by all tokens (book ch.8: price/3600/(tok/s/chip))."""
+        usd_per_s = self.n_chips * self.price_per_chip_hour / 3600.0
+        f = self.input_time_fraction
+        out = usd_per_s * (1 - f) / self.throughput_tokens_per_s * 1e6
+        inp = usd_per_s * f / self.input_tokens_per_s * 1e6 if self.input_tokens_per_s > 0 else 0.0
+        blended = usd_per_s / (self.throughput_tokens_per_s + self.input_tokens_per_s) * 1e6
+        return {"input": inp, "output": out, "blended": blended}
+
+    def as_dict(self) -> dict:
+        return {
+            "config": {**self.config.as_dict(), "replicas": self.replicas, "chips": self.n_chips},
+            "mode": self.mode,
+            "batch": self.batch,
+            "deployment_batch": self.deployment_batch,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_latency_s": self.e2e_latency_s,
+            "throughput_tokens_per_s": self.throughput_tokens_per_s,
+            "throughput_tokens_per_s_per_chip": self.throughput_per_chip,
+            "input_tokens_per_s": self.input_tokens_per_s,
+            "memory_bytes_per_chip": self.memory.as_dict(),
+            "fits": self.memory.fits,
+            "cost_per_million_tokens": self.cost_per_million_tokens(),
+            "decode_step": self.step.as_dict(),
+        }
+
+
+def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
+                    batch: int) -> float:
+    """A new prompt split into chunks of the step budget (minus the other sequences' decode tokens); each
+    chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill)."""
+    others = max(batch - 1, 0)
+    chunk = max(serving_constant("max_num_tokens", chip) - others, 1.0)
+    n_chunks = math.ceil(w.input_len / chunk)
+    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(w.input_len, chunk), w.input_len / 2.0,
+                  max(batch, 1))
+    return n_chunks * s.time_s
+
+
+def _continuous(m, chip, cfg, eff, w, batch):
+    prefill = batch * w.input_len / w.output_len  # steady state: B/O requests replaced per step
+    mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch)
+    pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch)
+    frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
+    return ttft, mixed.time_s, batch / mixed.time_s, frac, mixed
+
+
+def _static(m, chip, cfg, eff, w, batch):
+    pre = prefill_step(m, chip, cfg, eff, batch, w.input_len)
+    dec = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
+    e2e = pre.time_s + (w.output_len - 1) * dec.time_s
+    return pre.time_s, dec.time_s, batch * w.output_len / e2e, pre.time_s / e2e, dec
+
+
+def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
+             batch: int, mode: str = "continuous") -> ServePoint:
+    """Metrics of `batch` sequences per replica on every replica of the deployment."""
+    if mode not in MODES:
+        raise MeshplanError(f"unknown batching mode '{mode}' (known: {', '.join(MODES)})")
+    if batch <= 0:
+        raise MeshplanError(f"batch must be positive, got {batch}")
+    replicas = n_chips // cfg.chips_per_replica
+    ttft, tpot, per_replica, frac, step = (_continuous if mode == "continuous" else _static)(
+        m, chip, cfg, eff, w, batch)
+    out = replicas * per_replica
+    return ServePoint(
+        config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,
+        e2e_latency_s=ttft + (w.output_len - 1) * tpot, throughput_tokens_per_s=out,
+        input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
+        memory=memory_per_chip(m, chip, cfg, eff, batch, w.max_context), step=step,
+        price_per_chip_hour=chip.price_per_chip_hour)

@@ -1,0 +1,181 @@
+"""One engine step of a replica: decode tokens of `decode_seqs` sequences plus `prefill_tokens` prompt tokens.
+
+Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and latency terms):
+  T_stage = max(T_weights, T_matmul) + max(T_kv, T_attention) + T_collectives + T_kernels
+  T_weights   = weight bytes read / (W_hbm * hbm_fraction)          (every weight once per micro-batch)
+  T_matmul    = 2 * tokens * active params / (C * matmul efficiency(tokens))
+  T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2)
+  T_attention = 4 * tokens * context * N * H / (C * attention_fwd_fraction)
+  T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
+                 with latency terms (small-batch decode is latency-bound, ch.7 App. C)
+  T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
+With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
+  T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.infer.config import ServeConfig, kv_heads_per_chip, serving_constant
+from meshplan.infer.memory import kv_bytes_per_token_per_chip, layers_per_stage
+from meshplan.math.transformer import param_counts
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepCost:
+    time_s: float
+    parts: dict[str, float]  # seconds per step, by term (summing to time_s)
+    bound: str  # the largest term
+
+    def as_dict(self) -> dict:
+        return {"time_s": self.time_s, "parts": dict(self.parts), "bound": self.bound}
+
+
+@dataclass(frozen=True)
+class _LayerParams:
+    """One layer's parameters on one TP chip."""
+
+    dense: float  # attention, norms, router, shared experts (always read)
+    routed_expert: float  # one routed expert's share on this chip (0 for dense models)
+    n_routed: int  # E (0 for dense)
+    active: float  # parameters a token multiplies by (FLOP basis)
+
+
+@lru_cache(maxsize=256)
+def _layer_params(m: ModelConfig, tp: int) -> _LayerParams:
+    pc = param_counts(m)
+    D, H = m.d_model, m.head_dim
+    attn = 2 * D * m.q_dim / tp + 2 * D * H * kv_heads_per_chip(m, tp)
+    attn += (pc.per_layer_attention - 2 * D * m.q_dim - 2 * D * m.kv_dim) / tp + pc.per_layer_norms
+    if not m.is_moe:
+        mlp = pc.per_layer_mlp / tp
+        return _LayerParams(attn + mlp, 0.0, 0, attn + mlp)
+    expert = (3 if m.gated else 2) * D * m.d_ff  # book ch.4 MoE: E experts of 3DF
+    shared = pc.per_layer_mlp - m.n_experts * expert
+    dense = attn + (shared + pc.per_layer_router) / tp
+    return _LayerParams(dense, expert / tp, m.n_experts, attn + (pc.per_layer_mlp_active + pc.per_layer_router) / tp)
+
+
+def touched_experts(m: ModelConfig, tokens: float) -> float:
+    """Expected distinct routed experts hit by `tokens` tokens choosing k of E uniformly:
+    E * (1 - (1 - k/E)^tokens). Decode at small batch reads only these (the MoE memory-bound regime)."""
+    if not m.is_moe or tokens <= 0:
+        return 0.0
+    return m.n_experts * (1.0 - (1.0 - m.experts_per_token / m.n_experts) ** tokens)
+
+
+def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> float:
+    """Large-GEMM fraction (fp8 or bf16) times the thin-dimension penalty n/(n + d_half) (efficiency.py)."""
+    base = eff.fp8_peak_fraction if compute_dtype != "bf16" else eff.matmul_peak_fraction
+    return base * tokens / (tokens + eff.matmul_half_dim)
+
+
+def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
+    """All-reduce over `group` TP chips: the collectives model (ring/SHARP/torus with hop latency), or on GPUs
+    the engines' one-shot kernel for small messages (each GPU reads group-1 peer buffers over NVLink)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    from meshplan.cost.collectives import group_collective
+    from meshplan.cost.topology import make_cluster
+
+    t = group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
+    if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size \
+            and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
+        one_shot = serving_constant("custom_allreduce_latency_s", chip) \
+            + nbytes * (group - 1) / chip.links.nvlink_bandwidth_bytes_per_s
+        t = min(t, one_shot)
+    return t
+
+
+def _alltoall_s(chip: Chip, nbytes: float, group: int) -> float:
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    from meshplan.cost.collectives import group_collective
+    from meshplan.cost.topology import make_cluster
+
+    return group_collective("alltoall", nbytes, make_cluster(chip, group), group).time_s
+
+
+def _p2p_s(chip: Chip, cfg: ServeConfig, nbytes: float) -> float:
+    """Send one micro-batch's activations to the next stage (permute, book ch.3)."""
+    if cfg.pp <= 1 or nbytes <= 0:
+        return 0.0
+    from meshplan.cost.collectives import group_collective
+    from meshplan.cost.topology import make_cluster
+
+    n = cfg.tp * cfg.pp
+    return group_collective("permute", nbytes / cfg.tp, make_cluster(chip, n), cfg.pp, cfg.tp).time_s
+
+
+def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> float:
+    """Collectives of one layer: attention-out all-reduce; MLP-out all-reduce, or for MoE with ep > 1 the
+    dispatch and combine all-to-alls (k copies of each token, DeepSpeed-MoE/GShard) plus an all-reduce
+    over the tp/ep chips sharing each expert."""
+    act = tokens * m.d_model * cfg.act_bytes
+    t = _allreduce_s(chip, cfg, act, cfg.tp)
+    if m.is_moe and cfg.ep > 1:
+        t += 2 * _alltoall_s(chip, act * m.experts_per_token, cfg.ep)
+        t += _allreduce_s(chip, cfg, act, cfg.tp // cfg.ep)
+    else:
+        t += _allreduce_s(chip, cfg, act, cfg.tp)
+    return t
+
+
+def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
+                decode_ctx: float, prefill_tokens: float, prefill_ctx: float) -> dict[str, float]:
+    """Seconds of each term for one micro-batch through one pipeline stage."""
+    Ls = layers_per_stage(m, cfg.pp)
+    lp = _layer_params(m, cfg.tp)
+    tokens = decode_seqs + prefill_tokens
+    W = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
+    cdt = cfg.compute_dtype(chip)
+    # weights streamed: every layer (routed experts only where hit) and the vocab-sharded output projection;
+    # the embedding table is a gather of a few rows, not a read of the table
+    weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / cfg.tp
+    kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
+    mm_flops = 2.0 * tokens * (Ls * lp.active + m.d_model * m.vocab_size / cfg.tp)
+    attn_flops = 4.0 * Ls * m.n_heads / cfg.tp * m.head_dim * (decode_seqs * decode_ctx + prefill_tokens * prefill_ctx)
+    t_w = weights * cfg.weight_bytes / W
+    t_mm = mm_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens)) if tokens > 0 else 0.0
+    t_kv = kv_bytes / W
+    t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
+    kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
+    return {
+        "weights": t_w if t_w >= t_mm else 0.0,
+        "compute": t_mm if t_mm > t_w else 0.0,
+        "kv_cache": t_kv if t_kv >= t_attn else 0.0,
+        "attention": t_attn if t_attn > t_kv else 0.0,
+        "collectives": Ls * _layer_comm_s(m, chip, cfg, tokens),
+        "kernel_overhead": kernels,
+        "pipeline_p2p": _p2p_s(chip, cfg, tokens * m.d_model * cfg.act_bytes),
+    }
+
+
+def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
+              decode_ctx: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
+              sequences: float | None = None) -> StepCost:
+    """One engine step of a replica. `sequences` (default: decode_seqs, at least 1) sets the PP micro-batches."""
+    seqs = max(sequences if sequences is not None else decode_seqs, 1.0)
+    mb = min(float(cfg.pp), seqs)
+    stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx)
+    parts = {k: cfg.pp * v for k, v in stage.items()}
+    parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip)
+    total = sum(parts.values())
+    return StepCost(total, parts, max(parts, key=parts.get))
+
+
+def decode_step(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, batch: float,
+                context: float) -> StepCost:
+    """A pure decode step: `batch` sequences each attending `context` cached tokens."""
+    return step_cost(m, chip, cfg, eff, batch, context)
+
+
+def prefill_step(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, sequences: float,
+                 prompt_len: float) -> StepCost:
+    """Prefill of `sequences` prompts of `prompt_len` tokens in one pass (causal: average context T/2)."""
+    return step_cost(m, chip, cfg, eff, 0.0, 0.0, sequences * prompt_len, prompt_len / 2.0, sequences)

@@ -1,0 +1,441 @@
+"""`meshplan calibrate`: microbenchmarks on the local accelerator(s), fitted to the efficiency model.
+
+Benchmarks (each a named task over a grid, timed by `measure.timing`):
+  matmul       [m,k]·[k,n] in bf16 (fp8 where the chip has it) over square and thin shapes
+  hbm          a large elementwise copy y = a·x + b: bytes read plus bytes written
+  attention    jax.nn.dot_product_attention, causal, at several lengths: forward and forward+backward
+  host         host→device (jax.device_put) and device→host (jax.device_get) bandwidth
+  overhead     a chain of tiny dependent matmuls: the fixed cost of one more kernel
+  layer        one decoder layer of the reference JAX model (measure/jaxmodel.py), forward and backward
+  collectives  all-reduce (psum) and all-gather across every device (all processes) under shard_map
+
+Fits (relative to the chip's catalog peaks, book ch.1): matmul_peak_fraction and matmul_half_dim by least
+squares of fraction = p·d/(d + d_half) over d = min(m, n, k); fp8_peak_fraction at the largest shape;
+hbm_fraction from the largest copy; attention_fwd/bwd_fraction at the longest lengths (causal FLOPs, the
+backward counted as attention_bwd_flops_ratio × forward, as the planner counts it); kernel_overhead_s from the
+slope of the tiny-op chain. Fields not measured keep their defaults and are marked so in the profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshplan.cost.efficiency import PROFILE_SCHEMA, default_efficiency
+from meshplan.math import transformer as tm
+from meshplan.measure.timing import Timing, auto_inner, random_inputs, time_fn, time_host
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig, load_model
+
+BENCHMARKS = ("matmul", "hbm", "attention", "host", "overhead", "layer", "collectives")
+MiB = 2**20
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure and how often: one per (platform, quick/full)."""
+
+    matmul_square: tuple[int, ...]
+    matmul_thin: tuple[int, ...]  # m of [m, big]·[big, big]
+    matmul_big: int
+    fp8_square: tuple[int, ...]
+    dtype: str
+    hbm_bytes: tuple[int, ...]
+    attn_lengths: tuple[int, ...]
+    attn_tokens: int  # batch × length per call
+    attn_heads: int
+    head_dim: int
+    host_bytes: int
+    collective_bytes: tuple[int, ...]
+    layer_seq: int
+    repeats: int
+    target_s: float  # each timed batch lasts about this long
+
+
+GPU_QUICK = Grid((512, 1024, 2048, 4096, 8192), (64, 128, 256, 512, 1024, 2048), 8192, (2048, 4096, 8192),
+                 "bfloat16", (256 * MiB, 1024 * MiB), (1024, 2048, 4096, 8192), 16384, 16, 128, 256 * MiB,
+                 (1 * MiB, 16 * MiB, 256 * MiB), 4096, 5, 0.01)
+GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384),
+                   matmul_thin=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096), fp8_square=(1024, 2048, 4096, 8192, 16384),
+                   hbm_bytes=(64 * MiB, 256 * MiB, 1024 * MiB, 4096 * MiB), attn_lengths=(512, 1024, 2048, 4096, 8192, 16384),
+                   host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
+                   repeats=15, target_s=0.05)
+CPU_QUICK = Grid((32, 64, 128, 256), (8, 16, 32), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128, 256), 256,
+                 4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 128, 3, 0.002)
+CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
+                   matmul_big=512, hbm_bytes=(16 * MiB, 64 * MiB), attn_lengths=(128, 256, 512, 1024), attn_tokens=1024,
+                   repeats=7, target_s=0.02)
+
+
+def grid_for(platform: str, quick: bool) -> Grid:
+    if platform == "cpu":
+        return CPU_QUICK if quick else CPU_FULL
+    return GPU_QUICK if quick else GPU_FULL
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a benchmark needs: the chip it is compared with, the grid, the layer's model."""
+
+    chip: Chip
+    grid: Grid
+    platform: str
+    model: ModelConfig
+
+
+def _record(bench: str, name: str, t: Timing, peak: float, work: float, unit: str, **extra: Any) -> Record:
+    """One measurement: `work` FLOPs or bytes in `t.median_s`, achieved rate and its fraction of `peak`."""
+    achieved = work / t.median_s
+    return {"benchmark": bench, "name": name, "time_s": t.median_s, "work": work, "unit": unit,
+            "achieved_per_s": achieved, "peak_per_s": peak, "fraction": achieved / peak if peak else None,
+            "timing": t.as_dict(), **extra}
+
+
+def _timed(fn: Callable, specs: list[tuple[tuple[int, ...], Any]], grid: Grid, sharding: Any = None) -> Timing:
+    def make(seed: int) -> tuple:
+        return random_inputs(seed, specs, sharding)
+
+    nbytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs)
+    inner = auto_inner(fn, make, grid.target_s, nbytes)
+    return time_fn(fn, make, warmup=1, repeats=grid.repeats, inner=inner)
+
+
+# --- matmul ----------------------------------------------------------------------------------------
+
+def _matmul_fn(out_dtype: Any) -> Callable:
+    return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out_dtype))
+
+
+def matmul_shapes(grid: Grid) -> list[tuple[int, int, int]]:
+    """(m, n, k): squares, then thin m against a big square weight."""
+    return [(d, d, d) for d in grid.matmul_square] + [(m, grid.matmul_big, grid.matmul_big) for m in grid.matmul_thin]
+
+
+def bench_matmul(ctx: Context) -> list[Record]:
+    out = []
+    dt = jnp.dtype(ctx.grid.dtype)
+    for m, n, k in matmul_shapes(ctx.grid):
+        t = _timed(_matmul_fn(dt), [((m, k), dt), ((k, n), dt)], ctx.grid)
+        out.append(_record("matmul", f"{m}x{n}x{k}", t, ctx.chip.peak("bf16"), 2.0 * m * n * k, "FLOP",
+                           dtype=str(dt), m=m, n=n, k=k))
+    return out + bench_fp8(ctx)
+
+
+def bench_fp8(ctx: Context) -> list[Record]:
+    """fp8 (e4m3) GEMMs with bf16 output, where the chip has an fp8 unit and XLA runs it."""
+    if ctx.platform != "gpu" or "fp8" not in ctx.chip.peak_flops_per_s or not ctx.grid.fp8_square:
+        return []
+    f8 = jnp.float8_e4m3fn
+    out = []
+    for d in ctx.grid.fp8_square:
+        try:
+            t = _timed(_matmul_fn(jnp.bfloat16), [((d, d), f8), ((d, d), f8)], ctx.grid)
+        except Exception as exc:  # noqa: BLE001 - an XLA build without fp8 GEMMs: record and go on
+            return out + [{"benchmark": "matmul", "name": f"fp8 {d}", "skipped": str(exc).splitlines()[0]}]
+        out.append(_record("matmul", f"fp8 {d}x{d}x{d}", t, ctx.chip.peak("fp8"), 2.0 * d**3, "FLOP",
+                           dtype="float8_e4m3fn", m=d, n=d, k=d))
+    return out
+
+
+# --- memory, host, overhead ------------------------------------------------------------------------
+
+def bench_hbm(ctx: Context) -> list[Record]:
+    """y = 1.5·x + 0.5 over a large fp32 array: reads and writes every byte once."""
+    fn = jax.jit(lambda x: x * 1.5 + 0.5)
+    out = []
+    for nbytes in ctx.grid.hbm_bytes:
+        t = _timed(fn, [((nbytes // 4,), jnp.float32)], ctx.grid)
+        out.append(_record("hbm", f"copy {nbytes // MiB} MiB", t, ctx.chip.hbm_bandwidth_bytes_per_s,
+                           2.0 * nbytes, "B", bytes=nbytes))
+    return out
+
+
+def bench_host(ctx: Context) -> list[Record]:
+    """Host→device with jax.device_put, device→host with jax.device_get, fresh host data each repeat."""
+    n = ctx.grid.host_bytes // 4
+    dev = jax.local_devices()[0]
+    peak = ctx.chip.host_bandwidth_bytes_per_s
+
+    def host_data(seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+
+    def dev_data(seed: int) -> jax.Array:
+        return random_inputs(seed, [((n,), jnp.float32)])[0]
+
+    h2d = time_host(host_data, lambda x: jax.device_put(x, dev).block_until_ready(), repeats=ctx.grid.repeats)
+    d2h = time_host(dev_data, lambda x: np.asarray(jax.device_get(x)), repeats=ctx.grid.repeats)
+    note = "the CPU backend may alias host buffers: not a transfer" if ctx.platform == "cpu" else ""
+    return [_record("host", f"host->device {ctx.grid.host_bytes // MiB} MiB", h2d, peak, 4.0 * n, "B", note=note),
+            _record("host", f"device->host {ctx.grid.host_bytes // MiB} MiB", d2h, peak, 4.0 * n, "B", note=note)]
+
+
+def _chain(n: int) -> Callable:
+    def f(x, w):
+        for _ in range(n):
+            x = jnp.tanh(x @ w)
+        return x
+
+    return jax.jit(f)
+
+
+def bench_overhead(ctx: Context) -> list[Record]:
+    """Kernels per program 1 and 65 (each a dependent 32×32 matmul + tanh): the slope is one kernel's cost."""
+    specs = [((32, 32), jnp.float32), ((32, 32), jnp.float32)]
+    t1, t65 = (_timed(_chain(n), specs, ctx.grid) for n in (1, 65))
+    per_kernel = max((t65.median_s - t1.median_s) / 64, 0.0)
+    return [{"benchmark": "overhead", "name": "program of 1 tiny kernel", "time_s": t1.median_s,
+             "timing": t1.as_dict()},
+            {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": t65.median_s,
+             "timing": t65.as_dict(), "per_kernel_s": per_kernel}]
+
+
+# --- attention -------------------------------------------------------------------------------------
+
+def attention_impl(platform: str, dtype: Any) -> str:
+    """cuDNN flash attention on NVIDIA GPUs when it compiles, else XLA's."""
+    if platform != "gpu":
+        return "xla"
+    try:
+        q = jnp.ones((1, 128, 2, 64), dtype)
+        jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn"))(q)
+        return "cudnn"
+    except Exception:  # noqa: BLE001 - no cuDNN attention in this build or for this GPU
+        return "xla"
+
+
+def _attention_fns(impl: str) -> tuple[Callable, Callable]:
+    def fwd(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+    def fwd_bwd(q, k, v, do):
+        _, vjp = jax.vjp(fwd, q, k, v)
+        return vjp(do)
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def bench_attention(ctx: Context) -> list[Record]:
+    g = ctx.grid
+    dt = jnp.dtype(g.dtype)
+    impl = attention_impl(ctx.platform, dt)
+    fwd, fwd_bwd = _attention_fns(impl)
+    peak = ctx.chip.peak("bf16")
+    out = []
+    for T in g.attn_lengths:
+        B = max(1, g.attn_tokens // T)
+        shape = (B, T, g.attn_heads, g.head_dim)
+        flops = 4.0 * B * T * (T / 2.0) * g.attn_heads * g.head_dim  # causal forward: QKᵀ and AV
+        tf = _timed(fwd, [(shape, dt)] * 3, g)
+        tfb = _timed(fwd_bwd, [(shape, dt)] * 4, g)
+        extra = {"impl": impl, "dtype": str(dt), "batch": B, "seq": T, "heads": g.attn_heads, "head_dim": g.head_dim}
+        out.append(_record("attention", f"fwd T={T}", tf, peak, flops, "FLOP", **extra))
+        out.append(_record("attention", f"fwd+bwd T={T}", tfb, peak, flops, "FLOP", **extra,
+                           bwd_time_s=max(tfb.median_s - tf.median_s, 1e-9)))
+    return out
+
+
+# --- one decoder layer of the reference model ------------------------------------------------------
+
+def layer_model(ctx: Context) -> ModelConfig:
+    """The model whose layer is timed; on the CPU a narrow copy, so CI stays fast."""
+    m = ctx.model.with_overrides(n_layers=1)
+    if ctx.platform == "cpu":
+        m = m.with_overrides(name=f"{m.name} (narrowed for CPU)", d_model=256, n_heads=4, n_kv_heads=2,
+                             head_dim=64, d_ff=768, n_experts=0, experts_per_token=0)
+    return m
+
+
+def _layer_fns(model: ModelConfig, seq: int) -> tuple[Callable, Callable, Any]:
+    from meshplan.measure import jaxmodel as jm
+    from meshplan.measure.layout import Layout
+
+    layout = Layout()
+    sh = jm.make_sharder(layout, model, jm.make_mesh(layout, jax.local_devices()[:1]))
+    pos = jnp.arange(seq, dtype=jnp.int32)
+
+    def fwd(lp, x):
+        return jm.decoder_layer(lp, x, pos, model, sh, "none")
+
+    def fwd_bwd(lp, x, dy):
+        _, vjp = jax.vjp(fwd, lp, x)
+        return vjp(dy)
+
+    shapes = jm.param_shapes(model)["layers"][0]
+    return jax.jit(fwd), jax.jit(fwd_bwd), shapes
+
+
+def bench_layer(ctx: Context) -> list[Record]:
+    m, g = layer_model(ctx), ctx.grid
+    dt = jnp.dtype(g.dtype)
+    fwd, fwd_bwd, shapes = _layer_fns(m, g.layer_seq)
+    names = list(shapes)
+    x_shape = (1, g.layer_seq, m.d_model)
+
+    def make(seed: int, cot: bool) -> tuple:
+        specs = [(shapes[n], dt) for n in names] + [(x_shape, dt)] * (2 if cot else 1)
+        arrs = random_inputs(seed, specs)
+        lp = {n: a * (0.02 if len(a.shape) > 1 else 1.0) for n, a in zip(names, arrs, strict=False)}
+        return (lp, *arrs[len(names):])
+
+    flops = g.layer_seq * (2.0 * (tm.matmul_params_active(m) - m.d_model * m.vocab_size)
+                           + tm.attention_flops_per_token(m, g.layer_seq))
+    tf = time_fn(fwd, lambda s: make(s, False), warmup=1, repeats=g.repeats)
+    tfb = time_fn(fwd_bwd, lambda s: make(s, True), warmup=1, repeats=g.repeats)
+    extra = {"model": m.name, "seq": g.layer_seq, "batch": 1, "dtype": str(dt)}
+    peak = ctx.chip.peak("bf16")
+    return [_record("layer", f"{m.name} fwd", tf, peak, flops, "FLOP", **extra),
+            _record("layer", f"{m.name} fwd+bwd", tfb, peak, 3 * flops, "FLOP", **extra)]
+
+
+# --- collectives across every device (all processes) -----------------------------------------------
+
+def bench_collectives(ctx: Context) -> list[Record]:
+    """psum and all_gather over a 1-D mesh of all devices. Sizes are per-device buffers (all-reduce) and the
+    full gathered array (all-gather, DESIGN.md's X). busbw follows NCCL: 2(n−1)/n·X/t and (n−1)/n·X/t."""
+    n = jax.device_count()
+    if n < 2:
+        return []
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    kinds = {"all-reduce": (lambda a: jax.lax.psum(a, "x"), P("x"), 2.0 * (n - 1) / n, 1),
+             "all-gather": (lambda a: jax.lax.all_gather(a, "x", tiled=True), P(), (n - 1) / n, n)}
+    out = []
+    for kind, (body, out_spec, bus, split) in kinds.items():
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_spec))
+        for nbytes in ctx.grid.collective_bytes:
+            local = max(nbytes // 4 // split, 1)  # elements each device contributes
+            t = _timed(fn, [((n * local,), jnp.float32)], ctx.grid, sharding)
+            x = 4.0 * local * split  # DESIGN.md's X: the reduced buffer, or the full gathered array
+            out.append(_record("collectives", f"{kind} {_fmt_size(x)} over {n}", t, 0.0, x, "B", collective=kind,
+                               devices=n, processes=jax.process_count(), bytes=x,
+                               bus_bytes_per_s=bus * x / t.median_s))
+    return out
+
+
+def _fmt_size(nbytes: float) -> str:
+    return f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes / 1024:.0f} KiB"
+
+
+BENCH_FNS: dict[str, Callable[[Context], list[Record]]] = {
+    "matmul": bench_matmul, "hbm": bench_hbm, "attention": bench_attention, "host": bench_host,
+    "overhead": bench_overhead, "layer": bench_layer, "collectives": bench_collectives}
+
+
+def make_context(chip: Chip, platform: str, quick: bool, model: str | None) -> Context:
+    return Context(chip, grid_for(platform, quick), platform, load_model(model or "llama3.2-1b"))
+
+
+# --- fitting ---------------------------------------------------------------------------------------
+
+def fit_half_dim(d: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least squares of y = p·d/(d + h) over (p, h): p is closed-form for each h on a log grid, refined
+    once around the best h. Returns (p, h, rms error)."""
+    def best(hs: np.ndarray) -> tuple[float, float, float]:
+        x = d[None, :] / (d[None, :] + hs[:, None])
+        p = (x * y).sum(1) / (x * x).sum(1)
+        sse = ((p[:, None] * x - y) ** 2).sum(1)
+        i = int(np.argmin(sse))
+        return float(p[i]), float(hs[i]), float(np.sqrt(sse[i] / len(d)))
+
+    _, h, _ = best(np.logspace(-1, 5, 241))
+    return best(np.linspace(h / 1.06, h * 1.06, 101))
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs))
+
+
+def fit_matmul(recs: list[Record]) -> dict[str, Any]:
+    pts = [(min(r["m"], r["n"], r["k"]), r["fraction"]) for r in recs if r.get("dtype") != "float8_e4m3fn"]
+    if len(pts) < 2:
+        return {}
+    d, y = (np.array(v, dtype=float) for v in zip(*pts, strict=True))
+    if len(set(d.tolist())) < 2:
+        return {"matmul_peak_fraction": float(y.max())}
+    p, h, rms = fit_half_dim(d, y)
+    return {"matmul_peak_fraction": p, "matmul_half_dim": h,
+            "_curve": {"model": "fraction = p * d / (d + d_half), d = min(m, n, k)", "peak_fraction": p,
+                       "half_dim": h, "rms_error": rms, "points": [[float(a), float(b)] for a, b in pts]}}
+
+
+def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float], dict[str, Any]]:
+    """Efficiency fields measured from the records, and the fitted curves behind them."""
+    by: dict[str, list[Record]] = {}
+    for r in records:
+        if "skipped" not in r:
+            by.setdefault(r["benchmark"], []).append(r)
+    out: dict[str, float] = {}
+    curves: dict[str, Any] = {}
+    mm = fit_matmul(by.get("matmul", []))
+    if "_curve" in mm:
+        curves["matmul"] = mm.pop("_curve")
+    out.update(mm)
+    fp8 = [r for r in by.get("matmul", []) if r.get("dtype") == "float8_e4m3fn"]
+    if fp8:
+        out["fp8_peak_fraction"] = max(fp8, key=lambda r: r["m"])["fraction"]
+    if by.get("hbm"):
+        out["hbm_fraction"] = max(by["hbm"], key=lambda r: r["bytes"])["fraction"]
+    out.update(_fit_attention(by.get("attention", []), chip, curves))
+    ovh = [r for r in by.get("overhead", []) if "per_kernel_s" in r]
+    if ovh:
+        out["kernel_overhead_s"] = ovh[0]["per_kernel_s"]
+    return out, curves
+
+
+def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any]) -> dict[str, float]:
+    """Fractions at the two longest lengths (flash attention's efficiency plateaus with length)."""
+    if not recs:
+        return {}
+    ratio = default_efficiency(chip).attention_bwd_flops_ratio
+    peak = chip.peak("bf16")
+    longest = sorted({r["seq"] for r in recs})[-2:]
+    fwd = [r["fraction"] for r in recs if r["name"].startswith("fwd T") and r["seq"] in longest]
+    bwd = [r["work"] * ratio / (r["bwd_time_s"] * peak) for r in recs if "bwd_time_s" in r and r["seq"] in longest]
+    curves["attention"] = {"impl": recs[0]["impl"], "lengths": longest, "bwd_flops_ratio": ratio,
+                           "fwd": {str(r["seq"]): r["fraction"] for r in recs if r["name"].startswith("fwd T")},
+                           "bwd": {str(r["seq"]): r["work"] * ratio / (r["bwd_time_s"] * peak)
+                                   for r in recs if "bwd_time_s" in r}}
+    return {"attention_fwd_fraction": _median(fwd), "attention_bwd_fraction": _median(bwd)}
+
+
+def build_profile(chip: Chip, records: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
+    """The meshplan-profile/1 JSON object: every efficiency field (measured or default, marked which)."""
+    measured, curves = fit_efficiency(records, chip)
+    base = default_efficiency(chip).as_dict()
+    base.pop("origin", None)
+    eff = {k: float(measured.get(k, v)) for k, v in base.items()}
+    origin = {k: ("measured" if k in measured else "default") for k in base}
+    cpu = meta.get("platform") == "cpu"
+    profile: dict[str, Any] = {"schema": PROFILE_SCHEMA, "chip": chip.name,
+                               "device_kind": "cpu" if cpu else meta.get("device_kind")}
+    if cpu:
+        profile["cpu_only"] = True
+        profile["warning"] = (f"measured on the CPU and labelled {chip.name} by --hardware: these numbers say "
+                              f"nothing about a {chip.name}")
+    profile.update({"efficiency": eff, "efficiency_origin": origin, "fitted_curves": curves, **meta,
+                    "benchmarks": records})
+    return profile
+
+
+def run_benchmarks(ctx: Context, names: list[str], on_done: Callable[[str, int], None] | None = None) -> list[Record]:
+    """Run the named benchmarks in order. One that fails (an OOM, a missing kernel) is recorded as skipped
+    with its reason, and the rest go on."""
+    records: list[Record] = []
+    for name in names:
+        try:
+            recs = BENCH_FNS[name](ctx)
+        except Exception as exc:  # noqa: BLE001 - keep the other measurements
+            recs = [{"benchmark": name, "name": name, "skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}]
+        records.extend(recs)
+        if on_done:
+            on_done(name, len(recs))
+    return records

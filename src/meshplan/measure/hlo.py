@@ -1,0 +1,199 @@
+"""Read an optimized HLO module's text: every collective (kind, bytes, group, mesh axes) and every dot's FLOPs.
+
+Pure Python and numpy (no JAX): it parses `compiled.as_text()`. Bytes follow the `meshplan collective`
+convention: the full (gathered, unreduced) array size X per device, so an all-gather counts its result, a
+reduce-scatter its operand (result × group size), an all-reduce / all-to-all / collective-permute their
+operand. `wire_bytes` adds what a ring sends per device: X(n−1)/n, 2X(n−1)/n for all-reduce, X for a permute.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2, "u16": 2,
+               "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = ")
+_ARRAY = re.compile(r"(?P<dt>[a-z]+\d*(?:e\dm\d\w*)?)\[(?P<dims>[\d,]*)\]")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the per-device program."""
+
+    kind: str  # one of COLLECTIVES (async -start/-done folded into the kind)
+    name: str
+    dtype: str
+    bytes: float  # full array size X per device
+    group_size: int
+    axes: tuple[str, ...]  # mesh axes its groups span
+    op_name: str  # the JAX op it came from (metadata)
+
+    @property
+    def wire_bytes(self) -> float:
+        n = self.group_size
+        if self.kind == "collective-permute":
+            return self.bytes
+        factor = 2.0 if self.kind == "all-reduce" else 1.0
+        return factor * self.bytes * (n - 1) / max(n, 1)
+
+
+def _split_instr(line: str) -> tuple[str, str, str, str] | None:
+    """(name, shape text, opcode, rest) of one instruction line, or None."""
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape: find the matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                shape, rest = rest[: i + 1], rest[i + 1:]
+                break
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([a-z][\w\-]*)\(", rest)
+    if not op:
+        return None
+    return m.group("name"), shape, op.group(1), rest[op.end():]
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """[(dtype, dims)] of every array in a shape text (a tuple gives several)."""
+    out = []
+    for m in _ARRAY.finditer(shape):
+        if m.group("dt") in DTYPE_BYTES:
+            out.append((m.group("dt"), tuple(int(d) for d in m.group("dims").split(",") if d)))
+    return out
+
+
+def shape_bytes(shape: str) -> float:
+    return float(sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in arrays(shape)))
+
+
+# --- replica groups ------------------------------------------------------------------------------
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _mesh_groups(text: str) -> np.ndarray | None:
+    """`mesh['axis_0'=2,'axis_1'=4] {'axis_1'}` with optional `device_ids=([2,4]T(1,0))`."""
+    m = re.search(r"mesh\[(?P<axes>[^\]]*)\](?:, device_ids=\((?P<ids>[^)]*\)?)\))? \{(?P<sel>[^}]*)\}", text)
+    if not m:
+        return None
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group("axes"))
+    names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+    ids = np.arange(math.prod(sizes))
+    if m.group("ids"):
+        it = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group("ids"))
+        if it:
+            ids = _iota(_ints(it.group(1)), _ints(it.group(2)) if it.group(2) else None).reshape(-1)
+    grid = ids.reshape(sizes)
+    sel = [names.index(s) for s in re.findall(r"'([^']+)'", m.group("sel")) if s in names]
+    rest = [i for i in range(len(names)) if i not in sel]
+    size = math.prod(sizes[i] for i in sel) if sel else 1
+    return grid.transpose(rest + sel).reshape(-1, size)
+
+
+def replica_groups(rest: str, n_devices: int) -> np.ndarray:
+    """Device-id groups [n_groups, group_size] from an instruction's attributes (all HLO spellings)."""
+    mg = _mesh_groups(rest)
+    if mg is not None:
+        return mg
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        ids = _iota(_ints(m.group(3)), _ints(m.group(4)) if m.group(4) else None)
+        return ids.reshape(int(m.group(1)), int(m.group(2)))
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
+    if m:
+        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        if groups and all(len(g) == len(groups[0]) for g in groups) and groups[0]:
+            return np.array(groups)
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+    if m:
+        return np.array([_ints(p) for p in re.findall(r"\{([\d,]+)\}?", m.group(1) + "}")])
+    return np.arange(n_devices).reshape(1, -1)  # replica_groups={} : everyone
+
+
+def group_axes(groups: np.ndarray, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes along which the members of the groups differ."""
+    varying: set[int] = set()
+    for g in groups:
+        cs = np.array([coords[int(d)] for d in g if int(d) in coords])
+        if len(cs) > 1:
+            varying |= {i for i in range(cs.shape[1]) if len(set(cs[:, i])) > 1}
+    return tuple(axis_names[i] for i in sorted(varying))
+
+
+# --- the module ----------------------------------------------------------------------------------
+
+def _kind(op: str) -> str | None:
+    base = op.removesuffix("-start")
+    return base if base in COLLECTIVES and not op.endswith("-done") else None
+
+
+def _collective_bytes(kind: str, op: str, shape: str, group: int) -> tuple[str, float]:
+    arrs = arrays(shape)
+    if op.endswith("-start") and len(arrs) > 1:
+        # async start returns (operands..., results..., context): take the results (the larger half for
+        # an all-gather, the first array for the others)
+        sizes = [DTYPE_BYTES[dt] * math.prod(d) for dt, d in arrs if d]
+        total = max(sizes) if kind == "all-gather" else sizes[0]
+    else:
+        total = sum(DTYPE_BYTES[dt] * math.prod(d) for dt, d in arrs)
+    if kind == "reduce-scatter":
+        total *= group
+    return (arrs[0][0] if arrs else "?"), float(total)
+
+
+def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...]) -> list[Collective]:
+    """Every collective in the module. `coords`: device id → mesh coordinates of that device."""
+    out = []
+    for line in hlo_text.splitlines():
+        parts = _split_instr(line)
+        if not parts or not _kind(parts[2]):
+            continue
+        name, shape, op, rest = parts
+        kind = _kind(op)
+        groups = replica_groups(rest, len(coords))
+        gsize = 2 if kind == "collective-permute" else groups.shape[1]
+        dtype, nbytes = _collective_bytes(kind, op, shape, gsize)
+        meta = re.search(r'op_name="([^"]*)"', rest)
+        out.append(Collective(kind, name, dtype, nbytes, gsize, group_axes(groups, coords, axis_names),
+                              meta.group(1) if meta else ""))
+    return out
+
+
+def dot_flops(hlo_text: str) -> float:
+    """2 × (result elements) × (contracted size) summed over every dot, fused or not (book ch.4)."""
+    shapes: dict[str, str] = {}
+    dots: list[tuple[str, str]] = []
+    for line in hlo_text.splitlines():
+        parts = _split_instr(line)
+        if not parts:
+            continue
+        name, shape, op, rest = parts
+        shapes[name] = shape
+        if op == "dot":
+            dots.append((shape, rest))
+    total = 0.0
+    for shape, rest in dots:
+        lhs = re.match(r"\s*(?:[a-z0-9]+\[[\d,]*\]\{[\d,]*\}\s+)?%([\w.\-]+)", rest)
+        cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        lhs_dims = arrays(shapes.get(lhs.group(1), "") if lhs else "")
+        if not lhs_dims:
+            continue
+        contracted = math.prod(lhs_dims[0][1][i] for i in _ints(cdims.group(1))) if cdims else 1
+        total += 2.0 * math.prod(arrays(shape)[0][1]) * contracted
+    return total

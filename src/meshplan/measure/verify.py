@@ -1,0 +1,181 @@
+"""`meshplan verify`: compile a layout as a sharded JAX training step and compare XLA with the prediction.
+
+Two sides, kept apart:
+- `predict_verify_quantities` derives per-device FLOPs, collective bytes per kind and memory from meshplan's
+  own math (meshplan.math.transformer; book ch.4–5; Korthikanti et al. 2022) and the layout — never from
+  the compiled program.
+- `measure_compiled` reads the compiled program: `cost_analysis()` FLOPs, the FLOPs of every dot in the
+  optimized HLO, `memory_analysis()`, and every collective in the HLO text (see meshplan.measure.hlo).
+
+JAX is imported only inside the functions that need it, after `ensure_host_devices` has set XLA_FLAGS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.math import transformer as tm
+from meshplan.measure.hlo import COLLECTIVES, Collective, dot_flops, parse_collectives
+from meshplan.measure.layout import Layout
+from meshplan.specs.model import ModelConfig
+
+BYTES_PER_ELEMENT = 4.0  # the CPU reference model runs in float32 (params, activations and collectives)
+JAX_MISSING = "meshplan verify needs the jax extra: pip install 'meshplan[jax]'"
+
+
+# --- setting up JAX ------------------------------------------------------------------------------
+
+def ensure_host_devices(n: int) -> None:
+    """Ask XLA for n simulated CPU devices. Must run before JAX is first imported."""
+    if "jax" in sys.modules:
+        import jax
+
+        if len(jax.devices("cpu")) < n:
+            raise MeshplanError(f"JAX was imported with {len(jax.devices('cpu'))} CPU devices; verify needs {n} "
+                                f"(set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax)")
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
+
+
+def import_jax() -> Any:
+    try:
+        import jax
+    except ImportError:
+        raise MeshplanError(JAX_MISSING) from None
+    return jax
+
+
+# --- models for a CPU ----------------------------------------------------------------------------
+
+def reference_model(m: ModelConfig) -> ModelConfig:
+    """The LLaMA-style architecture the JAX reference builds: RMSNorm, RoPE, no biases, no shared experts."""
+    return m.with_overrides(norm="rmsnorm", position="rotary", linear_bias=False, qkv_bias=False,
+                            n_shared_experts=0, shared_expert_d_ff=0)
+
+
+def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int = 512) -> ModelConfig:
+    """Shrink a model for a CPU, keeping its shape ratios: N/K (GQA group), F/D, E and k.
+    Defaults give L=2, D=256, N=8, H=32, F=2D·(F/D of the original, rounded to 64), V=512."""
+    n_heads = 8
+    group = max(1, min(m.gqa_group, n_heads))
+    d_ff = max(64, round(d_model * m.d_ff / m.d_model / 64) * 64)
+    experts = min(m.n_experts, 8) if m.is_moe else 0
+    return reference_model(m).with_overrides(
+        name=f"{m.name}-tiny", n_layers=layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_heads // group,
+        head_dim=d_model // n_heads, d_ff=d_ff, vocab_size=vocab, n_experts=experts,
+        experts_per_token=min(m.experts_per_token, experts) if experts else 0, tied_embeddings=m.tied_embeddings)
+
+
+# --- the prediction (formulas only) --------------------------------------------------------------
+
+def _weight_bytes(m: ModelConfig, layout: Layout, b: float) -> dict[str, float]:
+    """Bytes of each weight group on one device after TP/EP sharding (before FSDP), from param_counts."""
+    pc = tm.param_counts(m)
+    tp, ep = layout.tp, layout.ep
+    kv_tp = tp if m.n_kv_heads % tp == 0 else 1
+    D = m.d_model
+    attn = (2 * D * m.q_dim) / tp + (2 * D * m.kv_dim) / kv_tp
+    experts = m.n_experts * (3 if m.gated else 2) * D * m.d_ff if m.is_moe else 0
+    mlp = experts / ep + pc.per_layer_router if m.is_moe else pc.per_layer_mlp / tp
+    norms = pc.per_layer_norms
+    return {"layers": b * m.n_layers * (attn + mlp + norms), "embedding": b * pc.embedding / tp,
+            "unembedding": b * pc.unembedding / tp, "final_norm": b * pc.final_norm,
+            "norms": b * (m.n_layers * norms + pc.final_norm),
+            "experts": b * m.n_layers * experts / ep}
+
+
+def predict_flops(m: ModelConfig, layout: Layout, devices: int, seq_len: int, global_batch: int) -> float:
+    """Per-device FLOPs of one step: 3 × forward (2·matmul params + attention) per token, plus recompute.
+
+    Attention is counted over the full S×S score matrix, because the reference program materialises masked
+    softmax attention and XLA executes (and counts) every masked entry: the causal halving in
+    meshplan.math.transformer applies to kernels that skip masked blocks, not to this program. MoE experts
+    run C = capacity-factor·T·k/E slots each, so expert FLOPs scale by the capacity factor."""
+    from meshplan.measure.jaxmodel import CAPACITY_FACTOR, moe_capacity
+
+    tf = tm.flops_per_token(m, seq_len, causal=False)
+    matmul = tf.forward_matmul
+    if m.is_moe:
+        per_expert = 2.0 * (3 if m.gated else 2) * m.d_model * m.d_ff
+        slots = moe_capacity(m, seq_len) * m.n_experts / seq_len  # ≈ CAPACITY_FACTOR · k
+        matmul += m.n_layers * per_expert * (slots - m.experts_per_token)
+        del CAPACITY_FACTOR
+    per_token = 3.0 * (matmul + tf.forward_attention) + _recompute_flops_per_token(m, seq_len, layout.recompute)
+    return per_token * global_batch * seq_len / devices
+
+
+def _recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str) -> float:
+    """Extra forward FLOPs in the backward. full: the layers' forward again (tm.recompute_flops_per_token,
+    full attention). selective: only QKᵀ — a policy-based remat keeps the AV output and rebuilds just the
+    softmax input, half of tm's selective term (which reruns the whole core, as Megatron's module does).
+    gemm-last and none: no matmuls."""
+    full_attn = tm.attention_flops_per_token(m, seq_len, causal=False)
+    if recompute == "full":
+        return tm.recompute_flops_per_token(m, seq_len, "full", causal=False)
+    if recompute == "selective":
+        return full_attn / 2.0
+    del full_attn
+    return 0.0
+
+
+# --- the compiled side ---------------------------------------------------------------------------
+
+def _cost(compiled: Any) -> dict[str, float]:
+    """cost_analysis() is a dict in new JAX and a list of one dict in older versions."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, list | tuple):
+        ca = ca[0] if ca else {}
+    return dict(ca or {})
+
+
+def device_coords(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Device id → its coordinates in the mesh (HLO replica groups name devices by id)."""
+    import numpy as np
+
+    return {int(d.id): tuple(int(i) for i in idx) for idx, d in np.ndenumerate(mesh.devices)}
+
+
+def compile_step(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> tuple[Any, Any]:
+    """Lower and compile the sharded train step on simulated CPU devices (nothing runs). (program, compiled)"""
+    ensure_host_devices(layout.devices)
+    jax = import_jax()
+    from meshplan.measure import jaxmodel as jm
+
+    prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices("cpu"))
+    compiled = prog.step.lower(*jm.abstract_inputs(prog, seq_len, global_batch)).compile()
+    return prog, compiled
+
+
+def measure_compiled(prog: Any, compiled: Any) -> dict[str, Any]:
+    """Per-device FLOPs, collective bytes per kind and memory of a compiled step, read from XLA."""
+    text = compiled.as_text()
+    colls = parse_collectives(text, device_coords(prog.mesh), tuple(prog.mesh.axis_names))
+    mem = compiled.memory_analysis()
+    out: dict[str, Any] = {"flops": float(_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(text)}
+    for kind in COLLECTIVES:
+        out[f"{kind} bytes"] = float(sum(c.bytes for c in colls if c.kind == kind))
+    out["memory: arguments"] = float(mem.argument_size_in_bytes)
+    out["memory: temp"] = float(mem.temp_size_in_bytes)
+    out["memory"] = float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                          + mem.temp_size_in_bytes)
+    out["collectives"] = colls
+    return out
+
+
+def summarize_collectives(colls: list[Collective]) -> list[dict[str, Any]]:
+    """Group collectives by (kind, mesh axes, dtype): count, bytes, wire bytes."""
+    groups: dict[tuple, dict[str, Any]] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+    for c in colls:
+        g = groups[(c.kind, "+".join(c.axes) or "-", c.dtype, c.group_size)]
+        g["count"] += 1
+        g["bytes"] += c.bytes
+        g["wire_bytes"] += c.wire_bytes
+    return [{"kind": k, "axes": a, "dtype": d, "group_size": n, **v} for (k, a, d, n), v in sorted(groups.items())]

@@ -1,0 +1,202 @@
+"""`meshplan serve` and meshplan.infer: hand-derived values, monotonicity, CLI contract, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.cost.collectives import group_collective
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.cost.topology import make_cluster
+from meshplan.infer.config import ServeConfig, Workload, serving_constant
+from meshplan.infer.disagg import disaggregate
+from meshplan.infer.frontier import frontier
+from meshplan.infer.memory import max_batch_per_replica, memory_per_chip, weight_bytes_per_chip
+from meshplan.infer.metrics import evaluate
+from meshplan.infer.simulate import SimSpec, simulate
+from meshplan.infer.step import decode_step
+from meshplan.math.transformer import param_counts
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+M70, H100 = load_model("llama3-70b"), load_chip("h100-sxm")
+EFF = default_efficiency(H100)
+W = Workload(1000, 500)
+
+
+def test_decode_step_batch1_llama3_70b_tp8_by_hand():
+    """Batch 1, 8 x H100 TP=8 bf16: weights/(8 W_hbm eff) + per-layer kernels + 2 all-reduces per layer."""
+    m, tp, ctx = M70, 8, 1000
+    pc = param_counts(m)
+    D, H, L = m.d_model, m.head_dim, m.n_layers
+    # per chip: Q/O and MLP split 8 ways, K/V: one of the 8 KV heads per chip, norms replicated, output proj / 8
+    layer = 2 * D * m.q_dim / tp + 2 * D * H * 1 + pc.per_layer_mlp / tp + pc.per_layer_norms
+    weights = (L * layer + D * m.vocab_size / tp) * 2.0
+    bw = 3.35e12 * EFF.hbm_fraction  # datasheet HBM bandwidth x measured fraction
+    kv = 2 * L * 1 * H * 2.0 * ctx  # one KV head per chip, bf16
+    act = D * 2.0  # one token's activation
+    ar = min(group_collective("allreduce", act, make_cluster(H100, tp), tp).time_s,
+             serving_constant("custom_allreduce_latency_s", H100) + act * (tp - 1) / 4.5e11)
+    expected = (weights / bw + kv / bw + 2 * L * ar
+                + L * serving_constant("decode_kernels_per_layer", H100) * EFF.kernel_overhead_s
+                + serving_constant("decode_step_overhead_s", H100))
+    got = decode_step(m, H100, ServeConfig(tp=8), EFF, 1, ctx)
+    assert got.time_s == pytest.approx(expected, rel=1e-9)
+    assert got.bound == "weights"
+    # far from the bandwidth roofline: overheads add >20% over weights/(8 W_hbm)
+    assert got.time_s > 1.2 * weights / 3.35e12
+
+
+def test_weight_and_kv_memory_by_dtype():
+    bf16 = weight_bytes_per_chip(M70, ServeConfig(tp=8))
+    assert weight_bytes_per_chip(M70, ServeConfig(tp=8, weight_dtype="fp8")) == pytest.approx(bf16 / 2)
+    assert weight_bytes_per_chip(M70, ServeConfig(tp=8, weight_dtype="int4")) == pytest.approx(bf16 / 4)
+    kv16 = memory_per_chip(M70, H100, ServeConfig(tp=8), EFF, 10, 1000).kv_cache
+    kv8 = memory_per_chip(M70, H100, ServeConfig(tp=8, kv_dtype="int8"), EFF, 10, 1000).kv_cache
+    assert kv16 == pytest.approx(2 * kv8)
+    assert kv16 == pytest.approx(10 * 1000 * 2 * 80 * 1 * 128 * 2)
+
+
+def test_max_batch_is_the_edge_of_memory():
+    cfg = ServeConfig(tp=4, weight_dtype="fp8")
+    mb = max_batch_per_replica(M70, H100, cfg, EFF, W)
+    assert mb > 0
+    assert memory_per_chip(M70, H100, cfg, EFF, mb, W.max_context).fits
+    assert not memory_per_chip(M70, H100, cfg, EFF, mb + 1, W.max_context).fits
+
+
+def test_weights_that_do_not_fit_give_zero_batch():
+    assert max_batch_per_replica(M70, H100, ServeConfig(tp=1), EFF, W) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 300), d=st.integers(1, 300), mode=st.sampled_from(["continuous", "static"]),
+       tp=st.sampled_from([2, 4, 8]), pp=st.sampled_from([1, 2]))
+def test_tpot_non_decreasing_in_batch(b, d, mode, tp, pp):
+    cfg = ServeConfig(tp=tp, pp=pp, weight_dtype="fp8")
+    a = evaluate(M70, H100, 8 * pp, cfg, EFF, W, b, mode)
+    c = evaluate(M70, H100, 8 * pp, cfg, EFF, W, b + d, mode)
+    assert c.tpot_s >= a.tpot_s * (1 - 1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 200), d=st.integers(1, 200), tp=st.sampled_from([2, 4, 8]))
+def test_throughput_non_decreasing_until_memory(b, d, tp):
+    cfg = ServeConfig(tp=tp, weight_dtype="fp8", kv_dtype="fp8")
+    mb = max_batch_per_replica(M70, H100, cfg, EFF, W)
+    lo, hi = min(b, mb), min(b + d, mb)
+    assert evaluate(M70, H100, 8, cfg, EFF, W, hi).throughput_tokens_per_s >= \
+        evaluate(M70, H100, 8, cfg, EFF, W, lo).throughput_tokens_per_s * (1 - 1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(tp=st.sampled_from([2, 4, 8]), k=st.integers(1, 4), extra=st.integers(1, 4))
+def test_more_chips_never_fewer_max_batch(tp, k, extra):
+    def deployment_max(chips: int, cfg: ServeConfig) -> int:
+        return max_batch_per_replica(M70, H100, cfg, EFF, W) * (chips // cfg.chips_per_replica)
+
+    cfg = ServeConfig(tp=tp, weight_dtype="fp8")
+    assert deployment_max(tp * (k + extra), cfg) >= deployment_max(tp * k, cfg)
+    # the same replica spread over more chips (larger TP) holds at least as many sequences
+    wide = ServeConfig(tp=8, weight_dtype="fp8")
+    assert deployment_max(8, wide) >= deployment_max(tp, cfg)
+
+
+def test_static_batch_prefill_scales_with_prompts():
+    cfg = ServeConfig(tp=8)
+    p1 = evaluate(M70, H100, 8, cfg, EFF, W, 1, "static")
+    p8 = evaluate(M70, H100, 8, cfg, EFF, W, 8, "static")
+    assert p8.ttft_s > 4 * p1.ttft_s  # prefill is compute-bound: ~linear in prompt tokens (book ch.7)
+
+
+def test_cost_per_million_output_tokens_matches_price():
+    p = evaluate(M70, H100, 8, ServeConfig(tp=8), EFF, Workload(1, 500), 16)
+    usd_per_s = 8 * H100.price_per_chip_hour / 3600
+    cost = p.cost_per_million_tokens()
+    assert cost["output"] <= usd_per_s / p.throughput_tokens_per_s * 1e6 * (1 + 1e-9)
+    assert cost["output"] == pytest.approx(usd_per_s / p.throughput_tokens_per_s * 1e6, rel=0.05)
+
+
+def test_frontier_and_moe_expert_parallel():
+    mix = load_model("mixtral-8x7b")
+    pts = frontier(mix, H100, 8, ServeConfig(tp=8, ep=8), EFF, W)
+    assert pts and pts[0].batch == 1
+    tput = [p.throughput_tokens_per_s for p in pts]
+    assert tput == sorted(tput)
+    # at batch 1 only k of E experts are read: faster than a dense read of all experts
+    one = decode_step(mix, H100, ServeConfig(tp=8, ep=8), EFF, 1, 1000)
+    assert one.parts["weights"] < weight_bytes_per_chip(mix, ServeConfig(tp=8)) / (3.35e12 * EFF.hbm_fraction)
+
+
+def test_simulation_is_seeded_and_ordered():
+    cfg = ServeConfig(tp=8, weight_dtype="fp8")
+    spec = SimSpec(rate=4.0, n_requests=40, seed=7, input_dist="exponential", output_dist="uniform")
+    a = simulate(M70, H100, 8, cfg, EFF, Workload(500, 100), 32, spec)
+    b = simulate(M70, H100, 8, cfg, EFF, Workload(500, 100), 32, spec)
+    assert a == b
+    for k in ("ttft_s", "tpot_s"):
+        assert 0 < a[k]["p50"] <= a[k]["p90"] <= a[k]["p99"]
+
+
+def test_disaggregation_ratio_follows_the_book():
+    cfg = ServeConfig(tp=8, weight_dtype="fp8")
+    plan = disaggregate(M70, H100, 64, cfg, cfg, EFF, Workload(4000, 200), 64)
+    assert plan.ratio == pytest.approx(plan.prefill_s * 64 / (plan.tpot_s * 200))
+    assert plan.prefill_instances + plan.decode_instances <= 8
+    assert plan.kv_transfer_s > 0 and plan.ttft_s > plan.prefill_s
+
+
+# ---------------------------------------------------------------- CLI
+
+BASE = ["serve", "--model", "llama3-70b", "--hardware", "h100-sxm", "--chips", "8", "--input-len", "1000",
+        "--output-len", "500"]
+
+
+def test_cli_json_contract(capsys):
+    code, out, err = run_cli(BASE + ["--tp", "8", "--quant", "fp8", "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    for k in ("ttft_s", "tpot_s", "throughput_tokens_per_s", "max_batch", "memory_bytes_per_chip",
+              "cost_per_million_tokens", "batch", "config", "e2e_latency_s", "frontier"):
+        assert k in d
+    assert {"weights", "kv_cache", "activations", "total"} <= set(d["memory_bytes_per_chip"])
+    assert {"input", "output"} <= set(d["cost_per_million_tokens"])
+    # --batch omitted: the highest-throughput batch on the frontier
+    assert d["throughput_tokens_per_s"] == pytest.approx(max(p["throughput_tokens_per_s"] for p in d["frontier"]))
+
+
+def test_cli_targets_search_simulate_disaggregate_plot(capsys, tmp_path):
+    png = tmp_path / "f.png"
+    code, out, err = run_cli(BASE + ["--quant", "fp8", "--search", "--tpot-target", "0.03", "--simulate",
+                                     "--rate", "2", "--requests", "30", "--disaggregate", "--plot", str(png),
+                                     "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["tpot_s"] <= 0.03
+    assert png.stat().st_size > 1000
+    assert {"p50", "p90", "p99"} <= set(d["simulation"]["ttft_s"])
+    assert d["disaggregated"]["prefill_instances"] >= 1
+
+
+def test_cli_table(capsys):
+    code, out, _ = run_cli(BASE + ["--tp", "8", "--batch", "4"], capsys)
+    assert code == 0 and "TPOT" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--output-len", "0"], "output length"),
+    (["--tp", "8", "--batch", "100000"], "needs"),
+    (["--tp", "8", "--tpot-target", "0.0001"], "best reachable"),
+    (["--tp", "3"], "tp=3"),
+    (["--quant", "fp4"], "--quant"),
+    (["--simulate"], "--rate"),
+])
+def test_cli_bad_input(capsys, args, needle):
+    code, out, err = run_cli(BASE + args + ["--json"], capsys)
+    assert code == 2
+    assert err.startswith("error:") and needle in err
+    assert "Traceback" not in err
