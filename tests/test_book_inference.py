@@ -10,11 +10,11 @@ printed value, beyond the 10% tolerance, so that one answer is checked against t
 from __future__ import annotations
 
 import pytest
+from conftest import answer, book_problems
 
 from meshplan.infer import bounds as bd
 from meshplan.math.transformer import dtype_bytes, kv_cache_bytes_per_token, param_counts
 from meshplan.specs.model import ModelConfig, load_model
-from conftest import answer, book_problems
 
 PROBLEMS = book_problems()
 

@@ -200,3 +200,24 @@ def test_cli_bad_input(capsys, args, needle):
     assert code == 2
     assert err.startswith("error:") and needle in err
     assert "Traceback" not in err
+
+
+def test_serving_accuracy_script_on_two_entries(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_accuracy.py"
+    spec = importlib.util.spec_from_file_location("serving_accuracy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    entry = {"id": "a", "source": "s", "model": "llama3-70b", "hardware": "h100-sxm", "chips": 2, "tp": 2, "pp": 1,
+             "weight_dtype": "fp8", "kv_dtype": None, "input_len": 500, "output_len": 2000, "batch": 1,
+             "regime": "fixed_batch", "measured": {"output_tokens_per_s": 52.85, "tpot_s": 0.01891, "ttft_s": None}}
+    other = {**entry, "id": "b", "batch": None, "regime": "offline_max_throughput",
+             "measured": {"output_tokens_per_s": 4205, "tpot_s": None, "ttft_s": None}}
+    f = tmp_path / "m.yaml"
+    f.write_text(json.dumps({"measurements": [entry, other]}))
+    res = mod.run(f)
+    assert res["summary"]["output_tokens_per_s"]["n"] == 2
+    assert res["rows"][0]["predicted"]["kv_dtype"] == "fp8"
+    assert abs(res["rows"][0]["error"]["tpot_s"]) < 0.3

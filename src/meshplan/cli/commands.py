@@ -2,7 +2,8 @@
 
 from meshplan.cli import (
     basic,  # noqa: F401
+    calibrate,  # noqa: F401
     net,  # noqa: F401
+    serve,  # noqa: F401
     train,  # noqa: F401
 )
-from meshplan.cli import serve  # noqa: F401

@@ -116,14 +116,14 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
         if v <= 0:
             raise MeshplanError(f"{name} must be positive, got {v}")
-    if n_chips % cfg.chips_per_replica:
-        raise InfeasibleError(f"{n_chips} chips cannot hold whole replicas of tp={cfg.tp} x pp={cfg.pp}")
     if m.n_heads % cfg.tp:
         raise InfeasibleError(f"tp={cfg.tp} must divide the {m.n_heads} query heads of {m.name}")
     K = m.n_kv_heads
     if (cfg.tp < K and K % cfg.tp) or (cfg.tp > K and cfg.tp % K):
         raise InfeasibleError(f"tp={cfg.tp} must divide the {K} KV heads of {m.name} or be a multiple of them "
                               f"(tp > K replicates KV heads)")
+    if n_chips % cfg.chips_per_replica:
+        raise InfeasibleError(f"{n_chips} chips cannot hold whole replicas of tp={cfg.tp} x pp={cfg.pp}")
     if cfg.pp > m.n_layers:
         raise InfeasibleError(f"pp={cfg.pp} exceeds the {m.n_layers} layers of {m.name}")
     _check_ep(m, cfg)

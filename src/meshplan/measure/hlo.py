@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class Collective:
     group_size: int
     axes: tuple[str, ...]  # mesh axes its groups span
     op_name: str  # the JAX op it came from (metadata)
+    note: str = ""  # e.g. "all-reduce+dynamic-slice": a reduce-scatter the CPU pipeline left unfused
 
     @property
     def wire_bytes(self) -> float:
@@ -138,6 +139,76 @@ def group_axes(groups: np.ndarray, coords: dict[int, tuple[int, ...]], axis_name
 
 # --- the module ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Instr:
+    name: str
+    shape: str
+    op: str
+    operands: tuple[str, ...]
+    rest: str
+    computation: str
+
+
+def parse_module(hlo_text: str) -> dict[str, Instr]:
+    """name → instruction, for every computation (HLO names are unique within a module)."""
+    instrs: dict[str, Instr] = {}
+    comp = ""
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+) \(", line)
+        if head:
+            comp = head.group(1)
+            continue
+        parts = _split_instr(line)
+        if parts:
+            name, shape, op, rest = parts
+            operands = tuple(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0]))
+            instrs[name] = Instr(name, shape, op, operands, rest, comp)
+    return instrs
+
+
+def _users(instrs: dict[str, Instr]) -> dict[str, list[Instr]]:
+    users: dict[str, list[Instr]] = {}
+    for ins in instrs.values():
+        for o in ins.operands:
+            users.setdefault(o, []).append(ins)
+    return users
+
+
+def _slices_only(value: str, nbytes: float, n: int, instrs: dict[str, Instr], users: dict[str, list[Instr]]) -> bool:
+    """Every user of `value` takes a 1/n dynamic slice of it (directly, or inside a fusion whose result is
+    1/n of the value and whose computation holds a dynamic-slice): an all-reduce used so is a reduce-scatter."""
+    us = users.get(value, [])
+    if not us:
+        return False
+    for u in us:
+        if abs(shape_bytes(u.shape) * n - nbytes) > 0.5:
+            return False
+        if u.op == "fusion":
+            called = re.search(r"calls=%([\w.\-]+)", u.rest)
+            comp = called.group(1) if called else ""
+            if not any(i.computation == comp and i.op == "dynamic-slice" for i in instrs.values()):
+                return False
+        elif u.op != "dynamic-slice":
+            return False
+    return True
+
+
+def _scattered_bytes(ins: Instr, n: int, instrs: dict[str, Instr], users: dict[str, list[Instr]]) -> float:
+    """Bytes of an all-reduce's results that are only ever dynamic-sliced to 1/n (see `_slices_only`)."""
+    arrs = arrays(ins.shape)
+    if not ins.shape.startswith("("):
+        b = shape_bytes(ins.shape)
+        return b if _slices_only(ins.name, b, n, instrs, users) else 0.0
+    total = 0.0
+    for u in users.get(ins.name, []):
+        idx = re.search(r"index=(\d+)", u.rest)
+        if u.op == "get-tuple-element" and idx and int(idx.group(1)) < len(arrs):
+            dt, dims = arrs[int(idx.group(1))]
+            b = DTYPE_BYTES[dt] * math.prod(dims)
+            total += b if _slices_only(u.name, b, n, instrs, users) else 0.0
+    return total
+
+
 def _kind(op: str) -> str | None:
     base = op.removesuffix("-start")
     return base if base in COLLECTIVES and not op.endswith("-done") else None
@@ -157,21 +228,33 @@ def _collective_bytes(kind: str, op: str, shape: str, group: int) -> tuple[str, 
     return (arrs[0][0] if arrs else "?"), float(total)
 
 
-def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...]) -> list[Collective]:
-    """Every collective in the module. `coords`: device id → mesh coordinates of that device."""
+def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...],
+                      fold_reduce_scatter: bool = True) -> list[Collective]:
+    """Every collective in the module. `coords`: device id → mesh coordinates of that device.
+
+    With `fold_reduce_scatter`, an all-reduce whose results are only dynamic-sliced to 1/n per device is
+    reported as a reduce-scatter with note "all-reduce+dynamic-slice": the GSPMD partitioner emits that pair
+    and XLA's GPU/TPU pipelines fuse it into a reduce-scatter (ReduceScatterCreator); the CPU pipeline does
+    not, so the CPU program moves twice the bytes a real reduce-scatter would."""
+    instrs = parse_module(hlo_text)
+    users = _users(instrs) if fold_reduce_scatter else {}
     out = []
-    for line in hlo_text.splitlines():
-        parts = _split_instr(line)
-        if not parts or not _kind(parts[2]):
+    for ins in instrs.values():
+        kind = _kind(ins.op)
+        if not kind:
             continue
-        name, shape, op, rest = parts
-        kind = _kind(op)
-        groups = replica_groups(rest, len(coords))
+        groups = replica_groups(ins.rest, len(coords))
         gsize = 2 if kind == "collective-permute" else groups.shape[1]
-        dtype, nbytes = _collective_bytes(kind, op, shape, gsize)
-        meta = re.search(r'op_name="([^"]*)"', rest)
-        out.append(Collective(kind, name, dtype, nbytes, gsize, group_axes(groups, coords, axis_names),
-                              meta.group(1) if meta else ""))
+        dtype, nbytes = _collective_bytes(kind, ins.op, ins.shape, gsize)
+        meta = re.search(r'op_name="([^"]*)"', ins.rest)
+        axes = group_axes(groups, coords, axis_names)
+        rec = Collective(kind, ins.name, dtype, nbytes, gsize, axes, meta.group(1) if meta else "")
+        scattered = _scattered_bytes(ins, gsize, instrs, users) if kind == "all-reduce" and fold_reduce_scatter else 0
+        if scattered:
+            out.append(replace(rec, kind="reduce-scatter", bytes=scattered, note="all-reduce+dynamic-slice"))
+            rec = replace(rec, bytes=nbytes - scattered)
+        if rec.bytes > 0:
+            out.append(rec)
     return out
 
 

@@ -1,0 +1,151 @@
+"""Predicted vs published measured serving results (benchmarks/data/serving_measurements.yaml).
+
+Physics, not fitted rows: every entry runs through meshplan's default efficiencies and serving constants;
+gaps in an entry (unstated KV dtype, variable lengths) are filled by the fixed rules in
+benchmarks/data/serving_assumptions.yaml, the same for every entry.
+
+    python benchmarks/serving_accuracy.py [--file F.yaml] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.infer.config import KV_DTYPES, ServeConfig, Workload, check_layout
+from meshplan.infer.frontier import best_point, frontier
+from meshplan.infer.memory import max_batch_per_replica
+from meshplan.infer.metrics import evaluate
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+DATA = Path(__file__).parent / "data"
+
+
+def _assumptions() -> dict:
+    return yaml.safe_load((DATA / "serving_assumptions.yaml").read_text())
+
+
+def _text(e: dict) -> str:
+    return json.dumps(e.get("source", "")) + " " + str(e.get("notes", ""))
+
+
+def lengths(e: dict, rules: dict) -> tuple[int, int, str]:
+    """(input_len, output_len, how) following the documented rules."""
+    i, o = e.get("input_len"), e.get("output_len")
+    if i and o:
+        return int(i), int(o), "given"
+    if o and not i:
+        return int(o), int(o), "input=output"
+    for name, d in rules["dataset_mean_lengths"].items():
+        if name in _text(e).lower():
+            return int(d["input"]), int(d["output"]), f"{name} means"
+    raise MeshplanError("no lengths and no known dataset")
+
+
+def kv_dtype(e: dict) -> str:
+    if e.get("kv_dtype"):
+        return e["kv_dtype"]
+    w = e["weight_dtype"]
+    return w if w in KV_DTYPES else "bf16"
+
+
+def mode(e: dict) -> str:
+    if e["regime"] != "fixed_batch":
+        return "continuous"
+    where = json.dumps(e.get("source", "")).lower()  # the quoted table/row, not the free-text notes
+    return "continuous" if "concurren" in where else "static"
+
+
+def predict(e: dict, rules: dict) -> dict:
+    m, chip = load_model(e["model"]), load_chip(e["hardware"])
+    eff = default_efficiency(chip)
+    cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e))
+    check_layout(m, chip, e["chips"], cfg)
+    I, O, how = lengths(e, rules)
+    w = Workload(I, O)
+    mb = max_batch_per_replica(m, chip, cfg, eff, w)
+    if mb < 1:
+        raise MeshplanError("model does not fit")
+    md = mode(e)
+    if e.get("batch"):
+        b = min(int(e["batch"]), mb)
+        p = evaluate(m, chip, e["chips"], cfg, eff, w, b, md)
+    else:
+        p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
+    return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
+            "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype}
+
+
+def _rel(pred: float, meas: float | None) -> float | None:
+    return None if meas in (None, 0) else (pred - meas) / meas
+
+
+def run(path: Path) -> dict:
+    rules = _assumptions()
+    rows = []
+    for e in yaml.safe_load(path.read_text())["measurements"]:
+        try:
+            pred = predict(e, rules)
+        except MeshplanError as exc:
+            rows.append({"id": e["id"], "skipped": str(exc)})
+            continue
+        meas = e["measured"]
+        rows.append({"id": e["id"], "predicted": pred, "measured": meas,
+                     "error": {k: _rel(pred[k], meas.get(k)) for k in ("output_tokens_per_s", "tpot_s", "ttft_s")}})
+    return {"rows": rows, "summary": _summary(rows)}
+
+
+def _summary(rows: list[dict]) -> dict:
+    out = {}
+    for k in ("output_tokens_per_s", "tpot_s", "ttft_s"):
+        errs = [abs(r["error"][k]) for r in rows if "error" in r and r["error"][k] is not None]
+        out[k] = {"n": len(errs), "median_abs_rel_error": statistics.median(errs) if errs else None,
+                  "worst_abs_rel_error": max(errs) if errs else None}
+    return out
+
+
+def _fmt(v: float | None, scale: float = 1.0, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def print_report(res: dict) -> None:
+    print(f"{'id':48s} {'mode':5s} {'B':>5s} {'tok/s pred':>10s} {'meas':>9s} {'err':>6s} "
+          f"{'TPOT ms':>8s} {'meas':>7s} {'err':>6s} {'TTFT s':>7s} {'meas':>6s}")
+    for r in res["rows"]:
+        if "skipped" in r:
+            print(f"{r['id']:48s} skipped: {r['skipped']}")
+            continue
+        p, m, e = r["predicted"], r["measured"], r["error"]
+        print(f"{r['id'][:48]:48s} {p['mode'][:5]:5s} {p['batch']:5d} {p['output_tokens_per_s']:10.0f} "
+              f"{_fmt(m.get('output_tokens_per_s'), 1, '.0f'):>9s} {_fmt(e['output_tokens_per_s'], 100, '+.0f'):>5s}% "
+              f"{p['tpot_s'] * 1e3:8.1f} {_fmt(m.get('tpot_s'), 1e3):>7s} {_fmt(e['tpot_s'], 100, '+.0f'):>5s}% "
+              f"{p['ttft_s']:7.3f} {_fmt(m.get('ttft_s'), 1, '.3f'):>6s}")
+    for k, s in res["summary"].items():
+        print(f"{k:22s} n={s['n']:2d}  median |error| {_fmt(s['median_abs_rel_error'], 100)}%  "
+              f"worst {_fmt(s['worst_abs_rel_error'], 100)}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--file", type=Path, default=DATA / "serving_measurements.yaml")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    res = run(args.file)
+    if args.json:
+        json.dump(res, sys.stdout, indent=2)
+        print()
+    else:
+        print_report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

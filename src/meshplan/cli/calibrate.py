@@ -1,0 +1,310 @@
+"""`meshplan calibrate` (microbenchmarks → a meshplan-profile/1 JSON) and `meshplan measure` (real training
+steps beside the prediction). JAX is imported only inside the commands, after `jax.distributed.initialize`,
+so the rest of the CLI runs without the jax extra."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from meshplan.cli.app import app, console, err_console, fail, print_json
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import Chip, load_chip
+from meshplan.units import fmt_bytes, fmt_rate, fmt_time
+
+CPU_WARNING = ("JAX sees no accelerator: running on the CPU with tiny shapes. CPU numbers say nothing about "
+               "GPUs or TPUs; use this only to check that the tools run.")
+Coordinator = Annotated[str | None, typer.Option(help="Multi-host: coordinator HOST:PORT for jax.distributed.")]
+NumProcesses = Annotated[int | None, typer.Option(help="Multi-host: number of processes.")]
+ProcessId = Annotated[int | None, typer.Option(help="Multi-host: this process's id (0 … N−1).")]
+
+
+def require_jax(command: str) -> None:
+    if importlib.util.find_spec("jax") is None:
+        fail(f"meshplan {command} needs the jax extra: pip install 'meshplan[jax]'")
+
+
+def start_runtime(command: str, coordinator: str | None, num_processes: int | None,
+                  process_id: int | None) -> dict[str, Any]:
+    """jax.distributed first (when asked for), then the device summary."""
+    require_jax(command)
+    from meshplan.measure.cluster import init_distributed, local_device_summary
+
+    init_distributed(coordinator, num_processes, process_id)
+    return local_device_summary()
+
+
+def is_main(summary: dict[str, Any]) -> bool:
+    return summary["process_index"] == 0
+
+
+# --- calibrate -------------------------------------------------------------------------------------
+
+@app.command()
+def calibrate(
+    quick: Annotated[bool, typer.Option("--quick", help="A smaller grid: minutes on a GPU, seconds on a CPU.")] = False,
+    out: Annotated[str, typer.Option(help="Where to write the profile JSON.")] = "profile.json",
+    hardware: Annotated[str | None, typer.Option(help="Label the profile with this chip (default: detected).")] = None,
+    show: Annotated[str | None, typer.Option(help="Print achieved vs peak from a profile file and exit.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model whose decoder layer is timed (default llama3.2-1b).")] = None,
+    bench: Annotated[str | None, typer.Option(help="Comma list of benchmarks (default all): matmul, hbm, "
+                                                   "attention, host, overhead, layer, collectives.")] = None,
+    coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
+) -> None:
+    """Microbenchmark the local accelerator(s) and fit meshplan's efficiency model (a --profile for train/serve)."""
+    if show:
+        show_profile(show)
+        return
+    names = parse_benchmarks(bench)
+    summary = start_runtime("calibrate", coordinator, num_processes, process_id)
+    chip = _calibration_chip(hardware, summary)
+    from meshplan.measure import calibrate as cal
+    from meshplan.measure.cluster import now_utc, versions
+
+    ctx = cal.make_context(chip, summary["platform"], quick, model)
+    meta = {"measured_at": now_utc(), "mode": "quick" if quick else "full", "platform": summary["platform"],
+            "device_kind": summary["device_kind"], "devices": summary, "versions": versions()}
+    records = _run_with_progress(cal, ctx, names, show_bar=is_main(summary))
+    profile = cal.build_profile(chip, records, meta)
+    if not is_main(summary):
+        return
+    Path(out).write_text(json.dumps(profile, indent=2, default=_json_default) + "\n")
+    _print_efficiency(profile, chip)
+    console.print(f"wrote {out} (use it as `meshplan train --hardware {chip.name} --profile {out}`)")
+
+
+def parse_benchmarks(text: str | None) -> list[str]:
+    from_text = [b.strip() for b in (text or "").split(",") if b.strip()]
+    known = ("matmul", "hbm", "attention", "host", "overhead", "layer", "collectives")
+    bad = [b for b in from_text if b not in known]
+    if bad:
+        fail(f"unknown benchmark '{bad[0]}' (known: {', '.join(known)})")
+    return from_text or list(known)
+
+
+def _calibration_chip(hardware: str | None, summary: dict[str, Any]) -> Chip:
+    from meshplan.measure.cluster import chip_for_device_kind, resolve_chip_name
+
+    name = resolve_chip_name(hardware, summary["device_kind"], summary["platform"])
+    chip = load_chip(name)
+    if summary["platform"] == "cpu":
+        err_console.print(f"warning: {CPU_WARNING} The profile is marked cpu_only and labelled "
+                          f"{chip.name} only because --hardware said so.", markup=False, highlight=False)
+    elif hardware and chip_for_device_kind(summary["device_kind"]) not in (None, chip.name):
+        err_console.print(f"warning: measuring a '{summary['device_kind']}' but labelling it {chip.name} "
+                          "(--hardware)", markup=False, highlight=False)
+    return chip
+
+
+def _run_with_progress(cal: Any, ctx: Any, names: list[str], show_bar: bool) -> list[dict]:
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, disable=not show_bar) as progress:
+        task = progress.add_task(f"calibrating {ctx.chip.name}", total=len(names))
+
+        def done(name: str, count: int) -> None:
+            progress.update(task, advance=1, description=f"{name}: {count} measurements")
+
+        return cal.run_benchmarks(ctx, names, done)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def _print_efficiency(profile: dict[str, Any], chip: Chip | None) -> None:
+    from meshplan.cost.efficiency import default_efficiency
+
+    defaults = default_efficiency(chip).as_dict() if chip else {}
+    t = Table(title=f"efficiency profile for {profile['chip']} ({profile.get('device_kind')})")
+    for col in ("field", "value", "origin", "default"):
+        t.add_column(col, justify="left" if col in ("field", "origin") else "right")
+    origin = profile.get("efficiency_origin", {})
+    for k, v in profile["efficiency"].items():
+        t.add_row(k, f"{v:.4g}", origin.get(k, "?"), f"{defaults[k]:.4g}" if k in defaults else "")
+    console.print(t)
+    if profile.get("cpu_only"):
+        console.print(f"[bold]cpu_only[/bold]: {profile.get('warning', CPU_WARNING)}")
+
+
+def load_profile_file(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise MeshplanError(f"cannot read profile '{path}': {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MeshplanError(f"malformed profile '{path}': {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
+        raise MeshplanError(f"profile '{path}' is not a meshplan-profile/1 file")
+    return data
+
+
+def show_profile(path: str) -> None:
+    """Achieved vs peak for every benchmark of a profile, then its efficiency fields."""
+    data = load_profile_file(path)
+    t = Table(title=f"{path}: {data.get('chip')} measured on {data.get('device_kind')} at {data.get('measured_at')}")
+    for col in ("benchmark", "case", "time", "achieved", "peak", "of peak"):
+        t.add_column(col, justify="left" if col in ("benchmark", "case") else "right")
+    for r in data.get("benchmarks", []):
+        t.add_row(*_benchmark_row(r))
+    console.print(t)
+    try:
+        chip = load_chip(str(data.get("chip")))
+    except MeshplanError:
+        chip = None
+    _print_efficiency(data, chip)
+
+
+def _benchmark_row(r: dict[str, Any]) -> tuple[str, ...]:
+    if "skipped" in r:
+        return r["benchmark"], r.get("name", ""), "skipped", r["skipped"][:60], "", ""
+    unit = r.get("unit")
+    rate = (lambda x: fmt_rate(x, unit)) if unit else (lambda x: "")
+    achieved = r.get("achieved_per_s")
+    peak = r.get("peak_per_s")
+    frac = r.get("fraction")
+    if r.get("per_kernel_s") is not None:
+        achieved_s = f"{fmt_time(r['per_kernel_s'])}/kernel"
+    elif r.get("bus_bytes_per_s") is not None:
+        achieved_s = f"{rate(achieved)} (bus {rate(r['bus_bytes_per_s'])})"
+    else:
+        achieved_s = rate(achieved) if achieved is not None else ""
+    return (r["benchmark"], r.get("name", ""), fmt_time(r["time_s"]), achieved_s,
+            rate(peak) if peak else "", f"{frac:.1%}" if frac is not None else "")
+
+
+# --- measure ---------------------------------------------------------------------------------------
+
+@app.command()
+def measure(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset or HF config.json.")],
+    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 2048,
+    global_batch: Annotated[int | None, typer.Option(help="Global batch in sequences (default: one per device).")] = None,
+    dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the devices left).")] = None,
+    fsdp: Annotated[int | None, typer.Option(help="FSDP degree.")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
+    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
+    steps: Annotated[int, typer.Option(help="Timed steps (after one warm-up step).")] = 5,
+    layers: Annotated[int | None, typer.Option(help="Use only this many layers of the model.")] = None,
+    hardware: Annotated[str | None, typer.Option(help="Chip to predict for (default: detected).")] = None,
+    profile: Annotated[str | None, typer.Option(help="Calibrated profile for the second prediction.")] = None,
+    param_dtype: Annotated[str, typer.Option(help="auto (bf16 on accelerators, fp32 on CPU), bf16, fp32.")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
+) -> None:
+    """Run real training steps of the JAX reference model and compare with meshplan's prediction."""
+    from meshplan.specs.model import load_model
+
+    m = load_model(model)
+    if layers is not None:
+        if layers < 1:
+            fail(f"--layers must be positive, got {layers}")
+        m = m.with_overrides(n_layers=layers, name=f"{m.name} ({layers} layers)")
+    if seq_len <= 0:
+        fail(f"--seq-len must be positive, got {seq_len}")
+    summary = start_runtime("measure", coordinator, num_processes, process_id)
+    chip = _measure_chip(hardware, summary)
+    from meshplan.measure import steps as st
+
+    layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, global_batch or summary["devices"])
+    batch = global_batch or summary["devices"]
+    run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]))
+    result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary)
+    if not is_main(summary):
+        return
+    if json_out:
+        print_json(result)
+        return
+    _print_measure(result)
+
+
+def _param_dtype(name: str, platform: str) -> Any:
+    import jax.numpy as jnp
+
+    choices = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+    if name == "auto":
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    if name not in choices:
+        fail(f"--param-dtype must be auto, bf16 or fp32, got '{name}'")
+    return choices[name]
+
+
+def _measure_chip(hardware: str | None, summary: dict[str, Any]) -> Chip | None:
+    """The chip to predict for; on the CPU only when --hardware names one."""
+    from meshplan.measure.cluster import resolve_chip_name
+
+    if summary["platform"] == "cpu":
+        err_console.print(f"warning: {CPU_WARNING}", markup=False, highlight=False)
+        return load_chip(hardware) if hardware else None
+    return load_chip(resolve_chip_name(hardware, summary["device_kind"], summary["platform"]))
+
+
+def _measure_result(m, chip, layout, seq_len, batch, run, profile, summary) -> dict[str, Any]:
+    from meshplan.cost.efficiency import default_efficiency, load_profile
+    from meshplan.measure import steps as st
+
+    measured = run.as_dict()
+    out: dict[str, Any] = {"model": m.name, "seq_len": seq_len, "global_batch": batch, "layout": layout.as_dict(),
+                           "device_kind": summary["device_kind"], "platform": summary["platform"],
+                           "processes": summary["processes"], "measured": measured, "predicted": {}}
+    if summary["platform"] == "cpu":
+        out["cpu_only"] = True
+    if chip is None:
+        out["note"] = "no prediction: give --hardware to compare with a chip"
+        return out
+    out["chip"] = chip.name
+    measured["mfu"] = run.mfu(chip)
+    effs = {"defaults": default_efficiency(chip)}
+    if profile:
+        effs["profile"] = load_profile(profile, chip)
+    for key, eff in effs.items():
+        try:
+            p = st.predict(m, chip, layout, seq_len, batch, eff)
+        except MeshplanError as exc:
+            out["predicted"][key] = {"error": str(exc)}
+            continue
+        out["predicted"][key] = {"step_time_s": p["step_time_s"], "mfu": p["mfu"],
+                                 "memory_bytes_per_chip": p["memory_bytes_per_chip"]["total"],
+                                 "step_time_error": p["step_time_s"] / run.step_time_s - 1,
+                                 "time_s": p["time_s"], "origin": eff.origin}
+    return out
+
+
+def _print_measure(r: dict[str, Any]) -> None:
+    meas = r["measured"]
+    t = Table(title=f"{r['model']}, seq {r['seq_len']}, batch {r['global_batch']} on {meas['devices']}× "
+                    f"{r['device_kind']} ({r['processes']} process(es))")
+    t.add_column("")
+    t.add_column("measured", justify="right")
+    preds = r["predicted"]
+    for key in preds:
+        t.add_column(f"predicted ({key})", justify="right")
+    t.add_row("step time", fmt_time(meas["step_time_s"]), *(_pred_cell(p, "step_time_s") for p in preds.values()))
+    t.add_row("MFU", f"{meas['mfu']:.2%}" if "mfu" in meas else "—", *(_pred_cell(p, "mfu") for p in preds.values()))
+    t.add_row("peak memory / chip", fmt_bytes(meas["peak_memory_bytes"]) if math.isfinite(meas["peak_memory_bytes"])
+              else "—", *(_pred_cell(p, "memory_bytes_per_chip") for p in preds.values()))
+    console.print(t)
+    console.print(f"compile {fmt_time(meas['compile_s'])}; losses {', '.join(f'{x:.3f}' for x in meas['losses'])}; "
+                  f"memory: {meas['memory_source']}")
+    if r.get("cpu_only"):
+        console.print(f"[bold]cpu_only[/bold]: {CPU_WARNING}")
+    if "note" in r:
+        console.print(r["note"])
+
+
+def _pred_cell(p: dict[str, Any], key: str) -> str:
+    if "error" in p:
+        return p["error"][:50]
+    v = p[key]
+    if key == "step_time_s":
+        return f"{fmt_time(v)} ({p['step_time_error']:+.0%})"
+    return f"{v:.2%}" if key == "mfu" else fmt_bytes(v)
