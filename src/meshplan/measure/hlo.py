@@ -175,20 +175,21 @@ def _users(instrs: dict[str, Instr]) -> dict[str, list[Instr]]:
 
 
 def _slices_only(value: str, nbytes: float, n: int, instrs: dict[str, Instr], users: dict[str, list[Instr]]) -> bool:
-    """Every user of `value` takes a 1/n dynamic slice of it (directly, or inside a fusion whose result is
-    1/n of the value and whose computation holds a dynamic-slice): an all-reduce used so is a reduce-scatter."""
+    """Every use of `value` is a dynamic-slice to 1/n of it (directly, or of the matching parameter inside a
+    fusion): an all-reduce used only so is a reduce-scatter."""
     us = users.get(value, [])
     if not us:
         return False
     for u in us:
-        if abs(shape_bytes(u.shape) * n - nbytes) > 0.5:
-            return False
         if u.op == "fusion":
             called = re.search(r"calls=%([\w.\-]+)", u.rest)
-            comp = called.group(1) if called else ""
-            if not any(i.computation == comp and i.op == "dynamic-slice" for i in instrs.values()):
+            params = [i for i in instrs.values() if called and i.computation == called.group(1)
+                      and i.op == "parameter"]
+            idx = [k for k, o in enumerate(u.operands) if o == value]
+            inner = [p.name for p in params if int(re.match(r"\s*(\d+)", p.rest).group(1)) in idx]
+            if not inner or not all(_slices_only(p, nbytes, n, instrs, users) for p in inner):
                 return False
-        elif u.op != "dynamic-slice":
+        elif u.op != "dynamic-slice" or abs(shape_bytes(u.shape) * n - nbytes) > 0.5:
             return False
     return True
 

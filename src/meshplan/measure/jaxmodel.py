@@ -37,8 +37,8 @@ from meshplan.specs.model import ModelConfig
 Params = dict[str, Any]
 GATHER_PRIMS = ("sharding_constraint", "all_gather")  # communication we always recompute
 ATTN_SCORES = "attn_scores"
-GEMM_OUTPUTS = ("q_out", "k_out", "v_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out",
-                "mlp_up_out", "router_out", "moe_down_out")
+GEMM_OUTPUTS = ("qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
+                "moe_down_out")
 CAPACITY_FACTOR = 1.0
 
 
@@ -107,12 +107,13 @@ def param_dims(model: ModelConfig) -> Params:
     if model.is_moe:
         mlp = {"router": ("embed", None), "w_gate": ("expert", "embed", "mlp"),
                "w_up": ("expert", "embed", "mlp"), "w_down": ("expert", "mlp", "embed")}
-    elif model.gated:
-        mlp = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+    elif model.gated:  # gate and up fused (one matmul, one partial sum of dX under TP)
+        mlp = {"w_gate_up": ("embed", None, "mlp"), "w_down": ("mlp", "embed")}
     else:
         mlp = {"w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
-    layer = {"attn_norm": ("embed",), "wq": ("embed", "heads", "head_dim"),
-             "wk": ("embed", "kv_heads", "head_dim"), "wv": ("embed", "kv_heads", "head_dim"),
+    # Q, K and V fused per KV group as [D, K, G+2, H] (G = N/K query heads, then K and V): one matmul, and
+    # TP shards whole groups over `kv_heads`.
+    layer = {"attn_norm": ("embed",), "wqkv": ("embed", "kv_heads", None, "head_dim"),
              "wo": ("heads", "head_dim", "embed"), "mlp_norm": ("embed",), **mlp}
     dims: Params = {"embed": ("vocab", "embed"), "layers": [dict(layer) for _ in range(model.n_layers)],
                     "final_norm": ("embed",)}
@@ -124,9 +125,15 @@ def param_dims(model: ModelConfig) -> Params:
 def param_shapes(model: ModelConfig) -> Params:
     """Shapes of every weight (same structure as `param_dims`)."""
     size = {"embed": model.d_model, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
-            "head_dim": model.head_dim, "mlp": model.d_ff, "vocab": model.vocab_size,
-            "expert": model.n_experts, None: model.n_experts}
-    return jax.tree.map(lambda dims: tuple(size[d] for d in dims), param_dims(model), is_leaf=_is_dims)
+            "head_dim": model.head_dim, "mlp": model.d_ff, "vocab": model.vocab_size, "expert": model.n_experts}
+    shapes = jax.tree.map(lambda dims: tuple(size.get(d, 0) for d in dims), param_dims(model), is_leaf=_is_dims)
+    for lp in shapes["layers"]:
+        lp["wqkv"] = (model.d_model, model.n_kv_heads, model.gqa_group + 2, model.head_dim)
+        if "w_gate_up" in lp:
+            lp["w_gate_up"] = (model.d_model, 2, model.d_ff)
+        if "router" in lp:
+            lp["router"] = (model.d_model, model.n_experts)
+    return shapes
 
 
 def _is_dims(x: Any) -> bool:
@@ -145,6 +152,8 @@ def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) ->
         fan_in = shape[-2] if len(shape) == 3 and shape[0] == model.n_experts and model.is_moe else shape[0]
         if shape == (model.n_heads, model.head_dim, model.d_model):
             fan_in = model.n_heads * model.head_dim
+        if len(shape) == 4 or shape == (model.d_model, 2, model.d_ff):
+            fan_in = model.d_model
         return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
     return jax.tree.unflatten(tree, [one(s, k) for s, k in zip(leaves, keys, strict=True)])
@@ -176,6 +185,14 @@ def gather_weight(w: jax.Array, dims: tuple[str | None, ...], sh: Sharder) -> ja
     if not sh.rules.get("embed"):
         return w
     return sh.constrain(w, tuple(None if d == "embed" else d for d in dims))
+
+
+def gather_seq(h: jax.Array, sh: Sharder) -> jax.Array:
+    """SP: the normed activations are pinned seq-sharded, then all-gathered over `tensor` (Korthikanti §4.2.2).
+    Both are sharding constraints, which no policy saves: the backward keeps the sharded copy and gathers
+    again, as Megatron-SP does."""
+    h = sh.constrain(h, ("batch", "seq_sp", "act_embed"))
+    return sh.constrain(h, ("batch", "seq", "act_embed"))
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array) -> jax.Array:
@@ -220,13 +237,13 @@ def load_balanced_order(seq_len: int, cp: int) -> np.ndarray:
 
 def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recompute: str) -> jax.Array:
     """h [B,T,D] (normed, seq-sharded under SP) → o-projection output [B,T,D]."""
-    h = sh.constrain(h, ("batch", "seq", "act_embed"))  # SP: all-gather T over `tensor`
-    wq = gather_weight(lp["wq"], ("embed", "heads", "head_dim"), sh)
-    wk = gather_weight(lp["wk"], ("embed", "kv_heads", "head_dim"), sh)
-    wv = gather_weight(lp["wv"], ("embed", "kv_heads", "head_dim"), sh)
-    q = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wq), ("batch", "seq", "act_heads", None)), "q_out")
-    k = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wk), ("batch", "seq", "act_kv_heads", None)), "k_out")
-    v = checkpoint_name(sh.constrain(jnp.einsum("btd,dnh->btnh", h, wv), ("batch", "seq", "act_kv_heads", None)), "v_out")
+    h = gather_seq(h, sh)
+    w = gather_weight(lp["wqkv"], ("embed", "kv_heads", None, "head_dim"), sh)
+    qkv = jnp.einsum("btd,dkgh->btkgh", h, w)
+    qkv = checkpoint_name(sh.constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), "qkv_out")
+    B, T, K, G2, H = qkv.shape
+    q = qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H)
+    k, v = qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1]
     q, k = rotary(q, pos), rotary(k, pos)
     core = attention_core
     if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
@@ -251,15 +268,15 @@ def _act(model: ModelConfig, x: jax.Array) -> jax.Array:
 
 def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
     """Dense MLP: SwiGLU (gated) or plain GELU/ReLU. h [B,T,D] → [B,T,D]."""
-    h = sh.constrain(h, ("batch", "seq", "act_embed"))
-    w_up = gather_weight(lp["w_up"], ("embed", "mlp"), sh)
-    up = checkpoint_name(sh.constrain(h @ w_up, ("batch", "seq", "act_mlp")), "mlp_up_out")
+    h = gather_seq(h, sh)
     if model.gated:
-        w_gate = gather_weight(lp["w_gate"], ("embed", "mlp"), sh)
-        gate = checkpoint_name(sh.constrain(h @ w_gate, ("batch", "seq", "act_mlp")), "mlp_gate_out")
-        up = _act(model, gate) * up
+        w = gather_weight(lp["w_gate_up"], ("embed", None, "mlp"), sh)
+        gu = jnp.einsum("btd,dcf->btcf", h, w)
+        gu = checkpoint_name(sh.constrain(gu, ("batch", "seq", None, "act_mlp")), "mlp_up_out")
+        up = _act(model, gu[:, :, 0]) * gu[:, :, 1]
     else:
-        up = _act(model, up)
+        w_up = gather_weight(lp["w_up"], ("embed", "mlp"), sh)
+        up = _act(model, checkpoint_name(sh.constrain(h @ w_up, ("batch", "seq", "act_mlp")), "mlp_up_out"))
     y = up @ gather_weight(lp["w_down"], ("mlp", "embed"), sh)
     return sh.constrain(y, ("batch", "seq_sp", "act_embed"))
 
@@ -360,14 +377,15 @@ def decoder_layer(lp: Params, x: jax.Array, pos: jax.Array, model: ModelConfig, 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
             recompute: str) -> jax.Array:
     """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
-    emb = gather_weight(params["embed"], ("vocab", "embed"), sh)
-    x = sh.constrain(jnp.take(emb, batch["tokens"], axis=0), ("batch", "seq_sp", "act_embed"))
+    table = sh.constrain(params["embed"], (None, None))  # the lookup uses the whole (gathered) table
+    x = sh.constrain(jnp.take(table, batch["tokens"], axis=0), ("batch", "seq_sp", "act_embed"))
     layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute),
                            policy=remat_policy(recompute), prevent_cse=True)
     for lp in params["layers"]:
         x = layer(lp, x, batch["pos"])
     x = rmsnorm(x, gather_weight(params["final_norm"], ("embed",), sh))
     x = sh.constrain(x, ("batch", "seq", "act_embed"))
+    emb = gather_weight(params["embed"], ("vocab", "embed"), sh)
     w_out = emb.T if model.tied_embeddings else gather_weight(params["unembed"], ("embed", "vocab"), sh)
     logits = sh.constrain(x @ w_out, ("batch", "seq", "act_vocab")).astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)

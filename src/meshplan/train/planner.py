@@ -70,7 +70,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
         raise InfeasibleError(f"no layout satisfies the constraints: {reasons.most_common(1)[0][0]}")
     pinned_all = all(getattr(pins, k) is not None for k in ("dp", "fsdp", "tp", "pp", "cp"))
     if not ev.fits.any():
-        raise InfeasibleError(_not_fit_message(problem, ev, pinned_all))
+        raise InfeasibleError(_not_fit_message(problem, ev, pinned_all) + _what_fits(problem, pins, eff, options))
     order = np.argsort(np.where(ev.fits, ev.step_time_s, np.inf), kind="stable")
     chosen = [int(i) for i in order[:top] if ev.fits[i]]
     cm = CostModel(problem, eff, options)
@@ -89,6 +89,21 @@ def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
             "parallelism, activation offload (--offload 1), or a smaller micro-batch")
     return (f"{what} fits in HBM: the smallest needs {fmt_bytes(need)} per chip but {p.chip.name} has "
             f"{fmt_bytes(have)} usable (short by {fmt_bytes(need - have)}; best: {cfg.describe()}); {hint}")
+
+
+def _what_fits(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None) -> str:
+    """When pins made everything too big, name the fastest layout that fits with every degree free."""
+    free = Pins(sequence_parallel=pins.sequence_parallel)
+    if pins == free:
+        return ""
+    try:
+        ev, _, _ = search(problem, free, eff, options)
+    except InfeasibleError:
+        return ""
+    if not ev.fits.any():
+        return ""
+    i = int(np.argmin(np.where(ev.fits, ev.step_time_s, np.inf)))
+    return f"; with the pins released this fits: {ev.layouts.config(i).describe()} ({ev.step_time_s[i]:.3g} s/step)"
 
 
 def _arr(d: dict, i: int) -> dict:
