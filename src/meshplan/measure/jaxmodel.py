@@ -187,6 +187,29 @@ def gather_weight(w: jax.Array, dims: tuple[str | None, ...], sh: Sharder) -> ja
     return sh.constrain(w, tuple(None if d == "embed" else d for d in dims))
 
 
+def embed_lookup(table: jax.Array, tokens: jax.Array, sh: Sharder) -> jax.Array:
+    """Vocab-parallel lookup (Megatron): each `tensor` rank looks up the tokens in its vocab rows (zeros
+    elsewhere), then the partial rows are reduce-scattered onto the sequence (SP) or all-reduced (no SP).
+    FSDP gathers the table's embed dim first. tokens [B,T] → x [B,T,D] sharded (batch, seq_sp)."""
+    tp, fsdp = sh.axis_size("tensor"), sh.axis_size("fsdp")
+    sp = "tensor" in sh.rules["seq_sp"]
+
+    def local(tab, tok):
+        if fsdp > 1:
+            tab = jax.lax.all_gather(tab, "fsdp", axis=1, tiled=True)
+        if tp == 1:
+            return jnp.take(tab, tok, axis=0)
+        rows = tab.shape[0]
+        idx = tok - jax.lax.axis_index("tensor") * rows
+        hit = (idx >= 0) & (idx < rows)
+        x = jnp.where(hit[..., None], jnp.take(tab, jnp.clip(idx, 0, rows - 1), axis=0), 0.0)
+        return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True) if sp else jax.lax.psum(x, "tensor")
+
+    fn = jax.shard_map(local, mesh=sh.mesh, in_specs=(sh.spec(("vocab", "embed")), sh.spec(("batch", "seq"))),
+                       out_specs=sh.spec(("batch", "seq_sp", "act_embed")))
+    return fn(table, tokens)
+
+
 def gather_seq(h: jax.Array, sh: Sharder) -> jax.Array:
     """SP: the normed activations are pinned seq-sharded, then all-gathered over `tensor` (Korthikanti §4.2.2).
     Both are sharding constraints, which no policy saves: the backward keeps the sharded copy and gathers
@@ -242,8 +265,8 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     qkv = jnp.einsum("btd,dkgh->btkgh", h, w)
     qkv = checkpoint_name(sh.constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), "qkv_out")
     B, T, K, G2, H = qkv.shape
-    q = qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H)
-    k, v = qkv[:, :, :, G2 - 2], qkv[:, :, :, G2 - 1]
+    q = sh.constrain(qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
+    k, v = (sh.constrain(qkv[:, :, :, i], ("batch", "seq", "act_kv_heads", None)) for i in (G2 - 2, G2 - 1))
     q, k = rotary(q, pos), rotary(k, pos)
     core = attention_core
     if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
@@ -273,7 +296,8 @@ def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
         w = gather_weight(lp["w_gate_up"], ("embed", None, "mlp"), sh)
         gu = jnp.einsum("btd,dcf->btcf", h, w)
         gu = checkpoint_name(sh.constrain(gu, ("batch", "seq", None, "act_mlp")), "mlp_up_out")
-        up = _act(model, gu[:, :, 0]) * gu[:, :, 1]
+        gate, up = (sh.constrain(gu[:, :, i], ("batch", "seq", "act_mlp")) for i in (0, 1))
+        up = _act(model, gate) * up
     else:
         w_up = gather_weight(lp["w_up"], ("embed", "mlp"), sh)
         up = _act(model, checkpoint_name(sh.constrain(h @ w_up, ("batch", "seq", "act_mlp")), "mlp_up_out"))
@@ -377,8 +401,7 @@ def decoder_layer(lp: Params, x: jax.Array, pos: jax.Array, model: ModelConfig, 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
             recompute: str) -> jax.Array:
     """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
-    table = sh.constrain(params["embed"], (None, None))  # the lookup uses the whole (gathered) table
-    x = sh.constrain(jnp.take(table, batch["tokens"], axis=0), ("batch", "seq_sp", "act_embed"))
+    x = embed_lookup(params["embed"], batch["tokens"], sh)
     layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute),
                            policy=remat_policy(recompute), prevent_cse=True)
     for lp in params["layers"]:

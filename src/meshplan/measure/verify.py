@@ -126,6 +126,122 @@ def _recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str) -> 
     return 0.0
 
 
+def _activation_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> float:
+    """A = B_loc·(T/cp)·D·bytes: one [B, T, D] activation of this device's sequences (book ch.5)."""
+    return global_batch / layout.batch_shards * seq_len / layout.cp * m.d_model * b
+
+
+def _tp_bytes(m: ModelConfig, layout: Layout, A: float, b: float, tokens: float) -> dict[str, float]:
+    """Megatron TP (Korthikanti et al. 2022 §4.2.2). With SP, per layer: forward all-gathers the attention and
+    MLP inputs and reduce-scatters both outputs (2 AG + 2 RS of A); the backward re-gathers both inputs,
+    gathers both output gradients and reduce-scatters both input gradients (4 AG + 2 RS); full recompute
+    reruns the attention output's reduce-scatter (+1 RS). Outside the layers: the vocab-parallel embedding
+    reduce-scatters its rows (fwd) and gathers their gradient (bwd); the final norm output is gathered
+    (fwd) and its gradient reduce-scattered (bwd). Without SP every pair becomes one all-reduce.
+    Vocab-parallel cross-entropy all-reduces 3 numbers per token (max, Σexp, target logit); under SP the
+    replicated norm scales' gradients are all-reduced ((2L+1)·D)."""
+    L = m.n_layers
+    if layout.tp == 1:
+        return {}
+    ce = 3 * tokens * b
+    if not layout.sp:
+        return {"all-reduce": (4 * L + 2) * A + ce}
+    full = L * A if layout.recompute == "full" else 0.0
+    return {"all-gather": (6 * L + 2) * A, "reduce-scatter": (4 * L + 2) * A + full,
+            "all-reduce": ce + (2 * L + 1) * m.d_model * b}
+
+
+def _cp_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> dict[str, float]:
+    """CP with all-gathered K/V: per layer the forward gathers K and V over `context` (2·B_loc·T·K·H/tp),
+    the backward reduce-scatters their gradients; full recompute gathers them again. Positions (int32) are
+    gathered once per step."""
+    if layout.cp == 1:
+        return {}
+    kv_tp = layout.tp if m.n_kv_heads % layout.tp == 0 else 1
+    kv = 2 * global_batch / layout.batch_shards * seq_len * m.kv_dim / kv_tp * b
+    gathers = 2 if layout.recompute == "full" else 1
+    return {"all-gather": m.n_layers * gathers * kv + seq_len * 4, "reduce-scatter": m.n_layers * kv}
+
+
+def _ep_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> dict[str, float]:
+    """EP: every MoE layer sends each sequence's E·C expert slots (≈ k·T tokens) to the experts and back in
+    the forward (2 all-to-alls) and again in the backward; full and gemm-last recompute redo both."""
+    if layout.ep == 1:
+        return {}
+    from meshplan.measure.jaxmodel import moe_capacity
+
+    slots = global_batch / layout.batch_shards * m.n_experts * moe_capacity(m, seq_len) * m.d_model * b
+    n = 6 if layout.recompute in ("full", "gemm-last") else 4
+    return {"all-to-all": m.n_layers * n * slots}
+
+
+def _grad_bytes(m: ModelConfig, layout: Layout, W: dict[str, float]) -> dict[str, float]:
+    """Gradient reduction (book ch.5). FSDP: reduce-scatter every weight over `fsdp`. Then an all-reduce of
+    each device's shard over the other axes that hold different tokens: data, context and, for the
+    non-expert weights, expert. The loss mean adds one 4-byte all-reduce."""
+    total = W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"]
+    out = {"reduce-scatter": total if layout.fsdp > 1 else 0.0}
+    shard = 1.0 / layout.fsdp
+    dense = (total - W["experts"]) * shard if layout.dp * layout.cp * layout.ep > 1 else 0.0
+    experts = W["experts"] * shard if layout.dp * layout.cp > 1 else 0.0
+    loss = 4.0 if layout.devices > 1 else 0.0
+    out["all-reduce"] = dense + experts + loss
+    return out
+
+
+def _fsdp_gather_bytes(layout: Layout, W: dict[str, float]) -> float:
+    """FSDP / ZeRO-3: every weight is gathered for the forward; the layers' weights again for the backward
+    (the embedding, final norm and unembedding are gathered once and kept)."""
+    if layout.fsdp == 1:
+        return 0.0
+    return 2 * W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"]
+
+
+def predict_collective_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                             b: float = BYTES_PER_ELEMENT) -> dict[str, float]:
+    """Per-device bytes (full array size X, the `meshplan collective` convention) of each collective kind
+    in one training step, summed over the parallelisms in a fixed order: FSDP, TP, CP, EP, gradients."""
+    W = _weight_bytes(m, layout, b)
+    A = _activation_bytes(m, layout, seq_len, global_batch, b)
+    tokens = global_batch / layout.batch_shards * seq_len / layout.cp
+    out = {k: 0.0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
+    parts = [{"all-gather": _fsdp_gather_bytes(layout, W)}, _tp_bytes(m, layout, A, b, tokens),
+             _cp_bytes(m, layout, seq_len, global_batch, b), _ep_bytes(m, layout, seq_len, global_batch, b),
+             _grad_bytes(m, layout, W)]
+    for part in parts:
+        for kind, v in part.items():
+            out[kind] += v
+    return out
+
+
+def predict_memory(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                   b: float = BYTES_PER_ELEMENT) -> dict[str, float]:
+    """Arguments: params (b bytes) and AdamW m, v (fp32) in their shardings, plus the int32 batch.
+    Temp: gradients (b bytes, before their reduce-scatter) plus the saved activations of every layer
+    (tm.activation_bytes_per_layer, materialised attention) plus the logits and their gradient."""
+    W = _weight_bytes(m, layout, b)
+    params = (W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"])
+    tokens = global_batch / layout.batch_shards * seq_len / layout.cp
+    args = params / layout.fsdp * (1 + 8 / b) + 2 * tokens * 4 + seq_len / layout.cp * 4 + 4
+    act = tm.activation_bytes_per_layer(m, seq_len, int(global_batch / layout.batch_shards), layout.recompute,
+                                        tp=layout.tp, sequence_parallel=layout.sp, cp=layout.cp,
+                                        flash_attention=False, act_bytes=b)["total"]
+    temp = params + m.n_layers * act + 2 * tokens * m.vocab_size / layout.tp * 4
+    return {"memory: arguments": args, "memory: temp": temp, "memory": args + temp}
+
+
+def predict_verify_quantities(model: ModelConfig, layout: Layout, devices: int, seq_len: int,
+                              global_batch: int, bytes_per_element: float = BYTES_PER_ELEMENT) -> dict[str, float]:
+    """The planner-side prediction of every compared quantity, per device per step, from formulas only."""
+    if devices != layout.devices:
+        raise MeshplanError(f"layout uses {layout.devices} devices, not {devices}")
+    flops = predict_flops(model, layout, devices, seq_len, global_batch)
+    out = {"flops": flops, "matmul flops": flops}
+    out.update({f"{k} bytes": v for k, v in
+                predict_collective_bytes(model, layout, seq_len, global_batch, bytes_per_element).items()})
+    out.update(predict_memory(model, layout, seq_len, global_batch, bytes_per_element))
+    return out
+
 # --- the compiled side ---------------------------------------------------------------------------
 
 def _cost(compiled: Any) -> dict[str, float]:

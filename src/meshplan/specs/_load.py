@@ -19,6 +19,8 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise MeshplanError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise MeshplanError(f"malformed {what} file '{path}': not valid text") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -56,6 +58,8 @@ class FieldReader:
                 return None
             node = node[part]
         value, src = unwrap(node)
+        if value is None and required:  # `field:` or `field: null` is as good as missing
+            raise MeshplanError(f"{self.origin}: field '{dotted}' is empty")
         if src:
             self.sources[dotted] = src
         return value
@@ -70,7 +74,10 @@ class FieldReader:
                 value = float(value)  # YAML reads "1e14" (no dot) as a string
             except (TypeError, ValueError):
                 raise MeshplanError(f"{self.origin}: field '{dotted}' must be a number, got {value!r}") from None
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float range
+            raise MeshplanError(f"{self.origin}: field '{dotted}' is out of range, got {value!r}") from None
         if value != value or value in (float("inf"), float("-inf")):
             raise MeshplanError(f"{self.origin}: field '{dotted}' must be finite, got {value!r}")
         if positive and value <= 0:

@@ -8,6 +8,7 @@ type's defaults; contradictions are errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -109,7 +110,8 @@ def _int(cfg: dict[str, Any], origin: str, *keys: str, default: Any = None) -> A
     for k in keys:
         if k in cfg and cfg[k] is not None:
             v = cfg[k]
-            if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+            if (isinstance(v, bool) or not isinstance(v, int | float)
+                    or (isinstance(v, float) and not math.isfinite(v)) or v != int(v)):
                 raise MeshplanError(f"{origin}: '{k}' must be an integer, got {v!r}")
             if v <= 0:
                 raise MeshplanError(f"{origin}: '{k}' must be positive, got {v!r}")
