@@ -14,7 +14,7 @@ from meshplan.errors import InfeasibleError
 from meshplan.train.costmodel import CostModel, Options
 from meshplan.train.evaluate import Evaluation, evaluate
 from meshplan.train.space import Pins, Problem, enumerate_layouts
-from meshplan.units import GIB, fmt_bytes
+from meshplan.units import fmt_bytes
 
 SUGGEST = {
     "fsdp": "raise the per-chip batch (micro-batch) or add tensor/pipeline parallelism inside the fast domain "
@@ -45,9 +45,10 @@ class PlanResult:
                 "feasible": self.feasible, "infeasible_reasons": self.infeasible}
 
 
-def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None) -> tuple[Evaluation, Counter, int]:
+def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
+           cm: CostModel | None = None) -> tuple[Evaluation, Counter, int]:
     """Enumerate and evaluate; retries with activation offload when nothing fits and offload is free."""
-    cm = CostModel(problem, eff, options)
+    cm = cm or CostModel(problem, eff, options)
     layouts, reasons = enumerate_layouts(problem, pins)
     ev = evaluate(cm, layouts)
     searched = len(layouts)
@@ -65,7 +66,8 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
          tokens: float | None = None) -> PlanResult:
     """The best `top` feasible layouts, best first, each as the DESIGN.md JSON plan object."""
     t0 = time.perf_counter()
-    ev, reasons, searched = search(problem, pins, eff, options)
+    cm = CostModel(problem, eff, options)
+    ev, reasons, searched = search(problem, pins, eff, options, cm)
     if len(ev.step_time_s) == 0:
         raise InfeasibleError(f"no layout satisfies the constraints: {reasons.most_common(1)[0][0]}")
     pinned_all = all(getattr(pins, k) is not None for k in ("dp", "fsdp", "tp", "pp", "cp"))
@@ -73,7 +75,6 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
         raise InfeasibleError(_not_fit_message(problem, ev, pinned_all) + _what_fits(problem, pins, eff, options))
     order = np.argsort(np.where(ev.fits, ev.step_time_s, np.inf), kind="stable")
     chosen = [int(i) for i in order[:top] if ev.fits[i]]
-    cm = CostModel(problem, eff, options)
     plans = [plan_dict(problem, cm, ev, i, tokens) for i in chosen]
     elapsed = time.perf_counter() - t0
     infeasible = {k: v for k, v in reasons.most_common()}
@@ -131,7 +132,7 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
         "micro_batches": float(ev.n_micro[i]),
         "bottleneck": bottleneck,
         "explanation": explanation,
-        "mesh": mesh_description(p, cfg),
+        "mesh": mesh_description(cm, cfg),
     }
     if tokens:
         days = tokens / out["tokens_per_s"] / 86400
@@ -141,22 +142,23 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
     return out
 
 
-def mesh_description(p: Problem, cfg) -> str:
+def _axis_groups(cfg) -> dict[str, tuple[int, int]]:
+    """(size, stride) of each parallel axis in the chip order, tensor innermost (ParallelConfig.mesh)."""
+    return {"tp": (cfg.tp, 1), "cp": (cfg.cp, cfg.tp), "ep": (cfg.ep, cfg.tp * cfg.cp),
+            "fsdp": (cfg.fsdp, cfg.tp * cfg.cp), "dp": (cfg.dp, cfg.tp * cfg.cp * cfg.fsdp),
+            "pp": (cfg.pp, cfg.tp * cfg.cp * cfg.fsdp * cfg.dp)}
+
+
+def _link(cm: CostModel, size: int, stride: int) -> str:
+    return group_collective("allgather", 1e6, cm.comm.cluster, size, stride).link if size > 1 else "no link"
+
+
+def mesh_description(cm: CostModel, cfg) -> str:
     """Which link each parallel axis lands on (tensor innermost)."""
-    parts, stride = [], 1
-    for name, size in (("tensor", cfg.tp), ("context", cfg.cp), ("fsdp", cfg.fsdp), ("data", cfg.dp),
-                       ("pipeline", cfg.pp)):
-        if size > 1:
-            link = group_collective("allgather", 1e6, CostModel_cluster(p), size, stride).link
-            parts.append(f"{name}={size} → {link}")
-        stride *= size
+    names = {"tp": "tensor", "cp": "context", "fsdp": "fsdp", "dp": "data", "pp": "pipeline"}
+    parts = [f"{names[k]}={size} → {_link(cm, size, stride)}"
+             for k, (size, stride) in _axis_groups(cfg).items() if k in names and size > 1]
     return "; ".join(parts) or "single chip"
-
-
-def CostModel_cluster(p: Problem):  # noqa: N802 - small cached accessor
-    from meshplan.cost.topology import make_cluster
-
-    return make_cluster(p.chip, p.chips)
 
 
 def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str]:
@@ -181,19 +183,9 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
              "tp": "tensor-parallel collectives", "cp": "context-parallel KV passes",
              "ep": "expert all-to-alls", "pp": "pipeline sends"}
     return (f"comm/{worst}", f"the {names[worst]} are {share:.0%} of the step ({min(exposed, 1):.0%} of their "
-            f"link time is exposed on {_link_of(p, ev, i, worst)}): {SUGGEST[worst]}")
+            f"link time is exposed on {_link_of(cm, ev, i, worst)}): {SUGGEST[worst]}")
 
 
-def _link_of(p: Problem, ev: Evaluation, i: int, kind: str) -> str:
-    cfg = ev.layouts.config(i)
-    sizes = {"tp": (cfg.tp, 1), "cp": (cfg.cp, cfg.tp), "ep": (cfg.ep, cfg.tp * cfg.cp),
-             "fsdp": (cfg.fsdp, cfg.tp * cfg.cp), "dp": (cfg.dp, cfg.tp * cfg.cp * cfg.fsdp),
-             "pp": (cfg.pp, cfg.tp * cfg.cp * cfg.fsdp * cfg.dp)}
-    size, stride = sizes[kind]
-    if size <= 1:
-        return "no link"
-    return group_collective("allgather", 1e6, CostModel_cluster(p), size, stride).link
-
-
-def headroom_gib(ev: Evaluation, i: int) -> float:
-    return (ev.hbm_budget_bytes - float(ev.memory["total"][i])) / GIB
+def _link_of(cm: CostModel, ev: Evaluation, i: int, kind: str) -> str:
+    size, stride = _axis_groups(ev.layouts.config(i))[kind]
+    return _link(cm, size, stride)

@@ -161,11 +161,11 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) 
         # the search keeps stages even; a pinned uneven split is modelled with the busiest stage
         ("layers not divisible by pp × vpp",
          (m.n_layers % (pp * vpp) == 0) | ((pins.pp is not None) & (pp * vpp <= m.n_layers))),
-        ("virtual stages need pipeline parallelism", (vpp == 1) | (pp > 1)),
-        ("ZeRO stage applies to the replicated data-parallel group", (zero == 0) | (dp > 1) | (pins.zero is not None)),
         ("expert parallelism must divide the data-parallel ranks", data % ep == 0),
     ]
-    keep = np.ones(tp.shape, dtype=bool)
+    # combinations that are not distinct layouts (vpp without pp, a ZeRO stage with no replicas) are dropped
+    # silently; the rest are counted by reason
+    keep = ((vpp == 1) | (pp > 1)) & ((zero == 0) | (dp > 1) | (pins.zero is not None))
     for reason, ok in rules:
         bad = keep & ~ok
         if bad.any():
