@@ -16,8 +16,8 @@ from functools import cache
 from typing import Any
 
 import pytest
-
 from conftest import answer, book_problems
+
 from meshplan.cost.roofline import (
     Op,
     attention,
@@ -30,6 +30,7 @@ from meshplan.cost.roofline import (
     padding_overhead,
     roofline,
 )
+from meshplan.errors import MeshplanError
 from meshplan.math.transformer import (
     activation_bytes_per_layer,
     attention_flops_per_token,
@@ -346,11 +347,17 @@ def test_balance_batch_equalises_the_roofline() -> None:
 
 
 def test_pod_summary_rejects_gpus_and_bad_shapes() -> None:
-    from meshplan.errors import MeshplanError
-
     with pytest.raises(MeshplanError):
         pod_summary(load_chip("h100-sxm"))
     with pytest.raises(MeshplanError):
         parse_shape("16xq")
     with pytest.raises(MeshplanError):
         padded_shape((3, 5), (2, 2, 2))
+
+
+def test_roofline_rejects_zero_bandwidth() -> None:
+    """An explicit zero bandwidth is an error, not a silent fall-back to the chip's HBM (or a crash)."""
+    with pytest.raises(MeshplanError):
+        roofline(matmul(1, 2, 3), peak_flops_per_s=1e12, bandwidth_bytes_per_s=0)
+    with pytest.raises(MeshplanError):
+        roofline(matmul(1, 2, 3), load_chip("h100-sxm"), bandwidth_bytes_per_s=0)

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import yaml
 from conftest import run_cli
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from meshplan.cost import roofline as rf
 from meshplan.errors import MeshplanError
+from meshplan.math import transformer as tm
 from meshplan.specs.hardware import HARDWARE_DIR, Chip, chip_from_mapping, load_chip
 from meshplan.specs.model import MODELS_DIR, ModelConfig, load_model, model_from_hf
 
@@ -88,6 +90,30 @@ def _only_meshplan_errors(fn, *args) -> Any:
         return None
 
 
+def _use_model(m: ModelConfig | None) -> None:
+    """What `meshplan model` does with a loaded config must not fail either."""
+    event("rejected" if m is None else "loaded")
+    if m is not None:
+        pc = tm.param_counts(m)
+        assert pc.total > 0
+        assert tm.flops_per_token(m).training > 0
+        tm.kv_cache_bytes_per_token(m, "int8")
+        tm.activation_bytes_per_layer(m, 2048, 1, "none", tp=8)
+        for policy in tm.RECOMPUTE_POLICIES:
+            tm.recompute_flops_per_token(m, 2048, policy)
+        rf.layer_ops(m, 4096, 2048)
+
+
+def _use_chip(c: Chip | None) -> None:
+    """What `meshplan hardware` / `roofline` do with a loaded chip must not fail either."""
+    event("rejected" if c is None else "loaded")
+    if c is not None:
+        c.as_dict()
+        c.critical_intensity()
+        assert c.links.fast_domain_size >= 1 and c.links.fast_bandwidth_bytes_per_s >= 0
+        rf.roofline(rf.matmul(4096, 8192, 8192), c)
+
+
 # --- model_from_hf -------------------------------------------------------------------------------------
 
 @FUZZ
@@ -95,6 +121,7 @@ def _only_meshplan_errors(fn, *args) -> Any:
 def test_model_from_hf_random_mapping(cfg: dict) -> None:
     m = _only_meshplan_errors(model_from_hf, cfg, "fuzz", "fuzz config")
     assert m is None or isinstance(m, ModelConfig)
+    _use_model(m)
 
 
 @FUZZ
@@ -106,6 +133,7 @@ def test_model_from_hf_mutated_preset(preset: dict, edits: list) -> None:
         _set(cfg, (key,), value, delete)
     m = _only_meshplan_errors(model_from_hf, cfg, "fuzz", "fuzz config")
     assert m is None or isinstance(m, ModelConfig)
+    _use_model(m)
 
 
 # --- chip_from_mapping ---------------------------------------------------------------------------------
@@ -115,6 +143,7 @@ def test_model_from_hf_mutated_preset(preset: dict, edits: list) -> None:
 def test_chip_from_mapping_random_mapping(data: dict) -> None:
     c = _only_meshplan_errors(chip_from_mapping, data, "fuzz")
     assert c is None or isinstance(c, Chip)
+    _use_chip(c)
 
 
 @FUZZ
@@ -130,6 +159,7 @@ def test_chip_from_mapping_mutated_preset(preset: dict, data) -> None:
             continue
     c = _only_meshplan_errors(chip_from_mapping, chip, "fuzz")
     assert c is None or isinstance(c, Chip)
+    _use_chip(c)
 
 
 # --- the file loaders ----------------------------------------------------------------------------------
@@ -145,9 +175,11 @@ file_bodies = st.one_of(st.binary(max_size=400), st.sampled_from(TRICKY_TEXT).ma
                         st.text(max_size=200).map(lambda s: s.encode("utf-8", "surrogatepass")))
 
 
+_SCRATCH = tempfile.TemporaryDirectory(prefix="meshplan-fuzz-")  # removed when the session ends
+
+
 def _write(body: bytes, suffix: str) -> str:
-    d = Path(tempfile.mkdtemp(prefix="meshplan-fuzz-"))
-    p = d / f"{uuid.uuid4().hex}{suffix}"  # a fresh name every time: the loaders cache by path
+    p = Path(_SCRATCH.name) / f"{uuid.uuid4().hex}{suffix}"  # a fresh name every time: the loaders cache by path
     p.write_bytes(body)
     return str(p)
 
@@ -157,6 +189,7 @@ def _write(body: bytes, suffix: str) -> str:
 def test_load_model_random_file(body: bytes, suffix: str) -> None:
     m = _only_meshplan_errors(load_model, _write(body, suffix))
     assert m is None or isinstance(m, ModelConfig)
+    _use_model(m)
 
 
 @FUZZ
@@ -164,6 +197,7 @@ def test_load_model_random_file(body: bytes, suffix: str) -> None:
 def test_load_chip_random_file(body: bytes, suffix: str) -> None:
     c = _only_meshplan_errors(load_chip, _write(body, suffix))
     assert c is None or isinstance(c, Chip)
+    _use_chip(c)
 
 
 @pytest.mark.parametrize("text", TRICKY_TEXT)
@@ -228,6 +262,7 @@ BASE_HF = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32
     ({"num_key_value_heads": 7}, "divisible"),
     ({"hidden_size": 4096.5}, "integer"),
     ({"hidden_size": "big"}, "integer"),
+    ({"num_hidden_layers": 10**40}, "implausibly large"),
 ])
 def test_bad_model_config(tmp_path, capsys, change: dict, needle: str) -> None:
     p = tmp_path / "config.json"
@@ -244,6 +279,8 @@ def test_bad_model_config(tmp_path, capsys, change: dict, needle: str) -> None:
     (("links", "ici_links_per_chip"), 0),
     (("links", "max_slice_shape"), [16, 0]),
     (("price_per_chip_hour",), "free"),
+    (("hbm_bytes",), None),
+    (("links", "max_slice_shape"), {"value": None, "source": "x"}),
 ])
 def test_bad_hardware_yaml(tmp_path, capsys, path: tuple, value: Any) -> None:
     data = yaml.safe_load((HARDWARE_DIR / "tpu-v5e.yaml").read_text())

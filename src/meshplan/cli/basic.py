@@ -20,7 +20,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 def model_summary(name: str, seq_len: int | None = None) -> dict:
     """The `meshplan model --json` contract."""
     m = load_model(name)
-    S = seq_len or m.max_seq_len
+    S = m.max_seq_len if seq_len is None else seq_len
     if S <= 0:
         fail(f"--seq-len must be positive, got {S}")
     pc = tm.param_counts(m)

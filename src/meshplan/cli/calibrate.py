@@ -4,7 +4,6 @@ so the rest of the CLI runs without the jax extra."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -27,7 +26,9 @@ ProcessId = Annotated[int | None, typer.Option(help="Multi-host: this process's 
 
 
 def require_jax(command: str) -> None:
-    if importlib.util.find_spec("jax") is None:
+    try:
+        import jax  # noqa: F401  (importing does not start a backend; jax.distributed can still follow)
+    except ImportError:
         fail(f"meshplan {command} needs the jax extra: pip install 'meshplan[jax]'")
 
 
@@ -63,6 +64,20 @@ def calibrate(
         show_profile(show)
         return
     names = parse_benchmarks(bench)
+    require_jax("calibrate")
+    from meshplan.measure.cluster import stdout_to_stderr
+
+    with stdout_to_stderr():
+        summary, chip, profile = _calibrate(names, quick, hardware, model, coordinator, num_processes, process_id)
+    if not is_main(summary):
+        return
+    Path(out).write_text(json.dumps(profile, indent=2, default=_json_default) + "\n")
+    _print_efficiency(profile, chip)
+    console.print(f"wrote {out} (use it as `meshplan train --hardware {chip.name} --profile {out}`)")
+
+
+def _calibrate(names: list[str], quick: bool, hardware: str | None, model: str | None, coordinator: str | None,
+               num_processes: int | None, process_id: int | None) -> tuple[dict[str, Any], Chip, dict[str, Any]]:
     summary = start_runtime("calibrate", coordinator, num_processes, process_id)
     chip = _calibration_chip(hardware, summary)
     from meshplan.measure import calibrate as cal
@@ -72,12 +87,7 @@ def calibrate(
     meta = {"measured_at": now_utc(), "mode": "quick" if quick else "full", "platform": summary["platform"],
             "device_kind": summary["device_kind"], "devices": summary, "versions": versions()}
     records = _run_with_progress(cal, ctx, names, show_bar=is_main(summary))
-    profile = cal.build_profile(chip, records, meta)
-    if not is_main(summary):
-        return
-    Path(out).write_text(json.dumps(profile, indent=2, default=_json_default) + "\n")
-    _print_efficiency(profile, chip)
-    console.print(f"wrote {out} (use it as `meshplan train --hardware {chip.name} --profile {out}`)")
+    return summary, chip, cal.build_profile(chip, records, meta)
 
 
 def parse_benchmarks(text: str | None) -> list[str]:
@@ -179,7 +189,7 @@ def _benchmark_row(r: dict[str, Any]) -> tuple[str, ...]:
     else:
         achieved_s = rate(achieved) if achieved is not None else ""
     return (r["benchmark"], r.get("name", ""), fmt_time(r["time_s"]), achieved_s,
-            rate(peak) if peak else "", f"{frac:.1%}" if frac is not None else "")
+            rate(peak) if peak else "", pct(frac) if frac is not None else "")
 
 
 # --- measure ---------------------------------------------------------------------------------------
@@ -211,14 +221,18 @@ def measure(
         m = m.with_overrides(n_layers=layers, name=f"{m.name} ({layers} layers)")
     if seq_len <= 0:
         fail(f"--seq-len must be positive, got {seq_len}")
-    summary = start_runtime("measure", coordinator, num_processes, process_id)
-    chip = _measure_chip(hardware, summary)
-    from meshplan.measure import steps as st
+    require_jax("measure")
+    from meshplan.measure.cluster import stdout_to_stderr
 
-    layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, global_batch or summary["devices"])
-    batch = global_batch or summary["devices"]
-    run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]))
-    result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary)
+    with stdout_to_stderr():
+        summary = start_runtime("measure", coordinator, num_processes, process_id)
+        chip = _measure_chip(hardware, summary)
+        from meshplan.measure import steps as st
+
+        batch = global_batch or summary["devices"]
+        layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, batch)
+        run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]))
+        result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary)
     if not is_main(summary):
         return
     if json_out:
@@ -289,7 +303,7 @@ def _print_measure(r: dict[str, Any]) -> None:
     for key in preds:
         t.add_column(f"predicted ({key})", justify="right")
     t.add_row("step time", fmt_time(meas["step_time_s"]), *(_pred_cell(p, "step_time_s") for p in preds.values()))
-    t.add_row("MFU", f"{meas['mfu']:.2%}" if "mfu" in meas else "—", *(_pred_cell(p, "mfu") for p in preds.values()))
+    t.add_row("MFU", pct(meas["mfu"]) if "mfu" in meas else "—", *(_pred_cell(p, "mfu") for p in preds.values()))
     t.add_row("peak memory / chip", fmt_bytes(meas["peak_memory_bytes"]) if math.isfinite(meas["peak_memory_bytes"])
               else "—", *(_pred_cell(p, "memory_bytes_per_chip") for p in preds.values()))
     console.print(t)
@@ -307,4 +321,9 @@ def _pred_cell(p: dict[str, Any], key: str) -> str:
     v = p[key]
     if key == "step_time_s":
         return f"{fmt_time(v)} ({p['step_time_error']:+.0%})"
-    return f"{v:.2%}" if key == "mfu" else fmt_bytes(v)
+    return pct(v) if key == "mfu" else fmt_bytes(v)
+
+
+def pct(v: float) -> str:
+    """A percentage; tiny fractions (CPU measured against a GPU's peak) in scientific notation."""
+    return f"{v:.1%}" if abs(v) >= 1e-3 else f"{v * 100:.2e}%"

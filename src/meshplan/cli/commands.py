@@ -6,4 +6,5 @@ from meshplan.cli import (
     net,  # noqa: F401
     serve,  # noqa: F401
     train,  # noqa: F401
+    verify,  # noqa: F401
 )

@@ -109,7 +109,7 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
             peak_flops_per_s = chip.peak_flops_per_s["fp32"]  # CUDA cores, not tensor cores
         else:
             peak_flops_per_s = chip.peak(op.dtype if op.dtype in chip.peak_flops_per_s or op.dtype == "int4" else "bf16")
-    W = bandwidth_bytes_per_s or chip.hbm_bandwidth_bytes_per_s
+    W = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else chip.hbm_bandwidth_bytes_per_s
     _check_positive(peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=W)
     t_math, t_mem = op.flops / peak_flops_per_s, op.bytes / W
     return Roofline(op.name, op.kind, op.flops, op.bytes, op.intensity, peak_flops_per_s / W, t_math, t_mem,

@@ -160,7 +160,7 @@ def attention_flops_per_token(m: ModelConfig, context_len: float, causal: bool =
 
 def flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = True) -> TokenFlops:
     """FLOPs per token at sequence length `seq_len` (default: the model's own)."""
-    S = seq_len or m.max_seq_len
+    S = m.max_seq_len if seq_len is None else seq_len
     if S <= 0:
         raise MeshplanError(f"sequence length must be positive, got {S}")
     return TokenFlops(2.0 * matmul_params_active(m), attention_flops_per_token(m, S, causal))

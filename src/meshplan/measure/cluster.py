@@ -8,11 +8,14 @@ launch or `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -139,3 +142,18 @@ def versions() -> dict[str, Any]:
 
 def now_utc() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to stderr for the duration: native libraries (Gloo, NCCL, XLA) print status
+    lines on stdout, which would corrupt `--json` output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshplan.errors import MeshplanError
-from meshplan.measure.layout import MESH_AXES, Layout, logical_rules
+from meshplan.measure.layout import MESH_AXES, Layout, logical_rules, moe_capacity
 from meshplan.specs.model import ModelConfig
 
 Params = dict[str, Any]
@@ -39,7 +39,6 @@ GATHER_PRIMS = ("sharding_constraint", "all_gather")  # communication we always 
 ATTN_SCORES = "attn_scores"
 GEMM_OUTPUTS = ("qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
-CAPACITY_FACTOR = 1.0
 
 
 # --- mesh and sharding rules -----------------------------------------------------------------------
@@ -91,6 +90,9 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
         raise MeshplanError("verify: the MoE reference supports dp, fsdp and ep (not tp or cp)")
     if layout.ep > 1 and (not model.is_moe or model.n_experts % layout.ep):
         raise MeshplanError(f"verify: ep={layout.ep} needs an MoE model whose experts divide by ep")
+    if model.n_kv_heads % layout.tp:
+        raise MeshplanError(f"verify: tp={layout.tp} must divide the KV heads (K={model.n_kv_heads}); the reference "
+                            "model fuses Q, K and V per KV group and shards whole groups")
     checks = {"global batch": (global_batch, layout.batch_shards * layout.microbatch),
               "sequence length": (seq_len, 2 * layout.cp * (layout.tp if layout.sp else 1)),
               "query heads": (model.n_heads, layout.tp), "MLP width": (model.d_ff, layout.tp),
@@ -305,12 +307,6 @@ def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
     return sh.constrain(y, ("batch", "seq_sp", "act_embed"))
 
 
-def moe_capacity(model: ModelConfig, seq_len: int) -> int:
-    """Slots per expert per sequence: capacity factor × T·k/E (GShard; one routing group per sequence, so
-    the routing does not depend on the layout and the sharded loss equals the unsharded one)."""
-    return max(1, math.ceil(CAPACITY_FACTOR * seq_len * model.experts_per_token / model.n_experts))
-
-
 def _route(x: jax.Array, router: jax.Array, model: ModelConfig, C: int) -> tuple[jax.Array, jax.Array]:
     """Top-k routing. x [b,T,D] → (gate weights [b,T·k], slot index [b,T·k] into E·C, E·C when dropped)."""
     b, T, _ = x.shape
@@ -515,13 +511,16 @@ def init_state(prog: Program, seed: int = 0, dtype: Any = jnp.float32) -> tuple[
     return params, opt
 
 
-def run_steps(prog: Program, seq_len: int, global_batch: int, steps: int = 3, seed: int = 0) -> list[float]:
-    """Run `steps` training steps on synthetic data; the losses, one per step."""
+def run_steps(prog: Program, seq_len: int, global_batch: int, steps: int = 3, seed: int = 0,
+              compiled: Callable | None = None) -> list[float]:
+    """Run `steps` training steps on synthetic data; the losses, one per step. `compiled`: an executable
+    from `prog.step.lower(...).compile()` to reuse instead of compiling again."""
     params, opt = init_state(prog, seed)
+    step = compiled or prog.step
     losses = []
     for i in range(steps):
         batch = place_batch(prog, synthetic_batch(prog.model, seq_len, global_batch, seed + i))
-        params, opt, loss = prog.step(params, opt, batch)
+        params, opt, loss = step(params, opt, batch)
         losses.append(float(loss))
     return losses
 

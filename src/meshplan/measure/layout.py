@@ -8,6 +8,7 @@ parallelism], `stage` [PP]. Devices = dp·fsdp·ep·cp·tp·pp.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -20,6 +21,7 @@ _AXIS_OF = {"data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp", "tens
 # Logical dims of weights and activations. Weights use the bare names; activations the `act_` ones, so
 # that FSDP shards a weight's embed dim without sharding the activations' embed dim.
 WEIGHT_DIMS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers")
+CAPACITY_FACTOR = 1.0  # MoE expert slots per routed token (GShard); 1.0 drops overflow
 ACTIVATION_DIMS = ("batch", "seq", "seq_sp", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
 
 
@@ -128,3 +130,9 @@ def describe(layout: Layout) -> str:
                                     ("cp", layout.cp), ("ep", layout.ep), ("pp", layout.pp)) if v > 1]
     sp = " +SP" if layout.sp else ""
     return (" ".join(parts) or "single device") + sp + f", recompute={layout.recompute}"
+
+
+def moe_capacity(model: Any, seq_len: int) -> int:
+    """Slots per expert per sequence: capacity factor × T·k/E (GShard; one routing group per sequence, so the
+    routing does not depend on the layout and the sharded loss equals the unsharded one)."""
+    return max(1, math.ceil(CAPACITY_FACTOR * seq_len * model.experts_per_token / model.n_experts))

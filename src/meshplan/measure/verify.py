@@ -17,13 +17,12 @@ import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
 from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.measure.hlo import COLLECTIVES, Collective, dot_flops, parse_collectives
-from meshplan.measure.layout import Layout
+from meshplan.measure.layout import Layout, moe_capacity
 from meshplan.specs.model import ModelConfig
 
 BYTES_PER_ELEMENT = 4.0  # the CPU reference model runs in float32 (params, activations and collectives)
@@ -61,17 +60,19 @@ def reference_model(m: ModelConfig) -> ModelConfig:
                             n_shared_experts=0, shared_expert_d_ff=0)
 
 
-def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int = 512) -> ModelConfig:
-    """Shrink a model for a CPU, keeping its shape ratios: N/K (GQA group), F/D, E and k.
-    Defaults give L=2, D=256, N=8, H=32, F=2D·(F/D of the original, rounded to 64), V=512."""
-    n_heads = 8
-    group = max(1, min(m.gqa_group, n_heads))
+def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int = 512,
+               min_kv_heads: int = 1) -> ModelConfig:
+    """Shrink a model for a CPU, keeping its shape ratios: the GQA group N/K, F/D (rounded to 64), E and k.
+    Defaults give L=2, D=256, V=512 and 8 query heads, or more when `min_kv_heads` (e.g. tp) asks for
+    more KV heads: K = max(8/G, min_kv_heads), N = G·K, H = D/N."""
+    group = max(1, min(m.gqa_group, 8))
+    n_kv = max(8 // group, min_kv_heads, 1)
     d_ff = max(64, round(d_model * m.d_ff / m.d_model / 64) * 64)
     experts = min(m.n_experts, 8) if m.is_moe else 0
     return reference_model(m).with_overrides(
-        name=f"{m.name}-tiny", n_layers=layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_heads // group,
-        head_dim=d_model // n_heads, d_ff=d_ff, vocab_size=vocab, n_experts=experts,
-        experts_per_token=min(m.experts_per_token, experts) if experts else 0, tied_embeddings=m.tied_embeddings)
+        name=f"{m.name}-tiny", n_layers=layers, d_model=d_model, n_heads=group * n_kv, n_kv_heads=n_kv,
+        head_dim=d_model // (group * n_kv), d_ff=d_ff, vocab_size=vocab, max_seq_len=max(m.max_seq_len, 128),
+        n_experts=experts, experts_per_token=min(m.experts_per_token, experts) if experts else 0)
 
 
 # --- the prediction (formulas only) --------------------------------------------------------------
@@ -99,30 +100,32 @@ def predict_flops(m: ModelConfig, layout: Layout, devices: int, seq_len: int, gl
     softmax attention and XLA executes (and counts) every masked entry: the causal halving in
     meshplan.math.transformer applies to kernels that skip masked blocks, not to this program. MoE experts
     run C = capacity-factor·T·k/E slots each, so expert FLOPs scale by the capacity factor."""
-    from meshplan.measure.jaxmodel import CAPACITY_FACTOR, moe_capacity
-
     tf = tm.flops_per_token(m, seq_len, causal=False)
     matmul = tf.forward_matmul
     if m.is_moe:
         per_expert = 2.0 * (3 if m.gated else 2) * m.d_model * m.d_ff
         slots = moe_capacity(m, seq_len) * m.n_experts / seq_len  # ≈ CAPACITY_FACTOR · k
         matmul += m.n_layers * per_expert * (slots - m.experts_per_token)
-        del CAPACITY_FACTOR
     per_token = 3.0 * (matmul + tf.forward_attention) + _recompute_flops_per_token(m, seq_len, layout.recompute)
     return per_token * global_batch * seq_len / devices
 
 
 def _recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str) -> float:
-    """Extra forward FLOPs in the backward. full: the layers' forward again (tm.recompute_flops_per_token,
-    full attention). selective: only QKᵀ — a policy-based remat keeps the AV output and rebuilds just the
-    softmax input, half of tm's selective term (which reruns the whole core, as Megatron's module does).
+    """Extra forward FLOPs in the backward.
+
+    full: the layers' forward again (tm.recompute_flops_per_token, full attention) minus each dense layer's
+    MLP down-projection (2·D·F per token): a JAX remat recomputes only what the backward needs, and that
+    matmul's output only feeds the residual sum, which the backward never reads. (Megatron's checkpointed
+    layer reruns the whole forward, so tm's term is right for it; for MoE the expert outputs are needed to
+    weight the combine, so nothing is dropped.)
+    selective: QKᵀ again, half of the full attention forward (a policy-based remat keeps AV's output and
+    rebuilds only the softmax input; tm's selective term reruns the whole core, as Megatron's module does).
     gemm-last and none: no matmuls."""
-    full_attn = tm.attention_flops_per_token(m, seq_len, causal=False)
     if recompute == "full":
-        return tm.recompute_flops_per_token(m, seq_len, "full", causal=False)
+        down = 0.0 if m.is_moe else 2.0 * m.d_model * m.d_ff * m.n_layers
+        return tm.recompute_flops_per_token(m, seq_len, "full", causal=False) - down
     if recompute == "selective":
-        return full_attn / 2.0
-    del full_attn
+        return tm.attention_flops_per_token(m, seq_len, causal=False) / 2.0
     return 0.0
 
 
@@ -168,8 +171,6 @@ def _ep_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b
     the forward (2 all-to-alls) and again in the backward; full and gemm-last recompute redo both."""
     if layout.ep == 1:
         return {}
-    from meshplan.measure.jaxmodel import moe_capacity
-
     slots = global_batch / layout.batch_shards * m.n_experts * moe_capacity(m, seq_len) * m.d_model * b
     n = 6 if layout.recompute in ("full", "gemm-last") else 4
     return {"all-to-all": m.n_layers * n * slots}
@@ -295,3 +296,91 @@ def summarize_collectives(colls: list[Collective]) -> list[dict[str, Any]]:
         g["bytes"] += c.bytes
         g["wire_bytes"] += c.wire_bytes
     return [{"kind": k, "axes": a, "dtype": d, "group_size": n, **v} for (k, a, d, n), v in sorted(groups.items())]
+
+
+# --- checks and the report -----------------------------------------------------------------------
+
+def causal_balance(seq_len: int, cp: int, load_balanced: bool = True) -> float:
+    """max/mean causal work (query-key pairs kept by the mask) over the context ranks: 1.0 is even. The
+    contiguous split gives (2cp−1)/cp; the load-balanced order (chunks i and 2cp−1−i) gives 1."""
+    import numpy as np
+
+    if load_balanced:
+        chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
+        order = np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+    else:
+        order = np.arange(seq_len)
+    work = (order + 1).reshape(cp, -1).sum(axis=1)
+    return float(work.max() / work.mean())
+
+
+def loss_check(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int = 3,
+               rtol: float = 1e-4, compiled: tuple[Any, Any] | None = None,
+               reference: list[float] | None = None) -> dict[str, Any]:
+    """Run `steps` AdamW steps sharded and on one device (no recompute) from the same init and data; compare
+    the losses. `compiled`: (program, executable) from `compile_step` to reuse; `reference`: one-device
+    losses already computed for this model and shapes."""
+    ensure_host_devices(layout.devices)
+    jax = import_jax()
+    from meshplan.measure import jaxmodel as jm
+
+    devs = jax.devices("cpu")
+    prog, exe = compiled or (jm.build_program(model, layout, seq_len, global_batch, devs), None)
+    sharded = jm.run_steps(prog, seq_len, global_batch, steps, compiled=exe)
+    if reference is None:
+        reference = jm.run_steps(jm.build_program(model, Layout(), seq_len, global_batch, devs), seq_len,
+                                 global_batch, steps)
+    err = max(abs(a - b) / abs(b) for a, b in zip(sharded, reference, strict=True))
+    return {"sharded": sharded, "unsharded": reference, "max_rel_diff": err, "matches": err <= rtol}
+
+
+def _rel(pred: float, got: float) -> float | None:
+    if pred == 0:
+        return 0.0 if got == 0 else None
+    return (got - pred) / pred
+
+
+def compare(predicted: dict[str, float], measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per quantity: predicted, compiled, relative error (compiled − predicted) / predicted."""
+    return [{"quantity": q, "predicted": p, "compiled": measured[q], "rel_error": _rel(p, measured[q])}
+            for q, p in predicted.items() if q in measured]
+
+
+def _dtype_note(colls: list[Collective], b: float) -> dict[str, Any]:
+    """Element types on the wire vs the model's; a wider type is a backend upcast (reported, not hidden)."""
+    from meshplan.measure.hlo import DTYPE_BYTES
+
+    float_types = sorted({c.dtype for c in colls if c.dtype.startswith(("f", "bf"))})
+    upcast = any(DTYPE_BYTES.get(t, b) > b for t in float_types)
+    return {"model_bytes_per_element": b, "collective_float_dtypes": float_types, "upcast": upcast}
+
+
+def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
+               loss_model: ModelConfig | None = None, loss_seq_len: int = 128, loss_batch: int = 16,
+               steps: int = 3, reference: list[float] | None = None) -> dict[str, Any]:
+    """Compile `model` under `layout`, compare with the prediction, and (unless loss_model is None) check
+    the sharded loss of `loss_model` against one device. The `meshplan verify --json` object."""
+    t0 = time.perf_counter()
+    prog, compiled = compile_step(model, layout, seq_len, global_batch)
+    compile_s = time.perf_counter() - t0
+    measured = measure_compiled(prog, compiled)
+    predicted = predict_verify_quantities(model, layout, layout.devices, seq_len, global_batch)
+    colls = measured["collectives"]
+    out: dict[str, Any] = {
+        "model": model.as_dict(), "layout": layout.as_dict(), "devices": layout.devices, "seq_len": seq_len,
+        "global_batch": global_batch, "rows": compare(predicted, measured),
+        "collectives": summarize_collectives(colls),
+        "reduce_scatters_from_all_reduce": sum(1 for c in colls if c.note),
+        "dtypes": _dtype_note(colls, BYTES_PER_ELEMENT), "compile_s": compile_s,
+    }
+    if layout.cp > 1:
+        out["cp_causal_balance"] = {"load_balanced": causal_balance(seq_len, layout.cp),
+                                    "contiguous": causal_balance(seq_len, layout.cp, load_balanced=False)}
+    out["loss_matches_unsharded"] = None
+    if loss_model is not None:
+        same = loss_model == model and (loss_seq_len, loss_batch) == (seq_len, global_batch)
+        check = loss_check(loss_model, layout, loss_seq_len, loss_batch, steps,
+                           compiled=(prog, compiled) if same else None, reference=reference)
+        out["loss_check"] = check
+        out["loss_matches_unsharded"] = check["matches"]
+    return out

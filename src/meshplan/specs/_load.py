@@ -77,7 +77,7 @@ class FieldReader:
         try:
             value = float(value)
         except OverflowError:  # an int beyond float range
-            raise MeshplanError(f"{self.origin}: field '{dotted}' is out of range, got {value!r}") from None
+            raise MeshplanError(f"{self.origin}: field '{dotted}' is out of range") from None
         if value != value or value in (float("inf"), float("-inf")):
             raise MeshplanError(f"{self.origin}: field '{dotted}' must be finite, got {value!r}")
         if positive and value <= 0:

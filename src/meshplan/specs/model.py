@@ -82,12 +82,21 @@ class ModelConfig:
         return asdict(self)
 
 
+_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len",
+                "n_experts", "experts_per_token", "n_shared_experts", "shared_expert_d_ff")
+_MAX_SIZE = 2**53
+
+
 def validate_model(m: ModelConfig) -> None:
     """Raise MeshplanError for sizes that cannot describe a transformer."""
     for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len"):
         v = getattr(m, f)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise MeshplanError(f"model '{m.name}': {f} must be a positive integer, got {v!r}")
+    for f in _SIZE_FIELDS:
+        # beyond 2**53 a size is no longer exact as a float and FLOP/byte products overflow float range
+        if isinstance(getattr(m, f), int) and getattr(m, f) > _MAX_SIZE:
+            raise MeshplanError(f"model '{m.name}': {f} is implausibly large (more than 2**53)")
     if m.n_heads % m.n_kv_heads:
         raise MeshplanError(f"model '{m.name}': {m.n_heads} query heads are not divisible by {m.n_kv_heads} KV heads")
     if m.mlp_act not in MLP_ACTS:

@@ -1,0 +1,87 @@
+"""`meshplan verify`: compile a layout as a sharded JAX step on simulated CPU devices and check the plan."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from meshplan.cli.app import app, console, fail, print_json
+from meshplan.measure.layout import Layout, describe
+from meshplan.specs.model import load_model
+from meshplan.units import fmt_bytes, fmt_flops
+
+
+def _fmt(quantity: str, v: float | None) -> str:
+    if v is None:
+        return "—"
+    return fmt_flops(v) if "flops" in quantity else fmt_bytes(v)
+
+
+def _print_table(report: dict) -> None:
+    m = report["model"]
+    t = Table(title=f"verify {m['name']} (L={m['n_layers']} D={m['d_model']}) on {report['devices']} CPU devices: "
+                    f"{describe(Layout(**report['layout']))}")
+    for col in ("quantity", "predicted", "compiled", "rel. error"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    for r in report["rows"]:
+        err = "—" if r["rel_error"] is None else f"{r['rel_error']:+.1%}"
+        t.add_row(r["quantity"], _fmt(r["quantity"], r["predicted"]), _fmt(r["quantity"], r["compiled"]), err)
+    console.print(t)
+    for c in report["collectives"]:
+        console.print(f"  {c['kind']:<18} over {c['axes']:<14} ×{c['count']:<3} {fmt_bytes(c['bytes'])} ({c['dtype']})")
+    if report["reduce_scatters_from_all_reduce"]:
+        console.print(f"[dim]{report['reduce_scatters_from_all_reduce']} reduce-scatter(s) were emitted by the CPU "
+                      "backend as all-reduce + dynamic-slice and are counted as reduce-scatters[/dim]")
+    d = report["dtypes"]
+    console.print(f"[dim]collective dtypes {', '.join(d['collective_float_dtypes']) or '—'}; model "
+                  f"{d['model_bytes_per_element']:.0f} B/element; upcast: {d['upcast']}[/dim]")
+    if report.get("loss_check"):
+        lc = report["loss_check"]
+        console.print(f"loss sharded {lc['sharded']} vs one device {lc['unsharded']}: "
+                      f"{'match' if lc['matches'] else 'MISMATCH'} (max rel. diff {lc['max_rel_diff']:.1e})")
+
+
+@app.command()
+def verify(
+    model_name: Annotated[str, typer.Option("--model", "-m", help="Preset name or HF config.json path.")],
+    devices: Annotated[int, typer.Option(help="Simulated CPU devices (= dp·fsdp·tp·cp·ep·pp).")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Sequence length T.")] = 128,
+    global_batch: Annotated[int, typer.Option(help="Global batch B in sequences.")] = 16,
+    dp: Annotated[int | None, typer.Option(help="Data parallel degree (default: what the other axes leave).")] = None,
+    fsdp: Annotated[int, typer.Option(help="FSDP (ZeRO-3) degree.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor parallel degree (with sequence parallelism).")] = 1,
+    cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models).")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline stages (not built in the reference model: must be 1).")] = 1,
+    microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences).")] = 1,
+    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
+    zero: Annotated[int, typer.Option(help="ZeRO stage (3 = use --fsdp).")] = 0,
+    tiny: Annotated[bool, typer.Option("--tiny/--no-tiny", help="Shrink the model for a CPU (L=2, D=256, V=512).")] = True,
+    layers: Annotated[int | None, typer.Option(help="With --no-tiny: keep the real widths, use this many layers.")] = None,
+    no_loss: Annotated[bool, typer.Option("--no-loss-check", help="Skip running steps (compile only).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Compile the layout as a sharded JAX training step and compare FLOPs, collectives and memory with the plan."""
+    if importlib.util.find_spec("jax") is None:
+        fail("meshplan verify needs the jax extra: pip install 'meshplan[jax]'")
+    from meshplan.measure import verify as mv
+
+    m = load_model(model_name)
+    rest = fsdp * tp * cp * ep * pp
+    if devices <= 0 or devices % rest:
+        fail(f"--devices {devices} is not a multiple of fsdp·tp·cp·ep·pp = {rest}")
+    layout = Layout(dp=dp or devices // rest, fsdp=fsdp, tp=tp, cp=cp, ep=ep, pp=pp, microbatch=microbatch,
+                    recompute=recompute, zero=zero)
+    if layout.devices != devices:
+        fail(f"the layout uses {layout.devices} devices, not --devices {devices}")
+    small = mv.tiny_model(m, min_kv_heads=tp)
+    big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))
+    report = mv.run_verify(big, layout, seq_len, global_batch, loss_model=None if no_loss else small,
+                           loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16)
+    if json_out:
+        print_json(report)
+    else:
+        _print_table(report)

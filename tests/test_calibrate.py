@@ -1,0 +1,171 @@
+"""`meshplan calibrate` and `meshplan measure` on the CPU (issue 7): the CPU path writes a profile that
+`load_profile` accepts, `--show` reads it back, `measure` runs real steps beside a prediction, a profile for
+another chip is refused, and two processes under jax.distributed finish a step and an all-reduce benchmark.
+
+JAX runs only in subprocesses (never imported here), so other tests can still choose device counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytestmark = [pytest.mark.jax,
+              pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")]
+
+TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 64,
+        "_name": "tiny"}
+
+
+def _env(devices: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def meshplan(*args: str, devices: int = 1, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter (its own JAX, its own device count)."""
+    code = "import sys; from meshplan.cli import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=_env(devices),
+                          timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cal") / "cpu.json"
+    r = meshplan("calibrate", "--quick", "--hardware", "h100-sxm", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "say nothing about GPUs" in r.stderr.replace("\n", " ")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("model") / "tiny.json"
+    p.write_text(json.dumps(TINY))
+    return p
+
+
+def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
+    from meshplan.cost.efficiency import load_profile
+    from meshplan.specs.hardware import load_chip
+
+    data = json.loads(cpu_profile.read_text())
+    assert data["schema"] == "meshplan-profile/1" and data["chip"] == "h100-sxm"
+    assert data["device_kind"] == "cpu" and data["cpu_only"] is True
+    assert {"jax", "jaxlib"} <= set(data["versions"]) and data["measured_at"]
+    measured = {k for k, v in data["efficiency_origin"].items() if v == "measured"}
+    assert {"matmul_peak_fraction", "matmul_half_dim", "hbm_fraction", "attention_fwd_fraction",
+            "attention_bwd_fraction", "kernel_overhead_s"} <= measured
+    kinds = {r["benchmark"] for r in data["benchmarks"] if "skipped" not in r}
+    assert kinds >= {"matmul", "hbm", "attention", "host", "overhead", "layer"}
+    eff = load_profile(cpu_profile, load_chip("h100-sxm"))
+    assert eff.origin == "profile cpu.json"
+    assert 0 < eff.matmul_peak_fraction < 0.05  # a CPU against an H100's peak
+    assert eff.matmul_peak_fraction == pytest.approx(data["efficiency"]["matmul_peak_fraction"])
+
+
+def test_show_prints_achieved_vs_peak(cpu_profile, capsys):
+    code, out, _ = run_cli(["calibrate", "--show", str(cpu_profile)], capsys)
+    assert code == 0
+    for word in ("matmul", "hbm", "attention", "of peak", "989 TFLOP/s", "cpu_only", "matmul_half_dim"):
+        assert word in out
+
+
+def test_profile_for_another_chip_is_refused(cpu_profile, capsys):
+    args = ["train", "--model", "llama3-8b", "--chips", "8", "--seq-len", "4096", "--global-batch", "32",
+            "--profile", str(cpu_profile)]
+    code, _, err = run_cli([*args, "--hardware", "a100-80gb"], capsys)
+    assert code == 2 and err.startswith("error:") and "measured on 'h100-sxm'" in err
+    code, _, _ = run_cli([*args, "--hardware", "h100-sxm", "--json"], capsys)
+    assert code == 0
+
+
+def test_cpu_calibrate_needs_explicit_hardware(tmp_path):
+    r = meshplan("calibrate", "--quick", "--bench", "overhead", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "error:" in r.stderr and "--hardware" in r.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_missing_jax_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "jax", None)  # `import jax` now raises ImportError
+    code, _, err = run_cli(["calibrate", "--quick", "--hardware", "h100-sxm"], capsys)
+    assert code == 2 and err.strip() == "error: meshplan calibrate needs the jax extra: pip install 'meshplan[jax]'"
+
+
+def test_measure_runs_steps_beside_the_prediction(tiny_model, cpu_profile):
+    r = meshplan("measure", "--model", str(tiny_model), "--seq-len", "32", "--global-batch", "2", "--steps", "2",
+                 "--hardware", "h100-sxm", "--profile", str(cpu_profile), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert len(d["measured"]["step_times_s"]) == 2 and d["measured"]["step_time_s"] > 0
+    assert d["measured"]["peak_memory_bytes"] > 0 and d["cpu_only"] is True
+    assert set(d["predicted"]) == {"defaults", "profile"}
+    assert d["predicted"]["defaults"]["step_time_s"] > 0 and d["predicted"]["profile"]["origin"] == "profile cpu.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(args: list[str], timeout: float = 150) -> list[subprocess.CompletedProcess]:
+    port = _free_port()
+    code = "import sys; from meshplan.cli import main; main(sys.argv[1:])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(1)) for i in range(2)]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_two_processes_run_a_step_and_an_all_reduce(tmp_path, tiny_model):
+    out = tmp_path / "mp.json"
+    cal = _two_processes(["calibrate", "--quick", "--bench", "collectives", "--hardware", "h100-sxm",
+                          "--out", str(out)])
+    assert [r.returncode for r in cal] == [0, 0], cal[0].stderr[-2000:] + cal[1].stderr[-2000:]
+    data = json.loads(out.read_text())
+    ar = [r for r in data["benchmarks"] if r.get("collective") == "all-reduce"]
+    assert ar and all(r["devices"] == 2 and r["processes"] == 2 and r["bus_bytes_per_s"] > 0 for r in ar)
+    step = _two_processes(["measure", "--model", str(tiny_model), "--layers", "1", "--seq-len", "32",
+                           "--global-batch", "2", "--steps", "1", "--hardware", "h100-sxm", "--json"])
+    assert [r.returncode for r in step] == [0, 0], step[0].stderr[-2000:] + step[1].stderr[-2000:]
+    d = json.loads(step[0].stdout)  # process 0 reports; the other stays quiet
+    assert d["processes"] == 2 and d["layout"]["dp"] == 2 and d["measured"]["devices"] == 2
+    assert step[1].stdout.strip() == ""
+
+
+@pytest.mark.gpu
+def test_gpu_quick_calibrate_detects_the_chip(tmp_path):
+    """On a GPU/TPU host: calibrate --quick labels the profile with the detected catalog chip."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                           text=True, check=False, timeout=120)
+    if probe.stdout.strip() not in ("gpu", "tpu"):
+        pytest.skip("no GPU or TPU visible to JAX")
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-c", "import sys; from meshplan.cli import main; main(sys.argv[1:])",
+                        "calibrate", "--quick", "--out", str(out)], capture_output=True, text=True, check=False,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert "cpu_only" not in data and 0.2 < data["efficiency"]["matmul_peak_fraction"] <= 1.0
