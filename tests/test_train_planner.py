@@ -1,0 +1,358 @@
+"""The training planner (`meshplan train`, meshplan.train.planner) against expectations derived here by hand:
+the DESIGN.md JSON contract, model FLOPs from the published LLaMA-3-8B architecture, MFU from H100's
+989 TFLOP/s, the 1F1B bubble, memory sharding, error messages, search optimality and a fuzz of pins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import run_cli
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.costmodel import Options
+from meshplan.train.planner import PlanResult, plan, search
+from meshplan.train.space import Pins, Problem
+
+H100_PEAK_BF16 = 989e12  # NVIDIA H100 SXM datasheet: 1,979 TFLOP/s bf16 with sparsity, dense = half
+PLAN_KEYS = {"config", "step_time_s", "mfu", "hfu", "tokens_per_s", "model_flops_per_step", "hardware_flops_per_step",
+             "fits", "memory_bytes_per_chip", "time_s", "bottleneck", "explanation"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "other", "total"}
+TIME_KEYS = {"compute", "exposed_comm", "bubble", "other"}
+COMM_KINDS = {"tp", "cp", "ep", "pp", "fsdp", "dp"}
+MESH = ("dp", "fsdp", "tp", "pp", "cp")
+
+
+def full_pins(**kw) -> Pins:
+    """Every degree pinned: defaults of a single replica, no recompute, no ZeRO, no offload."""
+    base = dict(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0, offload=0.0)
+    base.update(kw)
+    return Pins(**base)
+
+
+def problem(model: str, hardware: str, chips: int, seq: int, batch: int) -> Problem:
+    return Problem(load_model(model), load_chip(hardware), chips, seq, batch)
+
+
+def run_plan(prob: Problem, pins: Pins, options: Options | None = None, top: int = 5) -> PlanResult:
+    return plan(prob, pins, default_efficiency(prob.chip), options, top=top)
+
+
+def evaluate_pinned(prob: Problem, pins: Pins, options: Options | None = None) -> dict:
+    """Memory and time of one fully pinned layout, whether or not it fits (planner.search)."""
+    ev, _, searched = search(prob, pins, default_efficiency(prob.chip), options)
+    assert searched == 1 and len(ev.step_time_s) == 1
+    mem = {k: float(v[0]) for k, v in ev.memory.items()}
+    return {"memory": mem, "step": float(ev.step_time_s[0]), "fits": bool(ev.fits[0])}
+
+
+def check_plan_invariants(p: dict, chips: int, peak: float) -> None:
+    assert 0.0 < p["mfu"] <= 1.0 and p["mfu"] <= p["hfu"] + 1e-12
+    mem = p["memory_bytes_per_chip"]
+    parts = sum(mem[k] for k in MEMORY_KEYS - {"total"})
+    assert parts == pytest.approx(mem["total"], rel=1e-6)
+    assert sum(p["time_s"].values()) == pytest.approx(p["step_time_s"], rel=1e-9)
+    assert p["mfu"] == pytest.approx(p["model_flops_per_step"] / (p["step_time_s"] * chips * peak), rel=1e-9)
+    b = p["bottleneck"]
+    assert b in ("compute", "bubble", "other") or (b.startswith("comm/") and b.split("/", 1)[1] in COMM_KINDS), b
+    assert isinstance(p["explanation"], str) and p["explanation"].strip()
+
+
+# ---------------------------------------------------------------- the --json contract
+
+
+def test_json_contract(capsys) -> None:
+    rc, out, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "16",
+                            "--seq-len", "4096", "--global-batch", "64", "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert {"plans", "searched", "search_time_s"} <= set(doc)
+    assert isinstance(doc["searched"], int) and doc["searched"] > 1
+    assert isinstance(doc["search_time_s"], float) and doc["search_time_s"] >= 0
+    plans = doc["plans"]
+    assert 1 <= len(plans) <= 5
+    steps = [p["step_time_s"] for p in plans]
+    assert steps == sorted(steps), "plans must come best (fastest) first"
+    for p in plans:
+        assert PLAN_KEYS <= set(p)
+        assert set(p["memory_bytes_per_chip"]) == MEMORY_KEYS
+        assert set(p["time_s"]) == TIME_KEYS
+        assert set(MESH) <= set(p["config"])
+        assert math.prod(p["config"][k] for k in MESH) == 16
+        assert p["fits"] is True
+        assert p["tokens_per_s"] == pytest.approx(64 * 4096 / p["step_time_s"], rel=1e-9)
+        # MFU by hand: model FLOPs / (step × chips × 989e12)
+        assert p["mfu"] == pytest.approx(p["model_flops_per_step"] / (p["step_time_s"] * 16 * 989e12), rel=1e-9)
+        check_plan_invariants(p, 16, H100_PEAK_BF16)
+
+
+def test_llama3_8b_model_flops_from_the_published_architecture() -> None:
+    """6 × (matmul weights incl. the output projection, not the embedding lookup) per token, plus causal
+    attention: QKᵀ and AV are 4·S·N·H forward per token per layer without a mask, halved by the causal
+    mask, tripled for training → 6·L·S·N·H."""
+    L, D, N, K, H, F, V = 32, 4096, 32, 8, 128, 14336, 128256  # Meta's config.json for Llama-3-8B
+    S, B = 8192, 16
+    matmul_params = L * (2 * D * N * H + 2 * D * K * H + 3 * D * F) + D * V
+    per_token = 6 * matmul_params + 3 * 4 * (S / 2) * N * H * L
+    res = run_plan(problem("llama3-8b", "h100-sxm", 8, S, B), Pins())
+    for p in res.plans:
+        assert p["model_flops_per_step"] == pytest.approx(B * S * per_token, rel=1e-12)
+        extra = p["hardware_flops_per_step"] - p["model_flops_per_step"]
+        if p["config"]["recompute"] in ("none", "gemm-last"):
+            assert extra == 0
+    # full recompute adds one forward of every layer (not the output projection): HFU/MFU by hand
+    full = run_plan(problem("llama3-8b", "h100-sxm", 8, S, B),
+                    full_pins(tp=8, recompute="full")).plans[0]
+    fwd_layers = 2 * (matmul_params - D * V) + 4 * (S / 2) * N * H * L
+    assert full["hardware_flops_per_step"] - full["model_flops_per_step"] == pytest.approx(B * S * fwd_layers, rel=1e-12)
+    assert full["hfu"] / full["mfu"] == pytest.approx(1 + fwd_layers / per_token, rel=1e-12)
+
+
+def test_all_pinned_evaluates_exactly_the_pinned_config() -> None:
+    pins = full_pins(dp=2, fsdp=2, tp=4, pp=2, vpp=2, cp=1, microbatch=2, recompute="selective", zero=1)
+    res = run_plan(problem("llama3-8b", "h100-sxm", 32, 4096, 64), pins)
+    assert res.searched == 1 and len(res.plans) == 1
+    cfg = res.plans[0]["config"]
+    for k in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "microbatch", "recompute", "zero", "offload"):
+        assert cfg[k] == getattr(pins, k), k
+
+
+def test_all_pinned_through_the_cli(capsys) -> None:
+    rc, out, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8",
+                            "--seq-len", "4096", "--global-batch", "16", "--dp", "1", "--fsdp", "2", "--tp", "4",
+                            "--pp", "1", "--vpp", "1", "--cp", "1", "--ep", "1", "--microbatch", "1",
+                            "--recompute", "full", "--zero", "0", "--offload", "0", "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["searched"] == 1 and len(doc["plans"]) == 1
+    assert {k: doc["plans"][0]["config"][k] for k in MESH} == {"dp": 1, "fsdp": 2, "tp": 4, "pp": 1, "cp": 1}
+
+
+# ---------------------------------------------------------------- pipeline bubble
+
+
+def _pipeline(vpp: int, batch: int) -> dict:
+    # pp=4 over 4 chips, nothing else: no DP/TP/CP/FSDP traffic, so nothing overlaps (no contention term)
+    prob = problem("llama3-8b", "h100-sxm", 4, 4096, batch)
+    return run_plan(prob, full_pins(pp=4, vpp=vpp, recompute="full")).plans[0]
+
+
+def test_bubble_is_pp_minus_one_micro_batch_slots() -> None:
+    """1F1B: step = m · t_mb + (p-1)/v · t_mb + fixed terms. Two runs that differ only in the number of
+    micro-batches m give t_mb = Δstep / Δm; the bubble must be (p-1) t_mb."""
+    a, b = _pipeline(1, 8), _pipeline(1, 16)
+    t_mb = (b["step_time_s"] - a["step_time_s"]) / (16 - 8)
+    for p in (a, b):
+        assert p["time_s"]["bubble"] == pytest.approx((4 - 1) / 1 * t_mb, rel=0.01)
+    assert a["bottleneck"] == "bubble"  # 3 idle slots out of 8 + 3
+    # the same t_mb from one run: everything outside the bubble and the per-step terms is m micro-batches
+    assert (a["step_time_s"] - a["time_s"]["bubble"] - a["time_s"]["other"]) / 8 == pytest.approx(t_mb, rel=0.01)
+
+
+def test_interleaving_halves_the_bubble() -> None:
+    one, two = _pipeline(1, 8), _pipeline(2, 8)
+    assert two["time_s"]["bubble"] == pytest.approx(one["time_s"]["bubble"] / 2, rel=0.05)
+    assert two["step_time_s"] < one["step_time_s"]
+
+
+def test_no_pipeline_no_bubble() -> None:
+    p = run_plan(problem("llama3-8b", "h100-sxm", 8, 4096, 16), full_pins(fsdp=8, recompute="full")).plans[0]
+    assert p["time_s"]["bubble"] == 0.0
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _state(mem: dict) -> float:
+    return mem["params"] + mem["grads"] + mem["optimizer"]
+
+
+def test_fsdp_shards_params_grads_and_optimizer() -> None:
+    """ZeRO-3/FSDP divides the training state by the FSDP degree (the fixed `other` term excluded).
+
+    The planner stores 16 bytes per parameter under FSDP (fp32 sharded params that are Adam's master copy,
+    fp32 grads, fp32 m and v: torchtitan FSDP2 / MaxText) and 18 without (Megatron: bf16 params, fp32
+    main grads, fp32 master + m + v; costmodel.memory_terms). So 8-way FSDP versus fsdp=1 is 8 × 18/16 = 9×;
+    between two FSDP degrees the ratio is exactly the degree ratio."""
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
+    f1 = evaluate_pinned(prob, full_pins(dp=8, recompute="full"))["memory"]
+    f2 = evaluate_pinned(prob, full_pins(dp=4, fsdp=2, recompute="full"))["memory"]
+    f8 = evaluate_pinned(prob, full_pins(fsdp=8, recompute="full"))["memory"]
+    assert _state(f2) / _state(f8) == pytest.approx(8 / 2, rel=0.02)
+    assert _state(f1) / _state(f8) == pytest.approx(8 * 18 / 16, rel=0.02)
+    assert f1["grads"] / f8["grads"] == pytest.approx(8, rel=0.02)
+    # the state per chip is the model's parameter count times those bytes (embedding and output projection
+    # included: 8.03e9 parameters, published)
+    n_params = 8.03e9
+    assert _state(f8) == pytest.approx(16 * n_params / 8, rel=0.01)
+    assert _state(f1) == pytest.approx(18 * n_params, rel=0.01)
+
+
+def test_zero1_shards_the_optimizer_by_dp_and_zero2_the_grads() -> None:
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
+    z0 = evaluate_pinned(prob, full_pins(dp=8, recompute="full", zero=0))["memory"]
+    z1 = evaluate_pinned(prob, full_pins(dp=8, recompute="full", zero=1))["memory"]
+    z2 = evaluate_pinned(prob, full_pins(dp=8, recompute="full", zero=2))["memory"]
+    assert z0["optimizer"] / z1["optimizer"] == pytest.approx(8, rel=1e-9)
+    assert (z1["params"], z1["grads"]) == (z0["params"], z0["grads"])
+    assert z0["grads"] / z2["grads"] == pytest.approx(8, rel=1e-9)
+    assert z2["optimizer"] == z1["optimizer"] and z2["params"] == z0["params"]
+
+
+def _activations(recompute: str, options: Options | None = None) -> float:
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
+    return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]
+
+
+def test_recompute_policies_order_activation_memory() -> None:
+    """Korthikanti et al. 2022: full (layer input only) < selective (no attention scores) < none. With
+    materialized attention the s² score tensors are what selective drops."""
+    no_flash = Options(flash_attention=False)
+    full, sel, none = (_activations(r, no_flash) for r in ("full", "selective", "none"))
+    assert full < sel < none
+    # with flash attention there are no score tensors to drop: selective saves nothing over none
+    full, sel, none = (_activations(r) for r in ("full", "selective", "none"))
+    assert full < sel <= none
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _cli_error(capsys, *args: str) -> str:
+    rc, out, err = run_cli(["train", "--hardware", "h100-sxm", "--seq-len", "8192", "--global-batch", "64", *args],
+                           capsys)
+    assert rc == 2, (rc, out, err)
+    assert err.startswith("error:"), err
+    assert "Traceback" not in err and err.count("\n") <= 1
+    return err
+
+
+def test_tp_must_divide_the_heads(capsys) -> None:
+    err = _cli_error(capsys, "--model", "llama3-70b", "--chips", "8", "--tp", "3")
+    assert "64" in err and "heads" in err
+
+
+def test_pinned_layout_that_does_not_fit(capsys) -> None:
+    err = _cli_error(capsys, "--model", "llama3-70b", "--chips", "8", "--dp", "8", "--recompute", "none")
+    assert "short by" in err
+    assert any(s in err for s in ("--recompute full", "--fsdp", "--offload", "more chips"))
+
+
+def test_search_with_no_feasible_layout(capsys) -> None:
+    err = _cli_error(capsys, "--model", "llama3-405b", "--chips", "2")
+    assert "HBM" in err and "short by" in err
+
+
+@pytest.mark.parametrize("hardware", ["h100-sxm", "tpu-v5p"])
+def test_chips_not_divisible_by_the_pins(capsys, hardware: str) -> None:
+    rc, _, err = run_cli(["train", "--model", "llama3-8b", "--hardware", hardware, "--chips", "10", "--tp", "4",
+                          "--seq-len", "4096", "--global-batch", "64"], capsys)
+    assert rc == 2 and err.startswith("error:") and "10" in err
+
+
+def test_zero_global_batch(capsys) -> None:
+    err = _cli_error(capsys, "--model", "llama3-8b", "--chips", "8", "--global-batch", "0")
+    assert "--global-batch" in err
+
+
+@pytest.mark.xfail(strict=True, reason="bug: validate_pins checks seq_len % (2·cp) also for cp = 1")
+def test_pinning_cp_1_allows_an_odd_sequence_length() -> None:
+    res = run_plan(problem("llama3-8b", "h100-sxm", 8, 4097, 16), Pins(cp=1))
+    assert res.plans
+
+
+@pytest.mark.xfail(strict=True, reason="bug: vpp > 1 with pp = 1 is dropped silently and reported as "
+                                       "'does not fit in HBM'")
+def test_vpp_without_pipeline_is_explained() -> None:
+    with pytest.raises(MeshplanError, match="vpp"):
+        run_plan(problem("llama3-8b", "h100-sxm", 8, 4096, 16), Pins(pp=1, vpp=2))
+
+
+# ---------------------------------------------------------------- explanation and search
+
+
+def test_explanations_name_a_known_bottleneck() -> None:
+    """Each case is built to sit on one side of a roofline; the named bottleneck must say which."""
+    ib_critical = load_chip("h100-sxm").peak("bf16") / load_chip("h100-sxm").links.scale_out_bandwidth_bytes_per_s
+    cases = [
+        # 16k tokens per GPU, above every critical batch: kernels bound the step
+        (problem("llama3-8b", "h100-sxm", 64, 4096, 256), Pins(), "compute"),
+        # 1F1B with 4 stages and 8 micro-batches: 3 of 11 slots idle
+        (problem("llama3-8b", "h100-sxm", 4, 4096, 8), full_pins(pp=4, recompute="full"), "bubble"),
+        # 16-way TP spans two 8-GPU nodes: activations cross InfiniBand every layer (book ch.12)
+        (problem("llama3-8b", "h100-sxm", 16, 1024, 16), full_pins(tp=16), "comm/tp"),
+        # FSDP across 8 nodes with 1024 tokens per GPU, far under C / W_ib ≈ 19,800 (book ch.5 rule, ch.12 W)
+        (problem("llama3.2-1b", "h100-sxm", 64, 1024, 64), full_pins(fsdp=64), "comm/fsdp"),
+        (problem("llama3.2-1b", "h100-sxm", 64, 1024, 64), full_pins(dp=64, zero=1), None),
+        (problem("llama3-70b", "tpu-v5p", 256, 8192, 256), Pins(), None),
+    ]
+    assert 1024 < ib_critical
+    for prob, pins, expected in cases:
+        plans = run_plan(prob, pins, top=3).plans
+        for p in plans:
+            check_plan_invariants(p, prob.chips, prob.chip.peak("bf16"))
+        if expected:
+            assert plans[0]["bottleneck"] == expected, plans[0]["explanation"]
+            if expected.startswith("comm/"):
+                assert plans[0]["time_s"]["exposed_comm"] >= 0.1 * plans[0]["step_time_s"]
+
+
+HAND_LAYOUTS = [
+    dict(dp=64, recompute="full", zero=1),
+    dict(fsdp=64, microbatch=2, recompute="selective"),
+    dict(dp=8, tp=8, microbatch=4, zero=1),
+    dict(dp=8, tp=2, pp=4, vpp=2, zero=1),
+    dict(fsdp=8, tp=4, cp=2, recompute="full"),
+]
+
+
+def test_search_beats_every_hand_pinned_layout() -> None:
+    prob = problem("llama3-8b", "h100-sxm", 64, 4096, 256)
+    best = run_plan(prob, Pins(), top=1)
+    assert best.searched > 1000
+    t_best = best.plans[0]["step_time_s"]
+    for kw in HAND_LAYOUTS:
+        pinned = run_plan(prob, full_pins(**kw))
+        assert pinned.searched == 1
+        assert t_best <= pinned.plans[0]["step_time_s"] * (1 + 1e-12), kw
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+def _maybe(values):
+    return st.one_of(st.none(), st.sampled_from(values))
+
+
+SMALL = problem("llama3-8b", "h100-sxm", 16, 2048, 32)
+EFF = default_efficiency(SMALL.chip)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dp=_maybe([1, 2, 4, 8, 16]), fsdp=_maybe([1, 2, 4, 8, 16]), tp=_maybe([1, 2, 4, 8, 16]),
+       pp=_maybe([1, 2, 4, 8]), cp=_maybe([1, 2, 4]), vpp=_maybe([1, 2, 4]), microbatch=_maybe([1, 2, 4, 8]),
+       recompute=_maybe(["none", "selective", "full", "gemm-last"]), zero=_maybe([0, 1, 2, 3]),
+       offload=_maybe([0.0, 0.5, 1.0]), sp=st.booleans())
+def test_random_pins_never_crash(dp, fsdp, tp, pp, cp, vpp, microbatch, recompute, zero, offload, sp) -> None:
+    pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, cp=cp, vpp=vpp, microbatch=microbatch, recompute=recompute,
+                zero=zero, offload=offload, sequence_parallel=sp)
+    try:
+        res = plan(SMALL, pins, EFF, top=3)
+    except MeshplanError as exc:
+        assert str(exc)
+        event("MeshplanError")
+        return
+    event("planned")
+    assert res.plans
+    for p in res.plans:
+        check_plan_invariants(p, SMALL.chips, H100_PEAK_BF16)
+        for k in MESH + ("vpp", "microbatch", "recompute", "zero", "offload"):
+            if getattr(pins, k) is not None:
+                assert p["config"][k] == getattr(pins, k), k
