@@ -29,8 +29,19 @@ from meshplan.train.space import Pins, Problem
 MODEL, HARDWARE, CHIPS, SEQ_LEN, GLOBAL_BATCH = "llama3-405b", "h100-sxm", 16_384, 8192, 2048
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu = _cpu_model()
     return (f"{platform.platform()} | {cpu} | {os.cpu_count()} CPUs | Python {platform.python_version()} "
             f"({platform.python_implementation()}) | numpy {np.__version__}")
 
@@ -62,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {machine()}")
     print(f"problem: {MODEL} on {CHIPS} x {HARDWARE}, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, every degree free")
-    print(f"layouts evaluated: {res.searched} ({res.feasible} fit in HBM)")
+    rejected = sum(v for k, v in res.infeasible.items() if k != "does not fit in HBM")
+    print(f"layouts evaluated: {res.searched} ({res.feasible} fit in HBM; {rejected} more candidates rejected "
+          "by divisibility rules before evaluation)")
     print(f"seconds (median of {args.repeat}): {med:.4f}  [min {min(times):.4f}, max {max(times):.4f}; "
           f"cold first run {cold:.4f}]")
     print(f"layouts/s: {res.searched / med:,.0f}")

@@ -97,10 +97,15 @@ def _record(bench: str, name: str, t: Timing, peak: float, work: float, unit: st
             "timing": t.as_dict(), **extra}
 
 
-def _timed(fn: Callable, specs: list[tuple[tuple[int, ...], Any]], grid: Grid, sharding: Any = None) -> Timing:
+def _timed(fn: Callable, specs: list[tuple[tuple[int, ...], Any]], grid: Grid, sharding: Any = None,
+           inner: int | None = None) -> Timing:
+    """Median seconds per call. `inner` None: chosen from a trial run (which is also the warm-up); give it
+    when several processes must issue the same number of collectives."""
     def make(seed: int) -> tuple:
         return random_inputs(seed, specs, sharding)
 
+    if inner is not None:
+        return time_fn(fn, make, warmup=2, repeats=grid.repeats, inner=inner)
     nbytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs)
     inner = auto_inner(fn, make, grid.target_s, nbytes)  # compiles and runs twice: the warm-up
     return time_fn(fn, make, warmup=0, repeats=grid.repeats, inner=inner)
@@ -314,7 +319,8 @@ def bench_collectives(ctx: Context) -> list[Record]:
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         for nbytes in ctx.grid.collective_bytes:
             local = max(nbytes // 4 // split, 1)  # elements each device contributes
-            t = _timed(fn, [((n * local,), jnp.float32)], ctx.grid, sharding)
+            inner = int(min(16, max(1, 16 * MiB // nbytes)))  # the same on every process: no timing decides it
+            t = _timed(fn, [((n * local,), jnp.float32)], ctx.grid, sharding, inner)
             x = 4.0 * local * split  # DESIGN.md's X: the reduced buffer, or the full gathered array
             out.append(_record("collectives", f"{kind} {_fmt_size(x)} over {n}", t, 0.0, x, "B", collective=kind,
                                devices=n, processes=jax.process_count(), bytes=x,
