@@ -96,7 +96,8 @@ def pins_of(e: dict) -> Pins:
         mb = max(1, t["global_batch_seqs"] // dp_total // ((p["pp"] or 1) if (p["pp"] or 1) > 1 else 1))
     return Pins(dp=dp, fsdp=fs, tp=p["tp"] or 1, pp=p["pp"] or 1, cp=p.get("cp") or 1, ep=p.get("ep") or 1,
                 vpp=vpp if isinstance(vpp, int) else (None if vpp else 1), microbatch=mb,
-                recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")))
+                recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")),
+                offload=0.0)  # none of the published runs offloads activations
 
 
 def options_of(e: dict) -> Options:

@@ -43,7 +43,7 @@ def evaluate_entry(e: dict, search: bool = True) -> dict:
     row["measured_tok_s_chip"] = tokens / row["measured_step_s"] / prob.chips
     row["pred_tok_s_chip"] = tokens / row["pred_step_s"] / prob.chips
     if search:
-        free = Pins(sequence_parallel=pins.sequence_parallel)
+        free = Pins(sequence_parallel=pins.sequence_parallel, offload=0.0)
         try:
             own = plan(prob, free, eff, opts, top=1).plans[0]
             row["search_step_s"] = own["step_time_s"]
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'search s':>8s}  layout / bottleneck")
     for r in rows:
         srch = r.get("search_step_s", float("nan"))
-        flag = "" if not (srch == srch) or srch <= r["pred_step_s"] * 1.0001 else " SEARCH-WORSE"
+        flag = "" if not (srch == srch) or not r["fits"] or srch <= r["pred_step_s"] * 1.0001 else " SEARCH-WORSE"
         print(f"{r['id'][:46]:46s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} {r['rel_err']:+7.1%} "
               f"{r['measured_tok_s_chip']:7.0f}/{r['pred_tok_s_chip']:<7.0f} {'y' if r['fits'] else 'N':>4s}  "
               f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}")

@@ -15,11 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import run_cli
 
-pytestmark = [pytest.mark.jax,
-              pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")]
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")
 
 TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 64,
@@ -58,6 +58,8 @@ def tiny_model(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.mark.jax
+@needs_jax
 def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
     from meshplan.cost.efficiency import load_profile
     from meshplan.specs.hardware import load_chip
@@ -77,6 +79,8 @@ def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
     assert eff.matmul_peak_fraction == pytest.approx(data["efficiency"]["matmul_peak_fraction"])
 
 
+@pytest.mark.jax
+@needs_jax
 def test_show_prints_achieved_vs_peak(cpu_profile, capsys):
     code, out, _ = run_cli(["calibrate", "--show", str(cpu_profile)], capsys)
     assert code == 0
@@ -84,6 +88,8 @@ def test_show_prints_achieved_vs_peak(cpu_profile, capsys):
         assert word in out
 
 
+@pytest.mark.jax
+@needs_jax
 def test_profile_for_another_chip_is_refused(cpu_profile, capsys):
     args = ["train", "--model", "llama3-8b", "--chips", "8", "--seq-len", "4096", "--global-batch", "32",
             "--profile", str(cpu_profile)]
@@ -93,6 +99,8 @@ def test_profile_for_another_chip_is_refused(cpu_profile, capsys):
     assert code == 0
 
 
+@pytest.mark.jax
+@needs_jax
 def test_cpu_calibrate_needs_explicit_hardware(tmp_path):
     r = meshplan("calibrate", "--quick", "--bench", "overhead", "--out", str(tmp_path / "p.json"))
     assert r.returncode == 2 and "error:" in r.stderr and "--hardware" in r.stderr
@@ -105,6 +113,8 @@ def test_missing_jax_is_one_error_line(monkeypatch, capsys):
     assert code == 2 and err.strip() == "error: meshplan calibrate needs the jax extra: pip install 'meshplan[jax]'"
 
 
+@pytest.mark.jax
+@needs_jax
 def test_measure_runs_steps_beside_the_prediction(tiny_model, cpu_profile):
     r = meshplan("measure", "--model", str(tiny_model), "--layers", "1", "--seq-len", "32", "--global-batch", "2",
                  "--steps", "2", "--hardware", "h100-sxm", "--profile", str(cpu_profile), "--json")
@@ -140,6 +150,8 @@ def _two_processes(args: list[str], timeout: float = 150) -> list[subprocess.Com
     return results
 
 
+@pytest.mark.jax
+@needs_jax
 def test_two_processes_run_a_step_and_an_all_reduce(tmp_path, tiny_model):
     out = tmp_path / "mp.json"
     cal = _two_processes(["calibrate", "--quick", "--bench", "collectives", "--hardware", "h100-sxm",
@@ -156,7 +168,9 @@ def test_two_processes_run_a_step_and_an_all_reduce(tmp_path, tiny_model):
     assert step[1].stdout.strip() == ""
 
 
+@pytest.mark.jax
 @pytest.mark.gpu
+@needs_jax
 def test_gpu_quick_calibrate_detects_the_chip(tmp_path):
     """On a GPU/TPU host: calibrate --quick labels the profile with the detected catalog chip."""
     probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
@@ -170,3 +184,60 @@ def test_gpu_quick_calibrate_detects_the_chip(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(out.read_text())
     assert "cpu_only" not in data and 0.2 < data["efficiency"]["matmul_peak_fraction"] <= 1.0
+
+
+# --- no JAX needed: the fit and the device-kind map (the GPU path's arithmetic, checked on synthetic data) ---
+
+def _synthetic_h100_records() -> list[dict]:
+    """What an H100 might measure: matmul fraction 0.78·d/(d+150), copies at 88% of HBM, FA at 55%/45%."""
+    recs = []
+    for m, n, k in [(d, d, d) for d in (512, 1024, 2048, 4096, 8192)] + [(d, 8192, 8192) for d in (64, 128, 256)]:
+        recs.append({"benchmark": "matmul", "name": f"{m}x{n}x{k}", "m": m, "n": n, "k": k, "dtype": "bfloat16",
+                     "fraction": 0.78 * min(m, n, k) / (min(m, n, k) + 150.0)})
+    recs.append({"benchmark": "matmul", "name": "fp8", "m": 8192, "n": 8192, "k": 8192, "dtype": "float8_e4m3fn",
+                 "fraction": 0.6})
+    recs += [{"benchmark": "hbm", "name": f"copy {b}", "bytes": b, "fraction": f} for b, f in ((2**28, 0.8), (2**30, 0.88))]
+    peak = 9.89e14
+    for T in (4096, 8192):
+        work = 4.0 * 16384 * (T / 2) * 16 * 128
+        t_f = work / (0.55 * peak)
+        recs.append({"benchmark": "attention", "name": f"fwd T={T}", "seq": T, "impl": "cudnn", "work": work,
+                     "fraction": 0.55})
+        recs.append({"benchmark": "attention", "name": f"fwd+bwd T={T}", "seq": T, "impl": "cudnn", "work": work,
+                     "bwd_time_s": 2.5 * work / (0.45 * peak), "time_s": t_f + 2.5 * work / (0.45 * peak)})
+    recs.append({"benchmark": "overhead", "name": "65", "per_kernel_s": 3e-6})
+    recs.append({"benchmark": "layer", "name": "oom", "skipped": "RESOURCE_EXHAUSTED"})
+    return recs
+
+
+def test_fit_recovers_the_efficiency_curve_and_writes_a_loadable_profile(tmp_path):
+    from meshplan.cost.efficiency import load_profile
+    from meshplan.measure.fit import build_profile, fit_half_dim
+    from meshplan.specs.hardware import load_chip
+
+    d = np.array([64.0, 128, 256, 512, 1024, 4096, 8192])
+    p, h, rms = fit_half_dim(d, 0.7 * d / (d + 200.0))
+    assert p == pytest.approx(0.7, rel=2e-3) and h == pytest.approx(200.0, rel=1e-2) and rms < 1e-3
+    chip = load_chip("h100-sxm")
+    prof = build_profile(chip, _synthetic_h100_records(), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})
+    assert "cpu_only" not in prof and prof["efficiency_origin"]["step_overhead_s"] == "default"
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(prof))
+    eff = load_profile(path, chip)
+    assert eff.matmul_peak_fraction == pytest.approx(0.78, rel=1e-2)
+    assert eff.matmul_half_dim == pytest.approx(150.0, rel=2e-2)
+    assert (eff.fp8_peak_fraction, eff.hbm_fraction, eff.kernel_overhead_s) == (0.6, 0.88, 3e-6)
+    assert eff.attention_fwd_fraction == pytest.approx(0.55) and eff.attention_bwd_fraction == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("kind,chip", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
+    ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v5p", "tpu-v5p"),
+    ("TPU v6 lite", "tpu-v6e"), ("NVIDIA H100 PCIe", None), ("NVIDIA GH200 480GB", None), ("cpu", None)])
+def test_device_kind_maps_to_the_catalog(kind, chip):
+    from meshplan.measure.cluster import chip_for_device_kind
+    from meshplan.specs.hardware import preset_chips
+
+    assert chip_for_device_kind(kind) == chip
+    assert chip is None or chip in preset_chips()

@@ -82,12 +82,13 @@ def _calibrate(names: list[str], quick: bool, hardware: str | None, model: str |
     chip = _calibration_chip(hardware, summary)
     from meshplan.measure import calibrate as cal
     from meshplan.measure.cluster import now_utc, versions
+    from meshplan.measure.fit import build_profile
 
     ctx = cal.make_context(chip, summary["platform"], quick, model)
     meta = {"measured_at": now_utc(), "mode": "quick" if quick else "full", "platform": summary["platform"],
             "device_kind": summary["device_kind"], "devices": summary, "versions": versions()}
     records = _run_with_progress(cal, ctx, names, show_bar=is_main(summary))
-    return summary, chip, cal.build_profile(chip, records, meta)
+    return summary, chip, build_profile(chip, records, meta)
 
 
 def parse_benchmarks(text: str | None) -> list[str]:
@@ -227,6 +228,8 @@ def measure(
     with stdout_to_stderr():
         summary = start_runtime("measure", coordinator, num_processes, process_id)
         chip = _measure_chip(hardware, summary)
+        if profile and chip is None:
+            fail("--profile needs --hardware on the CPU (the chip the profile is for)")
         from meshplan.measure import steps as st
 
         batch = global_batch or summary["devices"]

@@ -71,11 +71,8 @@ def train(
         fail(f"--top must be at least 1, got {top}")
     if dtype == "fp8":
         problem.chip.peak("fp8")
-    zero_dp = zero
-    if zero == 3:  # ZeRO-3 over the data-parallel ranks is FSDP: all of them shard unless --dp says otherwise
-        zero_dp, dp = 0, 1 if dp is None else dp
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
-                recompute=recompute, zero=zero_dp, offload=offload, sequence_parallel=sequence_parallel)
+                recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
     eff = resolve_efficiency(problem.chip, profile)
     opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))

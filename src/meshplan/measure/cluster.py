@@ -25,10 +25,12 @@ from meshplan.specs.hardware import preset_chips
 DEVICE_KIND_CHIPS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("gb200",), "gb200-nvl72"),
     (("b200",), "b200"),
+    (("gh200",), ""),  # Grace Hopper: an H100 die with 96 or 144 GB; not in the catalog
     (("h200",), "h200"),
     (("h800",), "h800"),
     (("h100", "96gb"), "h100-sxm-96gb"),
-    (("h100", "pcie"), ""),  # no PCIe H100 in the catalog: needs --hardware
+    (("h100", "pcie"), ""),  # no PCIe or NVL H100 in the catalog: needs --hardware
+    (("h100", "nvl"), ""),
     (("h100",), "h100-sxm"),
     (("a100", "80gb"), "a100-80gb"),
     (("a100",), "a100-40gb"),

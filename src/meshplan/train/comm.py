@@ -33,14 +33,14 @@ class CommModel:
     def time(self, kind: str, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
         """Seconds for `kind` over groups of `size` chips `stride` apart moving `nbytes` (full array)."""
         nbytes, size, stride = np.broadcast_arrays(np.asarray(nbytes, float), np.asarray(size), np.asarray(stride))
-        out = np.zeros(nbytes.shape)
-        pairs = np.stack([size.ravel(), stride.ravel()], axis=1)
-        uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
+        # one key per (size, stride) pair: 1-D unique is far faster than unique over rows
+        key = size.ravel().astype(np.int64) * (1 << 32) + stride.ravel().astype(np.int64)
+        uniq, inv = np.unique(key, return_inverse=True)
         alpha = np.zeros(len(uniq))
         beta = np.zeros(len(uniq))
-        for i, (g, s) in enumerate(uniq):
+        for i, k in enumerate(uniq):
+            g, s = int(k >> 32), int(k & 0xFFFFFFFF)
             if g > 1:
-                alpha[i], beta[i] = self._alpha_beta(kind, int(g), int(s))
-        inv = inv.ravel()
+                alpha[i], beta[i] = self._alpha_beta(kind, g, s)
         out = alpha[inv] + nbytes.ravel() * beta[inv]
         return np.where(size.ravel() > 1, out, 0.0).reshape(nbytes.shape)

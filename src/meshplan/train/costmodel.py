@@ -93,10 +93,12 @@ class CostModel:
         tp, t = g["tp"], g["t_mb"]
         m = self.p.model
         T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
-        f_qkv = 2 * t * c["D"] * (c["N"] + 2 * c["K"]) * c["H"] / tp
+        kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
+        qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
+        f_qkv = 2 * t * c["D"] * qkv_width
         f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
         f_mlp = 2 * t * c["mlp_w_active"] / tp
-        mm_f = (self._matmul_time(f_qkv, t, (c["N"] + 2 * c["K"]) * c["H"] / tp, c["D"])
+        mm_f = (self._matmul_time(f_qkv, t, qkv_width, c["D"])
                 + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)
                 + self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]))
         f_core = 4.0 * t * (S / 2.0) * c["N"] * c["H"] / tp  # causal, load-balanced over cp (book ch.4)
@@ -233,14 +235,17 @@ class CostModel:
 
     def activation_per_layer(self, L: LayoutArrays, g: dict, policy_codes: np.ndarray) -> np.ndarray:
         """Saved bytes per layer per micro-batch (Korthikanti et al. 2022, generalised in math/transformer)."""
-        keys = np.stack([L.tp, L.cp, L.microbatch, policy_codes], axis=1)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        # encode (tp, cp, micro-batch, policy) in one integer; 1-D unique is far faster than over rows
+        key = ((L.tp.astype(np.int64) * 4096 + L.cp) * 4096 + L.microbatch) * 8 + policy_codes
+        uniq, inv = np.unique(key, return_inverse=True)
+        combos = [(int(k // 8 // 4096 // 4096), int(k // 8 // 4096 % 4096), int(k // 8 % 4096), int(k % 8))
+                  for k in uniq]
         vals = np.array([
             tm.activation_bytes_per_layer(
-                self.p.model, self.p.seq_len, int(mb), tm.RECOMPUTE_POLICIES[int(rc)], tp=int(tp),
-                sequence_parallel=L.sequence_parallel and tp > 1, cp=int(cp),
+                self.p.model, self.p.seq_len, mb, tm.RECOMPUTE_POLICIES[rc], tp=tp,
+                sequence_parallel=L.sequence_parallel and tp > 1, cp=cp,
                 flash_attention=self.opt.flash_attention, dropout=self.opt.dropout)["total"]
-            for tp, cp, mb, rc in uniq])
+            for tp, cp, mb, rc in combos])
         return vals[inv.ravel()]
 
     def memory_terms(self, L: LayoutArrays, g: dict) -> Terms:
@@ -250,6 +255,12 @@ class CostModel:
         shard_g = fs * np.where(zero >= 2, dp, 1)
         shard_o = fs * np.where(zero >= 1, dp, 1)
         act_layer = self.activation_per_layer(L, g, L.recompute)
+        if self.opt.selective_flavor != "attention":
+            # torchtitan's per-op and per-layer policies recompute about half of each layer (every second
+            # matmul / every second layer): they keep about half of the no-recompute activations
+            none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
+            full = self.activation_per_layer(L, g, np.full_like(L.recompute, 2))
+            act_layer = np.where(L.recompute == 1, 0.5 * (none + full), act_layer)
         pp, vpp = g["pp"], g["vpp"]
         # 1F1B: the first stage holds min(pp, micro-batches) in flight; interleaving multiplies by
         # 1 + (p-1)/(p·v) (Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3).

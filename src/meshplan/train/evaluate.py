@@ -66,6 +66,11 @@ def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     tf = tm.flops_per_token(p.model, p.seq_len, causal=True)
     model_flops = tokens * tf.training
     rc_flops = np.array([tokens * tm.recompute_flops_per_token(p.model, p.seq_len, pol) for pol in tm.RECOMPUTE_POLICIES])
+    full_rc = rc_flops[tm.RECOMPUTE_POLICIES.index("full")]
+    attn_rc = rc_flops[tm.RECOMPUTE_POLICIES.index("selective")]
+    # torchtitan's selective flavours: half the layer matmuls ("op") or half the layers ("layer") again
+    rc_flops[tm.RECOMPUTE_POLICIES.index("selective")] = {
+        "attention": attn_rc, "op": 0.5 * (full_rc - attn_rc), "layer": 0.5 * full_rc}[cm.opt.selective_flavor]
     hw_flops = model_flops + rc_flops[L.recompute]
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.hbm_bytes * (1 - cm.opt.headroom)

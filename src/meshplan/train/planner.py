@@ -58,7 +58,8 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
         searched += len(more)
         if ev2.fits.any():
             ev = ev2
-    reasons["does not fit in HBM"] += int((~ev.fits).sum())
+    if (~ev.fits).any():
+        reasons["does not fit in HBM"] += int((~ev.fits).sum())
     return ev, reasons, searched
 
 
@@ -69,7 +70,8 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     cm = CostModel(problem, eff, options)
     ev, reasons, searched = search(problem, pins, eff, options, cm)
     if len(ev.step_time_s) == 0:
-        raise InfeasibleError(f"no layout satisfies the constraints: {reasons.most_common(1)[0][0]}")
+        why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"
+        raise InfeasibleError(f"no layout satisfies the constraints: {why}")
     pinned_all = all(getattr(pins, k) is not None for k in ("dp", "fsdp", "tp", "pp", "cp"))
     if not ev.fits.any():
         raise InfeasibleError(_not_fit_message(problem, ev, pinned_all) + _what_fits(problem, pins, eff, options))

@@ -8,7 +8,7 @@ broadcasting, so no Python code runs per layout.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -71,11 +71,17 @@ def validate_pins(p: Problem, pins: Pins) -> None:
     if pins.ep and pins.ep > 1 and (not m.is_moe or m.n_experts % pins.ep):
         raise MeshplanError(f"--ep {pins.ep} needs a MoE model whose expert count it divides "
                             f"({m.name} has {m.n_experts or 'no'} experts)")
-    if pins.cp and p.seq_len % (2 * pins.cp):
+    if pins.vpp and pins.vpp > 1 and pins.pp == 1:
+        raise MeshplanError(f"--vpp {pins.vpp} needs pipeline parallelism (--pp > 1): virtual stages interleave "
+                            "the layers of several pipeline stages")
+    if pins.cp and pins.cp > 1 and p.seq_len % (2 * pins.cp):
         raise MeshplanError(f"--cp {pins.cp}: sequence length {p.seq_len} must divide into 2×cp chunks "
                             "(load-balanced causal split)")
     if pins.recompute:
         check_recompute(pins.recompute)
+    if pins.zero == 3 and pins.fsdp not in (None, 1) and pins.dp not in (None, 1):
+        raise MeshplanError("--zero 3 shards everything over the data-parallel ranks: use --fsdp (and --dp for "
+                            "replicas of the sharded group) instead")
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
         raise MeshplanError(f"--zero must be 0, 1, 2 or 3, got {pins.zero}")
     if pins.offload is not None and not 0.0 <= pins.offload <= 1.0:
@@ -127,9 +133,17 @@ def _data_splits(data: int, pins: Pins, tp: int, pp: int, cp: int) -> list[tuple
     return out
 
 
+def normalize_pins(pins: Pins) -> Pins:
+    """ZeRO-3 over the data-parallel ranks is FSDP: every data rank shards unless --dp keeps replicas."""
+    if pins.zero == 3:
+        return replace(pins, zero=0, dp=1 if pins.dp is None and pins.fsdp is None else pins.dp)
+    return pins
+
+
 def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...] = (0.0,)) -> tuple[LayoutArrays, Counter]:
     """Every candidate layout as arrays, and a count of rejected ones by reason."""
     validate_pins(p, pins)
+    pins = normalize_pins(pins)
     reasons: Counter = Counter()
     shapes = _mesh_shapes(p, pins, reasons)
     if not shapes:
@@ -158,9 +172,9 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) 
     data = dp * fs
     rules = [
         ("global batch not divisible by data-parallel degree × micro-batch", p.global_batch % (data * mb) == 0),
-        # the search keeps stages even; a pinned uneven split is modelled with the busiest stage
-        ("layers not divisible by pp × vpp",
-         (m.n_layers % (pp * vpp) == 0) | ((pins.pp is not None) & (pp * vpp <= m.n_layers))),
+        # an uneven split (126 layers on 16 stages, as Llama 3 405B) is allowed and timed by its busiest stage,
+        # which holds ceil(L / (pp·vpp)) layers per virtual stage
+        ("more pipeline stages × virtual stages than layers", pp * vpp <= m.n_layers),
         ("expert parallelism must divide the data-parallel ranks", data % ep == 0),
     ]
     # combinations that are not distinct layouts (vpp without pp, a ZeRO stage with no replicas) are dropped
