@@ -177,7 +177,20 @@ class CostModel:
         p2p = comm.time("permute", ACT_BYTES * t * c["D"] / np.where(g["sp"], tp, 1), pp, tp * cp * fs * dp)
         out["pp_mb"] = 2 * g["vpp"] * p2p
         self._data_parallel_terms(L, g, ct, out)
+        self._shared_link_slowdown(g, ct, out)
         return out
+
+    def _shared_link_slowdown(self, g: dict, ct: Terms, out: Terms) -> None:
+        """Collectives that share a link slow each other: on a GPU, an FSDP group whose members sit in the
+        same NVLink domain as the TP group pushes its (hidden) traffic through the same NVLink ports, so TP
+        collectives see the remaining bandwidth. A TPU torus gives each mesh axis its own links."""
+        if self.p.chip.links.is_torus:
+            return
+        domain = self.p.chip.links.nvlink_domain_size
+        shares = (g["fsdp"] > 1) & (g["tp"] > 1) & (g["tp"] * g["cp"] < domain)
+        busy = g["layers_stage"] * (ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"])
+        fsdp_nvlink_share = np.where(shares, np.minimum(out["fsdp_link_mb"] / np.maximum(busy, 1e-12), 1.0), 0.0)
+        out["tp_mb"] = out["tp_mb"] * (1 + fsdp_nvlink_share)
 
     def _data_parallel_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """FSDP per-layer gathers/scatters (overlapped layer by layer) and the once-a-step DP reduction."""
