@@ -11,6 +11,7 @@ import numpy as np
 
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
+from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import Chip
 
 _REF_BYTES = 1.0e9
@@ -26,8 +27,11 @@ class CommModel:
     def _alpha_beta(self, kind: str, size: int, stride: int) -> tuple[float, float]:
         key = (kind, size, stride)
         if key not in self._coef:
-            c = group_collective(kind, _REF_BYTES, self.cluster, size, stride)
-            self._coef[key] = (c.latency_time_s, c.bandwidth_time_s / _REF_BYTES)
+            try:
+                c = group_collective(kind, _REF_BYTES, self.cluster, size, stride)
+                self._coef[key] = (c.latency_time_s, c.bandwidth_time_s / _REF_BYTES)
+            except MeshplanError:  # the group does not map onto the topology: the layout is infeasible
+                self._coef[key] = (np.inf, np.inf)
         return self._coef[key]
 
     def time(self, kind: str, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:

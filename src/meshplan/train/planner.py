@@ -58,8 +58,12 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
         searched += len(more)
         if ev2.fits.any():
             ev = ev2
-    if (~ev.fits).any():
-        reasons["does not fit in HBM"] += int((~ev.fits).sum())
+    unmappable = ~np.isfinite(ev.step_time_s)
+    if unmappable.any():
+        reasons["a parallel group does not map onto the topology"] += int(unmappable.sum())
+        ev.fits = ev.fits & ~unmappable
+    if (~ev.fits & ~unmappable).any():
+        reasons["does not fit in HBM"] += int((~ev.fits & ~unmappable).sum())
     return ev, reasons, searched
 
 
