@@ -31,7 +31,13 @@ class Evaluation:
 
 
 def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
-    """Evaluate every layout in `L` under the cost model."""
+    """Evaluate every layout in `L` under the cost model. A layout whose group cannot map onto the topology
+    has infinite collective cost; the inf - inf it meets on the way is expected (the planner drops it)."""
+    with np.errstate(invalid="ignore"):
+        return _evaluate(cm, L)
+
+
+def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     p, e = cm.p, cm.eff
     g = cm.geometry(L)
     ct = cm.compute_terms(L, g)
