@@ -29,6 +29,7 @@ class Efficiency:
 
     matmul_peak_fraction: float
     matmul_half_dim: float
+    matmul_rows_half: float
     fp8_peak_fraction: float
     attention_fwd_fraction: float
     attention_bwd_fraction: float
@@ -54,7 +55,7 @@ class Efficiency:
         return d
 
 
-_FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "fp8_peak_fraction", "attention_fwd_fraction",
+_FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_peak_fraction", "attention_fwd_fraction",
            "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
            "comm_compute_interference")

@@ -70,9 +70,9 @@ def touched_experts(m: ModelConfig, tokens: float) -> float:
 
 
 def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> float:
-    """Large-GEMM fraction (fp8 or bf16) times the thin-dimension penalty n/(n + d_half) (efficiency.py)."""
+    """Large-GEMM fraction (fp8 or bf16) times the skinny-GEMM row penalty m/(m + rows_half) (efficiency.py)."""
     base = eff.fp8_peak_fraction if compute_dtype != "bf16" else eff.matmul_peak_fraction
-    return base * tokens / (tokens + eff.matmul_half_dim)
+    return base * tokens / (tokens + eff.matmul_rows_half)
 
 
 def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
