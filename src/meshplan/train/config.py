@@ -98,10 +98,6 @@ class LayoutArrays:
         sp = configs[0].sequence_parallel if configs else True
         return cls(**arrays, sequence_parallel=sp)
 
-    def take(self, idx: np.ndarray) -> LayoutArrays:
-        kw = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "sequence_parallel"}
-        return LayoutArrays(**kw, sequence_parallel=self.sequence_parallel)
-
     def config(self, i: int) -> ParallelConfig:
         kw = {k: int(getattr(self, k)[i]) for k in DEGREES}
         return ParallelConfig(**kw, recompute=RECOMPUTE_POLICIES[int(self.recompute[i])],

@@ -8,7 +8,7 @@ broadcasting, so no Python code runs per layout.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,7 +39,6 @@ class Pins:
     zero: int | None = None
     offload: float | None = None
     sequence_parallel: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
