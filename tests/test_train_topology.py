@@ -17,3 +17,21 @@ def test_nvl72_search_skips_groups_that_do_not_tile_the_domain():
     assert res.infeasible.get("a parallel group does not map onto the topology", 0) > 0
     for p in res.plans:
         assert 72 % p["config"]["tp"] == 0
+
+
+def test_no_fused_makes_gpu_steps_slower(capsys):
+    """Eager PyTorch (--no-fused) multiplies pointwise HBM traffic (efficiency.yaml), so the same pinned
+    layout can only get slower."""
+    import json
+
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+            "--global-batch", "16", "--fsdp", "8", "--dp", "1", "--tp", "1", "--pp", "1", "--cp", "1",
+            "--microbatch", "1", "--recompute", "full", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    fused = json.loads(out)["plans"][0]["step_time_s"]
+    code2, out2, _ = run_cli(args + ["--no-fused"], capsys)
+    eager = json.loads(out2)["plans"][0]["step_time_s"]
+    assert code == code2 == 0
+    assert eager > fused

@@ -56,6 +56,8 @@ def train(
     headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
     tp_overlap: Annotated[bool | None, typer.Option("--tp-overlap/--no-tp-overlap",
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
+    fused: Annotated[bool, typer.Option("--fused/--no-fused",
+                                        help="Pointwise ops fused (torch.compile, XLA); --no-fused for eager PyTorch.")] = True,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
@@ -74,7 +76,7 @@ def train(
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
     eff = resolve_efficiency(problem.chip, profile)
-    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap)
+    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
