@@ -7,6 +7,7 @@ recompute and precision. What the source leaves out (e.g. the micro-batch) is le
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,7 +114,25 @@ def options_of(e: dict) -> Options:
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         selective_flavor=_selective_flavor(e),
         fused_elementwise=not (e["group"].startswith("torchtitan") and "compile" not in prec),
+        # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
+        fsdp_over_cp=(e["parallel"].get("zero_stage") or 0) == 3,
+        zero3_fetch=_zero3_fetch(e),
+        # DeepSpeed reduces gradients in the model's dtype (its `communication_data_type` default); Megatron and
+        # torchtitan reduce in fp32
+        grad_reduce_bytes=2.0 if "deepspeed" in str(e["parallel"].get("notes", "")).lower()
+        and "fp16" in prec else 4.0,
     )
+
+
+def _zero3_fetch(e: dict) -> str:
+    """DeepSpeed ZeRO-3 before ZeRO-Infinity's bandwidth-centric partitioning (DeepSpeed v0.3.15, April 2021,
+    arXiv:2104.07857 §6.1) fetched parameters by owner broadcast (ZeRO paper §7.2.2); later DeepSpeed and
+    every FSDP all-gather. The era is read from the source's arXiv number (yymm)."""
+    p = e["parallel"]
+    if (p.get("zero_stage") or 0) != 3 or "deepspeed" not in str(p.get("notes", "")).lower():
+        return "allgather"
+    m = re.search(r"arXiv:(\d{4})\.", str(e["source"].get("ref", "")))
+    return "broadcast" if m and int(m.group(1)) <= 2104 else "allgather"
 
 
 def _selective_flavor(e: dict) -> str:

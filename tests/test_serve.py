@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import run_cli
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost.collectives import group_collective
@@ -89,6 +89,13 @@ def test_throughput_non_decreasing_until_memory(b, d, tp):
     cfg = ServeConfig(tp=tp, weight_dtype="fp8", kv_dtype="fp8")
     mb = max_batch_per_replica(M70, H100, cfg, EFF, W)
     lo, hi = min(b, mb), min(b + d, mb)
+
+    def one_shot(batch: int) -> bool:  # the engine's one-shot all-reduce holds the step's [tokens, D] bf16
+        tokens = batch * (1 + W.input_len / W.output_len)
+        return tokens * M70.d_model * 2 <= serving_constant("custom_allreduce_max_bytes", H100)
+
+    # past the one-shot kernel's size limit the engine falls back to NCCL, a real (vLLM) step down
+    assume(one_shot(lo) == one_shot(hi))
     assert evaluate(M70, H100, 8, cfg, EFF, W, hi).throughput_tokens_per_s >= \
         evaluate(M70, H100, 8, cfg, EFF, W, lo).throughput_tokens_per_s * (1 - 1e-12)
 

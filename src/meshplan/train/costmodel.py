@@ -45,6 +45,14 @@ class Options:
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
     selective_flavor: str = "attention"
+    # FSDP over the context-parallel ranks even when --fsdp is 1 (torchtitan shards over its dp_shard×cp mesh;
+    # `--zero 3` asks for it). With --fsdp > 1 the CP ranks always join the shard group.
+    fsdp_over_cp: bool = False
+    # How ZeRO-3 fetches a layer: "allgather" (FSDP, ZeRO-Infinity's bandwidth-centric partitioning, Rajbhandari
+    # et al. 2021 §6.1: every rank's link carries a slice, prefetched behind compute) or "broadcast" (the ZeRO
+    # paper's design, Rajbhandari et al. 2020 §7.2.2: each partition's owner broadcasts it and gradients are
+    # reduced back to the owner, so a layer's bytes pass one owner's link, and each fetch blocks the layer).
+    zero3_fetch: str = "allgather"
 
 
 class Terms(dict):
@@ -187,7 +195,7 @@ class CostModel:
         if self.p.chip.links.is_torus:
             return
         domain = self.p.chip.links.nvlink_domain_size
-        shares = (g["fsdp"] > 1) & (g["tp"] > 1) & (g["tp"] * g["cp"] < domain)
+        shares = (g["shard"] > 1) & (g["tp"] > 1) & (g["tp"] * g["cp"] < domain)
         busy = g["layers_stage"] * (ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"])
         fsdp_nvlink_share = np.where(shares, np.minimum(out["fsdp_link_mb"] / np.maximum(busy, 1e-12), 1.0), 0.0)
         out["tp_mb"] = out["tp_mb"] * (1 + fsdp_nvlink_share)
@@ -195,37 +203,49 @@ class CostModel:
     def _data_parallel_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """FSDP per-layer gathers/scatters (overlapped layer by layer) and the once-a-step DP reduction."""
         comm, o = self.comm, self.opt
-        tp, cp, fs, dp = g["tp"], g["cp"], g["fsdp"], g["dp"]
+        tp, sh, rep = g["tp"], g["shard"], g["replicas"]
         nl = g["layers_stage"]
         w_layer = g["params_layer_local"]  # parameters of one layer on this TP/EP rank
-        stride_fs = tp * cp
-        ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, fs, stride_fs)
-        rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, fs, stride_fs)
         emb = g["params_embed_local"]
-        ag_emb = comm.time("allgather", o.fsdp_param_bytes * emb, fs, stride_fs)
-        rs_emb = comm.time("reducescatter", o.grad_reduce_bytes * emb, fs, stride_fs)
-        # ZeRO-3 / FSDP (Rajbhandari et al. 2020; torchtitan FSDP2): gather before each layer's forward and
-        # again before its backward (reshard after forward), reduce-scatter its gradients; the next layer's
-        # gather is prefetched behind the current layer's compute, so only the excess and the first bucket show.
-        comp_f = nl * ct["layer_fwd"]
-        comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
-        fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
-        fs_b = np.maximum(nl * (ag + rs) + ag_emb + rs_emb - comp_b, 0) + rs
-        out["fsdp_mb"] = np.where(fs > 1, fs_f + fs_b, 0.0)
-        out["fsdp_link_mb"] = np.where(fs > 1, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
+        # mesh order (dp, fsdp, cp, tp): the shard group fsdp×cp is contiguous at stride tp
+        if o.zero3_fetch == "broadcast":
+            # owner broadcast / reduce-to-owner: every byte of the layer crosses one owner's link (a ring
+            # shift's worth of link time), and the layer waits for it
+            ag = comm.time("permute", o.fsdp_param_bytes * w_layer, sh, tp)
+            rs = comm.time("permute", o.grad_reduce_bytes * w_layer, sh, tp)
+            ag_emb = comm.time("permute", o.fsdp_param_bytes * emb, sh, tp)
+            rs_emb = comm.time("permute", o.grad_reduce_bytes * emb, sh, tp)
+            fs_f = nl * ag + ag_emb
+            fs_b = nl * (ag + rs) + ag_emb + rs_emb
+        else:
+            ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, sh, tp)
+            rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, sh, tp)
+            ag_emb = comm.time("allgather", o.fsdp_param_bytes * emb, sh, tp)
+            rs_emb = comm.time("reducescatter", o.grad_reduce_bytes * emb, sh, tp)
+            # ZeRO-3 / FSDP (Rajbhandari et al. 2020; torchtitan FSDP2): gather before each layer's forward and
+            # again before its backward (reshard after forward), reduce-scatter its gradients; the next layer's
+            # gather is prefetched behind the current layer's compute, so only the excess and the first bucket
+            # show.
+            comp_f = nl * ct["layer_fwd"]
+            comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
+            fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
+            fs_b = np.maximum(nl * (ag + rs) + ag_emb + rs_emb - comp_b, 0) + rs
+        out["fsdp_mb"] = np.where(sh > 1, fs_f + fs_b, 0.0)
+        out["fsdp_link_mb"] = np.where(sh > 1, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
         # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
-        # distributed optimizer), bucketed and overlapped with the last micro-batch's backward.
-        grads = g["params_stage_local"] / fs
-        stride_dp = tp * cp * fs
-        ar = comm.time("allreduce", o.grad_reduce_bytes * grads, dp, stride_dp)
-        rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, dp, stride_dp)
-        ag_dp = comm.time("allgather", PARAM_BYTES * grads, dp, stride_dp)
-        window = comp_b
+        # distributed optimizer), bucketed and overlapped with the last micro-batch's backward. Without FSDP the
+        # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
+        grads = g["params_stage_local"] / sh
+        stride_rep = np.where(sh > 1, tp * sh, tp)
+        ar = comm.time("allreduce", o.grad_reduce_bytes * grads, rep, stride_rep)
+        rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, rep, stride_rep)
+        ag_dp = comm.time("allgather", PARAM_BYTES * grads, rep, stride_rep)
+        window = nl * (ct["layer_bwd"] + ct["layer_recompute"])
         zero = L.zero
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
-        out["dp_step"] = np.where(dp > 1, np.maximum(reduce - window, 0) + gather, 0.0)
-        out["dp_link_step"] = np.where(dp > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
+        out["dp_step"] = np.where(rep > 1, np.maximum(reduce - window, 0) + gather, 0.0)
+        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
 
     # --- geometry, memory, totals --------------------------------------------------------------
     def geometry(self, L: LayoutArrays) -> dict:
@@ -236,6 +256,12 @@ class CostModel:
         g["sp"] = L.sequence_parallel & (L.tp > 1)
         g["t_mb"] = g["mb"] * self.p.seq_len / g["cp"]
         g["n_micro"] = self.p.global_batch / (g["dp"] * g["fsdp"] * g["mb"])
+        # CP ranks hold the same weights and see other tokens of the same sequences: they join the gradient
+        # reduction and, under FSDP, the shard group (torchtitan's dp_shard×cp mesh; Megatron-LM's
+        # data-parallel-with-context group for its distributed optimizer and gradient all-reduce).
+        fsdp_mode = (g["fsdp"] > 1) | (self.opt.fsdp_over_cp & (g["cp"] > 1))
+        g["shard"] = np.where(fsdp_mode, g["fsdp"] * g["cp"], 1.0)  # FSDP/ZeRO-3 shard group
+        g["replicas"] = np.where(fsdp_mode, g["dp"], g["dp"] * g["cp"])  # gradient reduction across replicas
         # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage)
         g["layers_stage"] = np.ceil(m.n_layers / (g["pp"] * g["vpp"])) * g["vpp"]
         dense_layer = pc.per_layer - (c["expert_w"] if m.is_moe else 0)
@@ -263,10 +289,10 @@ class CostModel:
 
     def memory_terms(self, L: LayoutArrays, g: dict) -> Terms:
         """Bytes per chip on the busiest stage: params, grads, optimizer, activations, other."""
-        fs, dp, zero = g["fsdp"], g["dp"], L.zero
+        fs, rep, zero = g["shard"], g["replicas"], L.zero
         P = g["params_stage_local"]
-        shard_g = fs * np.where(zero >= 2, dp, 1)
-        shard_o = fs * np.where(zero >= 1, dp, 1)
+        shard_g = fs * np.where(zero >= 2, rep, 1)
+        shard_o = fs * np.where(zero >= 1, rep, 1)
         act_layer = self.activation_per_layer(L, g, L.recompute)
         if self.opt.selective_flavor != "attention":
             # torchtitan's per-op and per-layer policies recompute about half of each layer (every second

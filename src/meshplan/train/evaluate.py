@@ -54,7 +54,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     per_mb = ct["fwd"] + ct["bwd"] + per_mb_comm + offload_exposed
     # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)
     bubble = (g["pp"] - 1) / g["vpp"] * per_mb
-    opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["fsdp"] * np.where(L.zero >= 1, g["dp"], 1)) / cm.hbm
+    opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1)) / cm.hbm
     compute = m * (ct["fwd"] + ct["bwd"])
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"]) + cc["dp_link_step"]

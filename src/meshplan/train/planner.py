@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class PlanResult:
 def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int]:
     """Enumerate and evaluate; retries with activation offload when nothing fits and offload is free."""
-    cm = cm or CostModel(problem, eff, options)
+    cm = cm or CostModel(problem, eff, _options_for(pins, options))
     layouts, reasons = enumerate_layouts(problem, pins)
     ev = evaluate(cm, layouts)
     searched = len(layouts)
@@ -67,11 +67,17 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
     return ev, reasons, searched
 
 
+def _options_for(pins: Pins, options: Options | None) -> Options:
+    """`--zero 3` shards over every rank that holds the same weights, the CP ranks included."""
+    options = options or Options()
+    return replace(options, fsdp_over_cp=True) if pins.zero == 3 else options
+
+
 def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None, top: int = 5,
          tokens: float | None = None) -> PlanResult:
     """The best `top` feasible layouts, best first, each as the DESIGN.md JSON plan object."""
     t0 = time.perf_counter()
-    cm = CostModel(problem, eff, options)
+    cm = CostModel(problem, eff, _options_for(pins, options))
     ev, reasons, searched = search(problem, pins, eff, options, cm)
     if len(ev.step_time_s) == 0:
         why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"

@@ -178,7 +178,8 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) 
     ]
     # combinations that are not distinct layouts (vpp without pp, a ZeRO stage with no replicas) are dropped
     # silently; the rest are counted by reason
-    keep = ((vpp == 1) | (pp > 1)) & ((zero == 0) | (dp > 1) | (pins.zero is not None))
+    # (ZeRO-1/2 without FSDP shards over the dp×cp replicas: the CP ranks hold the same weights)
+    keep = ((vpp == 1) | (pp > 1)) & ((zero == 0) | (dp > 1) | ((fs == 1) & (cp > 1)) | (pins.zero is not None))
     for reason, ok in rules:
         bad = keep & ~ok
         if bad.any():
