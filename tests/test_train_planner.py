@@ -206,6 +206,58 @@ def test_zero1_shards_the_optimizer_by_dp_and_zero2_the_grads() -> None:
     assert z2["optimizer"] == z1["optimizer"] and z2["params"] == z0["params"]
 
 
+def test_cp_ranks_join_the_fsdp_shard_group() -> None:
+    """CP ranks hold the same weights, so FSDP shards over fsdp×cp (torchtitan's dp_shard×cp mesh): 2-way FSDP
+    with 4-way CP holds the state of 8-way FSDP (16 bytes per parameter / 8), and `--zero 3` with fsdp 1 and
+    8-way CP shards over the 8 CP ranks."""
+    prob = problem("llama3-8b", "h100-sxm", 8, 8192, 2)
+    n_params = 8.03e9  # published total
+    f2c4 = evaluate_pinned(prob, full_pins(fsdp=2, cp=4, recompute="full"))["memory"]
+    assert _state(f2c4) == pytest.approx(16 * n_params / 8, rel=0.01)
+    c8 = evaluate_pinned(prob, full_pins(cp=8, recompute="full", zero=3))["memory"]
+    assert _state(c8) == pytest.approx(16 * n_params / 8, rel=0.01)
+    # without FSDP the CP ranks keep replicas (18 bytes per parameter, Megatron) ...
+    rep = evaluate_pinned(prob, full_pins(cp=8, recompute="full"))["memory"]
+    assert _state(rep) == pytest.approx(18 * n_params, rel=0.01)
+    # ... and ZeRO-1 shards the optimizer over them (Megatron's data-parallel-with-context group)
+    z1 = evaluate_pinned(prob, full_pins(cp=8, recompute="full", zero=1))["memory"]
+    assert rep["optimizer"] / z1["optimizer"] == pytest.approx(8, rel=1e-9)
+
+
+def test_cp_ranks_all_reduce_their_gradients() -> None:
+    """Two CP ranks see different halves of the same sequences: their fp32 gradients are all-reduced,
+    2·(N-1)/N·V over NVLink at the book's ring cost (ch.3), V = 4 bytes × parameters. (The vectorised α-β
+    model takes the link's bandwidth efficiency at its 1 GB reference size, train/comm.py.)"""
+    from meshplan.cost.collectives import efficiency
+
+    prob = problem("llama3-8b", "a100-80gb", 2, 8192, 2)  # A100's NVSwitch has no in-network reduction
+    ev, _, _ = search(prob, full_pins(cp=2, recompute="full"), default_efficiency(prob.chip))
+    v = 4 * 8.03e9
+    links = prob.chip.links
+    hand = 2 * (2 - 1) / 2 * v / (links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9))
+    assert float(ev.link_time["dp"][0]) == pytest.approx(hand, rel=0.02)
+
+
+def test_zero3_owner_broadcast_is_bound_by_one_link_and_blocks() -> None:
+    """The ZeRO paper's fetch (Rajbhandari et al. 2020 §7.2.2): each layer's bf16 weights are broadcast by
+    their owners (forward, and again for the backward) and its gradients reduced back (fp32 here), so per
+    micro-batch (2 + 2 + 4) bytes × parameters cross one owner's 50 GB/s InfiniBand link, none of it hidden."""
+    from meshplan.cost.collectives import efficiency
+
+    prob = problem("llama3-8b", "h100-sxm", 16, 4096, 16)
+    pins = full_pins(fsdp=16, recompute="full")
+    ev, _, _ = search(prob, pins, default_efficiency(prob.chip), Options(zero3_fetch="broadcast"))
+    links = prob.chip.links
+    w = links.scale_out_bandwidth_bytes_per_s * efficiency(links.scale_out_kind, 1e9)
+    hand = (2 + 2 + 4) * 8.03e9 / w
+    link = float(ev.link_time["fsdp"][0])
+    assert link == pytest.approx(hand, rel=0.01)
+    assert float(ev.time["exposed_comm/fsdp"][0]) == pytest.approx(link, rel=1e-9)
+    # the all-gather design moves the same bytes over all the node's links and hides them behind compute
+    ag, _, _ = search(prob, pins, default_efficiency(prob.chip))
+    assert float(ag.time["exposed_comm/fsdp"][0]) < 0.1 * link
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

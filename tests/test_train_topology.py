@@ -35,3 +35,23 @@ def test_no_fused_makes_gpu_steps_slower(capsys):
     eager = json.loads(out2)["plans"][0]["step_time_s"]
     assert code == code2 == 0
     assert eager > fused
+
+
+def test_zero3_fetch_flag(capsys):
+    """`--zero3-fetch broadcast` (the ZeRO paper's owner broadcast) exposes the FSDP traffic that the default
+    all-gather hides across two nodes; a misspelt value is one clear error."""
+    import json
+
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "16", "--seq-len", "4096",
+            "--global-batch", "16", "--fsdp", "16", "--dp", "1", "--tp", "1", "--pp", "1", "--cp", "1",
+            "--microbatch", "1", "--recompute", "full", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    code2, out2, _ = run_cli(args + ["--zero3-fetch", "broadcast"], capsys)
+    assert code == code2 == 0
+    gather, bcast = json.loads(out)["plans"][0], json.loads(out2)["plans"][0]
+    assert bcast["time_s"]["exposed_comm"] > 10 * gather["time_s"]["exposed_comm"]
+    assert bcast["bottleneck"] == "comm/fsdp"
+    code3, _, err = run_cli(args + ["--zero3-fetch", "bcast"], capsys)
+    assert code3 == 2 and err.startswith("error:") and "allgather or broadcast" in err

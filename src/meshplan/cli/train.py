@@ -9,6 +9,7 @@ from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
+from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import Options
@@ -58,6 +59,10 @@ def train(
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
     fused: Annotated[bool, typer.Option("--fused/--no-fused",
                                         help="Pointwise ops fused (torch.compile, XLA); --no-fused for eager PyTorch.")] = True,
+    zero3_fetch: Annotated[str, typer.Option(
+        help="How FSDP/ZeRO-3 fetches weights: allgather (FSDP, DeepSpeed since ZeRO-Infinity) or broadcast "
+             "(the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, blocking).")
+    ] = "allgather",
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
@@ -76,7 +81,10 @@ def train(
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
     eff = resolve_efficiency(problem.chip, profile)
-    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused)
+    if zero3_fetch not in ("allgather", "broadcast"):
+        raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
+    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused,
+                   zero3_fetch=zero3_fetch)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
