@@ -258,6 +258,30 @@ def test_zero3_owner_broadcast_is_bound_by_one_link_and_blocks() -> None:
     assert float(ag.time["exposed_comm/fsdp"][0]) < 0.1 * link
 
 
+def test_fsdp_under_pipelining_gathers_once_per_step() -> None:
+    """With pipelining the FSDP stage stays gathered across micro-batches (torchtitan/Llama 3 PP+FSDP): one
+    all-gather of the stage's bf16 weights and one reduce-scatter of its fp32 gradients per step, however
+    many micro-batches; the stage holds its unsharded bf16 weights and fp32 gradient accumulators."""
+    from meshplan.cost.collectives import efficiency
+    from meshplan.math.transformer import param_counts
+
+    m = load_model("llama3-8b")
+    pc = param_counts(m)
+    p_stage = 16 * pc.per_layer + max(pc.embedding, pc.unembedding)  # 32 layers on 2 stages
+    links = load_chip("a100-80gb").links
+    w = links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9)
+    hand = 3 / 4 * (2 + 4) * p_stage / w  # ring all-gather + reduce-scatter over 4 ranks (book ch.3)
+    got = []
+    for batch in (16, 64):
+        prob = Problem(m, load_chip("a100-80gb"), 8, 2048, batch)
+        ev, _, _ = search(prob, full_pins(fsdp=4, pp=2, microbatch=1, recompute="full"), default_efficiency(prob.chip))
+        got.append(float(ev.link_time["fsdp"][0]))
+        mem = {k: float(v[0]) for k, v in ev.memory.items()}
+        assert mem["params"] == pytest.approx(4 * p_stage / 4 + 2 * p_stage, rel=1e-6)
+        assert mem["grads"] == pytest.approx(4 * p_stage, rel=1e-6)
+    assert got[0] == pytest.approx(hand, rel=0.01) and got[1] == pytest.approx(got[0], rel=1e-9)
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

@@ -197,7 +197,8 @@ class CostModel:
         domain = self.p.chip.links.nvlink_domain_size
         shares = (g["shard"] > 1) & (g["tp"] > 1) & (g["tp"] * g["cp"] < domain)
         busy = g["layers_stage"] * (ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"])
-        fsdp_nvlink_share = np.where(shares, np.minimum(out["fsdp_link_mb"] / np.maximum(busy, 1e-12), 1.0), 0.0)
+        fsdp_link = out["fsdp_link_mb"] + out["fsdp_link_step"] / g["n_micro"]
+        fsdp_nvlink_share = np.where(shares, np.minimum(fsdp_link / np.maximum(busy, 1e-12), 1.0), 0.0)
         out["tp_mb"] = out["tp_mb"] * (1 + fsdp_nvlink_share)
 
     def _data_parallel_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
@@ -217,6 +218,7 @@ class CostModel:
             rs_emb = comm.time("permute", o.grad_reduce_bytes * emb, sh, tp)
             fs_f = nl * ag + ag_emb
             fs_b = nl * (ag + rs) + ag_emb + rs_emb
+            once_f, once_b = fs_f, nl * rs + rs_emb
         else:
             ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, sh, tp)
             rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, sh, tp)
@@ -230,8 +232,18 @@ class CostModel:
             comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
             fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
             fs_b = np.maximum(nl * (ag + rs) + ag_emb + rs_emb - comp_b, 0) + rs
-        out["fsdp_mb"] = np.where(sh > 1, fs_f + fs_b, 0.0)
-        out["fsdp_link_mb"] = np.where(sh > 1, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
+            once_f = fs_f
+            once_b = np.maximum(nl * rs + rs_emb - comp_b, 0) + rs
+        # With pipelining the stage stays gathered across its micro-batches: one gather per step (hidden behind
+        # the first micro-batch's forward), no re-gather for the backward, and one reduce-scatter of the
+        # accumulated gradients behind the last backward (torch.distributed.pipelining keeps FSDP2 unsharded
+        # and skips gradient sync until the last micro-batch; torchtitan and Llama 3 train PP+FSDP so).
+        once = (sh > 1) & (g["pp"] > 1)
+        per_mb = (sh > 1) & ~once
+        out["fsdp_mb"] = np.where(per_mb, fs_f + fs_b, 0.0)
+        out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
+        out["fsdp_step"] = np.where(once, once_f + once_b, 0.0)
+        out["fsdp_link_step"] = np.where(once, nl * (ag + rs) + ag_emb + rs_emb, 0.0)
         # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
         # distributed optimizer), bucketed and overlapped with the last micro-batch's backward. Without FSDP the
         # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
@@ -312,14 +324,16 @@ class CostModel:
         acts = acts * (1 - L.offload) + logits
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
-        fsdp_buf = np.where(fs > 1, (self.opt.fsdp_param_bytes + ACT_BYTES) * g["params_layer_local"], 0.0)
+        once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
+        fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + ACT_BYTES) * g["params_layer_local"], 0.0)
         other = self.eff.memory_reserved_bytes + fsdp_buf
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, PARAM_BYTES)
         o_bytes = np.where(fs > 1, OPT_BYTES - FSDP_PARAM_STATE_BYTES, OPT_BYTES)
-        t = Terms(params=p_bytes * P / fs, grads=self.opt.grad_reduce_bytes * P / shard_g,
-                  optimizer=o_bytes * P / shard_o, activations=acts, other=other)
+        params = p_bytes * P / fs + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
+        grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
+        t = Terms(params=params, grads=grads, optimizer=o_bytes * P / shard_o, activations=acts, other=other)
         t["offloaded"] = saved * L.offload
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight

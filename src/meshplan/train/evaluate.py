@@ -57,16 +57,19 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1)) / cm.hbm
     compute = m * (ct["fwd"] + ct["bwd"])
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
-    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"]) + cc["dp_link_step"]
-    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"]) + cc["dp_step"]
+    step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
+    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"]) + cc["dp_link_step"] \
+        + cc["fsdp_link_step"]
+    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
     contention = e.comm_compute_interference * np.minimum(hidden, compute)
-    step = m * per_mb + bubble + cc["dp_step"] + opt_update + e.step_overhead_s + contention
-    time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + cc["dp_step"],
+    step = m * per_mb + bubble + step_comm + opt_update + e.step_overhead_s + contention
+    time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
     for k in ("tp", "cp", "ep", "pp", "fsdp"):
         time[f"exposed_comm/{k}"] = m * cc[f"{k}_mb"]
     time["exposed_comm/dp"] = cc["dp_step"]
+    time["exposed_comm/fsdp"] = time["exposed_comm/fsdp"] + cc["fsdp_step"]
     time["other/offload"] = m * offload_exposed
     tokens = p.global_batch * p.seq_len
     tf = tm.flops_per_token(p.model, p.seq_len, causal=True)
@@ -80,7 +83,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     hw_flops = model_flops + rc_flops[L.recompute]
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.hbm_bytes * (1 - cm.opt.headroom)
-    links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"],
+    links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
                   dp=cc["dp_link_step"], ep=m * cc["ep_mb"], pp=m * cc["pp_mb"])
     return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
                       hw_flops / denom, tokens / step, links, m, budget)

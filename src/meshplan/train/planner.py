@@ -97,10 +97,10 @@ def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
     i = int(np.argmin(ev.memory["total"]))
     need, have = ev.memory["total"][i], ev.hbm_budget_bytes
     cfg = ev.layouts.config(i)
-    what = "the pinned layout" if pinned_all else "no layout"
+    what = "the pinned layout does not fit" if pinned_all else "no layout fits"
     hint = ("try more chips, full recompute (--recompute full), FSDP/ZeRO (--fsdp, --zero), more tensor/pipeline "
             "parallelism, activation offload (--offload 1), or a smaller micro-batch")
-    return (f"{what} fits in HBM: the smallest needs {fmt_bytes(need)} per chip but {p.chip.name} has "
+    return (f"{what} in HBM: the smallest needs {fmt_bytes(need)} per chip but {p.chip.name} has "
             f"{fmt_bytes(have)} usable (short by {fmt_bytes(need - have)}; best: {cfg.describe()}); {hint}")
 
 
