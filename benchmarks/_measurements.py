@@ -114,6 +114,8 @@ def options_of(e: dict) -> Options:
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         selective_flavor=_selective_flavor(e),
         fused_elementwise=not (e["group"].startswith("torchtitan") and "compile" not in prec),
+        # torchtitan compiles the transformer blocks only: its loss is eager F.cross_entropy on fp32 logits
+        fused_loss=not e["group"].startswith("torchtitan"),
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=(e["parallel"].get("zero_stage") or 0) == 3,
         zero3_fetch=_zero3_fetch(e),
@@ -170,3 +172,13 @@ def measured_step_time_s(e: dict) -> float:
 def measured_mfu(e: dict) -> float | None:
     der = e.get("derived") or {}
     return der.get("mfu_model_flops_no_recompute") or e["measured"].get("mfu")
+
+
+def measured_memory_bytes(e: dict) -> float | None:
+    """Peak memory per GPU the source reports: torchtitan's max over GPUs (GiB, the caching allocator's
+    reserved peak) or BLOOM's notes ('59GB', read as GiB as nvidia-smi's MiB figures are)."""
+    meas = e["measured"]
+    if meas.get("peak_memory_gib_max_over_gpus"):
+        return float(meas["peak_memory_gib_max_over_gpus"]) * 2**30
+    m = re.fullmatch(r"\s*([\d.]+)\s*GB\s*", str(meas.get("peak_gpu_memory_reported") or ""))
+    return float(m.group(1)) * 2**30 if m else None

@@ -15,7 +15,14 @@ import statistics
 import sys
 import time
 
-from _measurements import load_entries, measured_step_time_s, options_of, pins_of, problem_of
+from _measurements import (
+    load_entries,
+    measured_memory_bytes,
+    measured_step_time_s,
+    options_of,
+    pins_of,
+    problem_of,
+)
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
@@ -32,12 +39,15 @@ def evaluate_entry(e: dict, search: bool = True) -> dict:
         best = res.plans[0]
         row.update(pred_step_s=best["step_time_s"], fits=best["fits"], layout=_short(best["config"]),
                    bottleneck=best["bottleneck"], mfu=best["mfu"])
+        row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
     except MeshplanError as exc:
         # the published layout does not fit under meshplan's memory model: still report its time
         res = plan(prob, pins, eff, _no_memory_limit(opts), top=1)
         best = res.plans[0]
         row.update(pred_step_s=best["step_time_s"], fits=False, layout=_short(best["config"]),
                    bottleneck=best["bottleneck"], mfu=best["mfu"], note=str(exc)[:80])
+        row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
+    row["measured_mem_bytes"] = measured_memory_bytes(e)
     row["rel_err"] = row["pred_step_s"] / row["measured_step_s"] - 1
     tokens = prob.global_batch * prob.seq_len
     row["measured_tok_s_chip"] = tokens / row["measured_step_s"] / prob.chips
@@ -73,6 +83,21 @@ def summarize(rows: list[dict]) -> None:
         print(f"{g:34s} {len(errs):3d} {statistics.median(errs):13.1%} {max(errs):12.1%}")
 
 
+def memory_table(rows: list[dict]) -> None:
+    """Predicted memory per chip against the peak the source reports, where it reports one."""
+    with_mem = [r for r in rows if r.get("measured_mem_bytes")]
+    if not with_mem:
+        return
+    gib = 2**30
+    print(f"\n{'id':46s} {'meas GiB':>9s} {'pred GiB':>9s} {'err':>7s}")
+    for r in with_mem:
+        err = r["pred_mem_bytes"] / r["measured_mem_bytes"] - 1
+        r["mem_rel_err"] = err
+        print(f"{r['id'][:46]:46s} {r['measured_mem_bytes'] / gib:9.1f} {r['pred_mem_bytes'] / gib:9.1f} {err:+7.1%}")
+    errs = sorted(abs(r["mem_rel_err"]) for r in with_mem)
+    print(f"memory: {len(errs)} runs, median |err| {statistics.median(errs):.1%}, worst {errs[-1]:.1%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group")
@@ -90,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['measured_tok_s_chip']:7.0f}/{r['pred_tok_s_chip']:<7.0f} {'y' if r['fits'] else 'N':>4s}  "
               f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}")
     summarize(rows)
+    memory_table(rows)
     print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -282,6 +282,16 @@ def test_fsdp_under_pipelining_gathers_once_per_step() -> None:
     assert got[0] == pytest.approx(hand, rel=0.01) and got[1] == pytest.approx(got[0], rel=1e-9)
 
 
+def test_eager_loss_holds_six_more_bytes_per_logit() -> None:
+    """An eager PyTorch cross-entropy on fp32 logits also holds the fp32 gradient and its bf16 cast at the
+    start of the backward: 6 more bytes per logit, t × V logits per chip (vocab 128,256 for Llama 3)."""
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 16)
+    pins = full_pins(fsdp=8, microbatch=2, recompute="full")
+    fused = evaluate_pinned(prob, pins)["memory"]["activations"]
+    eager = evaluate_pinned(prob, pins, Options(fused_loss=False))["memory"]["activations"]
+    assert eager - fused == pytest.approx(6 * 2 * 4096 * 128256, rel=1e-9)
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

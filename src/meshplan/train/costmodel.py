@@ -25,6 +25,8 @@ PARAM_BYTES = 2.0  # bf16 working copy of the weights
 OPT_BYTES = 12.0  # fp32 master, Adam m and v (ZeRO paper §3.1)
 FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
+LOSS_BYTES_FUSED = 4.0 + ACT_BYTES  # per logit: fp32 softmax saved + bf16 logits
+LOSS_BYTES_EAGER = 2 * (4.0 + ACT_BYTES)  # ... + fp32 gradient + its bf16 cast
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 
 
@@ -41,6 +43,7 @@ class Options:
     dropout: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
+    fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -319,7 +322,12 @@ class CostModel:
         acts = g["layers_stage"] * act_layer * inflight
         # full recompute re-materialises one layer's activations at a time in the backward
         acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
-        logits = (4.0 + ACT_BYTES) * g["t_mb"] * self.c["V"] / g["tp"]  # fp32 logits for the loss + bf16 grad
+        # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
+        # kernel, XLA) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
+        # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
+        # log-softmax and its bf16 cast (2 + 4 + 4 + 2 = 12 B)
+        loss_bytes = LOSS_BYTES_FUSED if self.opt.fused_loss else LOSS_BYTES_EAGER
+        logits = loss_bytes * g["t_mb"] * self.c["V"] / g["tp"]
         saved = acts
         acts = acts * (1 - L.offload) + logits
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
