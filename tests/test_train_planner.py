@@ -292,6 +292,27 @@ def test_eager_loss_holds_six_more_bytes_per_logit() -> None:
     assert eager - fused == pytest.approx(6 * 2 * 4096 * 128256, rel=1e-9)
 
 
+def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
+    """Dynamic per-tensor FP8 scaling reads each GEMM input twice (amax, cast) and writes it in fp8: 5 bytes per
+    element of the four linear inputs and of the layer's weights, forward. Llama 3 8B, one chip, 4096 tokens."""
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    prob = problem("llama3-8b", "h100-sxm", 1, 4096, 1)
+    eff = default_efficiency(prob.chip)
+    L = LayoutArrays.from_configs([ParallelConfig(microbatch=1, recompute="none")])
+    elem = {}
+    for dtype in ("bf16", "fp8"):
+        cm = CostModel(prob, eff, Options(compute_dtype=dtype))
+        ct = cm.compute_terms(L, cm.geometry(L))
+        elem[dtype] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
+    d, f, kv = 4096, 14336, 1024
+    inputs = 4096 * (d + d + d + f)  # qkv, output projection, gate/up and down-projection inputs
+    weights = 2 * d * d + 2 * d * kv + 3 * d * f
+    hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
+    assert elem["fp8"] - elem["bf16"] == pytest.approx(5 * (inputs + weights) / hbm, rel=1e-9)
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

@@ -27,6 +27,8 @@ FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
 LOSS_BYTES_FUSED = 4.0 + ACT_BYTES  # per logit: fp32 softmax saved + bf16 logits
 LOSS_BYTES_EAGER = 2 * (4.0 + ACT_BYTES)  # ... + fp32 gradient + its bf16 cast
+FP8_CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) + fp8 write (1)
+FP8_TRANSPOSE_BYTES = 3.0  # per element: read bf16 (2) + write the transposed fp8 copy (1)
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 
 
@@ -124,6 +126,18 @@ class CostModel:
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
         elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
+        cast_b = np.zeros_like(elem_f)
+        if self.opt.compute_dtype == "fp8":
+            # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it):
+            # every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B):
+            # forward the four linear inputs and the weights, backward the output gradients, plus transposed
+            # fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2, write 1)
+            mult = 3 if m.gated else 2
+            a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
+            g_out = t * (qkv_width + 2 * c["D"] + (mult - 1) * c["F"] * c["k"] / tp)
+            w_local = (c["attn_w"] + c["mlp_w_active"]) / tp
+            elem_f = elem_f + FP8_CAST_BYTES * (a_in + w_local) / self.hbm
+            cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
         f_un = 2 * t * c["D"] * c["V"] / tp
         un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
         nl = g["layers_stage"]
@@ -132,10 +146,11 @@ class CostModel:
         selective = {"attention": core_f, "op": 0.5 * mm_f + elem_f, "layer": 0.5 * full}[self.opt.selective_flavor]
         recompute = np.select([rc == 2, rc == 1, rc == 3], [full, selective, elem_f], 0.0)
         return Terms(
-            layer_fwd=mm_f + core_f + elem_f, layer_bwd=2 * mm_f + core_b + 2 * elem_f, layer_recompute=recompute,
+            layer_fwd=mm_f + core_f + elem_f, layer_bwd=2 * mm_f + core_b + 2 * elem_f + cast_b,
+            layer_recompute=recompute,
             layer_matmul_fwd=mm_f, layer_core_fwd=core_f, layer_core_bwd=core_b,
             fwd=nl * (mm_f + core_f + elem_f) + un_f,
-            bwd=nl * (2 * mm_f + core_b + 2 * elem_f + recompute) + 2 * un_f,
+            bwd=nl * (2 * mm_f + core_b + 2 * elem_f + cast_b + recompute) + 2 * un_f,
         )
 
     def _materialized_attention(self, g: dict, f_core):
