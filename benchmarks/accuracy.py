@@ -11,6 +11,7 @@ and checks it finds a layout at least as good as the published one under meshpla
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -29,10 +30,14 @@ from meshplan.errors import MeshplanError
 from meshplan.train.planner import plan
 from meshplan.train.space import Pins
 
+GPU_D_HALF = 256.0  # efficiency.yaml matmul_half_dim for `gpu` (Ampere/Hopper tiles)
 
-def evaluate_entry(e: dict, search: bool = True) -> dict:
+
+def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None) -> dict:
     prob, pins, opts = problem_of(e), pins_of(e), options_of(e)
     eff = default_efficiency(prob.chip)
+    if d_half_gpu is not None and prob.chip.kind == "gpu" and eff.matmul_half_dim == GPU_D_HALF:
+        eff = replace(eff, matmul_half_dim=d_half_gpu)  # sensitivity study of the one shape constant
     row = {"id": e["id"], "group": e["group"], "measured_step_s": measured_step_time_s(e)}
     try:
         res = plan(prob, pins, eff, opts, top=1)
@@ -102,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group")
     ap.add_argument("--no-search", action="store_true")
+    ap.add_argument("--d-half-gpu", type=float, help="replace the Ampere/Hopper GEMM tile constant (sensitivity)")
     args = ap.parse_args(argv)
     entries = [e for e in load_entries() if not args.group or e["group"] == args.group]
     t0 = time.perf_counter()
-    rows = [evaluate_entry(e, search=not args.no_search) for e in entries]
+    rows = [evaluate_entry(e, search=not args.no_search, d_half_gpu=args.d_half_gpu) for e in entries]
     print(f"{'id':46s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'tok/s/chip m/p':>15s} {'fit':>4s}  "
           f"{'search s':>8s}  layout / bottleneck")
     for r in rows:
