@@ -11,10 +11,10 @@ and checks it finds a layout at least as good as the published one under meshpla
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from _measurements import (
     load_entries,
