@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from meshplan.math import transformer as tm
-from meshplan.specs.hardware import load_chip
+from meshplan.specs.hardware import load_chip, match_chip
 from meshplan.specs.model import ModelConfig
 from meshplan.train.costmodel import Options
 from meshplan.train.space import Pins, Problem
@@ -42,24 +42,81 @@ def load_entries() -> list[dict]:
     return yaml.safe_load((REF_DIR / "training_measurements.yaml").read_text())
 
 
+def _int(x) -> int:
+    """An integer from a number or the first integer in a string ('8 experts' -> 8); 0 when absent."""
+    if isinstance(x, bool) or x is None:
+        return 0
+    if isinstance(x, (int, float)):
+        return int(x)
+    found = re.search(r"\d+", str(x))
+    return int(found.group()) if found else 0
+
+
+def _first(d: dict, *keys, default=0):
+    for k in keys:
+        if d.get(k) not in (None, ""):
+            return d[k]
+    return default
+
+
+def _activation(act: str) -> str:
+    """'swiglu', 'SwiGLU (gated SiLU)', 'geglu', 'gelu', 'relu (single up-projection)', 'squared relu' -> ModelConfig."""
+    a = act.lower()
+    if "swi" in a or "silu" in a:
+        return "swiglu"
+    if "geglu" in a or ("gelu" in a and "gat" in a):
+        return "geglu"
+    if "relu" in a:
+        return "relu"
+    return "gelu"
+
+
+def _moe_fields(m: dict) -> dict:
+    """The optional `moe` block (experts, top-k, expert width, shared experts) under the key names sources use."""
+    moe = m.get("moe")
+    if not moe:
+        return {}
+    if not isinstance(moe, dict):
+        nums = [int(x) for x in re.findall(r"\d+", str(moe))]
+        return {"n_experts": nums[0], "experts_per_token": nums[1]} if len(nums) >= 2 else {}
+    experts = _int(_first(moe, "experts", "num_experts", "n_experts", "routed_experts", "E"))
+    topk = _int(_first(moe, "top_k", "topk", "k", "experts_per_token", "active_experts", "active"))
+    if experts <= 1 or topk <= 0:
+        return {}
+    out = {"n_experts": experts, "experts_per_token": topk}
+    width = _int(_first(moe, "expert_ffn", "ffn", "moe_ffn", "expert_d_ff", "d_ff", "ffn_expert"))
+    if width:
+        out["d_ff"] = width
+    shared = _int(_first(moe, "shared_experts", "n_shared_experts", "num_shared_experts", "shared"))
+    if shared:
+        out["n_shared_experts"] = shared
+        out["shared_expert_d_ff"] = _int(_first(moe, "shared_ffn", "shared_expert_ffn", "shared_d_ff")) or \
+            out.get("d_ff", _int(m.get("ffn")))
+    return out
+
+
 def model_of(e: dict) -> ModelConfig:
     m = e["model"]
-    act = m["ffn_act"]
-    gpt = act == "gelu"
-    name = m["name"]
-    return ModelConfig(
-        name=name, n_layers=m["layers"], d_model=m["d_model"], n_heads=m["heads"],
-        n_kv_heads=m.get("kv_heads") or m["heads"], head_dim=m.get("head_dim") or m["d_model"] // m["heads"],
-        d_ff=m["ffn"], vocab_size=m["vocab"], max_seq_len=m.get("seq_len") or e["training"]["seq_len"],
-        mlp_act="swiglu" if act == "swiglu" else ("relu" if act.startswith("relu") else "gelu"),
+    act = _activation(str(m.get("ffn_act") or "swiglu"))
+    name = str(m.get("name") or e["id"])
+    gpt = act == "gelu"  # GPT-style (non-gated GELU): learned positions, LayerNorm, biases
+    heads = _int(m["heads"])
+    seq = _int(m.get("seq_len")) or _int(e["training"]["seq_len"])
+    fields = dict(
+        name=name, n_layers=_int(m["layers"]), d_model=_int(m["d_model"]), n_heads=heads,
+        n_kv_heads=_int(m.get("kv_heads")) or heads, head_dim=_int(m.get("head_dim")) or _int(m["d_model"]) // heads,
+        d_ff=_int(m["ffn"]), vocab_size=_int(m["vocab"]), max_seq_len=seq, mlp_act=act,
         tied_embeddings=bool(m.get("tied_embeddings")),
-        position="alibi" if "BLOOM" in name else ("learned" if gpt else "rotary"),
+        position="alibi" if "bloom" in name.lower() else ("learned" if gpt else "rotary"),
         norm="layernorm" if gpt else "rmsnorm", linear_bias=gpt, family="gpt2" if gpt else "llama",
     )
+    fields.update(_moe_fields(m))
+    return ModelConfig(**fields)
 
 
 def chip_of(e: dict):
-    chip = load_chip(CHIPS[e["hardware"]["chip"]])
+    desc = str(e["hardware"]["chip"])
+    chip = load_chip(CHIPS.get(desc) or match_chip(desc))
     inter = str(e["hardware"].get("inter_node") or "")
     for key, bw in FABRICS.items():
         if key in inter:
@@ -67,62 +124,106 @@ def chip_of(e: dict):
     return chip
 
 
-def recompute_of(e: dict) -> str:
-    r = str(e["training"]["recompute"]).lower()
-    if r.startswith("selective"):
+def recompute_of(e: dict) -> str | None:
+    """The published recompute policy, or None (meshplan chooses) when the source does not say."""
+    r = str(e["training"].get("recompute") or "").lower().strip()
+    if "selective" in r or "partial" in r:
         return "selective"
-    if r.startswith("none"):
+    if "full" in r:
+        return "full"
+    if r.startswith(("none", "no ", "off", "false", "disabled")) or r == "no":
         return "none"
-    return "full"
+    return None
+
+
+def _vpp_of(vpp) -> int | None:
+    """vpp as printed: an integer, null (no interleaving), or text ('interleaved', '2 chunks')."""
+    if vpp is None or vpp is False:
+        return 1
+    if isinstance(vpp, bool):
+        return None  # interleaved, count unstated
+    if isinstance(vpp, (int, float)):
+        return max(int(vpp), 1)
+    n = _int(vpp)
+    if n:
+        return n
+    # interleaving with the stage count unstated: 2 virtual stages per rank, the common default
+    return 2 if "interleav" in str(vpp).lower() else 1
 
 
 def pins_of(e: dict) -> Pins:
     """The published degrees. dp counts FSDP shards as DP ranks (training_measurements convention)."""
     p, t = e["parallel"], e["training"]
-    dp_total = p["dp"]
-    zero = p.get("zero_stage") or 0
+    tp, pp, cp = _int(p.get("tp")) or 1, _int(p.get("pp")) or 1, _int(p.get("cp")) or 1
+    chips = _int(e["hardware"]["count"])
+    dp_total = _int(p.get("dp")) or max(chips // (tp * pp * cp), 1)
+    zero = _int(p.get("zero_stage"))
     fsdp = p.get("fsdp")
     if zero == 3 or fsdp:
-        shard = dp_total if fsdp in (None, True) else int(fsdp)
-        dp, fs, z = dp_total // shard, shard, 0
+        shard = dp_total if fsdp in (None, True) or not _int(fsdp) else min(_int(fsdp), dp_total)
+        dp, fs, z = max(dp_total // shard, 1), shard, 0
     else:
-        dp, fs, z = dp_total, 1, int(zero)
-    vpp = p.get("vpp")
-    if isinstance(vpp, str) and "interleaved" in vpp:
-        vpp = 2  # interleaving with the stage count unstated: 2 virtual stages per rank, the common default
-    mb = t.get("micro_batch")
+        dp, fs, z = dp_total, 1, min(zero, 2)
+    mb = _int(t.get("micro_batch")) or None
     if mb is None and e["group"].startswith(("torchtitan", "megatron2020", "megatron_2020")):
         # torchtitan (2024) and the 2020 Megatron runs had no gradient accumulation: the local batch is the
         # micro-batch; with pipelining torchtitan splits it into pp micro-batches
-        mb = max(1, t["global_batch_seqs"] // dp_total // ((p["pp"] or 1) if (p["pp"] or 1) > 1 else 1))
-    return Pins(dp=dp, fsdp=fs, tp=p["tp"] or 1, pp=p["pp"] or 1, cp=p.get("cp") or 1, ep=p.get("ep") or 1,
-                vpp=vpp if isinstance(vpp, int) else (None if vpp else 1), microbatch=mb,
-                recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")),
+        mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
+    return Pins(dp=dp, fsdp=fs, tp=tp, pp=pp, cp=cp, ep=_int(p.get("ep")) or 1, vpp=_vpp_of(p.get("vpp")),
+                microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")),
                 offload=0.0)  # none of the published runs offloads activations
 
 
+def global_batch_of(e: dict) -> int:
+    t = e["training"]
+    return _int(t.get("global_batch_seqs")) or _int(t.get("tokens_per_step")) // _int(t["seq_len"])
+
+
+def _year(e: dict) -> int | None:
+    """The source's year: from an arXiv number (yymm) or a 20xx year in its reference text."""
+    src = e.get("source") or {}
+    text = " ".join(str(src.get(k) or "") for k in ("ref", "title", "where", "also"))
+    m = re.search(r"arXiv:(\d{2})(\d{2})\.", text)
+    if m:
+        return 2000 + int(m.group(1))
+    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", text)]
+    return max(years) if years else None
+
+
+def _text(e: dict) -> str:
+    """Precision and notes, lower-cased, where sources name kernels and overlap features."""
+    t, p = e["training"], e["parallel"]
+    return " ".join(str(x or "") for x in (t.get("precision"), t.get("notes"), p.get("notes"))).lower()
+
+
 def options_of(e: dict) -> Options:
-    prec = str(e["training"]["precision"]).lower()
+    prec = str(e["training"].get("precision") or "").lower()
+    text, group, year = _text(e), e["group"], _year(e)
+    # no FlashAttention before 2023 (Megatron 2020-22, BLOOM, PaLM): the score matrix goes through HBM
+    old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
+    tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
+                                          "tp-comm-overlap", "userbuffer", "collective matmul"))
     return Options(
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
-        tp_overlap=True if "asynctp" in prec else None,
+        tp_overlap=True if tp_overlap else None,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
         # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
-        dropout="BLOOM" in e["model"]["name"] or e["group"].startswith("megatron"),
-        flash_attention=not (e["group"].startswith("megatron") or "bloom" in e["group"]),
+        dropout="bloom" in str(e["model"].get("name", "")).lower() or group.startswith("megatron"),
+        flash_attention=not old,
         headroom=0.0,
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         selective_flavor=_selective_flavor(e),
-        fused_elementwise=not (e["group"].startswith("torchtitan") and "compile" not in prec),
+        fused_elementwise=not (group.startswith("torchtitan") and "compile" not in prec),
         # torchtitan compiles the transformer blocks only: its loss is eager F.cross_entropy on fp32 logits
-        fused_loss=not e["group"].startswith("torchtitan"),
+        fused_loss=not group.startswith("torchtitan"),
+        # torchao float8 (torchtitan) casts the weights on every forward; Transformer Engine caches them per step
+        fp8_weight_cache=not group.startswith("torchtitan"),
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
-        fsdp_over_cp=(e["parallel"].get("zero_stage") or 0) == 3,
+        fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
         # DeepSpeed reduces gradients in the model's dtype (its `communication_data_type` default); Megatron and
         # torchtitan reduce in fp32
-        grad_reduce_bytes=2.0 if "deepspeed" in str(e["parallel"].get("notes", "")).lower()
-        and "fp16" in prec else 4.0,
+        grad_reduce_bytes=2.0 if "deepspeed" in text and "fp16" in prec else 4.0,
     )
 
 
@@ -131,14 +232,14 @@ def _zero3_fetch(e: dict) -> str:
     arXiv:2104.07857 §6.1) fetched parameters by owner broadcast (ZeRO paper §7.2.2); later DeepSpeed and
     every FSDP all-gather. The era is read from the source's arXiv number (yymm)."""
     p = e["parallel"]
-    if (p.get("zero_stage") or 0) != 3 or "deepspeed" not in str(p.get("notes", "")).lower():
+    if _int(p.get("zero_stage")) != 3 or "deepspeed" not in str(p.get("notes", "")).lower():
         return "allgather"
-    m = re.search(r"arXiv:(\d{4})\.", str(e["source"].get("ref", "")))
+    m = re.search(r"arXiv:(\d{4})\.", str((e.get("source") or {}).get("ref", "")))
     return "broadcast" if m and int(m.group(1)) <= 2104 else "allgather"
 
 
 def _selective_flavor(e: dict) -> str:
-    r = str(e["training"]["recompute"]).lower()
+    r = str(e["training"].get("recompute") or "").lower()
     if e["group"].startswith("torchtitan") and "(op)" in r:
         return "op"
     if e["group"].startswith("torchtitan") and "(layer)" in r:
@@ -148,25 +249,78 @@ def _selective_flavor(e: dict) -> str:
 
 def problem_of(e: dict) -> Problem:
     t = e["training"]
-    return Problem(model_of(e), chip_of(e), e["hardware"]["count"], t["seq_len"], t["global_batch_seqs"])
+    return Problem(model_of(e), chip_of(e), _int(e["hardware"]["count"]), _int(t["seq_len"]), global_batch_of(e))
+
+
+def _num(d: dict, *keys) -> float | None:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            return float(v)
+    return None
+
+
+def convention_flops_per_step(e: dict) -> tuple[float, bool] | None:
+    """FLOPs per step under the source's own convention (flops_conventions.md) and whether they count
+    recompute (hardware FLOPs). None for an unknown convention."""
+    conv = str(e.get("flops_convention") or "")
+    m = model_of(e)
+    B, s = global_batch_of(e), _int(e["training"]["seq_len"])
+    L, h, V, a = m.n_layers, m.d_model, m.vocab_size, m.n_heads
+    pc = tm.param_counts(m)
+    tokens = B * s
+    if conv == "megatron_eq3_hw_with_full_recompute":  # Narayanan et al. 2021 eq. (3)
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)), True
+    if conv == "korthikanti_model_eq7_hw_eq8":  # Korthikanti et al. 2022 appendix A, eq. (7) model FLOPs
+        return 72 * B * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L)), False
+    if conv == "mcore_r080_model_flops":  # Megatron-Core r0.8.0 num_floating_point_operations
+        g = m.n_kv_heads
+        k = m.experts_per_token if m.is_moe else 1
+        gate = 1.5 if m.gated else 1.0
+        per = (1 + g / a + s / h) * (m.head_dim * a / h) + (m.d_ff / h) * k * gate + V / (2 * L * h)
+        return 12 * B * s * L * h * h * per, False
+    if conv in ("palm_6N_plus_12LHQT", "torchtitan_6N_plus_12LHQT", "llama3_mfu_unspecified", "unspecified"):
+        # 6N + 12·L·H·Q·T per token (PaLM appendix B); torchtitan's N leaves out the input embedding
+        n = pc.total - (pc.embedding if conv == "torchtitan_6N_plus_12LHQT" else 0)
+        if m.is_moe:
+            n = pc.active
+        return tokens * (6 * n + 12 * L * a * m.head_dim * s), False
+    if conv == "nemo_model_flops_no_recompute":  # 6·N_non-embedding + 12·L·h·s per token (checked on the rows)
+        return tokens * (6 * (pc.active if m.is_moe else pc.total - pc.embedding) + 12 * L * h * s), False
+    if conv == "maxtext_6N_plus_attention":  # 6·N_total + 12·H·L·hd·s per token (non-causal, Nov 2023)
+        return tokens * (6 * pc.total + 12 * a * L * m.head_dim * s), False
+    return None
 
 
 def measured_step_time_s(e: dict) -> float:
-    """Measured step time, or the source's own arithmetic turned into one (flops_conventions.md recipe)."""
+    """Measured step time, or the source's own arithmetic turned into one (flops_conventions.md recipe):
+    a published step time, then tokens/s, then TFLOP/s or MFU under the source's FLOP convention."""
     meas, der = e["measured"], e.get("derived") or {}
-    if meas.get("step_time_s"):
-        return float(meas["step_time_s"])
-    if der.get("step_time_s"):
-        return float(der["step_time_s"])
-    if e["flops_convention"] == "maxtext_6N_plus_attention":
-        # MaxText: 6·N_total·tokens + 12·H·L·hd·s²·B per device (non-causal in the Nov-2023 code)
-        m = model_of(e)
-        s = e["training"]["seq_len"]
-        seqs_dev = e["training"]["global_batch_seqs"] / e["hardware"]["count"]
-        n_total = tm.param_counts(m).total
-        flops_dev = 6 * n_total * s * seqs_dev + 12 * m.n_heads * m.n_layers * m.head_dim * s * s * seqs_dev
-        return flops_dev / (float(meas["tflops_per_chip"]) * 1e12)
-    raise ValueError(f"{e['id']}: no step time in the source")
+    for d in (meas, der):
+        if _num(d, "step_time_s", "iteration_time_s"):
+            return _num(d, "step_time_s", "iteration_time_s")
+    chips = _int(e["hardware"]["count"])
+    tokens = global_batch_of(e) * _int(e["training"]["seq_len"])
+    for d in (meas, der):
+        per_chip = _num(d, "tokens_per_s_per_gpu", "tokens_per_s_per_chip", "tokens_per_s_per_device")
+        if per_chip:
+            return tokens / (per_chip * chips)
+        total = _num(d, "tokens_per_s")
+        if total:
+            return tokens / total
+    conv = convention_flops_per_step(e)
+    if conv is None:
+        raise ValueError(f"{e['id']}: no step time, tokens/s or known FLOP convention in the source")
+    flops, _hw = conv
+    peak = _num(e["hardware"], "peak_dense_tflops_per_chip")
+    for d in (meas, der):
+        tf = _num(d, "tflops_per_chip", "tflops_per_gpu", "model_tflops_per_gpu", "tflops_per_gpu_hw")
+        if tf:
+            return flops / (tf * 1e12 * chips)
+        frac = _num(d, "mfu", "hfu")
+        if frac and peak:
+            return flops / (frac * peak * 1e12 * chips)
+    raise ValueError(f"{e['id']}: no throughput figure to turn into a step time")
 
 
 def measured_mfu(e: dict) -> float | None:

@@ -39,19 +39,10 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
     if d_half_gpu is not None and prob.chip.kind == "gpu" and eff.matmul_half_dim == GPU_D_HALF:
         eff = replace(eff, matmul_half_dim=d_half_gpu)  # sensitivity study of the one shape constant
     row = {"id": e["id"], "group": e["group"], "measured_step_s": measured_step_time_s(e)}
-    try:
-        res = plan(prob, pins, eff, opts, top=1)
-        best = res.plans[0]
-        row.update(pred_step_s=best["step_time_s"], fits=best["fits"], layout=_short(best["config"]),
-                   bottleneck=best["bottleneck"], mfu=best["mfu"])
-        row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
-    except MeshplanError as exc:
-        # the published layout does not fit under meshplan's memory model: still report its time
-        res = plan(prob, pins, eff, _no_memory_limit(opts), top=1)
-        best = res.plans[0]
-        row.update(pred_step_s=best["step_time_s"], fits=False, layout=_short(best["config"]),
-                   bottleneck=best["bottleneck"], mfu=best["mfu"], note=str(exc)[:80])
-        row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
+    best, fits, note = _plan_published(prob, pins, eff, opts)
+    row.update(pred_step_s=best["step_time_s"], fits=fits, layout=_short(best["config"]),
+               bottleneck=best["bottleneck"], mfu=best["mfu"], note=note)
+    row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
     row["measured_mem_bytes"] = measured_memory_bytes(e)
     row["rel_err"] = row["pred_step_s"] / row["measured_step_s"] - 1
     tokens = prob.global_batch * prob.seq_len
@@ -68,9 +59,33 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
     return row
 
 
-def _no_memory_limit(opts):
-    from dataclasses import replace
+def _plan_published(prob, pins: Pins, eff, opts) -> tuple[dict, bool, str]:
+    """The published layout's plan, whether it fits meshplan's memory model, and what had to give.
 
+    A layout that does not fit is still timed (without the memory limit). Where a printed degree breaks one
+    of meshplan's divisibility rules (a micro-batch that does not divide the per-replica batch, virtual
+    stages that do not divide the layers), that degree is released for meshplan to choose, and the row
+    says so."""
+    try:
+        return plan(prob, pins, eff, opts, top=1).plans[0], True, ""
+    except MeshplanError as exc:
+        first = str(exc)
+    try:
+        return plan(prob, pins, eff, _no_memory_limit(opts), top=1).plans[0], False, "does not fit"
+    except MeshplanError:
+        pass
+    for freed in (("microbatch",), ("microbatch", "vpp"), ("microbatch", "vpp", "zero"),
+                  ("microbatch", "vpp", "zero", "recompute")):
+        try:
+            relaxed = replace(pins, **dict.fromkeys(freed))
+            best = plan(prob, relaxed, eff, _no_memory_limit(opts), top=1).plans[0]
+            return best, bool(best["fits"]), f"released {'/'.join(freed)}: {first[:60]}"
+        except MeshplanError:
+            continue
+    raise MeshplanError(first)
+
+
+def _no_memory_limit(opts):
     return replace(opts, headroom=-1e6)
 
 
@@ -111,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     entries = [e for e in load_entries() if not args.group or e["group"] == args.group]
     t0 = time.perf_counter()
-    rows = [evaluate_entry(e, search=not args.no_search, d_half_gpu=args.d_half_gpu) for e in entries]
+    rows, skipped = [], []
+    for e in entries:
+        try:
+            rows.append(evaluate_entry(e, search=not args.no_search, d_half_gpu=args.d_half_gpu))
+        except Exception as exc:  # an entry meshplan cannot read or place is reported, never silently dropped
+            skipped.append((e.get("id", "?"), f"{type(exc).__name__}: {exc}"))
     print(f"{'id':46s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'tok/s/chip m/p':>15s} {'fit':>4s}  "
           f"{'search s':>8s}  layout / bottleneck")
     for r in rows:
@@ -119,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         flag = "" if not (srch == srch) or not r["fits"] or srch <= r["pred_step_s"] * 1.0001 else " SEARCH-WORSE"
         print(f"{r['id'][:46]:46s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} {r['rel_err']:+7.1%} "
               f"{r['measured_tok_s_chip']:7.0f}/{r['pred_tok_s_chip']:<7.0f} {'y' if r['fits'] else 'N':>4s}  "
-              f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}")
+              f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}"
+              + (f"  [{r['note']}]" if r.get("note", "").startswith("released") else ""))
     summarize(rows)
     memory_table(rows)
+    for ident, why in skipped:
+        print(f"SKIPPED {ident}: {why[:160]}")
+    if skipped:
+        print(f"{len(skipped)} of {len(entries)} entries could not be evaluated (listed above)")
     print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s")
     return 0
 

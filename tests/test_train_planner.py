@@ -311,6 +311,14 @@ def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
     weights = 2 * d * d + 2 * d * kv + 3 * d * f
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     assert elem["fp8"] - elem["bf16"] == pytest.approx(5 * (inputs + weights) / hbm, rel=1e-9)
+    # Transformer Engine casts the weights once per step: over 4 micro-batches each forward pays a quarter
+    prob4 = problem("llama3-8b", "h100-sxm", 1, 4096, 4)
+    per_fwd = {}
+    for cache in (True, False):
+        cm = CostModel(prob4, eff, Options(compute_dtype="fp8", fp8_weight_cache=cache))
+        ct = cm.compute_terms(L, cm.geometry(L))
+        per_fwd[cache] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
+    assert per_fwd[False] - per_fwd[True] == pytest.approx(5 * weights * (1 - 1 / 4) / hbm, rel=1e-9)
 
 
 def _activations(recompute: str, options: Options | None = None) -> float:

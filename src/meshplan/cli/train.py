@@ -63,6 +63,10 @@ def train(
         "--fused-loss/--no-fused-loss",
         help="Fused cross-entropy (Megatron, XLA); --no-fused-loss for an eager PyTorch loss on fp32 logits "
              "(torchtitan), which holds twice the loss memory.")] = True,
+    fp8_weight_cache: Annotated[bool, typer.Option(
+        "--fp8-weight-cache/--no-fp8-weight-cache",
+        help="With --dtype fp8: weights cast once per step (Transformer Engine); --no-fp8-weight-cache casts "
+             "them on every forward (torchao float8, torchtitan).")] = True,
     zero3_fetch: Annotated[str, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (FSDP, DeepSpeed since ZeRO-Infinity) or broadcast "
              "(the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, blocking).")
@@ -88,7 +92,7 @@ def train(
     if zero3_fetch not in ("allgather", "broadcast"):
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
     opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused,
-                   zero3_fetch=zero3_fetch, fused_loss=fused_loss)
+                   zero3_fetch=zero3_fetch, fused_loss=fused_loss, fp8_weight_cache=fp8_weight_cache)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots

@@ -209,3 +209,44 @@ def load_chip(name_or_path: str) -> Chip:
             raise MeshplanError(f"hardware file '{key}' does not exist")
         return _load_path(str(p.resolve()))
     raise unknown_name_error("hardware", key, preset_chips())
+
+
+# Marketing names in published papers -> catalog presets, most specific first. Each rule is (words that must all
+# appear in the lower-cased description with spaces, dashes and underscores removed, preset).
+_DESCRIPTION_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gb200",), "gb200-nvl72"),
+    (("b200",), "b200"),
+    (("h200",), "h200"),
+    (("h800",), "h800"),
+    (("h100", "96gb"), "h100-sxm-96gb"),
+    (("h100", "hbm2e"), "h100-sxm-96gb"),
+    (("h100", "500w"), "h100-sxm-96gb"),
+    (("h100",), "h100-sxm"),
+    (("a100", "40gb"), "a100-40gb"),
+    (("a100", "2020"), "a100-40gb"),  # the 2020 DGX A100 shipped with 40 GB parts
+    (("a100",), "a100-80gb"),
+    (("v100",), "v100-32gb"),
+    (("v6e",), "tpu-v6e"),
+    (("trillium",), "tpu-v6e"),
+    (("v5p",), "tpu-v5p"),
+    (("v5e",), "tpu-v5e"),
+    (("v5lite",), "tpu-v5e"),
+    (("tpuv4",), "tpu-v4"),
+    (("v4p",), "tpu-v4"),
+    (("tpuv3",), "tpu-v3"),
+)
+
+
+def match_chip(description: str) -> str:
+    """The catalog preset a published hardware description names ("A100-SXM4-80GB", "TPU v4", "H100 80GB HBM3").
+
+    A preset name or path is returned unchanged; otherwise the first rule whose words all appear wins. Raises a
+    MeshplanError naming the presets when nothing matches."""
+    text = description.strip()
+    if text in preset_chips() or Path(text).is_file():
+        return text
+    squashed = "".join(ch for ch in text.lower() if ch not in " -_")
+    for words, preset in _DESCRIPTION_RULES:
+        if all(w in squashed for w in words):
+            return preset
+    raise unknown_name_error("chip", text, preset_chips())

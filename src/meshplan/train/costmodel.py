@@ -46,6 +46,7 @@ class Options:
     overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
+    fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -135,7 +136,9 @@ class CostModel:
             mult = 3 if m.gated else 2
             a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
             g_out = t * (qkv_width + 2 * c["D"] + (mult - 1) * c["F"] * c["k"] / tp)
-            w_local = (c["attn_w"] + c["mlp_w_active"]) / tp
+            # Transformer Engine casts a weight once per step and reuses it over the micro-batches
+            # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
+            w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
             elem_f = elem_f + FP8_CAST_BYTES * (a_in + w_local) / self.hbm
             cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
         f_un = 2 * t * c["D"] * c["V"] / tp

@@ -1,0 +1,117 @@
+"""Published hardware descriptions map onto catalog presets, and the accuracy harness turns every FLOP
+convention of flops_conventions.md into a step time the way the sources do."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import load_chip, match_chip, preset_chips
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _measurements as H  # noqa: E402  (the benchmark harness, not part of the package)
+
+
+@pytest.mark.parametrize("description, preset", [
+    ("A100-SXM4-80GB", "a100-80gb"),
+    ("A100 (DGX A100; memory size not stated, 2020)", "a100-40gb"),
+    ("A100 40GB", "a100-40gb"),
+    ("H100 96GB HBM2e (SXM-class, 500W power limit)", "h100-sxm-96gb"),
+    ("NVIDIA H100 80GB HBM3 SXM5", "h100-sxm"),
+    ("H800 SXM5", "h800"),
+    ("V100-SXM3-32GB (DGX-2)", "v100-32gb"),
+    ("TPU v4", "tpu-v4"),
+    ("TPU v3 pod", "tpu-v3"),
+    ("Cloud TPU v5p", "tpu-v5p"),
+    ("TPU v5e", "tpu-v5e"),
+    ("TPU v6e (Trillium)", "tpu-v6e"),
+    ("h100-sxm", "h100-sxm"),
+])
+def test_published_descriptions_match_presets(description: str, preset: str) -> None:
+    assert match_chip(description) == preset
+    assert load_chip(match_chip(description)).name == preset
+
+
+def test_unknown_hardware_is_a_clear_error() -> None:
+    with pytest.raises(MeshplanError, match="unknown chip 'MI250X'"):
+        match_chip("MI250X")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_match_chip_never_crashes(text: str) -> None:
+    try:
+        assert match_chip(text) in preset_chips() or Path(text.strip()).is_file()
+    except MeshplanError:
+        pass
+
+
+def _entry(model: dict, seq: int, batch: int, chips: int, conv: str, measured: dict) -> dict:
+    return {"id": "x", "group": "x", "source": {}, "model": model,
+            "hardware": {"chip": "H100", "count": chips, "peak_dense_tflops_per_chip": 989},
+            "parallel": {"dp": chips}, "training": {"seq_len": seq, "global_batch_seqs": batch},
+            "measured": measured, "flops_convention": conv}
+
+
+LLAMA3_70B = {"name": "Llama 3 70B", "layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672,
+              "ffn_act": "swiglu", "vocab": 128256, "seq_len": 8192}
+GPT3 = {"name": "GPT-3 175B", "layers": 96, "d_model": 12288, "heads": 96, "ffn": 49152, "ffn_act": "gelu",
+        "vocab": 51200, "seq_len": 2048, "tied_embeddings": True}
+
+
+def test_nemo_convention_reproduces_the_published_flops_per_token() -> None:
+    """flops_conventions.md: NeMo's Llama3-70B row gives 738e12 / 1533 = 4.81e11 FLOPs per token
+    (6·69.5e9 + 12·80·8192·8192) and GPT3-175B gives 782e12 / 726 = 1.077e12."""
+    for model, seq, per_token in ((LLAMA3_70B, 8192, 738e12 / 1533), (GPT3, 2048, 782e12 / 726)):
+        flops, hw = H.convention_flops_per_step(_entry(model, seq, 1, 1, "nemo_model_flops_no_recompute", {}))
+        assert not hw
+        assert flops / seq == pytest.approx(per_token, rel=0.01)
+
+
+def test_palm_convention_attention_term() -> None:
+    """PaLM appendix B: 540B at 2048 tokens is 45.7% MFU without the 12·L·H·Q·T term and 46.2% with it."""
+    palm = {"name": "PaLM 540B", "layers": 118, "d_model": 18432, "heads": 48, "kv_heads": 1, "head_dim": 256,
+            "ffn": 73728, "ffn_act": "swiglu", "vocab": 256000, "seq_len": 2048, "tied_embeddings": True}
+    e = _entry(palm, 2048, 1, 1, "palm_6N_plus_12LHQT", {})
+    flops, _ = H.convention_flops_per_step(e)
+    attention = 12 * 118 * 48 * 256 * 2048 * 2048
+    assert flops / (flops - attention) == pytest.approx(46.2 / 45.7, rel=0.002)
+
+
+def test_megatron_eq3_step_times_match_the_reference_derivations() -> None:
+    """The reference file derives every Megatron/BLOOM step time from eq. (3); the harness's own eq. (3)
+    applied to the printed TFLOP/s gives the same seconds."""
+    entries = [e for e in H.load_entries() if e["flops_convention"] == "megatron_eq3_hw_with_full_recompute"
+               and (e.get("derived") or {}).get("step_time_s") and not e["measured"].get("step_time_s")]
+    assert entries
+    for e in entries:
+        flops, hw = H.convention_flops_per_step(e)
+        tf = e["measured"].get("tflops_per_gpu") or e["measured"].get("tflops_per_gpu_hw")
+        assert hw and flops / (tf * 1e12 * e["hardware"]["count"]) == pytest.approx(
+            e["derived"]["step_time_s"], rel=0.01), e["id"]
+
+
+def test_step_time_prefers_published_time_then_tokens_per_second() -> None:
+    e = _entry(LLAMA3_70B, 8192, 128, 64, "nemo_model_flops_no_recompute", {"tokens_per_s_per_gpu": 1533})
+    assert H.measured_step_time_s(e) == pytest.approx(128 * 8192 / (1533 * 64))
+    e["measured"]["step_time_s"] = 10.0
+    assert H.measured_step_time_s(e) == 10.0
+    bare = _entry(LLAMA3_70B, 8192, 128, 64, "no_such_convention", {})
+    with pytest.raises(ValueError, match="no step time"):
+        H.measured_step_time_s(bare)
+
+
+def test_moe_block_and_free_text_fields_are_read() -> None:
+    model = dict(LLAMA3_70B, moe={"experts": 8, "top_k": 2, "expert_ffn": 14336}, ffn_act="SwiGLU (gated SiLU)")
+    e = _entry(model, 4096, 8, 8, "unspecified", {"tokens_per_s_per_gpu": 1})
+    e["training"]["recompute"] = "unspecified"
+    e["parallel"] = {"dp": 8, "vpp": "interleaved", "ep": "8"}
+    m = H.model_of(e)
+    assert (m.n_experts, m.experts_per_token, m.d_ff, m.mlp_act) == (8, 2, 14336, "swiglu")
+    pins = H.pins_of(e)
+    assert pins.recompute is None and pins.vpp == 2 and pins.ep == 8
