@@ -321,6 +321,23 @@ def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
     assert per_fwd[False] - per_fwd[True] == pytest.approx(5 * weights * (1 - 1 / 4) / hbm, rel=1e-9)
 
 
+def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu() -> None:
+    """PyTorch FSDP gathers a transformer block (bf16 weights + bf16 gradients held whole); XLA gathers each
+    weight just before its matmul, so a TPU holds the largest weight and the prefetched next one. MaxText 64B:
+    D = 10240, F = 32768 (one up-projection), 32 heads of 256: the largest weight is D·F."""
+    m = load_model("maxtext-synthetic-64b")
+    pins = full_pins(fsdp=256, microbatch=1, recompute="full")
+    tpu = evaluate_pinned(Problem(m, load_chip("tpu-v5e"), 256, 2048, 256), pins)["memory"]
+    eff = default_efficiency(load_chip("tpu-v5e"))
+    assert tpu["other"] == pytest.approx(eff.memory_reserved_bytes + (2 + 2) * 2 * 10240 * 32768, rel=1e-9)
+    from meshplan.math.transformer import param_counts
+
+    gpu = evaluate_pinned(Problem(m, load_chip("h100-sxm"), 256, 2048, 256), pins)["memory"]
+    gpu_eff = default_efficiency(load_chip("h100-sxm"))
+    assert gpu["other"] == pytest.approx(gpu_eff.memory_reserved_bytes + (2 + 2) * param_counts(m).per_layer,
+                                         rel=1e-9)
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

@@ -351,7 +351,16 @@ class CostModel:
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
         once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
-        fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + ACT_BYTES) * g["params_layer_local"], 0.0)
+        # PyTorch FSDP gathers a whole transformer block; XLA (TPU) gathers each weight just before its matmul
+        # and reduce-scatters each gradient as it is produced, so only the largest weight (and the prefetched
+        # next one) is ever whole
+        if self.p.chip.kind == "tpu":
+            m, c = self.p.model, self.c
+            experts_local = m.n_experts / g["ep"] if m.is_moe else 1.0
+            gathered = 2 * np.maximum(c["D"] * m.q_dim, c["D"] * c["F"] * experts_local) / g["tp"]
+        else:
+            gathered = g["params_layer_local"]
+        fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + ACT_BYTES) * gathered, 0.0)
         other = self.eff.memory_reserved_bytes + fsdp_buf
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
