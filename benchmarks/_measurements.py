@@ -203,7 +203,10 @@ def options_of(e: dict) -> Options:
     old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
     tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
                                           "tp-comm-overlap", "userbuffer", "collective matmul"))
+    ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
+                                          "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
     return Options(
+        ep_overlap=ep_overlap,
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=True if tp_overlap else None,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner

@@ -338,6 +338,30 @@ def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu() -> None:
                                          rel=1e-9)
 
 
+def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:
+    """Without overlap the four all-to-alls per MoE layer (dispatch and combine, forward and backward) are
+    exposed (GShard); with DualPipe-style overlap only their excess over the layer's compute shows."""
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    prob = problem("mixtral-8x7b", "h100-sxm", 16, 4096, 16)
+    eff = default_efficiency(prob.chip)
+    L = LayoutArrays.from_configs([ParallelConfig(dp=16, ep=16 // 2, microbatch=1, recompute="full")])
+    out = {}
+    for overlap in (False, True):
+        cm = CostModel(prob, eff, Options(ep_overlap=overlap))
+        g = cm.geometry(L)
+        ct = cm.compute_terms(L, g)
+        out[overlap] = (cm.comm_terms(L, g, ct), ct, g)
+    plain, (lapped, ct, g) = out[False][0], out[True]
+    assert float(plain["ep_mb"][0]) == pytest.approx(float(plain["ep_link_mb"][0]))
+    assert float(lapped["ep_link_mb"][0]) == pytest.approx(float(plain["ep_link_mb"][0]))
+    layer = float((ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"])[0])
+    per_layer = float(plain["ep_link_mb"][0]) / float(g["layers_stage"][0])
+    assert float(lapped["ep_mb"][0]) == pytest.approx(float(g["layers_stage"][0]) * max(per_layer - layer, 0.0))
+    assert float(lapped["ep_mb"][0]) < float(plain["ep_mb"][0])
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

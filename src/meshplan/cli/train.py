@@ -67,6 +67,10 @@ def train(
         "--fp8-weight-cache/--no-fp8-weight-cache",
         help="With --dtype fp8: weights cast once per step (Transformer Engine); --no-fp8-weight-cache casts "
              "them on every forward (torchao float8, torchtitan).")] = True,
+    ep_overlap: Annotated[bool, typer.Option(
+        "--ep-overlap/--no-ep-overlap",
+        help="MoE all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3 DualPipe, Megatron-Core "
+             "A2A overlap); off: exposed (GShard).")] = False,
     zero3_fetch: Annotated[str, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (FSDP, DeepSpeed since ZeRO-Infinity) or broadcast "
              "(the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, blocking).")
@@ -92,7 +96,8 @@ def train(
     if zero3_fetch not in ("allgather", "broadcast"):
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
     opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused,
-                   zero3_fetch=zero3_fetch, fused_loss=fused_loss, fp8_weight_cache=fp8_weight_cache)
+                   zero3_fetch=zero3_fetch, fused_loss=fused_loss, fp8_weight_cache=fp8_weight_cache,
+                   ep_overlap=ep_overlap)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots

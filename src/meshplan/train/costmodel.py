@@ -47,6 +47,7 @@ class Options:
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
+    ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -196,12 +197,20 @@ class CostModel:
         cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
         out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0))
         out["cp_link_mb"] = nl * (cp_f + cp_b)
-        # EP: dispatch + combine all-to-all forward, twice again backward, not overlapped (GShard).
+        # EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped.
         if m.is_moe:
             a2a = comm.time("alltoall", ep * ACT_BYTES * t * c["k"] * c["D"], ep, tp * cp)
-            out["ep_mb"] = nl * 4 * a2a
+            out["ep_link_mb"] = nl * 4 * a2a
+            if self.opt.ep_overlap:
+                # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
+                # micro-batch's dispatch/combine beside another's layer compute: only the excess shows
+                layer = ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"]
+                out["ep_mb"] = nl * np.maximum(4 * a2a - layer, 0)
+            else:
+                out["ep_mb"] = out["ep_link_mb"]
         else:
             out["ep_mb"] = np.zeros_like(t)
+            out["ep_link_mb"] = np.zeros_like(t)
         # PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p).
         p2p = comm.time("permute", ACT_BYTES * t * c["D"] / np.where(g["sp"], tp, 1), pp, tp * cp * fs * dp)
         out["pp_mb"] = 2 * g["vpp"] * p2p

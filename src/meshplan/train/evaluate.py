@@ -58,9 +58,9 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     compute = m * (ct["fwd"] + ct["bwd"])
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
-    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"]) + cc["dp_link_step"] \
-        + cc["fsdp_link_step"]
-    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"]) + step_comm
+    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"]) \
+        + cc["dp_link_step"] + cc["fsdp_link_step"]
+    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
     contention = e.comm_compute_interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + opt_update + e.step_overhead_s + contention
@@ -84,6 +84,6 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.hbm_bytes * (1 - cm.opt.headroom)
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
-                  dp=cc["dp_link_step"], ep=m * cc["ep_mb"], pp=m * cc["pp_mb"])
+                  dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
     return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
                       hw_flops / denom, tokens / step, links, m, budget)
