@@ -205,8 +205,10 @@ def options_of(e: dict) -> Options:
                                           "tp-comm-overlap", "userbuffer", "collective matmul"))
     ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
                                           "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
+    param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
     return Options(
         ep_overlap=ep_overlap,
+        overlap_param_gather=param_gather,
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=True if tp_overlap else None,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
