@@ -213,7 +213,9 @@ def options_of(e: dict) -> Options:
         tp_overlap=True if tp_overlap else None,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
         # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
-        dropout="bloom" in str(e["model"].get("name", "")).lower() or group.startswith("megatron"),
+        # GPU recipes before 2023 (Megatron GPT, BLOOM, OPT) trained with dropout 0.1; TPU recipes (PaLM) and the
+        # Llama-era ones without
+        dropout=old and "tpu" not in str(e["hardware"].get("chip", "")).lower(),
         flash_attention=not old,
         headroom=0.0,
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
