@@ -52,6 +52,6 @@ def test_zero3_fetch_flag(capsys):
     assert code == code2 == 0
     gather, bcast = json.loads(out)["plans"][0], json.loads(out2)["plans"][0]
     assert bcast["time_s"]["exposed_comm"] > 10 * gather["time_s"]["exposed_comm"]
-    assert bcast["bottleneck"] == "comm/fsdp"
+    assert bcast["bottleneck"] == "comm/fsdp" and "--zero3-fetch allgather" in bcast["explanation"]
     code3, _, err = run_cli(args + ["--zero3-fetch", "bcast"], capsys)
     assert code3 == 2 and err.startswith("error:") and "allgather or broadcast" in err

@@ -194,8 +194,12 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
     names = {"fsdp": "FSDP all-gathers/reduce-scatters", "dp": "data-parallel gradient reduction",
              "tp": "tensor-parallel collectives", "cp": "context-parallel KV passes",
              "ep": "expert all-to-alls", "pp": "pipeline sends"}
+    advice = SUGGEST[worst]
+    if worst == "fsdp" and cm.opt.zero3_fetch == "broadcast":
+        advice = ("an owner-broadcast fetch passes each layer through one link and blocks on it: an all-gather "
+                  "ZeRO-3/FSDP (--zero3-fetch allgather) spreads it over every link and hides it behind compute")
     return (f"comm/{worst}", f"the {names[worst]} are {share:.0%} of the step ({min(exposed, 1):.0%} of their "
-            f"link time is exposed on {_link_of(cm, ev, i, worst)}): {SUGGEST[worst]}")
+            f"link time is exposed on {_link_of(cm, ev, i, worst)}): {advice}")
 
 
 def _link_of(cm: CostModel, ev: Evaluation, i: int, kind: str) -> str:
