@@ -362,6 +362,17 @@ def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:
     assert float(lapped["ep_mb"][0]) < float(plain["ep_mb"][0])
 
 
+def test_fit_uses_the_memory_the_driver_exposes() -> None:
+    """A marketed '80 GB' H100 exposes 81,559 MiB (nvidia-smi): the fit budget is that less the headroom, while
+    the catalog keeps the marketed 80e9 the book's sums use. TPUs have no separate figure."""
+    h100 = load_chip("h100-sxm")
+    assert h100.hbm_bytes == 80e9 and h100.usable_hbm_bytes == pytest.approx(81559 * 2**20, rel=1e-3)
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
+    ev, _, _ = search(prob, full_pins(fsdp=8), default_efficiency(prob.chip), Options(headroom=0.05))
+    assert ev.hbm_budget_bytes == pytest.approx(0.95 * h100.usable_hbm_bytes)
+    assert load_chip("tpu-v5e").usable_hbm_bytes == load_chip("tpu-v5e").hbm_bytes
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

@@ -97,7 +97,7 @@ def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         kv_cache=batch * context_len * kv_bytes_per_token_per_chip(m, cfg),
         activations=activation_bytes_per_chip(m, chip, cfg, batch),
         reserved=eff.memory_reserved_bytes,
-        budget=chip.hbm_bytes * serving_constant("memory_utilization", chip),
+        budget=chip.usable_hbm_bytes * serving_constant("memory_utilization", chip),
     )
 
 

@@ -30,7 +30,8 @@ def plot_memory(plan: dict, problem, path: str) -> None:
     for k in ("params", "grads", "optimizer", "activations", "other"):
         ax.bar([0], [mem[k] / GIB], bottom=[bottom], label=f"{k} {mem[k] / GIB:.1f} GiB")
         bottom += mem[k] / GIB
-    ax.axhline(problem.chip.hbm_bytes / GIB, color="k", ls="--", label=f"HBM {problem.chip.hbm_bytes / GIB:.0f} GiB")
+    hbm = problem.chip.usable_hbm_bytes
+    ax.axhline(hbm / GIB, color="k", ls="--", label=f"HBM {hbm / GIB:.0f} GiB")
     ax.set_xticks([])
     ax.set_ylabel("GiB per chip")
     ax.set_title("memory per chip (busiest stage)")

@@ -92,7 +92,14 @@ class Chip:
     links: Links
     price_per_chip_hour: float
     host_memory_bytes: float = 0.0
+    # what the driver exposes (nvidia-smi memory.total): marketed "80 GB" HBM is 80 GiB less ECC/driver reserve;
+    # 0 = same as hbm_bytes. Fit decisions use it; the marketed capacity stays for reports and the book's sums.
+    hbm_usable_bytes: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        return self.hbm_usable_bytes or self.hbm_bytes
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s (or OP/s) for `dtype`; an error if the chip has no such unit."""
@@ -120,6 +127,7 @@ class Chip:
             "description": self.description,
             "peak_flops_per_s": peaks,
             "hbm_bytes": self.hbm_bytes,
+            "hbm_usable_bytes": self.usable_hbm_bytes,
             "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth_bytes_per_s,
             "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
             "links": self.links.as_dict(),
@@ -179,6 +187,7 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         peak_flops_per_s=peaks,
         **top,
         host_memory_bytes=r.number("host_memory_bytes", required=False, default=0.0, positive=False),
+        hbm_usable_bytes=r.number("hbm_usable_bytes", required=False, default=0.0, positive=False),
         links=links,
         price_per_chip_hour=r.number("price_per_chip_hour"),
         sources=r.sources,

@@ -82,7 +82,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
         "attention": attn_rc, "op": 0.5 * (full_rc - attn_rc), "layer": 0.5 * full_rc}[cm.opt.selective_flavor]
     hw_flops = model_flops + rc_flops[L.recompute]
     denom = step * p.chips * cm.peak_bf16
-    budget = p.chip.hbm_bytes * (1 - cm.opt.headroom)
+    budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
                   dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
     return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
