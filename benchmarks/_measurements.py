@@ -170,8 +170,16 @@ def pins_of(e: dict) -> Pins:
         # micro-batch; with pipelining torchtitan splits it into pp micro-batches
         mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
     return Pins(dp=dp, fsdp=fs, tp=tp, pp=pp, cp=cp, ep=_int(p.get("ep")) or 1, vpp=_vpp_of(p.get("vpp")),
-                microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=bool(p.get("sequence_parallel")),
+                microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=_sequence_parallel(e, tp),
                 offload=0.0)  # none of the published runs offloads activations
+
+
+def _sequence_parallel(e: dict, tp: int) -> bool:
+    """Megatron's flag as printed; on TPUs MaxText shards the residual stream's embed dimension over the tensor
+    axis (its `activation_embed -> tensor` rule), which divides pointwise work and saved activations by tp and
+    turns TP traffic into all-gather + reduce-scatter, as sequence parallelism does."""
+    tpu = "tpu" in str(e["hardware"].get("chip", "")).lower()
+    return bool(e["parallel"].get("sequence_parallel")) or (tpu and tp > 1)
 
 
 def global_batch_of(e: dict) -> int:
