@@ -373,6 +373,22 @@ def test_fit_uses_the_memory_the_driver_exposes() -> None:
     assert load_chip("tpu-v5e").usable_hbm_bytes == load_chip("tpu-v5e").hbm_bytes
 
 
+def test_tpu_replica_reduction_runs_after_the_backward() -> None:
+    """Two v5e slices (DCN between them): XLA reduces the scanned layers' gradients after the backward loop, so
+    the cross-slice all-reduce is exposed whole; on GPUs bucketed DDP hides it behind the backward."""
+    m = load_model("llama3-8b")
+    pins = full_pins(dp=2, fsdp=256, microbatch=1, recompute="full")
+    prob = Problem(m, load_chip("tpu-v5e"), 512, 2048, 512)
+    ev, _, _ = search(prob, pins, default_efficiency(prob.chip))
+    link, exposed = float(ev.link_time["dp"][0]), float(ev.time["exposed_comm/dp"][0])
+    assert link > 0 and exposed == pytest.approx(link, rel=1e-9)
+    ev2, _, _ = search(prob, pins, default_efficiency(prob.chip), Options(dp_overlap=True))
+    assert float(ev2.time["exposed_comm/dp"][0]) < 0.01 * link
+    gpu = Problem(m, load_chip("h100-sxm"), 512, 2048, 512)
+    ev3, _, _ = search(gpu, pins, default_efficiency(gpu.chip))
+    assert float(ev3.time["exposed_comm/dp"][0]) < 0.01 * float(ev3.link_time["dp"][0])
+
+
 def _activations(recompute: str, options: Options | None = None) -> float:
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     return evaluate_pinned(prob, full_pins(fsdp=8, recompute=recompute), options)["memory"]["activations"]

@@ -67,6 +67,10 @@ def train(
         "--fp8-weight-cache/--no-fp8-weight-cache",
         help="With --dtype fp8: weights cast once per step (Transformer Engine); --no-fp8-weight-cache casts "
              "them on every forward (torchao float8, torchtitan).")] = True,
+    dp_overlap: Annotated[bool | None, typer.Option(
+        "--dp-overlap/--no-dp-overlap",
+        help="Data-parallel gradient reduction hidden behind the backward (default: yes on GPU, bucketed DDP; no "
+             "on TPU, where XLA runs it after a scanned layer loop).")] = None,
     ep_overlap: Annotated[bool, typer.Option(
         "--ep-overlap/--no-ep-overlap",
         help="MoE all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3 DualPipe, Megatron-Core "
@@ -97,7 +101,7 @@ def train(
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
     opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused,
                    zero3_fetch=zero3_fetch, fused_loss=fused_loss, fp8_weight_cache=fp8_weight_cache,
-                   ep_overlap=ep_overlap)
+                   ep_overlap=ep_overlap, dp_overlap=dp_overlap)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots

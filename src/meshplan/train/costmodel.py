@@ -44,6 +44,7 @@ class Options:
     flash_attention: bool = True
     dropout: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
+    dp_overlap: bool | None = None  # replica gradient reduction hidden behind the backward; None = GPU yes, TPU no
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
@@ -282,7 +283,11 @@ class CostModel:
         ar = comm.time("allreduce", o.grad_reduce_bytes * grads, rep, stride_rep)
         rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, rep, stride_rep)
         ag_dp = comm.time("allgather", PARAM_BYTES * grads, rep, stride_rep)
-        window = nl * (ct["layer_bwd"] + ct["layer_recompute"])
+        # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA hoists the all-reduce of
+        # gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on TPU
+        # (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
+        overlap_dp = self.opt.dp_overlap if self.opt.dp_overlap is not None else self.p.chip.kind != "tpu"
+        window = nl * (ct["layer_bwd"] + ct["layer_recompute"]) * (1.0 if overlap_dp else 0.0)
         zero = L.zero
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
