@@ -283,9 +283,9 @@ class CostModel:
         ar = comm.time("allreduce", o.grad_reduce_bytes * grads, rep, stride_rep)
         rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, rep, stride_rep)
         ag_dp = comm.time("allgather", PARAM_BYTES * grads, rep, stride_rep)
-        # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA hoists the all-reduce of
-        # gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on TPU
-        # (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
+        # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA can hoist the all-reduce
+        # of gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on
+        # TPU (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
         overlap_dp = self.opt.dp_overlap if self.opt.dp_overlap is not None else self.p.chip.kind != "tpu"
         window = nl * (ct["layer_bwd"] + ct["layer_recompute"]) * (1.0 if overlap_dp else 0.0)
         zero = L.zero
