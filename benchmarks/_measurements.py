@@ -125,7 +125,9 @@ def chip_of(e: dict):
 
 
 def recompute_of(e: dict) -> str | None:
-    """The published recompute policy, or None (meshplan chooses) when the source does not say."""
+    """The published recompute policy. Where the source does not name one but prints both HFU and MFU, their
+    ratio says how much of the forward was run again (full recompute: 8/6 = 1.33). Otherwise None: meshplan
+    chooses."""
     r = str(e["training"].get("recompute") or "").lower().strip()
     if "selective" in r or "partial" in r:
         return "selective"
@@ -133,6 +135,13 @@ def recompute_of(e: dict) -> str | None:
         return "full"
     if r.startswith(("none", "no ", "off", "false", "disabled")) or r == "no":
         return "none"
+    meas, der = e["measured"], e.get("derived") or {}
+    hfu, mfu = _num(meas, "hfu") or _num(der, "hfu"), _num(meas, "mfu") or _num(der, "mfu")
+    if hfu and mfu:
+        ratio = hfu / mfu
+        return "full" if ratio >= 1.2 else ("selective" if ratio >= 1.02 else "none")
+    if any(k in r for k in ("remat", "checkpoint")):
+        return "full"
     return None
 
 
@@ -211,6 +220,9 @@ def options_of(e: dict) -> Options:
     old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
     tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
                                           "tp-comm-overlap", "userbuffer", "collective matmul"))
+    tpu = "tpu" in str(e["hardware"].get("chip", "")).lower()
+    # XLA's collective-matmul decomposition on TPU (Wang et al., ASPLOS 2023) postdates the 2022 TPU runs
+    tp_default = False if (tpu and year is not None and year <= 2022) else None
     ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
                                           "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
     param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
@@ -218,7 +230,7 @@ def options_of(e: dict) -> Options:
         ep_overlap=ep_overlap,
         overlap_param_gather=param_gather,
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
-        tp_overlap=True if tp_overlap else None,
+        tp_overlap=True if tp_overlap else tp_default,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
         # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
         # GPU recipes before 2023 (Megatron GPT, BLOOM, OPT) trained with dropout 0.1; TPU recipes (PaLM) and the

@@ -115,3 +115,15 @@ def test_moe_block_and_free_text_fields_are_read() -> None:
     assert (m.n_experts, m.experts_per_token, m.d_ff, m.mlp_act) == (8, 2, 14336, "swiglu")
     pins = H.pins_of(e)
     assert pins.recompute is None and pins.vpp == 2 and pins.ep == 8
+
+
+def test_recompute_inferred_from_hfu_over_mfu() -> None:
+    """PaLM prints MFU 46.2% and HFU 57.8% without naming its rematerialisation: a ratio of 1.25 is close to full
+    recompute's 8/6; equal figures mean none."""
+    e = _entry(LLAMA3_70B, 2048, 1, 1, "palm_6N_plus_12LHQT", {"mfu": 0.462, "hfu": 0.578})
+    e["training"]["recompute"] = None
+    assert H.recompute_of(e) == "full"
+    e["measured"] = {"mfu": 0.40, "hfu": 0.40}
+    assert H.recompute_of(e) == "none"
+    e["measured"] = {"mfu": 0.40}
+    assert H.recompute_of(e) is None
