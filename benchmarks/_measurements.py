@@ -223,6 +223,10 @@ def options_of(e: dict) -> Options:
     tpu = "tpu" in str(e["hardware"].get("chip", "")).lower()
     # XLA's collective-matmul decomposition on TPU (Wang et al., ASPLOS 2023) postdates the 2022 TPU runs
     tp_default = False if (tpu and year is not None and year <= 2022) else None
+    # NeMo's H100 performance recipes run Transformer Engine's TP communication overlap (userbuffers)
+    src = e.get("source") or {}
+    if "nemo" in (group + " " + " ".join(str(src.get(k) or "") for k in ("title", "ref", "where"))).lower():
+        tp_default = True
     ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
                                           "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
     param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
