@@ -101,11 +101,15 @@ def model_of(e: dict) -> ModelConfig:
     name = str(m.get("name") or e["id"])
     gpt = act == "gelu"  # GPT-style (non-gated GELU): learned positions, LayerNorm, biases
     heads = _int(m["heads"])
-    seq = _int(m.get("seq_len")) or _int(e["training"]["seq_len"])
+    d = _int(m["d_model"])
+    seq = _int(m.get("seq_len")) or seq_len_of(e)
+    # an unprinted MLP width or vocabulary takes the architecture's convention: 4d for a plain MLP, 8d/3 rounded
+    # up to 256 for a gated one (LLaMA, Touvron et al. 2023 §2.2); 32,000 tokens (LLaMA's tokenizer)
+    ffn = _int(m.get("ffn")) or (4 * d if act in ("gelu", "relu") else -(-8 * d // 3 // 256) * 256)
     fields = dict(
-        name=name, n_layers=_int(m["layers"]), d_model=_int(m["d_model"]), n_heads=heads,
-        n_kv_heads=_int(m.get("kv_heads")) or heads, head_dim=_int(m.get("head_dim")) or _int(m["d_model"]) // heads,
-        d_ff=_int(m["ffn"]), vocab_size=_int(m["vocab"]), max_seq_len=seq, mlp_act=act,
+        name=name, n_layers=_int(m["layers"]), d_model=d, n_heads=heads,
+        n_kv_heads=_int(m.get("kv_heads")) or heads, head_dim=_int(m.get("head_dim")) or d // heads,
+        d_ff=ffn, vocab_size=_int(m.get("vocab")) or 32000, max_seq_len=seq, mlp_act=act,
         tied_embeddings=bool(m.get("tied_embeddings")),
         position="alibi" if "bloom" in name.lower() else ("learned" if gpt else "rotary"),
         norm="layernorm" if gpt else "rmsnorm", linear_bias=gpt, family="gpt2" if gpt else "llama",
@@ -191,9 +195,13 @@ def _sequence_parallel(e: dict, tp: int) -> bool:
     return bool(e["parallel"].get("sequence_parallel")) or (tpu and tp > 1)
 
 
+def seq_len_of(e: dict) -> int:
+    return _int(e["training"].get("seq_len")) or _int(e["model"].get("seq_len"))
+
+
 def global_batch_of(e: dict) -> int:
     t = e["training"]
-    return _int(t.get("global_batch_seqs")) or _int(t.get("tokens_per_step")) // _int(t["seq_len"])
+    return _int(t.get("global_batch_seqs")) or _int(t.get("tokens_per_step")) // seq_len_of(e)
 
 
 def _year(e: dict) -> int | None:
@@ -279,8 +287,7 @@ def _selective_flavor(e: dict) -> str:
 
 
 def problem_of(e: dict) -> Problem:
-    t = e["training"]
-    return Problem(model_of(e), chip_of(e), _int(e["hardware"]["count"]), _int(t["seq_len"]), global_batch_of(e))
+    return Problem(model_of(e), chip_of(e), _int(e["hardware"]["count"]), seq_len_of(e), global_batch_of(e))
 
 
 def _num(d: dict, *keys) -> float | None:
@@ -296,7 +303,7 @@ def convention_flops_per_step(e: dict) -> tuple[float, bool] | None:
     recompute (hardware FLOPs). None for an unknown convention."""
     conv = str(e.get("flops_convention") or "")
     m = model_of(e)
-    B, s = global_batch_of(e), _int(e["training"]["seq_len"])
+    B, s = global_batch_of(e), seq_len_of(e)
     L, h, V, a = m.n_layers, m.d_model, m.vocab_size, m.n_heads
     pc = tm.param_counts(m)
     tokens = B * s
@@ -331,7 +338,7 @@ def measured_step_time_s(e: dict) -> float:
         if _num(d, "step_time_s", "iteration_time_s"):
             return _num(d, "step_time_s", "iteration_time_s")
     chips = _int(e["hardware"]["count"])
-    tokens = global_batch_of(e) * _int(e["training"]["seq_len"])
+    tokens = global_batch_of(e) * seq_len_of(e)
     for d in (meas, der):
         per_chip = _num(d, "tokens_per_s_per_gpu", "tokens_per_s_per_chip", "tokens_per_s_per_device")
         if per_chip:
