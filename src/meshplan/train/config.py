@@ -60,7 +60,7 @@ class ParallelConfig:
             parts.append(f"vpp={self.vpp}")
         parts.append(f"mb={self.microbatch}")
         parts.append(f"recompute={self.recompute}")
-        if self.zero and self.dp > 1:
+        if self.zero and self.dp * (self.cp if self.fsdp == 1 else 1) > 1:  # ZeRO over the dp (×cp) replicas
             parts.append(f"zero={self.zero}")
         if self.offload:
             parts.append(f"offload={self.offload:g}")
