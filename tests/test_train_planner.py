@@ -321,7 +321,7 @@ def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
     assert per_fwd[False] - per_fwd[True] == pytest.approx(5 * weights * (1 - 1 / 4) / hbm, rel=1e-9)
 
 
-def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu() -> None:
+def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu_and_deepspeed() -> None:
     """PyTorch FSDP gathers a transformer block (bf16 weights + bf16 gradients held whole); XLA gathers each
     weight just before its matmul, so a TPU holds the largest weight and the prefetched next one. MaxText 64B:
     D = 10240, F = 32768 (one up-projection), 32 heads of 256: the largest weight is D·F."""
@@ -336,6 +336,10 @@ def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu() -> None:
     gpu_eff = default_efficiency(load_chip("h100-sxm"))
     assert gpu["other"] == pytest.approx(gpu_eff.memory_reserved_bytes + (2 + 2) * param_counts(m).per_layer,
                                          rel=1e-9)
+    # DeepSpeed's ZeRO-3 fetches parameter by parameter, as XLA does
+    ds = evaluate_pinned(Problem(m, load_chip("h100-sxm"), 256, 2048, 256), pins,
+                         Options(zero3_fetch="broadcast"))["memory"]
+    assert ds["other"] == pytest.approx(gpu_eff.memory_reserved_bytes + (2 + 2) * 2 * 10240 * 32768, rel=1e-9)
 
 
 def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:

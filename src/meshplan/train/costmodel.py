@@ -366,9 +366,9 @@ class CostModel:
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
         once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
         # PyTorch FSDP gathers a whole transformer block; XLA (TPU) gathers each weight just before its matmul
-        # and reduce-scatters each gradient as it is produced, so only the largest weight (and the prefetched
-        # next one) is ever whole
-        if self.p.chip.kind == "tpu":
+        # and reduce-scatters each gradient as it is produced, and DeepSpeed ZeRO-3 fetches parameter by parameter,
+        # so there only the largest weight (and the prefetched next one) is ever whole
+        if self.p.chip.kind == "tpu" or self.opt.zero3_fetch == "broadcast":
             m, c = self.p.model, self.c
             experts_local = m.n_experts / g["ep"] if m.is_moe else 1.0
             gathered = 2 * np.maximum(c["D"] * m.q_dim, c["D"] * c["F"] * experts_local) / g["tp"]
