@@ -55,3 +55,37 @@ def test_zero3_fetch_flag(capsys):
     assert bcast["bottleneck"] == "comm/fsdp" and "--zero3-fetch allgather" in bcast["explanation"]
     code3, _, err = run_cli(args + ["--zero3-fetch", "bcast"], capsys)
     assert code3 == 2 and err.startswith("error:") and "allgather or broadcast" in err
+
+
+def test_framework_presets_and_explicit_flags():
+    """`--framework` applies a framework's documented behaviour; an explicit flag wins over it."""
+    from meshplan.train.costmodel import Options
+    from meshplan.train.frameworks import FRAMEWORKS, framework_options
+
+    base = Options()
+    titan = framework_options("torchtitan", base, {})
+    assert (titan.fused_loss, titan.fp8_weight_cache, titan.fsdp_over_cp) == (False, False, True)
+    assert framework_options("torchtitan", base, {"fused_loss": True}).fused_loss is True
+    assert framework_options(None, base, {"fused_loss": None}) == base
+    assert framework_options("nemo", base, {}).tp_overlap is True
+    assert framework_options("maxtext", base, {}).dp_overlap is False
+    assert set(FRAMEWORKS) == {"megatron", "nemo", "torchtitan", "maxtext"}
+
+
+def test_framework_flag_through_the_cli(capsys):
+    import json
+
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "8192",
+            "--global-batch", "16", "--fsdp", "8", "--dp", "1", "--tp", "1", "--pp", "1", "--cp", "1",
+            "--microbatch", "2", "--recompute", "full", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    code2, out2, _ = run_cli(args + ["--framework", "torchtitan"], capsys)
+    code3, out3, _ = run_cli(args + ["--framework", "torchtitan", "--fused-loss"], capsys)
+    assert code == code2 == code3 == 0
+    mem = [json.loads(o)["plans"][0]["memory_bytes_per_chip"]["activations"] for o in (out, out2, out3)]
+    # the eager loss holds 6 more bytes per logit: 2 x 8192 tokens x 128,256 vocabulary
+    assert mem[1] - mem[0] == 6 * 2 * 8192 * 128256 and mem[2] == mem[0]
+    code4, _, err = run_cli(args + ["--framework", "titan"], capsys)
+    assert code4 == 2 and "did you mean: torchtitan" in err

@@ -13,6 +13,7 @@ from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import framework_options
 from meshplan.train.planner import plan
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
@@ -57,28 +58,32 @@ def train(
     headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
     tp_overlap: Annotated[bool | None, typer.Option("--tp-overlap/--no-tp-overlap",
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
-    fused: Annotated[bool, typer.Option("--fused/--no-fused",
-                                        help="Pointwise ops fused (torch.compile, XLA); --no-fused for eager PyTorch.")] = True,
-    fused_loss: Annotated[bool, typer.Option(
+    framework: Annotated[str | None, typer.Option(
+        help="Apply a framework's behaviour: megatron, nemo, torchtitan or maxtext (src/meshplan/train/"
+             "frameworks.py); explicit flags win.")] = None,
+    fused: Annotated[bool | None, typer.Option("--fused/--no-fused",
+                                               help="Pointwise ops fused (torch.compile, XLA; default); --no-fused "
+                                                    "for eager PyTorch.")] = None,
+    fused_loss: Annotated[bool | None, typer.Option(
         "--fused-loss/--no-fused-loss",
-        help="Fused cross-entropy (Megatron, XLA); --no-fused-loss for an eager PyTorch loss on fp32 logits "
-             "(torchtitan), which holds twice the loss memory.")] = True,
-    fp8_weight_cache: Annotated[bool, typer.Option(
+        help="Fused cross-entropy (Megatron, XLA; default); --no-fused-loss for an eager PyTorch loss on fp32 "
+             "logits (torchtitan), which holds twice the loss memory.")] = None,
+    fp8_weight_cache: Annotated[bool | None, typer.Option(
         "--fp8-weight-cache/--no-fp8-weight-cache",
-        help="With --dtype fp8: weights cast once per step (Transformer Engine); --no-fp8-weight-cache casts "
-             "them on every forward (torchao float8, torchtitan).")] = True,
+        help="With --dtype fp8: weights cast once per step (Transformer Engine; default); --no-fp8-weight-cache "
+             "casts them on every forward (torchao float8, torchtitan).")] = None,
     dp_overlap: Annotated[bool | None, typer.Option(
         "--dp-overlap/--no-dp-overlap",
         help="Data-parallel gradient reduction hidden behind the backward (default: yes on GPU, bucketed DDP; no "
              "on TPU, where XLA runs it after a scanned layer loop).")] = None,
-    ep_overlap: Annotated[bool, typer.Option(
+    ep_overlap: Annotated[bool | None, typer.Option(
         "--ep-overlap/--no-ep-overlap",
         help="MoE all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3 DualPipe, Megatron-Core "
-             "A2A overlap); off: exposed (GShard).")] = False,
-    zero3_fetch: Annotated[str, typer.Option(
-        help="How FSDP/ZeRO-3 fetches weights: allgather (FSDP, DeepSpeed since ZeRO-Infinity) or broadcast "
-             "(the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, blocking).")
-    ] = "allgather",
+             "A2A overlap); default off: exposed (GShard).")] = None,
+    zero3_fetch: Annotated[str | None, typer.Option(
+        help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
+             "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
+             "blocking).")] = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
@@ -97,11 +102,11 @@ def train(
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
     eff = resolve_efficiency(problem.chip, profile)
-    if zero3_fetch not in ("allgather", "broadcast"):
+    if zero3_fetch not in (None, "allgather", "broadcast"):
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
-    opts = Options(compute_dtype=dtype, headroom=headroom, tp_overlap=tp_overlap, fused_elementwise=fused,
-                   zero3_fetch=zero3_fetch, fused_loss=fused_loss, fp8_weight_cache=fp8_weight_cache,
-                   ep_overlap=ep_overlap, dp_overlap=dp_overlap)
+    opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
+        tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
+        fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots

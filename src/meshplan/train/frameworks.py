@@ -1,0 +1,44 @@
+"""What each training framework does that changes the cost model, as `Options` overrides (`--framework`).
+
+Each entry names the behaviour and where it is documented; an explicit flag on the command line wins over the
+framework's value, and the framework's value over the `Options` default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+from meshplan.errors import unknown_name_error
+from meshplan.train.costmodel import Options
+
+FRAMEWORKS: dict[str, dict[str, Any]] = {
+    # Megatron-LM / Megatron-Core with Transformer Engine: fused kernels and vocab-parallel cross-entropy, FP8
+    # weights cast once per step (TE `is_first_microbatch`), bucketed gradient reduction and parameter all-gather
+    # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README)
+    "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
+                     overlap_param_gather=True),
+    # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
+    # communication overlap (userbuffers; NeMo docs, "Communication overlap")
+    "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
+                 overlap_param_gather=True, tp_overlap=True),
+    # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
+    # eager: F.cross_entropy on fp32 logits), torchao float8 casting weights on every forward; AsyncTP is opt-in
+    "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fsdp_over_cp=True,
+                       dp_overlap=True),
+    # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
+    # matmuls, and reduces the scanned layers' gradients across replicas after the backward
+    "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False),
+}
+
+
+def framework_options(name: str | None, base: Options, explicit: dict[str, Any]) -> Options:
+    """`base` with the framework's behaviour applied, then every flag the user gave (`None` = not given)."""
+    changes: dict[str, Any] = {}
+    if name is not None:
+        if name not in FRAMEWORKS:
+            raise unknown_name_error("framework", name, FRAMEWORKS)
+        changes.update(FRAMEWORKS[name])
+    known = {f.name for f in fields(Options)}
+    changes.update({k: v for k, v in explicit.items() if v is not None and k in known})
+    return replace(base, **changes)
