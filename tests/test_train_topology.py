@@ -89,3 +89,14 @@ def test_framework_flag_through_the_cli(capsys):
     assert mem[1] - mem[0] == 6 * 2 * 8192 * 128256 and mem[2] == mem[0]
     code4, _, err = run_cli(args + ["--framework", "titan"], capsys)
     assert code4 == 2 and "did you mean: torchtitan" in err
+
+
+def test_human_output_states_the_assumptions(capsys):
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+            "--global-batch", "16", "--top", "1"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0 and "assumes:" in out and "fused loss" in out and "TP collectives exposed" in out
+    code, out, _ = run_cli(args + ["--framework", "torchtitan"], capsys)
+    assert code == 0 and "eager fp32 loss" in out

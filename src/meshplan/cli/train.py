@@ -115,10 +115,27 @@ def train(
     if json_out:
         print_json(result.as_dict())
         return
-    show(problem, result)
+    show(problem, result, opts)
 
 
-def show(problem: Problem, result) -> None:
+def assumptions(problem: Problem, opts: Options) -> str:
+    """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md)."""
+    tpu = problem.chip.kind == "tpu"
+    tp = opts.tp_overlap if opts.tp_overlap is not None else tpu
+    dp = opts.dp_overlap if opts.dp_overlap is not None else not tpu
+    parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if opts.compute_dtype == "fp8"
+                                                  and opts.fp8_weight_cache else ""),
+             "TP collectives overlapped" if tp else "TP collectives exposed",
+             "DP reduction behind the backward" if dp else "DP reduction after the backward",
+             "fused pointwise" if opts.fused_elementwise else "eager pointwise",
+             "fused loss" if opts.fused_loss else "eager fp32 loss",
+             f"ZeRO-3 fetch by {opts.zero3_fetch}"]
+    if problem.model.is_moe:
+        parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
+    return "; ".join(parts)
+
+
+def show(problem: Problem, result, opts: Options | None = None) -> None:
     best = result.plans[0]
     t = Table(title=f"{problem.model.name} on {problem.chips}× {problem.chip.name}, seq {problem.seq_len}, "
                     f"batch {problem.global_batch} — {result.searched} layouts in {result.search_time_s:.2f} s "
@@ -138,6 +155,8 @@ def show(problem: Problem, result) -> None:
     console.print("memory per chip (best): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
     console.print(f"mesh: {best['mesh']}")
     console.print(f"bottleneck: {best['bottleneck']} — {best['explanation']}")
+    if opts is not None:
+        console.print(f"[dim]assumes: {assumptions(problem, opts)} (flags: meshplan train --help)[/dim]")
     if "training" in best:
         tr = best["training"]
         console.print(f"{tr['tokens']:.3g} tokens: {tr['days']:.1f} days, ${tr['cost_usd']:,.0f} "
