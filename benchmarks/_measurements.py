@@ -79,19 +79,25 @@ def _moe_fields(m: dict) -> dict:
     if not isinstance(moe, dict):
         nums = [int(x) for x in re.findall(r"\d+", str(moe))]
         return {"n_experts": nums[0], "experts_per_token": nums[1]} if len(nums) >= 2 else {}
-    experts = _int(_first(moe, "experts", "num_experts", "n_experts", "routed_experts", "E"))
-    topk = _int(_first(moe, "top_k", "topk", "k", "experts_per_token", "active_experts", "active"))
+    # key names as papers, Megatron (--num-experts, --moe-router-topk, --moe-ffn-hidden-size) and Hugging Face
+    # configs (num_local_experts, n_routed_experts, num_experts_per_tok, moe_intermediate_size) spell them
+    experts = _int(_first(moe, "experts", "num_experts", "n_experts", "routed_experts", "n_routed_experts",
+                          "num_local_experts", "num_moe_experts", "E"))
+    topk = _int(_first(moe, "top_k", "topk", "k", "experts_per_token", "num_experts_per_tok", "moe_router_topk",
+                       "router_topk", "active_experts", "active"))
     if experts <= 1 or topk <= 0:
         return {}
     out = {"n_experts": experts, "experts_per_token": topk}
-    width = _int(_first(moe, "expert_ffn", "ffn", "moe_ffn", "expert_d_ff", "d_ff", "ffn_expert"))
+    width = _int(_first(moe, "expert_ffn", "ffn", "moe_ffn", "expert_d_ff", "d_ff", "ffn_expert", "expert_hidden",
+                        "moe_intermediate_size", "moe_ffn_hidden_size", "ffn_per_expert", "intermediate_size"))
     if width:
         out["d_ff"] = width
     shared = _int(_first(moe, "shared_experts", "n_shared_experts", "num_shared_experts", "shared"))
+    shared_width = _int(_first(moe, "shared_ffn", "shared_expert_ffn", "shared_d_ff",
+                               "moe_shared_expert_intermediate_size", "shared_expert_intermediate_size"))
     if shared:
         out["n_shared_experts"] = shared
-        out["shared_expert_d_ff"] = _int(_first(moe, "shared_ffn", "shared_expert_ffn", "shared_d_ff")) or \
-            out.get("d_ff", _int(m.get("ffn")))
+        out["shared_expert_d_ff"] = shared_width or out.get("d_ff", _int(m.get("ffn")))
     return out
 
 
