@@ -43,6 +43,7 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
     row.update(pred_step_s=best["step_time_s"], fits=fits, layout=_short(best["config"]),
                bottleneck=best["bottleneck"], mfu=best["mfu"], note=note)
     row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
+    row["params_note"] = _params_note(e, prob)
     row["measured_mem_bytes"] = measured_memory_bytes(e)
     row["rel_err"] = row["pred_step_s"] / row["measured_step_s"] - 1
     tokens = prob.global_batch * prob.seq_len
@@ -57,6 +58,20 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
         except MeshplanError:
             row["search_step_s"] = float("nan")
     return row
+
+
+def _params_note(e: dict, prob) -> str:
+    """Where the source prints a parameter count that meshplan's reading of the architecture misses by more
+    than 10% (an attention or MoE variant the schema cannot express), say so next to the row."""
+    from meshplan.math.transformer import param_counts
+
+    pc = param_counts(prob.model)
+    notes = []
+    for key, ours in (("params_b", pc.total), ("active_params_b", pc.active)):
+        published = (e.get("model") or {}).get(key)
+        if isinstance(published, (int, float)) and published > 0 and abs(ours / (published * 1e9) - 1) > 0.10:
+            notes.append(f"{key} {ours / 1e9:.0f}B vs published {published:g}B")
+    return "; ".join(notes)
 
 
 def _plan_published(prob, pins: Pins, eff, opts) -> tuple[dict, bool, str]:
@@ -140,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['id'][:46]:46s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} {r['rel_err']:+7.1%} "
               f"{r['measured_tok_s_chip']:7.0f}/{r['pred_tok_s_chip']:<7.0f} {'y' if r['fits'] else 'N':>4s}  "
               f"{srch:8.3f}  {r['layout']} / {r['bottleneck']}{flag}"
-              + (f"  [{r['note']}]" if r.get("note", "").startswith("released") else ""))
+              + (f"  [{r['note']}]" if r.get("note", "").startswith("released") else "")
+              + (f"  [{r['params_note']}]" if r.get("params_note") else ""))
     summarize(rows)
     memory_table(rows)
     for ident, why in skipped:
