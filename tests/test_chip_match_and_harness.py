@@ -127,3 +127,27 @@ def test_recompute_inferred_from_hfu_over_mfu() -> None:
     assert H.recompute_of(e) == "none"
     e["measured"] = {"mfu": 0.40}
     assert H.recompute_of(e) is None
+
+
+def test_accuracy_benchmark_survives_unseen_entries(monkeypatch, capsys) -> None:
+    """Entries written differently from the 94 (other chip names, missing degrees, a measurement given only as
+    MFU, an unknown chip) are evaluated or listed as skipped; the benchmark never stops on one."""
+    import copy
+
+    import accuracy as A
+
+    base = {e["id"]: e for e in H.load_entries()}
+    a = copy.deepcopy(base["narayanan2021_t1_145.6B"])
+    a["id"], a["hardware"]["chip"] = "renamed_chip", "NVIDIA A100 80GB SXM"
+    del a["parallel"]["dp"]
+    b = copy.deepcopy(base["torchtitan_2412_t1_8B_FSDP"])
+    b["id"], b["training"]["recompute"], b["parallel"]["vpp"] = "unstated_recompute", None, "interleaved"
+    b["measured"] = {"mfu": 0.35}
+    b["derived"] = {}
+    c = copy.deepcopy(b)
+    c["id"], c["hardware"]["chip"] = "unknown_chip", "MI300X"
+    monkeypatch.setattr(A, "load_entries", lambda: [a, b, c])
+    assert A.main(["--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "renamed_chip" in out and "unstated_recompute" in out
+    assert "SKIPPED unknown_chip" in out and "1 of 3 entries could not be evaluated" in out
