@@ -130,14 +130,28 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
     _check_positive(tokens=tokens, seq_len=seq_len)
     D, F = m.d_model, m.d_ff
     seqs = tokens / seq_len
-    ops = [
-        elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype),
-        matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
-        attention(seqs, seq_len, seq_len, m.n_heads, m.n_kv_heads, m.head_dim, causal=causal, dtype=dtype,
-                  name="attn/core"),
-        matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype),
-        elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype),
-    ]
+    ops = [elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype)]
+    if m.is_mla:
+        # DeepSeek-V2 §2.1: latent down-projections, per-head up-projections (keys and values up-projected as in
+        # training and prefill), attention over head_dim + RoPE for QKᵀ (timed at the mean of the QK and V widths)
+        N = m.n_heads
+        if m.q_lora_rank:
+            ops.append(matmul(tokens, D, m.q_lora_rank, name="attn/q_down", lhs_dtype=dtype, rhs_dtype=dtype))
+        ops += [matmul(tokens, m.q_lora_rank or D, N * m.qk_head_dim, name="attn/q_up", lhs_dtype=dtype,
+                       rhs_dtype=dtype),
+                matmul(tokens, D, m.kv_lora_rank + m.qk_rope_head_dim, name="attn/kv_down", lhs_dtype=dtype,
+                       rhs_dtype=dtype),
+                matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
+                       rhs_dtype=dtype),
+                attention(seqs, seq_len, seq_len, N, N, max(1, round((m.qk_head_dim + m.v_dim) / 2)),
+                          causal=causal, dtype=dtype, name="attn/core"),
+                matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
+    else:
+        ops += [matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
+                attention(seqs, seq_len, seq_len, m.n_heads, m.n_kv_heads, m.head_dim, causal=causal,
+                          dtype=dtype, name="attn/core"),
+                matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
+    ops.append(elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype))
     experts = m.experts_per_token if m.is_moe else 1
     # With k of E experts active, each expert sees tokens·k/E tokens but all E weight matrices are read.
     mlp_tokens = tokens * experts / m.n_experts if m.is_moe else tokens

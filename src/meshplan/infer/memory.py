@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant
-from meshplan.math.transformer import param_counts
+from meshplan.math.transformer import kv_cache_elements_per_layer, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.units import fmt_bytes
@@ -49,11 +49,21 @@ def layer_weight_params_per_chip(m: ModelConfig, tp: int) -> float:
     """One layer's parameters on one TP chip: Q/O and MLP split tp ways (Megatron sharding, book ch.5),
     K/V projections split over KV heads (replicated when tp > K), norms replicated."""
     pc = param_counts(m)
+    return attention_params_per_chip(m, tp) + (pc.per_layer_mlp + pc.per_layer_router) / tp + pc.per_layer_norms
+
+
+def attention_params_per_chip(m: ModelConfig, tp: int) -> float:
+    """One layer's attention weights on one TP chip. MLA (DeepSeek-V2 §2.1): the latent down-projections and
+    their norms are whole on every chip, the per-head up-projections and the output projection split tp ways."""
+    pc = param_counts(m)
+    if m.is_mla:
+        w = m.mla_weights()
+        return (w["q_up"] + w["kv_up"] + w["o"]) / tp + w["q_down"] + w["kv_down"] + m.q_lora_rank + m.kv_lora_rank
     D, H = m.d_model, m.head_dim
     q_o = 2 * D * m.q_dim / tp
     k_v = 2 * D * H * kv_heads_per_chip(m, tp)
     other_attn = pc.per_layer_attention - 2 * D * m.q_dim - 2 * D * m.kv_dim  # biases
-    return q_o + k_v + other_attn / tp + (pc.per_layer_mlp + pc.per_layer_router) / tp + pc.per_layer_norms
+    return q_o + k_v + other_attn / tp
 
 
 def embedding_params_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
@@ -73,7 +83,11 @@ def weight_bytes_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
 
 
 def kv_bytes_per_token_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
-    """KV cache bytes one token adds to one chip: 2 * (L/pp) * (K/tp heads) * H * bytes (book ch.4, ch.7)."""
+    """KV cache bytes one token adds to one chip: 2 * (L/pp) * (K/tp heads) * H * bytes (book ch.4, ch.7).
+    MLA caches one latent per token that every TP chip needs whole (it is shared by the heads):
+    (L/pp) * (kv_lora_rank + qk_rope_head_dim) * bytes (DeepSeek-V2 §2.1.2)."""
+    if m.is_mla:
+        return layers_per_stage(m, cfg.pp) * kv_cache_elements_per_layer(m) * cfg.kv_bytes
     return 2.0 * layers_per_stage(m, cfg.pp) * kv_heads_per_chip(m, cfg.tp) * m.head_dim * cfg.kv_bytes
 
 

@@ -5,7 +5,7 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
   T_weights   = weight bytes read / (W_hbm * hbm_fraction)          (every weight once per micro-batch)
   T_matmul    = 2 * tokens * active params / (C * matmul efficiency(tokens))
   T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2)
-  T_attention = 4 * tokens * context * N * H / (C * attention_fwd_fraction)
+  T_attention = 2 * tokens * context * N * (QK + AV widths, 2H; MLA decode: 2*kv_lora + rope) / (C * attention_fwd_fraction)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
                  with latency terms (small-batch decode is latency-bound, ch.7 App. C)
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
-from meshplan.infer.config import ServeConfig, kv_heads_per_chip, serving_constant
-from meshplan.infer.memory import kv_bytes_per_token_per_chip, layers_per_stage
-from meshplan.math.transformer import param_counts
+from meshplan.infer.config import ServeConfig, serving_constant
+from meshplan.infer.memory import attention_params_per_chip, kv_bytes_per_token_per_chip, layers_per_stage
+from meshplan.math.transformer import attention_pair_width, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -49,9 +49,8 @@ class _LayerParams:
 @lru_cache(maxsize=256)
 def _layer_params(m: ModelConfig, tp: int) -> _LayerParams:
     pc = param_counts(m)
-    D, H = m.d_model, m.head_dim
-    attn = 2 * D * m.q_dim / tp + 2 * D * H * kv_heads_per_chip(m, tp)
-    attn += (pc.per_layer_attention - 2 * D * m.q_dim - 2 * D * m.kv_dim) / tp + pc.per_layer_norms
+    D = m.d_model
+    attn = attention_params_per_chip(m, tp) + pc.per_layer_norms
     if not m.is_moe:
         mlp = pc.per_layer_mlp / tp
         return _LayerParams(attn + mlp, 0.0, 0, attn + mlp)
@@ -139,7 +138,12 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / cfg.tp
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
     mm_flops = 2.0 * tokens * (Ls * lp.active + m.d_model * m.vocab_size / cfg.tp)
-    attn_flops = 4.0 * Ls * m.n_heads / cfg.tp * m.head_dim * (decode_seqs * decode_ctx + prefill_tokens * prefill_ctx)
+    # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
+    # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
+    # its prefill up-projects K and V as training does
+    decode_pair = m.kv_lora_rank * 2 + m.qk_rope_head_dim if m.is_mla else attention_pair_width(m)
+    attn_flops = 2.0 * Ls * m.n_heads / cfg.tp * (decode_pair * decode_seqs * decode_ctx
+                                                   + attention_pair_width(m) * prefill_tokens * prefill_ctx)
     t_w = weights * cfg.weight_bytes / W
     t_mm = mm_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens)) if tokens > 0 else 0.0
     t_kv = kv_bytes / W

@@ -51,6 +51,8 @@ class ParamCounts:
     final_norm: int
     unembedding: int  # 0 when tied
     n_layers: int
+    n_dense_layers: int = 0  # leading dense layers of an MoE model (DeepSeek), counted apart
+    per_dense_layer_mlp: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -61,14 +63,22 @@ class ParamCounts:
         return self.per_layer_attention + self.per_layer_mlp_active + self.per_layer_router + self.per_layer_norms
 
     @property
+    def _dense_layers(self) -> int:
+        """What the leading dense layers add over counting them as MoE layers (negative: they are smaller)."""
+        dense = self.per_layer_attention + self.per_dense_layer_mlp + self.per_layer_norms
+        return self.n_dense_layers * dense
+
+    @property
     def total(self) -> int:
-        return (self.embedding + self.position + self.n_layers * self.per_layer + self.final_norm
-                + self.unembedding)
+        moe_layers = self.n_layers - self.n_dense_layers
+        return (self.embedding + self.position + moe_layers * self.per_layer + self._dense_layers
+                + self.final_norm + self.unembedding)
 
     @property
     def active(self) -> int:
-        return (self.embedding + self.position + self.n_layers * self.per_layer_active + self.final_norm
-                + self.unembedding)
+        moe_layers = self.n_layers - self.n_dense_layers
+        return (self.embedding + self.position + moe_layers * self.per_layer_active + self._dense_layers
+                + self.final_norm + self.unembedding)
 
     @property
     def non_embedding(self) -> int:
@@ -81,7 +91,10 @@ def param_counts(m: ModelConfig) -> ParamCounts:
     extended with biases, LayerNorm biases, learned positions, MoE experts, router and shared experts."""
     D, H = m.d_model, m.head_dim
     attn = D * m.q_dim * 2 + D * m.kv_dim * 2  # W_Q, W_O [D, N·H] and W_K, W_V [D, K·H]
-    if m.linear_bias:
+    if m.is_mla:
+        # DeepSeek-V2 §2.1: the projections plus RMSNorms on the query and key-value latents
+        attn = sum(m.mla_weights().values()) + m.q_lora_rank + m.kv_lora_rank
+    elif m.linear_bias:
         attn += m.q_dim + 2 * m.kv_dim + D
     elif m.qkv_bias:
         attn += m.q_dim + 2 * m.kv_dim
@@ -106,21 +119,31 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         final_norm=_norm_params(m),
         unembedding=0 if m.tied_embeddings else m.vocab_size * D,
         n_layers=m.n_layers,
+        n_dense_layers=m.first_dense_layers,
+        per_dense_layer_mlp=_mlp_params(m, m.dense_d_ff) if m.first_dense_layers else 0,
     )
+
+
+def attention_matmul_weights(m: ModelConfig) -> int:
+    """Attention projection weights of one layer that take part in matmuls."""
+    if m.is_mla:
+        return sum(m.mla_weights().values())
+    return 2 * m.d_model * m.q_dim + 2 * m.d_model * m.kv_dim
 
 
 def matmul_params_active(m: ModelConfig) -> int:
     """Weights that take part in a matmul for each token: every layer's active weights and the output
     projection (tied or not). The embedding lookup and position table are gathers, not matmuls."""
     D = m.d_model
-    attn = 2 * D * m.q_dim + 2 * D * m.kv_dim
+    attn = attention_matmul_weights(m)
     width_mult = 3 if m.gated else 2
     if m.is_moe:
         mlp = m.experts_per_token * width_mult * D * m.d_ff
         mlp += m.n_shared_experts * width_mult * D * (m.shared_expert_d_ff or m.d_ff) + D * m.n_experts
     else:
         mlp = width_mult * D * m.d_ff
-    return m.n_layers * (attn + mlp) + D * m.vocab_size
+    dense = m.first_dense_layers
+    return (m.n_layers - dense) * (attn + mlp) + dense * (attn + width_mult * D * m.dense_d_ff) + D * m.vocab_size
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------
@@ -155,7 +178,14 @@ def attention_flops_per_token(m: ModelConfig, context_len: float, causal: bool =
     (book ch.4: 12BT²NH training = 3 × 4BT²NH forward). A causal mask with a proper kernel
     halves the useful work (the average query sees S/2 keys)."""
     s = context_len / 2.0 if causal else float(context_len)
-    return 4.0 * s * m.n_heads * m.head_dim * m.n_layers
+    return 2.0 * s * m.n_heads * attention_pair_width(m) * m.n_layers
+
+
+def attention_pair_width(m: ModelConfig) -> int:
+    """Per head, per (query, key) pair: the QKᵀ contraction width plus the AV width, so that the forward
+    attention costs 2·S·N·(this) FLOPs per token per layer: 2H for standard attention (book ch.4's 4·S·N·H);
+    (head_dim + RoPE) + v_head_dim for MLA in training, where K and V are up-projected (DeepSeek-V2 §2.1)."""
+    return m.qk_head_dim + m.v_dim if m.is_mla else 2 * m.head_dim
 
 
 def flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = True) -> TokenFlops:
@@ -178,8 +208,14 @@ def einsum_flops(dim_sizes: dict[str, int], contracted: bool = True) -> float:
 # --- KV cache ------------------------------------------------------------------------------------
 
 def kv_cache_bytes_per_token(m: ModelConfig, dtype: str = "bf16") -> float:
-    """Keys and values for every layer: 2·L·K·H elements per token (book ch.4 §KV cache)."""
-    return 2.0 * m.n_layers * m.kv_dim * dtype_bytes(dtype)
+    """Keys and values for every layer: 2·L·K·H elements per token (book ch.4 §KV cache); MLA caches the
+    latent and the shared RoPE key instead, L·(kv_lora_rank + qk_rope_head_dim) (DeepSeek-V2 §2.1.2)."""
+    return m.n_layers * kv_cache_elements_per_layer(m) * dtype_bytes(dtype)
+
+
+def kv_cache_elements_per_layer(m: ModelConfig) -> int:
+    """Cached elements per token per layer: 2·K·H, or the MLA latent plus its RoPE key."""
+    return m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.kv_dim
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -222,6 +258,10 @@ def activation_bytes_per_layer(
     rep = 1.0 / tp if sequence_parallel else 1.0  # layer-norm region: replicated under TP unless SP
     q = m.q_dim / tp
     kv = m.kv_dim * max(m.n_kv_heads / tp, 1.0) / m.n_kv_heads  # KV heads are replicated when K < tp
+    if m.is_mla:
+        # MLA keeps the up-projected per-head queries, keys (N·(H+R)) and values (N·V) for the attention backward
+        q = m.n_heads * m.qk_head_dim / tp
+        kv = m.n_heads * (m.qk_head_dim + m.v_dim) / 2 / tp
     heads = m.n_heads / tp
     if m.is_moe:
         F = F * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)

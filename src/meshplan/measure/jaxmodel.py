@@ -82,6 +82,8 @@ def make_sharder(layout: Layout, model: ModelConfig, mesh: Mesh) -> Sharder:
 
 def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> None:
     """Raise MeshplanError for layouts the reference model does not build."""
+    if model.is_mla:
+        raise MeshplanError(f"{model.name}: multi-head latent attention (MLA) is not in the JAX model yet")
     if layout.pp > 1:
         raise MeshplanError("verify: pipeline parallelism is not built into the reference model (use pp=1)")
     if layout.zero in (1, 2):

@@ -46,6 +46,16 @@ class ModelConfig:
     experts_per_token: int = 0  # k
     n_shared_experts: int = 0
     shared_expert_d_ff: int = 0
+    # Multi-head latent attention (DeepSeek-V2 §2.1, arXiv:2405.04434): keys and values come from a shared
+    # latent of width kv_lora_rank (plus one RoPE key of qk_rope_head_dim shared by all heads), queries from a
+    # latent of width q_lora_rank (0: a full-rank W_Q); head_dim is the non-RoPE query/key width per head.
+    kv_lora_rank: int = 0  # 0 = standard multi-head / grouped-query attention
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0  # value width per head (0 = head_dim)
+    # MoE models whose first layers are dense (DeepSeek's first_k_dense_replace) with this MLP width
+    first_dense_layers: int = 0
+    dense_d_ff: int = 0
     family: str = "llama"
     source: str = ""
 
@@ -67,6 +77,33 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """K·H, width of each of the key and value projections."""
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: head_dim, plus the decoupled RoPE part under MLA."""
+        return self.head_dim + self.qk_rope_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Value width per head (the attention output is N·v_dim wide)."""
+        return self.v_head_dim or self.head_dim
+
+    def mla_weights(self) -> dict[str, int]:
+        """MLA projection weights of one layer (DeepSeek-V2 eqs. 1-10): down-projections shared by the heads,
+        up-projections per head, and the output projection."""
+        D, N = self.d_model, self.n_heads
+        q_up = N * self.qk_head_dim
+        return {
+            "q_down": D * self.q_lora_rank,
+            "q_up": (self.q_lora_rank or D) * q_up,  # full-rank W_Q when there is no query latent
+            "kv_down": D * (self.kv_lora_rank + self.qk_rope_head_dim),
+            "kv_up": self.kv_lora_rank * N * (self.head_dim + self.v_dim),
+            "o": N * self.v_dim * D,
+        }
 
     @property
     def gqa_group(self) -> int:
@@ -107,6 +144,15 @@ def validate_model(m: ModelConfig) -> None:
         raise MeshplanError(f"model '{m.name}': unknown norm '{m.norm}'")
     if m.n_experts < 0 or m.experts_per_token < 0 or m.n_shared_experts < 0 or m.shared_expert_d_ff < 0:
         raise MeshplanError(f"model '{m.name}': expert counts must not be negative")
+    for f in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_dense_layers", "dense_d_ff"):
+        v = getattr(m, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise MeshplanError(f"model '{m.name}': {f} must be a non-negative integer, got {v!r}")
+    if not m.is_mla and (m.q_lora_rank or m.qk_rope_head_dim):
+        raise MeshplanError(f"model '{m.name}': q_lora_rank and qk_rope_head_dim need MLA (kv_lora_rank > 0)")
+    if m.first_dense_layers and (m.first_dense_layers >= m.n_layers or not m.dense_d_ff or not m.is_moe):
+        raise MeshplanError(f"model '{m.name}': first_dense_layers needs an MoE model, fewer than {m.n_layers} "
+                            f"dense layers and their dense_d_ff")
     if m.is_moe and not 1 <= m.experts_per_token <= m.n_experts:
         raise MeshplanError(
             f"model '{m.name}': experts per token must be between 1 and {m.n_experts}, got {m.experts_per_token}")
@@ -141,7 +187,8 @@ def _act(name: Any, gated_family: bool) -> str:
     return "gelu"
 
 
-_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma")
+_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "deepseek_v2",
+                   "deepseek_v3")
 _KNOWN_FAMILIES = _GATED_FAMILIES + ("gpt2", "gpt_neox", "gpt_bigcode", "meshplan")
 
 
@@ -155,7 +202,16 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     N = _int(cfg, origin, "num_attention_heads", "n_head")
     L = _int(cfg, origin, "num_hidden_layers", "n_layer")
     V = _int(cfg, origin, "vocab_size")
-    if "head_dim" in cfg and cfg["head_dim"] is not None:
+    mla = {}
+    if cfg.get("kv_lora_rank"):
+        # DeepSeek-V2/V3 multi-head latent attention: head_dim is the non-RoPE query/key width
+        mla = dict(kv_lora_rank=_int(cfg, origin, "kv_lora_rank"),
+                   q_lora_rank=_int(cfg, origin, "q_lora_rank", default=0) if cfg.get("q_lora_rank") else 0,
+                   qk_rope_head_dim=_int(cfg, origin, "qk_rope_head_dim", default=0),
+                   v_head_dim=_int(cfg, origin, "v_head_dim", default=0))
+    if mla:
+        H = _int(cfg, origin, "qk_nope_head_dim", "head_dim")
+    elif "head_dim" in cfg and cfg["head_dim"] is not None:
         H = _int(cfg, origin, "head_dim")
     else:
         if D % N:
@@ -172,7 +228,11 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     k = _int(cfg, origin, "num_experts_per_tok", "moe_topk", default=2 if E else 0) if E else 0
     shared_F = 0
     n_shared = 0
+    dense = {}
     if E and moe_F:
+        if cfg.get("first_k_dense_replace"):
+            # DeepSeek: the first k layers keep a dense MLP of intermediate_size
+            dense = dict(first_dense_layers=_int(cfg, origin, "first_k_dense_replace"), dense_d_ff=F)
         F = _int(cfg, origin, "moe_intermediate_size")
     if cfg.get("shared_expert_intermediate_size"):
         shared_F = _int(cfg, origin, "shared_expert_intermediate_size")
@@ -196,7 +256,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, norm=norm,
         linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias, n_experts=E, experts_per_token=k,
         n_shared_experts=n_shared, shared_expert_d_ff=shared_F, family=family,
-        source=str(cfg.get("_source", origin)),
+        source=str(cfg.get("_source", origin)), **mla, **dense,
     )
     validate_model(m)
     return m

@@ -72,11 +72,16 @@ def _shape_constants(m) -> dict[str, float]:
     mult = 3 if m.gated else 2
     k = m.experts_per_token if m.is_moe else 1
     shared_F = m.n_shared_experts * (m.shared_expert_d_ff or F)
+    mlp_w_active = mult * D * (F * k + shared_F) + (D * m.n_experts if m.is_moe else 0)
+    expert_w = mult * D * F * m.n_experts if m.is_moe else 0.0
+    if m.first_dense_layers:
+        # DeepSeek's leading dense layers: the layout is timed with the mean layer (their share of the weights)
+        moe_share = 1 - m.first_dense_layers / m.n_layers
+        mlp_w_active = moe_share * mlp_w_active + (1 - moe_share) * mult * D * m.dense_d_ff
+        expert_w = moe_share * expert_w
     return dict(
         D=D, F=F, V=m.vocab_size, N=m.n_heads, K=m.n_kv_heads, H=m.head_dim, k=k, mult=mult,
-        attn_w=2 * D * m.q_dim + 2 * D * m.kv_dim,
-        mlp_w_active=mult * D * (F * k + shared_F) + (D * m.n_experts if m.is_moe else 0),
-        expert_w=mult * D * F * m.n_experts if m.is_moe else 0.0,
+        attn_w=tm.attention_matmul_weights(m), mlp_w_active=mlp_w_active, expert_w=expert_w,
     )
 
 
@@ -109,15 +114,15 @@ class CostModel:
         tp, t = g["tp"], g["t_mb"]
         m = self.p.model
         T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
-        kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
-        qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
-        f_qkv = 2 * t * c["D"] * qkv_width
-        f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
         f_mlp = 2 * t * c["mlp_w_active"] / tp
-        mm_f = (self._matmul_time(f_qkv, t, qkv_width, c["D"])
-                + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)
-                + self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]))
-        f_core = 4.0 * t * (S / 2.0) * c["N"] * c["H"] / tp  # causal, load-balanced over cp (book ch.4)
+        mm_f = self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + self._attention_projections(t, tp)
+        if m.is_mla:
+            qkv_width = m.n_heads * (2 * m.qk_head_dim + m.v_dim) / tp  # up-projected Q, K, V on this rank
+        else:
+            kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
+            qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
+        # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths)
+        f_core = 2.0 * t * (S / 2.0) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
             core_f = f_core / (self.peak_bf16 * e.attention_fwd_fraction)
             core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
@@ -158,6 +163,27 @@ class CostModel:
             bwd=nl * (2 * mm_f + core_b + 2 * elem_f + cast_b + recompute) + 2 * un_f,
         )
 
+    def _attention_projections(self, t, tp):
+        """Seconds of one layer's attention projections, each GEMM timed at its own shape."""
+        c, m = self.c, self.p.model
+        if not m.is_mla:
+            kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
+            qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
+            f_qkv = 2 * t * c["D"] * qkv_width
+            f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
+            return (self._matmul_time(f_qkv, t, qkv_width, c["D"])
+                    + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp))
+        # MLA (DeepSeek-V2 §2.1): the latent down-projections are computed whole on every TP rank; the per-head
+        # up-projections and the output projection split over the heads
+        w, N = m.mla_weights(), m.n_heads
+        q_in = m.q_lora_rank or c["D"]
+        t_s = self._matmul_time(2 * t * w["kv_down"], t, m.kv_lora_rank + m.qk_rope_head_dim, c["D"])
+        if m.q_lora_rank:
+            t_s = t_s + self._matmul_time(2 * t * w["q_down"], t, m.q_lora_rank, c["D"])
+        t_s = t_s + self._matmul_time(2 * t * w["q_up"] / tp, t, N * m.qk_head_dim / tp, q_in)
+        t_s = t_s + self._matmul_time(2 * t * w["kv_up"] / tp, t, N * (m.head_dim + m.v_dim) / tp, m.kv_lora_rank)
+        return t_s + self._matmul_time(2 * t * w["o"] / tp, t, c["D"], N * m.v_dim / tp)
+
     def _materialized_attention(self, g: dict, f_core):
         """Attention without a flash kernel (Megatron 2020-21, BLOOM): QKᵀ and AV as batched matmuls of
         inner dimension H, plus softmax (and dropout) over the N·s² score matrix in HBM; no causal saving
@@ -193,7 +219,11 @@ class CostModel:
         out["tp_link_mb"] = nl * 2 * tp_layer
         # CP ring attention: cp-1 KV block passes forward, KV and dKV backward, each overlapped with the
         # attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes.
-        kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
+        if self.p.model.is_mla:  # the up-projected keys and values travel (N·(H+R) and N·V per token)
+            m = self.p.model
+            kv_per_rank = m.n_heads * (m.qk_head_dim + m.v_dim) / 2 / tp
+        else:
+            kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
         perm = comm.time("permute", 2 * ACT_BYTES * t * kv_per_rank, cp, tp)
         cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
         out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0))
