@@ -121,6 +121,18 @@ def model_of(e: dict) -> ModelConfig:
         norm="layernorm" if gpt else "rmsnorm", linear_bias=gpt, family="gpt2" if gpt else "llama",
     )
     fields.update(_moe_fields(m))
+    # multi-head latent attention (DeepSeek-V2/V3), under the Hugging Face key names or in an `mla` block
+    mla = dict(m, **(m.get("mla") or {})) if isinstance(m.get("mla"), dict) else m
+    if _int(mla.get("kv_lora_rank")):
+        fields.update(kv_lora_rank=_int(mla["kv_lora_rank"]), q_lora_rank=_int(mla.get("q_lora_rank")),
+                      qk_rope_head_dim=_int(mla.get("qk_rope_head_dim")), v_head_dim=_int(mla.get("v_head_dim")))
+        if _int(mla.get("qk_nope_head_dim")):
+            fields["head_dim"] = _int(mla["qk_nope_head_dim"])
+    moe_block = m.get("moe") if isinstance(m.get("moe"), dict) else {}
+    dense = _int(_first(m, "first_k_dense_replace", "first_dense_layers")
+                 or _first(moe_block, "first_k_dense_replace", "first_dense_layers"))
+    if dense and fields.get("n_experts"):
+        fields.update(first_dense_layers=dense, dense_d_ff=_int(m.get("ffn")))
     return ModelConfig(**fields)
 
 
@@ -244,8 +256,11 @@ def options_of(e: dict) -> Options:
     ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
                                           "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
     param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
+    limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
+    node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
     return Options(
         ep_overlap=ep_overlap,
+        moe_node_limit=node_limit,
         overlap_param_gather=param_gather,
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=True if tp_overlap else tp_default,

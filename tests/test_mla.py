@@ -62,3 +62,19 @@ def test_verify_refuses_mla_clearly() -> None:
 
     with pytest.raises(MeshplanError, match="MLA"):
         tiny_model(V3)
+
+
+def test_node_limited_routing_halves_the_cross_node_all_to_all() -> None:
+    """DeepSeek-V3 §3.2.2: with k = 8 experts per token and at most M = 4 nodes, 4 copies of each token cross
+    the network instead of 8 (the bandwidth term halves; the per-hop latency stays)."""
+    from meshplan.train.costmodel import Options
+    from meshplan.train.planner import search
+
+    prob = Problem(V3, load_chip("h800"), 2048, 4096, 15360)
+    pins = Pins(dp=128, fsdp=1, tp=1, pp=16, cp=1, ep=64, zero=1, vpp=1, microbatch=1, recompute="full",
+                offload=0.0)
+    eff = default_efficiency(prob.chip)
+    plain, _, _ = search(prob, pins, eff, Options(headroom=-10))
+    limited, _, _ = search(prob, pins, eff, Options(headroom=-10, moe_node_limit=4))
+    ratio = float(limited.link_time["ep"][0]) / float(plain.link_time["ep"][0])
+    assert ratio == pytest.approx(0.5, rel=0.02)

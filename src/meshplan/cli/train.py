@@ -80,6 +80,9 @@ def train(
         "--ep-overlap/--no-ep-overlap",
         help="MoE all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3 DualPipe, Megatron-Core "
              "A2A overlap); default off: exposed (GShard).")] = None,
+    moe_node_limit: Annotated[int | None, typer.Option(
+        help="Node-limited MoE routing: each token reaches at most this many nodes and crosses the network once "
+             "per node (DeepSeek-V3 uses 4).")] = None,
     zero3_fetch: Annotated[str | None, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
              "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
@@ -102,11 +105,14 @@ def train(
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
     eff = resolve_efficiency(problem.chip, profile)
+    if moe_node_limit is not None and moe_node_limit < 1:
+        raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     if zero3_fetch not in (None, "allgather", "broadcast"):
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
-        fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap))
+        fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
+        moe_node_limit=moe_node_limit))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots

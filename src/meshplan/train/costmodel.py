@@ -49,6 +49,7 @@ class Options:
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
+    moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -230,7 +231,10 @@ class CostModel:
         out["cp_link_mb"] = nl * (cp_f + cp_b)
         # EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped.
         if m.is_moe:
-            a2a = comm.time("alltoall", ep * ACT_BYTES * t * c["k"] * c["D"], ep, tp * cp)
+            # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
+            # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
+            copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
+            a2a = comm.time("alltoall", ep * ACT_BYTES * t * copies * c["D"], ep, tp * cp)
             out["ep_link_mb"] = nl * 4 * a2a
             if self.opt.ep_overlap:
                 # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
