@@ -126,9 +126,7 @@ def train(
 
 def assumptions(problem: Problem, opts: Options) -> str:
     """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md)."""
-    tpu = problem.chip.kind == "tpu"
-    tp = opts.tp_overlap if opts.tp_overlap is not None else tpu
-    dp = opts.dp_overlap if opts.dp_overlap is not None else not tpu
+    tp, dp = opts.overlaps(problem.chip.kind)
     parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if opts.compute_dtype == "fp8"
                                                   and opts.fp8_weight_cache else ""),
              "TP collectives overlapped" if tp else "TP collectives exposed",

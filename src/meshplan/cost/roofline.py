@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshplan.errors import MeshplanError
-from meshplan.math.transformer import dtype_bytes
+from meshplan.math.transformer import attention_pair_width, dtype_bytes
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -143,7 +143,7 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
                        rhs_dtype=dtype),
                 matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
                        rhs_dtype=dtype),
-                attention(seqs, seq_len, seq_len, N, N, max(1, round((m.qk_head_dim + m.v_dim) / 2)),
+                attention(seqs, seq_len, seq_len, N, N, max(1, round(attention_pair_width(m) / 2)),
                           causal=causal, dtype=dtype, name="attn/core"),
                 matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     else:

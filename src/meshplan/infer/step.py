@@ -141,7 +141,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
     # its prefill up-projects K and V as training does
-    decode_pair = m.kv_lora_rank * 2 + m.qk_rope_head_dim if m.is_mla else attention_pair_width(m)
+    decode_pair = attention_pair_width(m, absorbed=True)
     attn_flops = 2.0 * Ls * m.n_heads / cfg.tp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
     t_w = weights * cfg.weight_bytes / W

@@ -181,11 +181,15 @@ def attention_flops_per_token(m: ModelConfig, context_len: float, causal: bool =
     return 2.0 * s * m.n_heads * attention_pair_width(m) * m.n_layers
 
 
-def attention_pair_width(m: ModelConfig) -> int:
+def attention_pair_width(m: ModelConfig, absorbed: bool = False) -> int:
     """Per head, per (query, key) pair: the QKᵀ contraction width plus the AV width, so that the forward
     attention costs 2·S·N·(this) FLOPs per token per layer: 2H for standard attention (book ch.4's 4·S·N·H);
-    (head_dim + RoPE) + v_head_dim for MLA in training, where K and V are up-projected (DeepSeek-V2 §2.1)."""
-    return m.qk_head_dim + m.v_dim if m.is_mla else 2 * m.head_dim
+    (head_dim + RoPE) + v_head_dim for MLA in training, where K and V are up-projected (DeepSeek-V2 §2.1).
+    `absorbed`: MLA decoding in the latent space with the up-projections folded into Q and O (DeepSeek-V2
+    §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank."""
+    if not m.is_mla:
+        return 2 * m.head_dim
+    return 2 * m.kv_lora_rank + m.qk_rope_head_dim if absorbed else m.qk_head_dim + m.v_dim
 
 
 def flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = True) -> TokenFlops:
@@ -261,7 +265,7 @@ def activation_bytes_per_layer(
     if m.is_mla:
         # MLA keeps the up-projected per-head queries, keys (N·(H+R)) and values (N·V) for the attention backward
         q = m.n_heads * m.qk_head_dim / tp
-        kv = m.n_heads * (m.qk_head_dim + m.v_dim) / 2 / tp
+        kv = m.n_heads * attention_pair_width(m) / 2 / tp
     heads = m.n_heads / tp
     if m.is_moe:
         F = F * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)

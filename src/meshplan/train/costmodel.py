@@ -64,6 +64,15 @@ class Options:
     zero3_fetch: str = "allgather"
 
 
+    def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
+        """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
+        TP collectives into collective matmuls and reduces scanned-layer gradients after the backward; PyTorch on
+        GPUs exposes TP and buckets the DP reduction behind the backward."""
+        tpu = chip_kind == "tpu"
+        return (self.tp_overlap if self.tp_overlap is not None else tpu,
+                self.dp_overlap if self.dp_overlap is not None else not tpu)
+
+
 class Terms(dict):
     """name -> array over layouts; a dict so parts can be listed and summed."""
 
@@ -103,7 +112,7 @@ class CostModel:
         else:
             self.mm_peak = self.peak_bf16
         self.hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
-        self.tp_overlap = self.opt.tp_overlap if self.opt.tp_overlap is not None else chip.kind == "tpu"
+        self.tp_overlap, self.dp_overlap = self.opt.overlaps(chip.kind)
 
     # --- compute -------------------------------------------------------------------------------
     def _matmul_time(self, flops, m_, n_, k_):
@@ -117,11 +126,7 @@ class CostModel:
         T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
         f_mlp = 2 * t * c["mlp_w_active"] / tp
         mm_f = self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + self._attention_projections(t, tp)
-        if m.is_mla:
-            qkv_width = m.n_heads * (2 * m.qk_head_dim + m.v_dim) / tp  # up-projected Q, K, V on this rank
-        else:
-            kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
-            qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
+        qkv_width = self._qkv_width(tp)
         # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths)
         f_core = 2.0 * t * (S / 2.0) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
@@ -164,12 +169,19 @@ class CostModel:
             bwd=nl * (2 * mm_f + core_b + 2 * elem_f + cast_b + recompute) + 2 * un_f,
         )
 
+    def _qkv_width(self, tp):
+        """Width of the Q, K and V activations on one TP rank: (N/tp + 2·K/tp)·H with KV heads replicated when
+        tp > K; under MLA the up-projected per-head queries, keys (H+R) and values (V)."""
+        c, m = self.c, self.p.model
+        if m.is_mla:
+            return m.n_heads * (2 * m.qk_head_dim + m.v_dim) / tp
+        return (c["N"] / tp + 2 * np.maximum(c["K"] / tp, 1.0)) * c["H"]
+
     def _attention_projections(self, t, tp):
         """Seconds of one layer's attention projections, each GEMM timed at its own shape."""
         c, m = self.c, self.p.model
         if not m.is_mla:
-            kv_heads_per_rank = np.maximum(c["K"] / tp, 1.0)  # KV heads are replicated when tp > K
-            qkv_width = (c["N"] / tp + 2 * kv_heads_per_rank) * c["H"]
+            qkv_width = self._qkv_width(tp)
             f_qkv = 2 * t * c["D"] * qkv_width
             f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
             return (self._matmul_time(f_qkv, t, qkv_width, c["D"])
@@ -220,9 +232,8 @@ class CostModel:
         out["tp_link_mb"] = nl * 2 * tp_layer
         # CP ring attention: cp-1 KV block passes forward, KV and dKV backward, each overlapped with the
         # attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes.
-        if self.p.model.is_mla:  # the up-projected keys and values travel (N·(H+R) and N·V per token)
-            m = self.p.model
-            kv_per_rank = m.n_heads * (m.qk_head_dim + m.v_dim) / 2 / tp
+        if m.is_mla:  # the up-projected keys and values travel (N·(H+R) and N·V per token)
+            kv_per_rank = m.n_heads * tm.attention_pair_width(m) / 2 / tp
         else:
             kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
         perm = comm.time("permute", 2 * ACT_BYTES * t * kv_per_rank, cp, tp)
@@ -320,8 +331,7 @@ class CostModel:
         # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA can hoist the all-reduce
         # of gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on
         # TPU (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
-        overlap_dp = self.opt.dp_overlap if self.opt.dp_overlap is not None else self.p.chip.kind != "tpu"
-        window = nl * (ct["layer_bwd"] + ct["layer_recompute"]) * (1.0 if overlap_dp else 0.0)
+        window = nl * (ct["layer_bwd"] + ct["layer_recompute"]) * (1.0 if self.dp_overlap else 0.0)
         zero = L.zero
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
