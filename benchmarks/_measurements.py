@@ -209,8 +209,11 @@ def _sequence_parallel(e: dict, tp: int) -> bool:
     """Megatron's flag as printed; on TPUs MaxText shards the residual stream's embed dimension over the tensor
     axis (its `activation_embed -> tensor` rule), which divides pointwise work and saved activations by tp and
     turns TP traffic into all-gather + reduce-scatter, as sequence parallelism does."""
-    tpu = "tpu" in str(e["hardware"].get("chip", "")).lower()
-    return bool(e["parallel"].get("sequence_parallel")) or (tpu and tp > 1)
+    return bool(e["parallel"].get("sequence_parallel")) or (_is_tpu(e) and tp > 1)
+
+
+def _is_tpu(e: dict) -> bool:
+    return chip_of(e).kind == "tpu"
 
 
 def seq_len_of(e: dict) -> int:
@@ -222,10 +225,14 @@ def global_batch_of(e: dict) -> int:
     return _int(t.get("global_batch_seqs")) or _int(t.get("tokens_per_step")) // seq_len_of(e)
 
 
+def _source_text(e: dict) -> str:
+    src = e.get("source") or {}
+    return " ".join(str(src.get(k) or "") for k in ("ref", "title", "where", "also"))
+
+
 def _year(e: dict) -> int | None:
     """The source's year: from an arXiv number (yymm) or a 20xx year in its reference text."""
-    src = e.get("source") or {}
-    text = " ".join(str(src.get(k) or "") for k in ("ref", "title", "where", "also"))
+    text = _source_text(e)
     m = re.search(r"arXiv:(\d{2})(\d{2})\.", text)
     if m:
         return 2000 + int(m.group(1))
@@ -246,12 +253,11 @@ def options_of(e: dict) -> Options:
     old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
     tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
                                           "tp-comm-overlap", "userbuffer", "collective matmul"))
-    tpu = "tpu" in str(e["hardware"].get("chip", "")).lower()
+    tpu = _is_tpu(e)
     # XLA's collective-matmul decomposition on TPU (Wang et al., ASPLOS 2023) postdates the 2022 TPU runs
     tp_default = False if (tpu and year is not None and year <= 2022) else None
     # NeMo's H100 performance recipes run Transformer Engine's TP communication overlap (userbuffers)
-    src = e.get("source") or {}
-    if "nemo" in (group + " " + " ".join(str(src.get(k) or "") for k in ("title", "ref", "where"))).lower():
+    if "nemo" in (group + " " + _source_text(e)).lower():
         tp_default = True
     ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
                                           "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
@@ -268,7 +274,7 @@ def options_of(e: dict) -> Options:
         # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
         # GPU recipes before 2023 (Megatron GPT, BLOOM, OPT) trained with dropout 0.1; TPU recipes (PaLM) and the
         # Llama-era ones without
-        dropout=old and "tpu" not in str(e["hardware"].get("chip", "")).lower(),
+        dropout=old and not tpu,
         flash_attention=not old,
         headroom=0.0,
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
