@@ -196,7 +196,7 @@ def pins_of(e: dict) -> Pins:
     else:
         dp, fs, z = dp_total, 1, min(zero, 2)
     mb = _int(t.get("micro_batch")) or None
-    if mb is None and e["group"].startswith(("torchtitan", "megatron2020", "megatron_2020")):
+    if mb is None and (_is_torchtitan(e) or e["group"].startswith(("megatron2020", "megatron_2020"))):
         # torchtitan (2024) and the 2020 Megatron runs had no gradient accumulation: the local batch is the
         # micro-batch; with pipelining torchtitan splits it into pp micro-batches
         mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
@@ -240,6 +240,11 @@ def _year(e: dict) -> int | None:
     return max(years) if years else None
 
 
+def _is_torchtitan(e: dict) -> bool:
+    """Trained with torchtitan: named in the group or the source."""
+    return "torchtitan" in (e["group"] + " " + _source_text(e)).lower()
+
+
 def _text(e: dict) -> str:
     """Precision and notes, lower-cased, where sources name kernels and overlap features."""
     t, p = e["training"], e["parallel"]
@@ -248,7 +253,7 @@ def _text(e: dict) -> str:
 
 def options_of(e: dict) -> Options:
     prec = str(e["training"].get("precision") or "").lower()
-    text, group, year = _text(e), e["group"], _year(e)
+    text, group, year, titan = _text(e), e["group"], _year(e), _is_torchtitan(e)
     # no FlashAttention before 2023 (Megatron 2020-22, BLOOM, PaLM): the score matrix goes through HBM
     old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
     tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
@@ -279,11 +284,13 @@ def options_of(e: dict) -> Options:
         headroom=0.0,
         # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         selective_flavor=_selective_flavor(e),
-        fused_elementwise=not (group.startswith("torchtitan") and "compile" not in prec),
+        fused_elementwise=not (titan and "compile" not in prec),
         # torchtitan compiles the transformer blocks only: its loss is eager F.cross_entropy on fp32 logits
-        fused_loss=not group.startswith("torchtitan"),
+        fused_loss=not titan,
         # torchao float8 (torchtitan) casts the weights on every forward; Transformer Engine caches them per step
-        fp8_weight_cache=not group.startswith("torchtitan"),
+        fp8_weight_cache=not titan,
+        # torchtitan's context parallelism is PyTorch's context_parallel with the all-gather rotation
+        cp_impl="torch" if titan else "ring",
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
@@ -306,9 +313,9 @@ def _zero3_fetch(e: dict) -> str:
 
 def _selective_flavor(e: dict) -> str:
     r = str(e["training"].get("recompute") or "").lower()
-    if e["group"].startswith("torchtitan") and "(op)" in r:
+    if _is_torchtitan(e) and "(op)" in r:
         return "op"
-    if e["group"].startswith("torchtitan") and "(layer)" in r:
+    if _is_torchtitan(e) and "(layer)" in r:
         return "layer"
     return "attention"
 

@@ -78,3 +78,15 @@ def test_node_limited_routing_halves_the_cross_node_all_to_all() -> None:
     limited, _, _ = search(prob, pins, eff, Options(headroom=-10, moe_node_limit=4))
     ratio = float(limited.link_time["ep"][0]) / float(plain.link_time["ep"][0])
     assert ratio == pytest.approx(0.5, rel=0.02)
+
+
+def test_implausibly_large_latent_rank_is_a_clear_error() -> None:
+    """A kv_lora_rank past 2**53 overflowed the FLOP sums (found by the loader fuzz test); it is refused."""
+    from meshplan.errors import MeshplanError
+    from meshplan.specs.model import model_from_hf
+
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
+           "intermediate_size": 8192, "vocab_size": 1000, "kv_lora_rank": 2**60, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "v_head_dim": 128}
+    with pytest.raises(MeshplanError, match="kv_lora_rank is implausibly large"):
+        model_from_hf(cfg, "big", "test")

@@ -87,6 +87,10 @@ def train(
         help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
              "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
              "blocking).")] = None,
+    cp_impl: Annotated[str | None, typer.Option(
+        help="How context parallelism runs attention: ring (default: Ring Attention passing GQA-sized K/V blocks, "
+             "Megatron-Core/Transformer Engine) or torch (PyTorch's context_parallel as torchtitan runs it: K/V "
+             "repeated to every head, all-gathered per layer, fp32 merges).")] = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
@@ -109,10 +113,12 @@ def train(
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     if zero3_fetch not in (None, "allgather", "broadcast"):
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
+    if cp_impl not in (None, "ring", "torch"):
+        raise MeshplanError(f"--cp-impl must be ring or torch, got '{cp_impl}'")
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
-        moe_node_limit=moe_node_limit))
+        moe_node_limit=moe_node_limit, cp_impl=cp_impl))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
@@ -134,6 +140,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
              "fused pointwise" if opts.fused_elementwise else "eager pointwise",
              "fused loss" if opts.fused_loss else "eager fp32 loss",
              f"ZeRO-3 fetch by {opts.zero3_fetch}"]
+    parts.append("CP by PyTorch all-gather (repeated K/V, fp32 merges)" if opts.cp_impl == "torch"
+                 else "CP by Ring Attention")
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
     return "; ".join(parts)

@@ -120,7 +120,8 @@ class ModelConfig:
 
 
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len",
-                "n_experts", "experts_per_token", "n_shared_experts", "shared_expert_d_ff")
+                "n_experts", "experts_per_token", "n_shared_experts", "shared_expert_d_ff", "kv_lora_rank",
+                "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_dense_layers", "dense_d_ff")
 _MAX_SIZE = 2**53
 
 

@@ -30,6 +30,17 @@ LOSS_BYTES_EAGER = 2 * (4.0 + ACT_BYTES)  # ... + fp32 gradient + its bf16 cast
 FP8_CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) + fp8 write (1)
 FP8_TRANSPOSE_BYTES = 3.0  # per element: read bf16 (2) + write the transposed fp8 copy (1)
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
+# PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
+# it) merges each ring step's attention output into an fp32 running output and accumulates gradients in fp32
+# (`_cp_options.convert_to_f32`). HBM bytes per local output element per ring step after the first, read off that
+# code, averaged over the load-balanced split's full steps and its half-query steps (which update half the rows and
+# then rebuild the whole fp32 tensor with `torch.cat`, 8 B): forward `_SDPAMerger.step`, full step 38 B (cast the
+# bf16 block 2+4, out - block_out 4+4+4, sigmoid-weighted product 4+4, subtract 4+4+4), half step 19 + 8 = 27 B,
+# mean 32.5, plus the K/V concatenation sent on (2+2 for each of K and V) = 40.5; backward: dQ += (full 10, half
+# 5 + 8) 11.5, dK and dV += (full 10, half 5 + 8) 23, their fp32 concatenation for the next rank (4+4 each) 16,
+# the K/V concatenation 8 = 58.5.
+CP_TORCH_MERGE_FWD_BYTES = 40.5
+CP_TORCH_MERGE_BWD_BYTES = 58.5
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,14 @@ class Options:
     # paper's design, Rajbhandari et al. 2020 §7.2.2: each partition's owner broadcasts it and gradients are
     # reduced back to the owner, so a layer's bytes pass one owner's link, and each fetch blocks the layer).
     zero3_fetch: str = "allgather"
-
+    # How context parallelism runs attention. "ring": Ring Attention (Liu et al. 2023) as Megatron-Core/Transformer
+    # Engine run it: each rank passes its (GQA-sized) K/V block to the next, hidden behind the block it feeds.
+    # "torch": PyTorch's experimental context_parallel as torchtitan ran it (torch 2.5-2.6, rotate method
+    # "allgather", torchtitan's default): the model repeats K/V to every query head before SDPA (`repeat_kv`), so
+    # the KV that travels is MHA-sized; it is all-gathered once per layer pass, hidden only behind the first
+    # (diagonal) block; gradients of K/V travel block by block in fp32 with the last one exposed; outputs and
+    # gradients are merged in fp32 (CP_TORCH_MERGE_*).
+    cp_impl: str = "ring"
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -134,6 +152,11 @@ class CostModel:
             core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
         else:
             core_f, core_b = self._materialized_attention(g, f_core)
+        if self.opt.cp_impl == "torch":
+            # fp32 output merges and gradient accumulation of every ring step after the first
+            out_elems = t * c["N"] * c["H"] / tp * (g["cp"] - 1)
+            core_f = core_f + CP_TORCH_MERGE_FWD_BYTES * out_elems / self.hbm
+            core_b = core_b + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
         sp_div = np.where(g["sp"], tp, 1)
         act_w = (3 if m.gated else 2) * c["F"] * c["k"]
         elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
@@ -234,12 +257,19 @@ class CostModel:
         # attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes.
         if m.is_mla:  # the up-projected keys and values travel (N·(H+R) and N·V per token)
             kv_per_rank = m.n_heads * tm.attention_pair_width(m) / 2 / tp
+        elif self.opt.cp_impl == "torch":  # K/V repeated to every query head before SDPA
+            kv_per_rank = c["N"] / tp * c["H"]
         else:
             kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
-        perm = comm.time("permute", 2 * ACT_BYTES * t * kv_per_rank, cp, tp)
-        cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
-        out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0))
-        out["cp_link_mb"] = nl * (cp_f + cp_b)
+        kv_bytes = 2 * ACT_BYTES * t * kv_per_rank
+        if self.opt.cp_impl == "torch":
+            out["cp_mb"], out["cp_link_mb"] = self._torch_cp_terms(L, kv_bytes, ct, cp, tp, nl)
+        else:
+            perm = comm.time("permute", kv_bytes, cp, tp)
+            cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
+            out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0)
+                                 + np.maximum(cp_b - ct["layer_core_bwd"], 0))
+            out["cp_link_mb"] = nl * (cp_f + cp_b)
         # EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped.
         if m.is_moe:
             # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
@@ -263,6 +293,31 @@ class CostModel:
         self._data_parallel_terms(L, g, ct, out)
         self._shared_link_slowdown(g, ct, out)
         return out
+
+    def _torch_cp_terms(self, L: LayoutArrays, kv_bytes, ct: Terms, cp, tp, nl):
+        """(exposed, link) seconds per micro-batch of PyTorch's all-gather context parallelism (`cp_impl`): each
+        layer pass all-gathers the ring's K/V behind the first (diagonal) block only, 1/cp of the rank's attention;
+        the backward gathers again and passes fp32 dK/dV on to the next rank after every block, each hidden behind
+        the next block except the last. A recomputed forward (full recompute, or selective of the attention core)
+        runs the ring again."""
+        ag = self.comm.time("allgather", cp * kv_bytes, cp, tp)
+        dkv = self.comm.time("permute", 2 * kv_bytes, cp, tp)  # fp32 gradients: twice the bf16 bytes
+        block_f, block_b = ct["layer_core_fwd"] / cp, ct["layer_core_bwd"] / cp
+        passes_f = 1 + ((L.recompute == 2) | ((L.recompute == 1) & (self.opt.selective_flavor == "attention")))
+        exp_f = passes_f * np.maximum(ag - block_f, 0)
+        exp_b = np.maximum(ag - block_b, 0) + np.maximum(cp - 2, 0) * np.maximum(dkv - block_b, 0) + dkv
+        link = passes_f * ag + ag + (cp - 1) * dkv
+        return nl * np.where(cp > 1, exp_f + exp_b, 0.0), nl * np.where(cp > 1, link, 0.0)
+
+    def _torch_cp_buffer(self, g: dict):
+        """Bytes PyTorch's all-gather context parallelism holds during one layer's attention backward (`cp_impl`):
+        the gathered K/V of the whole ring (bf16, repeated to every query head) and the fp32 dQ, dK and dV
+        accumulators (`_templated_ring_attention_backward`)."""
+        if self.opt.cp_impl != "torch" or self.p.model.is_mla:
+            return 0.0
+        c, cp = self.c, g["cp"]
+        width = g["t_mb"] * c["N"] * c["H"] / g["tp"]  # local elements of Q, and of each repeated K and V
+        return np.where(cp > 1, cp * 2 * ACT_BYTES * width + 3 * 4.0 * width, 0.0)
 
     def _shared_link_slowdown(self, g: dict, ct: Terms, out: Terms) -> None:
         """Collectives that share a link slow each other: on a GPU, an FSDP group whose members sit in the
@@ -419,7 +474,7 @@ class CostModel:
         else:
             gathered = g["params_layer_local"]
         fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + ACT_BYTES) * gathered, 0.0)
-        other = self.eff.memory_reserved_bytes + fsdp_buf
+        other = self.eff.memory_reserved_bytes + fsdp_buf + self._torch_cp_buffer(g)
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, PARAM_BYTES)
