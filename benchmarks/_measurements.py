@@ -31,11 +31,14 @@ CHIPS = {  # published chip description -> catalog preset
     "TPU v5e": "tpu-v5e",
     "V100-SXM3-32GB (DGX-2)": "v100-32gb",
 }
-# Published scale-out fabrics that differ from the catalog chip's default (bytes/s per chip, one way).
-FABRICS = {
-    # Jean Zay (BLOOM): 4 Omni-Path 100 Gb/s links per 8-GPU node (BLOOM paper §3.1, Le Scao et al. 2022)
-    "Omni-Path": 4 * 100e9 / 8 / 8,
+# Line rates of fabrics that descriptions name without a number (bits/s per link or port, one way).
+LINK_RATES_BIT_PER_S = {
+    "omni-path": 100e9, "opa": 100e9,  # Intel Omni-Path 100 Series (Jean Zay, BLOOM paper §3.1)
+    "edr": 100e9, "hdr": 200e9, "ndr": 400e9, "xdr": 800e9,  # InfiniBand generations (IBTA roadmap)
 }
+# scale_out_kind by the words a description uses (collective efficiencies differ per kind)
+FABRIC_KINDS = (("infiniband", "infiniband"), (" ib", "infiniband"), ("hdr", "infiniband"), ("ndr", "infiniband"),
+                ("roce", "roce"), ("efa", "ethernet"), ("ethernet", "ethernet"))
 
 
 def load_entries() -> list[dict]:
@@ -137,13 +140,46 @@ def model_of(e: dict) -> ModelConfig:
 
 
 def chip_of(e: dict):
-    desc = str(e["hardware"]["chip"])
+    """The catalog chip the entry names, with the scale-out network its hardware text describes."""
+    hw = e["hardware"]
+    desc = str(hw["chip"])
     chip = load_chip(CHIPS.get(desc) or match_chip(desc))
-    inter = str(e["hardware"].get("inter_node") or "")
-    for key, bw in FABRICS.items():
-        if key in inter:
-            chip = replace(chip, links=replace(chip.links, scale_out_bandwidth_bytes_per_s=bw))
-    return chip
+    if chip.links.is_torus:
+        return chip
+    gpus = re.search(r"(\d+)\s*(?:x\s*)?(?:[a-z0-9-]+\s+)?gpus?\b", str(hw.get("intra_node") or "").lower())
+    bw, kind = scale_out_of(str(hw.get("inter_node") or ""), int(gpus.group(1)) if gpus else
+                            chip.links.nvlink_domain_size)
+    links = chip.links
+    if bw:
+        links = replace(links, scale_out_bandwidth_bytes_per_s=bw)
+    if kind:
+        links = replace(links, scale_out_kind=kind)
+    return replace(chip, links=links)
+
+
+def scale_out_of(text: str, gpus_per_node: int) -> tuple[float | None, str | None]:
+    """(bytes/s per GPU one way, fabric kind) read from a description of the inter-node network: '8x 200 Gb/s HDR
+    InfiniBand HCAs per node', 'RDMA 400 Gb/s per GPU', '3200 Gbps EFA per node', '4 OPA links per node'. A count
+    ('8x', '4 links') multiplies the rate and makes it the node's unless the text says per GPU; a bare rate is per
+    GPU unless the text says per node/host. None for what the text does not say."""
+    t = " " + text.lower().replace("×", "x") + " "
+    kind = next((k for word, k in FABRIC_KINDS if word in t), None)
+    rate = re.search(r"(\d+(?:\.\d+)?)\s*(g|t)(?:b/s|bps|bit/s|bits/s)", t)
+    if rate:
+        bits = float(rate.group(1)) * (1e12 if rate.group(2) == "t" else 1e9)
+    else:
+        bits = next((r for name, r in LINK_RATES_BIT_PER_S.items() if name in t), None)
+        if bits is None:
+            return None, kind
+    count = re.search(r"(\d+)\s*x\s|(\d+)\s+(?:[a-z-]+\s+){0,2}(?:links|ports|nics|hcas|adapters|cards)\b", t)
+    n = int(count.group(1) or count.group(2)) if count else 1
+    # a count of NICs without 'per GPU' describes the node ('8x 400 Gb/s NDR')
+    per_node = (re.search(r"per\s+(?:node|host|server)|/\s*(?:node|host)", t) is not None
+                or (count is not None and re.search(r"per\s+(?:gpu|accelerator|device)", t) is None))
+    total = n * bits / 8
+    if total <= 0:
+        return None, kind
+    return (total / gpus_per_node if per_node else total), kind
 
 
 def recompute_of(e: dict) -> str | None:

@@ -151,3 +151,41 @@ def test_accuracy_benchmark_survives_unseen_entries(monkeypatch, capsys) -> None
     out = capsys.readouterr().out
     assert "renamed_chip" in out and "unstated_recompute" in out
     assert "SKIPPED unknown_chip" in out and "1 of 3 entries could not be evaluated" in out
+
+
+@pytest.mark.parametrize("text, gb_per_s_per_gpu, kind", [
+    # Selene (Megatron SC21, Korthikanti 2022): one 200 Gb/s HDR HCA per GPU
+    ("8x NVIDIA Mellanox 200 Gb/s HDR InfiniBand HCAs per node for application traffic (Selene)", 25.0, "infiniband"),
+    # Jean Zay (BLOOM paper §3.1): 4 Omni-Path 100 Gb/s links shared by 8 GPUs
+    ("Omni-Path (4 OPA links per node), dedicated NCCL subnet (Jean Zay)", 6.25, None),
+    ("RDMA 400 Gb/s per GPU", 50.0, None),
+    # AWS p4d: 400 Gb/s of EFA per 8-GPU instance; p5: 3,200 Gb/s
+    ("400 Gbps EFA per node", 6.25, "ethernet"),
+    ("3200 Gbps EFA per node", 50.0, "ethernet"),
+    ("8x 400Gb/s NDR InfiniBand", 50.0, "infiniband"),
+    ("1.6 Tb/s per node", 25.0, None),
+    ("4x HDR per node", 12.5, "infiniband"),
+])
+def test_scale_out_read_from_the_published_network(text: str, gb_per_s_per_gpu: float, kind: str | None) -> None:
+    bw, k = H.scale_out_of(text, 8)
+    assert bw == pytest.approx(gb_per_s_per_gpu * 1e9)
+    assert k == kind
+
+
+def test_unstated_network_keeps_the_preset() -> None:
+    assert H.scale_out_of("", 8) == (None, None)
+    assert H.scale_out_of("InfiniBand", 8) == (None, "infiniband")
+    entry = {"hardware": {"chip": "A100 40GB", "count": 64, "intra_node": "8 GPUs per node, NVLink",
+                          "inter_node": "400 Gbps EFA per node (AWS p4d)"}}
+    chip = H.chip_of(entry)
+    assert chip.links.scale_out_bandwidth_bytes_per_s == pytest.approx(6.25e9)
+    assert chip.links.scale_out_kind == "ethernet"
+    assert H.chip_of({"hardware": {"chip": "A100 40GB"}}).links == load_chip("a100-40gb").links
+
+
+@given(st.text(max_size=80), st.integers(1, 16))
+@settings(max_examples=200, deadline=None)
+def test_scale_out_parser_never_crashes(text: str, gpus: int) -> None:
+    bw, kind = H.scale_out_of(text, gpus)
+    assert bw is None or bw > 0
+    assert kind in (None, "infiniband", "roce", "ethernet")
