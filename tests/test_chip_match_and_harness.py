@@ -24,6 +24,7 @@ import _measurements as H  # noqa: E402  (the benchmark harness, not part of the
     ("H100 96GB HBM2e (SXM-class, 500W power limit)", "h100-sxm-96gb"),
     ("NVIDIA H100 80GB HBM3 SXM5", "h100-sxm"),
     ("H800 SXM5", "h800"),
+    ("NVIDIA A800-SXM4-80GB", "a800"),
     ("V100-SXM3-32GB (DGX-2)", "v100-32gb"),
     ("TPU v4", "tpu-v4"),
     ("TPU v3 pod", "tpu-v3"),

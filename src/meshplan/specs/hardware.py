@@ -231,6 +231,7 @@ _DESCRIPTION_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("h100", "hbm2e"), "h100-sxm-96gb"),
     (("h100", "500w"), "h100-sxm-96gb"),
     (("h100",), "h100-sxm"),
+    (("a800",), "a800"),
     (("a100", "40gb"), "a100-40gb"),
     (("a100", "2020"), "a100-40gb"),  # the 2020 DGX A100 shipped with 40 GB parts
     (("a100",), "a100-80gb"),
