@@ -218,12 +218,22 @@ def _vpp_of(vpp) -> int | None:
     return 2 if "interleav" in str(vpp).lower() else 1
 
 
+def harness_notes(e: dict) -> list[str]:
+    """What the harness changed while reading the entry, shown next to its row."""
+    return e.setdefault("_harness_notes", [])
+
+
 def pins_of(e: dict) -> Pins:
     """The published degrees. dp counts FSDP shards as DP ranks (training_measurements convention)."""
     p, t = e["parallel"], e["training"]
     tp, pp, cp = _int(p.get("tp")) or 1, _int(p.get("pp")) or 1, _int(p.get("cp")) or 1
     chips = _int(e["hardware"]["count"])
     dp_total = _int(p.get("dp")) or max(chips // (tp * pp * cp), 1)
+    if dp_total * tp * pp * cp != chips and chips % (tp * pp * cp) == 0:
+        # a printed dp that does not close the product (a typo, or a count that includes other axes): the chip
+        # count and the model-parallel degrees decide, and the row says so
+        harness_notes(e).append(f"dp {dp_total} -> {chips // (tp * pp * cp)} (tp·pp·cp·dp = chips)")
+        dp_total = chips // (tp * pp * cp)
     zero = _int(p.get("zero_stage"))
     fsdp = p.get("fsdp")
     if zero == 3 or fsdp:
@@ -360,11 +370,23 @@ def problem_of(e: dict) -> Problem:
     return Problem(model_of(e), chip_of(e), _int(e["hardware"]["count"]), seq_len_of(e), global_batch_of(e))
 
 
+_FRACTION_KEYS = ("mfu", "hfu")
+
+
 def _num(d: dict, *keys) -> float | None:
+    """The first positive number under `keys`: a number, or the leading number of a string ('160 TFLOP/s',
+    '1,543', '46.2%'). A utilisation printed as a percentage (46.2 or '46.2%') becomes a fraction."""
     for k in keys:
         v = d.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-            return float(v)
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, str):
+            m = re.match(r"\s*~?\s*(\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?)\s*(%?)", v.lower())
+            if not m:
+                continue
+            v = float(m.group(1).replace(",", "")) / (100.0 if m.group(2) else 1.0)
+        if isinstance(v, (int, float)) and v > 0:
+            return float(v) / 100.0 if k in _FRACTION_KEYS and v > 1 else float(v)
     return None
 
 
@@ -420,7 +442,8 @@ def measured_step_time_s(e: dict) -> float:
     if conv is None:
         raise ValueError(f"{e['id']}: no step time, tokens/s or known FLOP convention in the source")
     flops, _hw = conv
-    peak = _num(e["hardware"], "peak_dense_tflops_per_chip")
+    # MFU against the peak the source states, else the datasheet's dense bf16 peak of the matched chip
+    peak = _num(e["hardware"], "peak_dense_tflops_per_chip") or chip_of(e).peak("bf16") / 1e12
     for d in (meas, der):
         tf = _num(d, "tflops_per_chip", "tflops_per_gpu", "model_tflops_per_gpu", "tflops_per_gpu_hw")
         if tf:

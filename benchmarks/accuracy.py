@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 
 from _measurements import (
+    harness_notes,
     load_entries,
     measured_memory_bytes,
     measured_step_time_s,
@@ -43,7 +44,7 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
     row.update(pred_step_s=best["step_time_s"], fits=fits, layout=_short(best["config"]),
                bottleneck=best["bottleneck"], mfu=best["mfu"], note=note)
     row["pred_mem_bytes"] = best["memory_bytes_per_chip"]["total"]
-    row["params_note"] = _params_note(e, prob)
+    row["params_note"] = "; ".join(n for n in (_params_note(e, prob), *harness_notes(e)) if n)
     row["measured_mem_bytes"] = measured_memory_bytes(e)
     row["rel_err"] = row["pred_step_s"] / row["measured_step_s"] - 1
     tokens = prob.global_batch * prob.seq_len

@@ -190,3 +190,39 @@ def test_scale_out_parser_never_crashes(text: str, gpus: int) -> None:
     bw, kind = H.scale_out_of(text, gpus)
     assert bw is None or bw > 0
     assert kind in (None, "infiniband", "roce", "ethernet")
+
+
+def test_numbers_printed_as_text_or_percent_are_read() -> None:
+    assert H._num({"tflops_per_gpu": "160 TFLOP/s"}, "tflops_per_gpu") == 160.0
+    assert H._num({"tokens_per_s_per_gpu": "1,543"}, "tokens_per_s_per_gpu") == 1543.0
+    assert H._num({"mfu": "46.2%"}, "mfu") == pytest.approx(0.462)
+    assert H._num({"mfu": 46.2}, "mfu") == pytest.approx(0.462)  # a percentage printed bare
+    assert H._num({"mfu": 0.462}, "mfu") == pytest.approx(0.462)
+    assert H._num({"mfu": "n/a", "hfu": True}, "mfu", "hfu") is None
+
+
+def _llama8b_entry(**parallel) -> dict:
+    return {"id": "t", "group": "g", "source": {"title": "t", "ref": "none 2024"},
+            "model": {"name": "m", "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                      "ffn_act": "swiglu", "vocab": 128256, "seq_len": 8192},
+            "hardware": {"chip": "H100 SXM5 80GB", "count": 64}, "parallel": parallel,
+            "training": {"precision": "bf16", "recompute": "none", "micro_batch": 1, "global_batch_seqs": 64,
+                         "seq_len": 8192},
+            "measured": {"mfu": 0.40}, "flops_convention": "unspecified"}
+
+
+def test_mfu_without_a_stated_peak_uses_the_datasheet_peak() -> None:
+    """6N + 12·L·H·Q·T per token (PaLM appendix B) at 40% of the H100's dense 989 TFLOP/s."""
+    e = _llama8b_entry(tp=8)
+    n = H.model_of(e)
+    from meshplan.math.transformer import param_counts
+
+    per_token = 6 * param_counts(n).total + 12 * 32 * 4096 * 8192
+    assert H.measured_step_time_s(e) == pytest.approx(64 * 8192 * per_token / (0.40 * 989e12 * 64), rel=1e-6)
+
+
+def test_a_dp_that_does_not_close_the_product_is_released_and_noted() -> None:
+    e = _llama8b_entry(tp=8, pp=2, dp=64)  # 8 · 2 · 64 = 1,024 on 64 chips: dp must be 4
+    pins = H.pins_of(e)
+    assert pins.dp * pins.tp * pins.pp == 64 and pins.dp == 4
+    assert H.harness_notes(e) == ["dp 64 -> 4 (tp·pp·cp·dp = chips)"]
