@@ -86,3 +86,18 @@ def test_torchtitan_framework_selects_the_torch_impl() -> None:
     assert framework_options("torchtitan", Options(), {}).cp_impl == "torch"
     assert framework_options("megatron", Options(), {}).cp_impl == "ring"
     assert framework_options("torchtitan", Options(), {"cp_impl": "ring"}).cp_impl == "ring"
+
+
+def test_exposed_torch_cp_names_the_ring_as_the_fix() -> None:
+    """Llama 3 70B at 262k tokens, TP8 inside the node and CP8 across 8 nodes: the 8-way gather of K/V repeated to
+    64 heads outruns the diagonal block over InfiniBand, and the explanation says what hides it."""
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins
+
+    prob = Problem(load_model("llama3-70b"), load_chip("h100-sxm"), 64, SEQ, 1)
+    eff = default_efficiency(prob.chip)
+    pins = Pins(tp=8, cp=8)
+    torch_cp = plan(prob, pins, eff, Options(cp_impl="torch", fsdp_over_cp=True), top=1).plans[0]
+    ring = plan(prob, pins, eff, Options(cp_impl="ring", fsdp_over_cp=True), top=1).plans[0]
+    assert torch_cp["bottleneck"] == "comm/cp" and "--cp-impl ring" in torch_cp["explanation"]
+    assert ring["time_breakdown_s"]["exposed_comm/cp"] < 0.1 * torch_cp["time_breakdown_s"]["exposed_comm/cp"]

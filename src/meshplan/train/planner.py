@@ -198,6 +198,10 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
     if worst == "fsdp" and cm.opt.zero3_fetch == "broadcast":
         advice = ("an owner-broadcast fetch passes each layer through one link and blocks on it: an all-gather "
                   "ZeRO-3/FSDP (--zero3-fetch allgather) spreads it over every link and hides it behind compute")
+    if worst == "cp" and cm.opt.cp_impl == "torch":
+        advice = ("PyTorch's all-gather rotation hides the gathered K/V behind the first block only and moves K/V "
+                  "repeated to every head: a ring that passes GQA-sized blocks (torchtitan's "
+                  "context_parallel_rotate_method='alltoall' and K/V left unrepeated, or --cp-impl ring) hides them")
     return (f"comm/{worst}", f"the {names[worst]} are {share:.0%} of the step ({min(exposed, 1):.0%} of their "
             f"link time is exposed on {_link_of(cm, ev, i, worst)}): {advice}")
 
