@@ -25,6 +25,16 @@ def test_deepseek_v3_parameters_match_the_report() -> None:
     assert pc.active == pytest.approx(37e9, rel=0.02)
 
 
+def test_deepseek_v2_parameters_match_the_report() -> None:
+    """DeepSeek-V2 report §3.1.1: 236B total, 21B activated per token; its KV cache is (512 + 64) latent values per
+    layer, 60 layers."""
+    v2 = load_model("deepseek-v2")
+    pc = param_counts(v2)
+    assert pc.total == pytest.approx(236e9, rel=0.005)
+    assert pc.active == pytest.approx(21e9, rel=0.03)
+    assert kv_cache_bytes_per_token(v2, "bf16") == (512 + 64) * 60 * 2
+
+
 def test_mla_attention_weights_by_hand() -> None:
     """D = 7168, 128 heads, q latent 1536, kv latent 512, RoPE 64, head 128, value 128: W_DQ + W_UQ + W_DKV(+W_KR)
     + W_UK + W_UV + W_O, plus the two latent RMSNorms."""
