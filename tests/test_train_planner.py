@@ -553,3 +553,28 @@ def test_random_pins_never_crash(dp, fsdp, tp, pp, cp, vpp, microbatch, recomput
                 assert p["config"]["dp"] == 1
             elif getattr(pins, k) is not None:
                 assert p["config"][k] == getattr(pins, k), k
+
+
+def test_gpu_fsdp_pays_the_copy_out_of_every_gathered_layer() -> None:
+    """PyTorch FSDP2 copies each gathered parameter out of the all-gather buffer on the compute stream: 4 bytes
+    (bf16 read + write) per parameter per gather, a forward and a backward gather per micro-batch. Llama 3 8B,
+    FSDP 8 on one H100 node: 32 layers of 218,112,000 parameters plus 2 x 128,256 x 4,096 embedding/unembedding
+    per gather. TPUs (XLA) and DeepSpeed's owner broadcast have no such copy."""
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
+    eff = default_efficiency(prob.chip)
+    L = LayoutArrays.from_configs([ParallelConfig(fsdp=8, microbatch=1, recompute="none")])
+    cm = CostModel(prob, eff, Options())
+    g = cm.geometry(L)
+    cc = cm.comm_terms(L, g, cm.compute_terms(L, g))
+    per_gather = 32 * 218_112_000 + 2 * 128_256 * 4096
+    hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
+    assert float(cc["fsdp_copy_mb"][0]) == pytest.approx(2 * 4 * per_gather / hbm, rel=1e-9)
+    bcast = CostModel(prob, eff, Options(zero3_fetch="broadcast"))
+    assert float(bcast.comm_terms(L, g, cm.compute_terms(L, g))["fsdp_copy_mb"][0]) == 0.0
+    tpu = Problem(load_model("llama3-8b"), load_chip("tpu-v5e"), 8, 4096, 8)
+    cm_tpu = CostModel(tpu, default_efficiency(tpu.chip), Options())
+    g_tpu = cm_tpu.geometry(L)
+    assert float(cm_tpu.comm_terms(L, g_tpu, cm_tpu.compute_terms(L, g_tpu))["fsdp_copy_mb"][0]) == 0.0

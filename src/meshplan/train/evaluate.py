@@ -51,11 +51,11 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # out during the forward, back during the backward, each hidden behind that pass's compute
     offload_exposed = np.maximum(host - ct["fwd"], 0) + np.maximum(host - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
-    per_mb = ct["fwd"] + ct["bwd"] + per_mb_comm + offload_exposed
+    per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
     # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)
     bubble = (g["pp"] - 1) / g["vpp"] * per_mb
     opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1)) / cm.hbm
-    compute = m * (ct["fwd"] + ct["bwd"])
+    compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
     link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"]) \
@@ -63,7 +63,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
     contention = e.comm_compute_interference * np.minimum(hidden, compute)
-    step = m * per_mb + bubble + step_comm + opt_update + e.step_overhead_s + contention
+    step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
     for k in ("tp", "cp", "ep", "pp", "fsdp"):
