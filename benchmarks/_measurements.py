@@ -15,7 +15,7 @@ import yaml
 
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip, match_chip
-from meshplan.specs.model import ModelConfig
+from meshplan.specs.model import ModelConfig, validate_model
 from meshplan.train.costmodel import Options
 from meshplan.train.space import Pins, Problem
 
@@ -42,7 +42,11 @@ FABRIC_KINDS = (("infiniband", "infiniband"), (" ib", "infiniband"), ("hdr", "in
 
 
 def load_entries() -> list[dict]:
-    return yaml.safe_load((REF_DIR / "training_measurements.yaml").read_text())
+    entries = yaml.safe_load((REF_DIR / "training_measurements.yaml").read_text()) or []
+    for e in entries:
+        if isinstance(e, dict):
+            e.setdefault("group", "ungrouped")
+    return entries
 
 
 def _int(x) -> int:
@@ -117,7 +121,7 @@ def model_of(e: dict) -> ModelConfig:
     ffn = _int(m.get("ffn")) or (4 * d if act in ("gelu", "relu") else -(-8 * d // 3 // 256) * 256)
     fields = dict(
         name=name, n_layers=_int(m["layers"]), d_model=d, n_heads=heads,
-        n_kv_heads=_int(m.get("kv_heads")) or heads, head_dim=_int(m.get("head_dim")) or d // heads,
+        n_kv_heads=_int(m.get("kv_heads")) or heads, head_dim=_int(m.get("head_dim")) or d // max(heads, 1),
         d_ff=ffn, vocab_size=_int(m.get("vocab")) or 32000, max_seq_len=seq, mlp_act=act,
         tied_embeddings=bool(m.get("tied_embeddings")),
         position="alibi" if "bloom" in name.lower() else ("learned" if gpt else "rotary"),
@@ -136,7 +140,9 @@ def model_of(e: dict) -> ModelConfig:
                  or _first(moe_block, "first_k_dense_replace", "first_dense_layers"))
     if dense and fields.get("n_experts"):
         fields.update(first_dense_layers=dense, dense_d_ff=_int(m.get("ffn")))
-    return ModelConfig(**fields)
+    model = ModelConfig(**fields)
+    validate_model(model)  # a missing or zero size is a clear error, not a NaN step time
+    return model
 
 
 def chip_of(e: dict):
@@ -229,7 +235,7 @@ def pins_of(e: dict) -> Pins:
     tp, pp, cp = _int(p.get("tp")) or 1, _int(p.get("pp")) or 1, _int(p.get("cp")) or 1
     chips = _int(e["hardware"]["count"])
     dp_total = _int(p.get("dp")) or max(chips // (tp * pp * cp), 1)
-    if dp_total * tp * pp * cp != chips and chips % (tp * pp * cp) == 0:
+    if chips > 0 and dp_total * tp * pp * cp != chips and chips % (tp * pp * cp) == 0:
         # a printed dp that does not close the product (a typo, or a count that includes other axes): the chip
         # count and the model-parallel degrees decide, and the row says so
         harness_notes(e).append(f"dp {dp_total} -> {chips // (tp * pp * cp)} (tp·pp·cp·dp = chips)")
@@ -237,7 +243,7 @@ def pins_of(e: dict) -> Pins:
     zero = _int(p.get("zero_stage"))
     fsdp = p.get("fsdp")
     if zero == 3 or fsdp:
-        shard = dp_total if fsdp in (None, True) or not _int(fsdp) else min(_int(fsdp), dp_total)
+        shard = dp_total if fsdp in (None, True) or _int(fsdp) < 1 else min(_int(fsdp), dp_total)
         dp, fs, z = max(dp_total // shard, 1), shard, 0
     else:
         dp, fs, z = dp_total, 1, min(zero, 2)

@@ -140,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-search", action="store_true")
     ap.add_argument("--d-half-gpu", type=float, help="replace the Ampere/Hopper GEMM tile constant (sensitivity)")
     args = ap.parse_args(argv)
-    entries = [e for e in load_entries() if not args.group or e["group"] == args.group]
+    entries = [e for e in load_entries() if not args.group or e.get("group") == args.group]
     t0 = time.perf_counter()
     rows, skipped = [], []
     for e in entries:
         try:
             rows.append(evaluate_entry(e, search=not args.no_search, d_half_gpu=args.d_half_gpu))
         except Exception as exc:  # an entry meshplan cannot read or place is reported, never silently dropped
-            skipped.append((e.get("id", "?"), f"{type(exc).__name__}: {exc}"))
+            why = f"the entry has no {exc} field" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            skipped.append((e.get("id", "?"), why))
     print(f"{'id':46s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'tok/s/chip m/p':>15s} {'fit':>4s}  "
           f"{'search s':>8s}  layout / bottleneck")
     for r in rows:

@@ -226,3 +226,10 @@ def test_a_dp_that_does_not_close_the_product_is_released_and_noted() -> None:
     pins = H.pins_of(e)
     assert pins.dp * pins.tp * pins.pp == 64 and pins.dp == 4
     assert H.harness_notes(e) == ["dp 64 -> 4 (tp·pp·cp·dp = chips)"]
+
+
+def test_an_entry_with_a_zero_size_is_skipped_with_the_reason() -> None:
+    e = _llama8b_entry(tp=8)
+    e["model"]["heads"] = 0
+    with pytest.raises(MeshplanError, match="n_heads must be a positive integer"):
+        H.model_of(e)

@@ -578,3 +578,9 @@ def test_gpu_fsdp_pays_the_copy_out_of_every_gathered_layer() -> None:
     cm_tpu = CostModel(tpu, default_efficiency(tpu.chip), Options())
     g_tpu = cm_tpu.geometry(L)
     assert float(cm_tpu.comm_terms(L, g_tpu, cm_tpu.compute_terms(L, g_tpu))["fsdp_copy_mb"][0]) == 0.0
+
+
+def test_zero_global_batch_is_a_clear_error() -> None:
+    prob = Problem(load_model("llama3-8b"), load_chip("h100-sxm"), 8, 4096, 0)
+    with pytest.raises(MeshplanError, match="global batch must be a positive integer, got 0"):
+        plan(prob, Pins(), default_efficiency(prob.chip))

@@ -83,6 +83,9 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
         why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"
         raise InfeasibleError(f"no layout satisfies the constraints: {why}")
     pinned_all = all(getattr(pins, k) is not None for k in ("dp", "fsdp", "tp", "pp", "cp"))
+    if not np.isfinite(ev.step_time_s).any():
+        raise InfeasibleError("no layout can be placed: a parallel group does not map onto the "
+                              f"{problem.chips}-chip topology of {problem.chip.name}")
     if not ev.fits.any():
         raise InfeasibleError(_not_fit_message(problem, ev, pinned_all) + _what_fits(problem, pins, eff, options))
     order = np.argsort(np.where(ev.fits, ev.step_time_s, np.inf), kind="stable")
@@ -94,7 +97,8 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
 
 
 def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
-    i = int(np.argmin(ev.memory["total"]))
+    # the smallest of the layouts that map onto the topology (the others never reach the memory test)
+    i = int(np.argmin(np.where(np.isfinite(ev.step_time_s), ev.memory["total"], np.inf)))
     need, have = ev.memory["total"][i], ev.hbm_budget_bytes
     cfg = ev.layouts.config(i)
     what = "the pinned layout does not fit" if pinned_all else "no layout fits"

@@ -7,6 +7,7 @@ broadcasting, so no Python code runs per layout.
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -55,6 +56,9 @@ class Problem:
 def validate_pins(p: Problem, pins: Pins) -> None:
     """Reject impossible pins with a message that says why and what would work."""
     m = p.model
+    for what, v in (("sequence length", p.seq_len), ("global batch", p.global_batch)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise MeshplanError(f"the {what} must be a positive integer, got {v!r}")
     for name in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "microbatch"):
         v = getattr(pins, name)
         if v is not None and v < 1:
