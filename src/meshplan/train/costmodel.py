@@ -27,10 +27,14 @@ FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
 LOSS_BYTES_FUSED = 4.0 + ACT_BYTES  # per logit: fp32 softmax saved + bf16 logits
 LOSS_BYTES_EAGER = 2 * (4.0 + ACT_BYTES)  # ... + fp32 gradient + its bf16 cast
-# PyTorch FSDP2 copies each all-gathered parameter out of the flat all-gather buffer into the unsharded parameter
-# on the compute stream (`foreach_all_gather_copy_out`, torch.split_with_sizes_copy): read + write bf16 per
-# parameter per gather. XLA on TPU gathers in place.
+# PyTorch FSDP2 (torch.distributed._composable.fsdp._fsdp_collectives) copies each all-gathered parameter out of the
+# flat all-gather buffer into the unsharded parameter on the compute stream (`foreach_all_gather_copy_out`): read +
+# write bf16 per parameter per gather; before each reduce-scatter it concatenates the bf16 gradients into the
+# reduce-dtype input (`foreach_reduce_scatter_copy_in`, torch._chunk_cat) on the reduce-scatter stream, and the
+# compute stream waits for that copy (`current_stream.wait_stream(reduce_scatter_stream)`): read 2 B + write the
+# reduce dtype. XLA on TPU gathers and reduces in place.
 FSDP_COPY_OUT_BYTES = 2.0 * 2.0
+FSDP_COPY_IN_READ_BYTES = 2.0
 FP8_CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) + fp8 write (1)
 FP8_TRANSPOSE_BYTES = 3.0  # per element: read bf16 (2) + write the transposed fp8 copy (1)
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
@@ -379,12 +383,17 @@ class CostModel:
         out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
         out["fsdp_step"] = np.where(once, once_f + once_b, 0.0)
         out["fsdp_link_step"] = np.where(once, nl * (ag + rs) + ag_emb + rs_emb, 0.0)
-        # GPU FSDP's copy-out of every gathered layer, kernel time on the compute stream: forward and backward
-        # gathers per micro-batch, one gather per step under pipelining
-        copy = (FSDP_COPY_OUT_BYTES / self.hbm * (nl * w_layer + emb)
-                if self.p.chip.kind == "gpu" and o.zero3_fetch == "allgather" else np.zeros_like(w_layer))
-        out["fsdp_copy_mb"] = np.where(per_mb, 2 * copy, 0.0)
-        out["fsdp_copy_step"] = np.where(once, copy, 0.0)
+        # GPU FSDP's copies, kernel time the compute stream waits for: the copy-out of every gathered layer
+        # (forward and backward gathers per micro-batch, one gather per step under pipelining) and the gradients'
+        # copy-in before each reduce-scatter
+        if self.p.chip.kind == "gpu" and o.zero3_fetch == "allgather":
+            w_all = nl * w_layer + emb
+            copy_out = FSDP_COPY_OUT_BYTES * w_all / self.hbm
+            copy_in = (FSDP_COPY_IN_READ_BYTES + o.grad_reduce_bytes) * w_all / self.hbm
+        else:
+            copy_out = copy_in = np.zeros_like(w_layer)
+        out["fsdp_copy_mb"] = np.where(per_mb, 2 * copy_out + copy_in, 0.0)
+        out["fsdp_copy_step"] = np.where(once, copy_out + copy_in, 0.0)
         # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
         # distributed optimizer), bucketed and overlapped with the last micro-batch's backward. Without FSDP the
         # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
