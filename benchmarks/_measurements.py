@@ -248,6 +248,9 @@ def pins_of(e: dict) -> Pins:
     else:
         dp, fs, z = dp_total, 1, min(zero, 2)
     mb = _int(t.get("micro_batch")) or None
+    accum = _int(t.get("grad_accum"))
+    if mb is None and accum > 0 and global_batch_of(e) % (dp_total * accum) == 0:
+        mb = global_batch_of(e) // (dp_total * accum)  # global batch = dp × micro-batch × accumulation steps
     if mb is None and (_is_torchtitan(e) or e["group"].startswith(("megatron2020", "megatron_2020"))):
         # torchtitan (2024) and the 2020 Megatron runs had no gradient accumulation: the local batch is the
         # micro-batch; with pipelining torchtitan splits it into pp micro-batches

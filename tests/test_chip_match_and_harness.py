@@ -233,3 +233,9 @@ def test_an_entry_with_a_zero_size_is_skipped_with_the_reason() -> None:
     e["model"]["heads"] = 0
     with pytest.raises(MeshplanError, match="n_heads must be a positive integer"):
         H.model_of(e)
+
+
+def test_micro_batch_from_gradient_accumulation() -> None:
+    e = _llama8b_entry(tp=8, pp=2)  # dp = 64 / 16 = 4
+    e["training"].update(micro_batch=None, grad_accum=8)  # 64 = 4 × mb × 8 -> mb 2
+    assert H.pins_of(e).microbatch == 2
