@@ -457,9 +457,15 @@ def measured_step_time_s(e: dict) -> float:
         tf = _num(d, "tflops_per_chip", "tflops_per_gpu", "model_tflops_per_gpu", "tflops_per_gpu_hw")
         if tf:
             return flops / (tf * 1e12 * chips)
-        frac = _num(d, "mfu", "hfu")
+        frac = _num(d, "mfu")
         if frac and peak:
             return flops / (frac * peak * 1e12 * chips)
+        hfu = _num(d, "hfu")
+        if hfu and peak:
+            # HFU counts the recomputed forward too: one more forward of the 2N-per-token three (8N/6N) under full
+            # recompute (Korthikanti et al. 2022 §5); a convention that already counts it is used as it is
+            full = recompute_of(e) == "full" and not _hw
+            return flops * (4 / 3 if full else 1.0) / (hfu * peak * 1e12 * chips)
     raise ValueError(f"{e['id']}: no throughput figure to turn into a step time")
 
 

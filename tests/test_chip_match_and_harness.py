@@ -239,3 +239,15 @@ def test_micro_batch_from_gradient_accumulation() -> None:
     e = _llama8b_entry(tp=8, pp=2)  # dp = 64 / 16 = 4
     e["training"].update(micro_batch=None, grad_accum=8)  # 64 = 4 × mb × 8 -> mb 2
     assert H.pins_of(e).microbatch == 2
+
+
+def test_hfu_only_counts_the_recomputed_forward() -> None:
+    """A run that prints only HFU under full recompute did 8N/6N of its model FLOPs: the same step time as an MFU
+    of 3/4 of that HFU."""
+    by_mfu = _llama8b_entry(tp=8)
+    by_mfu["training"]["recompute"] = "full"
+    by_mfu["measured"] = {"mfu": 0.45}
+    by_hfu = _llama8b_entry(tp=8)
+    by_hfu["training"]["recompute"] = "full"
+    by_hfu["measured"] = {"hfu": 0.60}
+    assert H.measured_step_time_s(by_hfu) == pytest.approx(H.measured_step_time_s(by_mfu), rel=1e-12)
