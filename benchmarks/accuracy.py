@@ -113,10 +113,11 @@ def _short(c: dict) -> str:
 
 def summarize(rows: list[dict]) -> None:
     groups = sorted({r["group"] for r in rows})
-    print(f"\n{'group':34s} {'n':>3s} {'median |err|':>13s} {'worst |err|':>12s}")
+    print(f"\n{'group':34s} {'n':>3s} {'median |err|':>13s} {'worst |err|':>12s} {'within 25%':>11s}")
     for g in groups + ["ALL"]:
         errs = [abs(r["rel_err"]) for r in rows if g == "ALL" or r["group"] == g]
-        print(f"{g:34s} {len(errs):3d} {statistics.median(errs):13.1%} {max(errs):12.1%}")
+        within = sum(e <= 0.25 for e in errs)
+        print(f"{g:34s} {len(errs):3d} {statistics.median(errs):13.1%} {max(errs):12.1%} {within:>7d}/{len(errs)}")
 
 
 def memory_table(rows: list[dict]) -> None:
