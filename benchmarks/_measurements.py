@@ -324,7 +324,13 @@ def options_of(e: dict) -> Options:
     param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
     limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
     node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
+    # pipeline schedule named in the notes (DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used)
+    schedule = ("dualpipe" if "dualpipe" in text else
+                "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
+    if _vpp_of(e["parallel"].get("vpp")) not in (1,):
+        schedule = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
     return Options(
+        pp_schedule=schedule,
         ep_overlap=ep_overlap,
         moe_node_limit=node_limit,
         overlap_param_gather=param_gather,

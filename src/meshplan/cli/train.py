@@ -15,7 +15,7 @@ from meshplan.specs.model import load_model
 from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import framework_options
 from meshplan.train.planner import plan
-from meshplan.train.space import Pins, Problem
+from meshplan.train.space import PP_SCHEDULES, Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
 
 Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
@@ -91,6 +91,9 @@ def train(
         help="How context parallelism runs attention: ring (default: Ring Attention passing GQA-sized K/V blocks, "
              "Megatron-Core/Transformer Engine) or torch (PyTorch's context_parallel as torchtitan runs it: K/V "
              "repeated to every head, all-gathered per layer, fp32 merges).")] = None,
+    pp_schedule: Annotated[str | None, typer.Option(
+        help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
+             "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
@@ -115,10 +118,12 @@ def train(
         raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
     if cp_impl not in (None, "ring", "torch"):
         raise MeshplanError(f"--cp-impl must be ring or torch, got '{cp_impl}'")
+    if pp_schedule not in (None, *PP_SCHEDULES):
+        raise MeshplanError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got '{pp_schedule}'")
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
-        moe_node_limit=moe_node_limit, cp_impl=cp_impl))
+        moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
@@ -142,6 +147,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
              f"ZeRO-3 fetch by {opts.zero3_fetch}"]
     parts.append("CP by PyTorch all-gather (repeated K/V, fp32 merges)" if opts.cp_impl == "torch"
                  else "CP by Ring Attention")
+    if opts.pp_schedule != "1f1b":
+        parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
     return "; ".join(parts)

@@ -89,6 +89,10 @@ class Options:
     # (diagonal) block; gradients of K/V travel block by block in fp32 with the last one exposed; outputs and
     # gradients are merged in fp32 (CP_TORCH_MERGE_*).
     cp_impl: str = "ring"
+    # Pipeline schedule (DeepSeek-V3 report, Table 2, compares the three): "1f1b" (Narayanan et al. 2021; interleaved
+    # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
+    # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages).
+    pp_schedule: str = "1f1b"
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -468,7 +472,9 @@ class CostModel:
         pp, vpp = g["pp"], g["vpp"]
         # 1F1B: the first stage holds min(pp, micro-batches) in flight; interleaving multiplies by
         # 1 + (p-1)/(p·v) (Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3).
-        inflight = np.where(pp > 1, np.minimum(pp, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
+        # DualPipe keeps PP + 1 (DeepSeek-V3 Table 2); zero-bubble ZB-H1 as many as 1F1B
+        depth = pp + 1 if self.opt.pp_schedule == "dualpipe" else pp
+        inflight = np.where(pp > 1, np.minimum(depth, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
         acts = g["layers_stage"] * act_layer * inflight
         # full recompute re-materialises one layer's activations at a time in the backward
         acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
@@ -500,7 +506,10 @@ class CostModel:
         o_bytes = np.where(fs > 1, OPT_BYTES - FSDP_PARAM_STATE_BYTES, OPT_BYTES)
         params = p_bytes * P / fs + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
-        t = Terms(params=params, grads=grads, optimizer=o_bytes * P / shard_o, activations=acts, other=other)
+        # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
+        copies = np.where((pp > 1) & (self.opt.pp_schedule == "dualpipe"), 2.0, 1.0)
+        t = Terms(params=copies * params, grads=copies * grads, optimizer=copies * o_bytes * P / shard_o,
+                  activations=acts, other=other)
         t["offloaded"] = saved * L.offload
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight

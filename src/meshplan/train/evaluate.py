@@ -30,6 +30,21 @@ class Evaluation:
     hbm_budget_bytes: float
 
 
+def _bubble(cm: CostModel, g: dict, ct, per_mb):
+    """Idle pipeline time per step. 1F1B: (p-1)/v micro-batch slots (Narayanan et al. 2021, interleaved); with
+    W the weight-gradient GEMMs of a stage's micro-batch (the forward GEMMs' FLOPs again), zero-bubble ZB-H1 fills
+    part of it: (p-1)(F + B - 2W) (Qi et al. 2024); DualPipe: (p/2 - 1)(F&B + B - 3W) (DeepSeek-V3 Table 2, F&B
+    the overlapped forward and backward chunk, taken as the micro-batch's whole time)."""
+    pp = g["pp"]
+    w = g["layers_stage"] * ct["layer_matmul_fwd"]
+    schedule = cm.opt.pp_schedule
+    if schedule == "zb1p":
+        return (pp - 1) * np.maximum(per_mb - 2 * w, 0)
+    if schedule == "dualpipe":
+        return np.maximum(pp / 2 - 1, 0) * np.maximum(per_mb + ct["bwd"] - 3 * w, 0)
+    return (pp - 1) / g["vpp"] * per_mb
+
+
 def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     """Evaluate every layout in `L` under the cost model. A layout whose group cannot map onto the topology
     has infinite collective cost; the inf - inf it meets on the way is expected (the planner drops it)."""
@@ -52,8 +67,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     offload_exposed = np.maximum(host - ct["fwd"], 0) + np.maximum(host - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
-    # 1F1B bubble: (p-1)/v micro-batch slots idle (Narayanan et al. 2021 eq. for interleaved schedules)
-    bubble = (g["pp"] - 1) / g["vpp"] * per_mb
+    bubble = _bubble(cm, g, ct, per_mb)
     opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1)) / cm.hbm
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)

@@ -49,11 +49,11 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int]:
     """Enumerate and evaluate; retries with activation offload when nothing fits and offload is free."""
     cm = cm or CostModel(problem, eff, _options_for(pins, options))
-    layouts, reasons = enumerate_layouts(problem, pins)
+    layouts, reasons = enumerate_layouts(problem, pins, pp_schedule=cm.opt.pp_schedule)
     ev = evaluate(cm, layouts)
     searched = len(layouts)
     if not ev.fits.any() and pins.offload is None:
-        more, _ = enumerate_layouts(problem, pins, offload_choices=(0.5, 1.0))
+        more, _ = enumerate_layouts(problem, pins, offload_choices=(0.5, 1.0), pp_schedule=cm.opt.pp_schedule)
         ev2 = evaluate(cm, more)
         searched += len(more)
         if ev2.fits.any():

@@ -18,6 +18,8 @@ from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import RECOMPUTE_CODES, LayoutArrays, check_recompute
 
+PP_SCHEDULES = ("1f1b", "zb1p", "dualpipe")
+
 
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
@@ -143,9 +145,18 @@ def normalize_pins(pins: Pins) -> Pins:
     return pins
 
 
-def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...] = (0.0,)) -> tuple[LayoutArrays, Counter]:
+def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...] = (0.0,),
+                      pp_schedule: str = "1f1b") -> tuple[LayoutArrays, Counter]:
     """Every candidate layout as arrays, and a count of rejected ones by reason."""
     validate_pins(p, pins)
+    if pp_schedule not in PP_SCHEDULES:
+        raise MeshplanError(f"unknown pipeline schedule '{pp_schedule}' (known: {', '.join(PP_SCHEDULES)})")
+    if pp_schedule != "1f1b":
+        if pins.vpp not in (None, 1):
+            raise MeshplanError(f"the {pp_schedule} schedule has no virtual stages: drop --vpp {pins.vpp}")
+        if pp_schedule == "dualpipe" and pins.pp is not None and pins.pp > 1 and pins.pp % 2:
+            raise MeshplanError(f"DualPipe pairs pipeline ranks from both ends: --pp {pins.pp} must be even")
+        pins = replace(pins, vpp=1)
     pins = normalize_pins(pins)
     reasons: Counter = Counter()
     shapes = _mesh_shapes(p, pins, reasons)
@@ -163,6 +174,11 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     idx, vpp, mb, rc, zero, ep, off = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
     keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons)
+    if pp_schedule == "dualpipe":
+        odd = keep & (pp > 1) & (pp % 2 == 1)
+        if odd.any():
+            reasons["DualPipe needs an even number of pipeline stages"] += int(odd.sum())
+        keep &= ~odd
     arrays = LayoutArrays(dp=dp[keep], fsdp=fs[keep], tp=tp[keep], pp=pp[keep], vpp=vpp[keep], cp=cp[keep],
                           ep=ep[keep], microbatch=mb[keep], recompute=rc[keep], zero=zero[keep],
                           offload=off[keep], sequence_parallel=pins.sequence_parallel)
