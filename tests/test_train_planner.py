@@ -586,3 +586,27 @@ def test_zero_global_batch_is_a_clear_error() -> None:
     prob = Problem(load_model("llama3-8b"), load_chip("h100-sxm"), 8, 4096, 0)
     with pytest.raises(MeshplanError, match="global batch must be a positive integer, got 0"):
         plan(prob, Pins(), default_efficiency(prob.chip))
+
+
+def test_moe_pays_the_token_permutation() -> None:
+    """Mixtral 8x7B (D = 4096, top-2), one micro-batch of 4,096 tokens: dispatch reads each token once and writes
+    its 2 copies, combine reads the 2 copies and writes one token: 2·(1 + 2)·4096 bf16 elements per token of
+    HBM traffic in the forward, on top of the dense layer's pointwise work."""
+    from dataclasses import replace as dc_replace
+
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    moe = load_model("mixtral-8x7b")
+    dense = dc_replace(moe, n_experts=0, experts_per_token=0)
+    L = LayoutArrays.from_configs([ParallelConfig(microbatch=1, recompute="none")])
+    elem = {}
+    for name, m in (("moe", moe), ("dense", dense)):
+        prob = Problem(m, load_chip("h100-sxm"), 1, 4096, 1)
+        cm = CostModel(prob, default_efficiency(prob.chip), Options())
+        ct = cm.compute_terms(L, cm.geometry(L))
+        elem[name] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
+    hbm = load_chip("h100-sxm").hbm_bandwidth_bytes_per_s * default_efficiency(load_chip("h100-sxm")).hbm_fraction
+    # the MoE layer's other pointwise terms differ from the dense one's only through k·F in the activation width
+    act_extra = 2 * 4096 * 3 * 14336 * (2 - 1)  # SwiGLU activations of the second expert copy, bf16
+    assert elem["moe"] - elem["dense"] == pytest.approx((2 * 4096 * 2 * 3 * 4096 + act_extra) / hbm, rel=1e-9)

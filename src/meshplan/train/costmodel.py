@@ -174,6 +174,11 @@ class CostModel:
         elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
+        if m.is_moe:
+            # token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
+            # gather each token's k copies into expert order (read D, write k·D) and scatter-add them back (read
+            # k·D, write D); forward here, the backward's mirror in 2·elem_f
+            elem_bytes = elem_bytes + ACT_BYTES * t * 2 * (1 + c["k"]) * c["D"]
         elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
         cast_b = np.zeros_like(elem_f)
         if self.opt.compute_dtype == "fp8":
