@@ -16,7 +16,7 @@ def write_train_plots(out_dir: str, problem, pins, eff, opts, result) -> list[st
     best = result.plans[0]
     paths = [str(d / "memory.png"), str(d / "schedule.png"), str(d / "mfu_vs_chips.png")]
     plot_memory(best, problem, paths[0])
-    plot_schedule(best, paths[1])
+    plot_schedule(best, paths[1], getattr(opts, "pp_schedule", "1f1b"))
     plot_mfu_scaling(problem, pins, eff, opts, paths[2])
     return paths
 
@@ -73,8 +73,9 @@ def schedule_1f1b(pp: int, m: int, vpp: int = 1) -> list[tuple[int, int, str, in
     return ev
 
 
-def plot_schedule(plan: dict, path: str) -> None:
-    """Timeline of the chosen plan: forward, backward, bubbles and exposed communication per stage."""
+def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
+    """Timeline of the chosen plan: forward, backward, bubbles and exposed communication per stage. The slots are
+    drawn as 1F1B; under a zero-bubble or DualPipe schedule the title gives that schedule's (smaller) bubble."""
     plt = _pyplot()
     cfg = plan["config"]
     pp, vpp = cfg["pp"], cfg["vpp"]
@@ -93,7 +94,9 @@ def plot_schedule(plan: dict, path: str) -> None:
     ax.set_yticks(range(-1, pp), ["comm"] + [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (white gaps = bubbles)")
-    ax.set_title(f"1F1B schedule: pp={pp}, vpp={vpp}, {m} micro-batches shown; bubble {plan['time_s']['bubble']:.3g} s")
+    name = {"zb1p": "ZB-H1 (drawn as 1F1B)", "dualpipe": "DualPipe (drawn as 1F1B)"}.get(pp_schedule, "1F1B")
+    ax.set_title(f"{name} schedule: pp={pp}, vpp={vpp}, {m} micro-batches shown; "
+                 f"bubble {plan['time_s']['bubble']:.3g} s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
