@@ -238,7 +238,9 @@ def pins_of(e: dict) -> Pins:
     if chips > 0 and dp_total * tp * pp * cp != chips and chips % (tp * pp * cp) == 0:
         # a printed dp that does not close the product (a typo, or a count that includes other axes): the chip
         # count and the model-parallel degrees decide, and the row says so
-        harness_notes(e).append(f"dp {dp_total} -> {chips // (tp * pp * cp)} (tp·pp·cp·dp = chips)")
+        note = f"dp {dp_total} -> {chips // (tp * pp * cp)} (tp·pp·cp·dp = chips)"
+        if note not in harness_notes(e):  # reading the entry again must not repeat it
+            harness_notes(e).append(note)
         dp_total = chips // (tp * pp * cp)
     zero = _int(p.get("zero_stage"))
     fsdp = p.get("fsdp")
@@ -327,7 +329,7 @@ def options_of(e: dict) -> Options:
     # pipeline schedule named in the notes (DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used)
     schedule = ("dualpipe" if "dualpipe" in text else
                 "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
-    if _vpp_of(e["parallel"].get("vpp")) not in (1,):
+    if _vpp_of(e["parallel"].get("vpp")) != 1:
         schedule = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
     return Options(
         pp_schedule=schedule,
@@ -374,11 +376,9 @@ def _zero3_fetch(e: dict) -> str:
 
 def _selective_flavor(e: dict) -> str:
     r = str(e["training"].get("recompute") or "").lower()
-    if _is_torchtitan(e) and "(op)" in r:
-        return "op"
-    if _is_torchtitan(e) and "(layer)" in r:
-        return "layer"
-    return "attention"
+    if not _is_torchtitan(e):
+        return "attention"
+    return "op" if "(op)" in r else "layer" if "(layer)" in r else "attention"
 
 
 def problem_of(e: dict) -> Problem:

@@ -114,12 +114,9 @@ def train(
     eff = resolve_efficiency(problem.chip, profile)
     if moe_node_limit is not None and moe_node_limit < 1:
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
-    if zero3_fetch not in (None, "allgather", "broadcast"):
-        raise MeshplanError(f"--zero3-fetch must be allgather or broadcast, got '{zero3_fetch}'")
-    if cp_impl not in (None, "ring", "torch"):
-        raise MeshplanError(f"--cp-impl must be ring or torch, got '{cp_impl}'")
-    if pp_schedule not in (None, *PP_SCHEDULES):
-        raise MeshplanError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got '{pp_schedule}'")
+    _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
+    _check_choice("--cp-impl", cp_impl, ("ring", "torch"))
+    _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
@@ -133,6 +130,13 @@ def train(
         print_json(result.as_dict())
         return
     show(problem, result, opts)
+
+
+def _check_choice(flag: str, value: str | None, choices: tuple[str, ...]) -> None:
+    """A clear error for a word-valued flag outside its choices (None = not given)."""
+    if value is not None and value not in choices:
+        allowed = " or ".join(choices) if len(choices) == 2 else "one of " + ", ".join(choices)
+        raise MeshplanError(f"{flag} must be {allowed}, got '{value}'")
 
 
 def assumptions(problem: Problem, opts: Options) -> str:

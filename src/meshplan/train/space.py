@@ -173,19 +173,14 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     grids = np.meshgrid(np.arange(len(mesh)), vpp_c, mb_c, rc_c, zero_c, ep_c, off_c, indexing="ij")
     idx, vpp, mb, rc, zero, ep, off = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
-    keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons)
-    if pp_schedule == "dualpipe":
-        odd = keep & (pp > 1) & (pp % 2 == 1)
-        if odd.any():
-            reasons["DualPipe needs an even number of pipeline stages"] += int(odd.sum())
-        keep &= ~odd
+    keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule)
     arrays = LayoutArrays(dp=dp[keep], fsdp=fs[keep], tp=tp[keep], pp=pp[keep], vpp=vpp[keep], cp=cp[keep],
                           ep=ep[keep], microbatch=mb[keep], recompute=rc[keep], zero=zero[keep],
                           offload=off[keep], sequence_parallel=pins.sequence_parallel)
     return arrays, reasons
 
 
-def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) -> np.ndarray:
+def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, pp_schedule: str = "1f1b") -> np.ndarray:
     """Mask of layouts that satisfy the divisibility rules; counts the rest by reason."""
     m = p.model
     data = dp * fs
@@ -195,6 +190,8 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter) 
         # which holds ceil(L / (pp·vpp)) layers per virtual stage
         ("more pipeline stages × virtual stages than layers", pp * vpp <= m.n_layers),
         ("expert parallelism must divide the data-parallel ranks", data % ep == 0),
+        # DualPipe pairs the pipeline ranks from both ends (DeepSeek-V3 §3.2.1)
+        ("DualPipe needs an even number of pipeline stages", (pp_schedule != "dualpipe") | (pp == 1) | (pp % 2 == 0)),
     ]
     # combinations that are not distinct layouts (vpp without pp, a ZeRO stage with no replicas) are dropped
     # silently; the rest are counted by reason
