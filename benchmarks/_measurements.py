@@ -354,6 +354,7 @@ def options_of(e: dict) -> Options:
         fp8_weight_cache=not titan,
         # torchtitan's context parallelism is PyTorch's context_parallel with the all-gather rotation
         cp_impl="torch" if titan else "ring",
+        attention_kernel=_attention_kernel(text, titan),
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
@@ -361,6 +362,16 @@ def options_of(e: dict) -> Options:
         # torchtitan reduce in fp32
         grad_reduce_bytes=2.0 if "deepspeed" in text and "fp16" in prec else 4.0,
     )
+
+
+def _attention_kernel(text: str, titan: bool) -> str:
+    """FlashAttention-2 where the run names it or PyTorch SDPA, or ran torchtitan (SDPA's backend priority puts
+    FA2 first, pytorch/pytorch#142132); a named FA3 or cuDNN kernel, or any other stack, gets the chip's best."""
+    if any(k in text for k in ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")):
+        return "fused"
+    named_fa2 = any(k in text for k in ("sdpa", "fa2", "flashattention-2", "flash-attention-2", "flash attention 2",
+                                        "flashattention2", "flash_attn 2", "flash-attn 2"))
+    return "fa2" if titan or named_fa2 else "fused"
 
 
 def _zero3_fetch(e: dict) -> str:

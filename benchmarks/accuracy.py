@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-search", action="store_true")
     ap.add_argument("--d-half-gpu", type=float, help="replace the Ampere/Hopper GEMM tile constant (sensitivity)")
     args = ap.parse_args(argv)
-    entries = [e for e in load_entries() if not args.group or e.get("group") == args.group]
+    everything = load_entries()
+    entries = [e for e in everything if not args.group or e.get("group") == args.group]
+    if not entries:
+        known = sorted({str(e.get("group")) for e in everything})
+        ap.error(f"no run in group {args.group!r}; the groups are: {', '.join(known)}")
     t0 = time.perf_counter()
     rows, skipped = [], []
     for e in entries:

@@ -91,6 +91,10 @@ def train(
         help="How context parallelism runs attention: ring (default: Ring Attention passing GQA-sized K/V blocks, "
              "Megatron-Core/Transformer Engine) or torch (PyTorch's context_parallel as torchtitan runs it: K/V "
              "repeated to every head, all-gathered per layer, fp32 merges).")] = None,
+    attention_kernel: Annotated[str | None, typer.Option(
+        help="Fused attention kernel: fused (default: the chip's best, FA3/cuDNN on Hopper as Megatron-Core and "
+             "MaxText run it) or fa2 (FlashAttention-2, PyTorch SDPA's first choice, torchtitan: about half "
+             "FA3's rate on Hopper).")] = None,
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
              "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
@@ -117,10 +121,11 @@ def train(
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
     _check_choice("--cp-impl", cp_impl, ("ring", "torch"))
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
+    _check_choice("--attention-kernel", attention_kernel, ("fused", "fa2"))
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
-        moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule))
+        moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
@@ -151,6 +156,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
              f"ZeRO-3 fetch by {opts.zero3_fetch}"]
     parts.append("CP by PyTorch all-gather (repeated K/V, fp32 merges)" if opts.cp_impl == "torch"
                  else "CP by Ring Attention")
+    if opts.attention_kernel == "fa2":
+        parts.append("FlashAttention-2 (PyTorch SDPA)")
     if opts.pp_schedule != "1f1b":
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
     if problem.model.is_moe:

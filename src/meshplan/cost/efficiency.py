@@ -33,6 +33,8 @@ class Efficiency:
     fp8_peak_fraction: float
     attention_fwd_fraction: float
     attention_bwd_fraction: float
+    attention_fa2_fwd_fraction: float
+    attention_fa2_bwd_fraction: float
     hbm_fraction: float
     kernel_overhead_s: float
     step_overhead_s: float
@@ -55,8 +57,9 @@ class Efficiency:
         return d
 
 
-_FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_peak_fraction", "attention_fwd_fraction",
-           "attention_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
+_FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_peak_fraction",
+           "attention_fwd_fraction", "attention_bwd_fraction", "attention_fa2_fwd_fraction",
+           "attention_fa2_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
            "comm_compute_interference")
 

@@ -93,6 +93,10 @@ class Options:
     # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
     # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages).
     pp_schedule: str = "1f1b"
+    # Which fused attention kernel runs: "fused" = the chip's best (FA3 or cuDNN on Hopper, as Megatron-Core/TE and
+    # MaxText run; FA2 on Ampere), "fa2" = FlashAttention-2, which PyTorch's SDPA picks first on every GPU
+    # (torchtitan; pytorch/pytorch#142132): about half FA3's rate on Hopper (efficiency.yaml attention_fa2_*).
+    attention_kernel: str = "fused"
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -160,8 +164,11 @@ class CostModel:
         # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths)
         f_core = 2.0 * t * (S / 2.0) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
-            core_f = f_core / (self.peak_bf16 * e.attention_fwd_fraction)
-            core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * e.attention_bwd_fraction)
+            fa2 = self.opt.attention_kernel == "fa2"
+            fwd_frac = e.attention_fa2_fwd_fraction if fa2 else e.attention_fwd_fraction
+            bwd_frac = e.attention_fa2_bwd_fraction if fa2 else e.attention_bwd_fraction
+            core_f = f_core / (self.peak_bf16 * fwd_frac)
+            core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * bwd_frac)
         else:
             core_f, core_b = self._materialized_attention(g, f_core)
         if self.opt.cp_impl == "torch":
