@@ -365,13 +365,17 @@ def options_of(e: dict) -> Options:
 
 
 def _attention_kernel(text: str, titan: bool) -> str:
-    """FlashAttention-2 where the run names it or PyTorch SDPA, or ran torchtitan (SDPA's backend priority puts
-    FA2 first, pytorch/pytorch#142132); a named FA3 or cuDNN kernel, or any other stack, gets the chip's best."""
+    """The attention kernel a run names: FA3 or cuDNN (the chip's best), PyTorch SDPA, or the flash-attn package's
+    FlashAttention-2; torchtitan attends through SDPA, which picks its bundled FA2 first (pytorch/pytorch#142132);
+    any other stack gets the chip's best."""
     if any(k in text for k in ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")):
         return "fused"
-    named_fa2 = any(k in text for k in ("sdpa", "fa2", "flashattention-2", "flash-attention-2", "flash attention 2",
-                                        "flashattention2", "flash_attn 2", "flash-attn 2"))
-    return "fa2" if titan or named_fa2 else "fused"
+    if titan or any(k in text for k in ("sdpa", "scaled_dot_product")):
+        return "sdpa"
+    if any(k in text for k in ("fa2", "flashattention-2", "flash-attention-2", "flash attention 2", "flashattention2",
+                               "flash_attention_2", "flash-attn", "flash_attn")):
+        return "fa2"
+    return "fused"
 
 
 def _zero3_fetch(e: dict) -> str:

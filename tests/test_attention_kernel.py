@@ -1,5 +1,6 @@
-"""Which fused attention kernel runs (`Options.attention_kernel`): FlashAttention-2 as PyTorch SDPA runs it
-(torchtitan) against the chip's best fused kernel, checked against hand sums and the cited measurements."""
+"""Which fused attention kernel runs (`Options.attention_kernel`): the flash-attn package's FlashAttention-2 and
+PyTorch SDPA's bundled one (torchtitan) against the chip's best fused kernel, checked against hand sums and the
+cited measurements."""
 
 from __future__ import annotations
 
@@ -28,43 +29,52 @@ def _core(kernel: str, chip: str = "h100-sxm"):
     return float(ct["layer_core_fwd"][0]), float(ct["layer_core_bwd"][0]), prob
 
 
-def test_fa2_fractions_follow_the_cited_measurements() -> None:
-    """h100-sxm: PyTorch SDPA's flash kernel ~310 TFLOP/s non-causal forward (pytorch/benchmark#2296: 287-304;
-    pytorch/pytorch#142132: 329), times FA2's causal/non-causal ratio 335/370 (FA3 paper Fig. 5); backward FA2's
-    322 TFLOP/s (Fig. 6) times the same two ratios. The 500 W part scales both by its GEMM cap, 0.68/0.75."""
+def test_fa2_and_sdpa_fractions_follow_the_cited_measurements() -> None:
+    """h100-sxm: FA2 causal forward 335 TFLOP/s and backward 322 (non-causal) at 16k, head dim 128 (FA3 paper Figs.
+    5-6; the backward scaled by the forward's causal/non-causal ratio 335/370). PyTorch SDPA's flash kernel:
+    ~310 TFLOP/s non-causal forward (pytorch/benchmark#2296: 287-304; pytorch/pytorch#142132: 329), times the
+    causal ratio; its backward is FA2's scaled by SDPA's forward ratio to FA2, 310/370. The 500 W part scales
+    everything by its GEMM cap, 0.68/0.75."""
     peak = load_chip("h100-sxm").peak("bf16")
-    fwd = 310e12 * 335 / 370 / peak
-    bwd = 322e12 * (310 / 370) * (335 / 370) / peak
+    causal = 335 / 370
+    fa2_f, fa2_b = 335e12 / peak, 322e12 * causal / peak
+    sdpa_f, sdpa_b = 310e12 * causal / peak, fa2_b * 310 / 370
     e = default_efficiency(load_chip("h100-sxm"))
-    assert e.attention_fa2_fwd_fraction == pytest.approx(fwd, abs=0.01)
-    assert e.attention_fa2_bwd_fraction == pytest.approx(bwd, abs=0.01)
     capped = default_efficiency(load_chip("h100-sxm-96gb"))
-    assert capped.attention_fa2_fwd_fraction == pytest.approx(fwd * 0.68 / 0.75, abs=0.01)
-    assert capped.attention_fa2_bwd_fraction == pytest.approx(bwd * 0.68 / 0.75, abs=0.01)
+    for got, want in ((e.attention_fa2_fwd_fraction, fa2_f), (e.attention_fa2_bwd_fraction, fa2_b),
+                      (e.attention_sdpa_fwd_fraction, sdpa_f), (e.attention_sdpa_bwd_fraction, sdpa_b),
+                      (capped.attention_fa2_fwd_fraction, fa2_f * 0.68 / 0.75),
+                      (capped.attention_fa2_bwd_fraction, fa2_b * 0.68 / 0.75),
+                      (capped.attention_sdpa_fwd_fraction, sdpa_f * 0.68 / 0.75),
+                      (capped.attention_sdpa_bwd_fraction, sdpa_b * 0.68 / 0.75)):
+        assert got == pytest.approx(want, abs=0.01)
     # FA2 is about half FA3/cuDNN on Hopper (huggingface/transformers#48163: cuDNN 1.7-2.3x SDPA's default)
-    assert 1.7 <= e.attention_fwd_fraction / e.attention_fa2_fwd_fraction <= 2.3
-    # on Ampere FA2 is the best fused kernel: nothing changes
+    assert 1.7 <= e.attention_fwd_fraction / e.attention_sdpa_fwd_fraction <= 2.3
+    # on Ampere FA2 is the best fused kernel and SDPA bundles it: nothing changes
     a100 = default_efficiency(load_chip("a100-80gb"))
-    assert a100.attention_fa2_fwd_fraction == a100.attention_fwd_fraction
-    assert a100.attention_fa2_bwd_fraction == a100.attention_bwd_fraction
+    assert a100.attention_fa2_fwd_fraction == a100.attention_sdpa_fwd_fraction == a100.attention_fwd_fraction
+    assert a100.attention_fa2_bwd_fraction == a100.attention_sdpa_bwd_fraction == a100.attention_bwd_fraction
 
 
-def test_fa2_attention_core_by_hand() -> None:
-    """One layer's causal attention core at mb 1: 4·t·(S/2)·N·H FLOPs (book ch.4) at the FA2 fractions, the
+@pytest.mark.parametrize("kernel", ["fa2", "sdpa"])
+def test_attention_core_by_hand(kernel: str) -> None:
+    """One layer's causal attention core at mb 1: 4·t·(S/2)·N·H FLOPs (book ch.4) at the kernel's fractions, the
     backward 2.5x (Dao 2023)."""
-    fwd_s, bwd_s, prob = _core("fa2")
+    fwd_s, bwd_s, prob = _core(kernel)
     e = default_efficiency(prob.chip)
+    fwd_frac = getattr(e, f"attention_{kernel}_fwd_fraction")
+    bwd_frac = getattr(e, f"attention_{kernel}_bwd_fraction")
     flops = 2 * SEQ * (SEQ / 2) * N_HEADS * 2 * HEAD_DIM
     peak = prob.chip.peak("bf16")
-    assert fwd_s == pytest.approx(flops / (peak * e.attention_fa2_fwd_fraction), rel=1e-9)
-    assert bwd_s == pytest.approx(2.5 * flops / (peak * e.attention_fa2_bwd_fraction), rel=1e-9)
+    assert fwd_s == pytest.approx(flops / (peak * fwd_frac), rel=1e-9)
+    assert bwd_s == pytest.approx(2.5 * flops / (peak * bwd_frac), rel=1e-9)
     fused_f, fused_b, _ = _core("fused")
     assert fused_f == pytest.approx(flops / (peak * e.attention_fwd_fraction), rel=1e-9)
-    assert fwd_s / fused_f == pytest.approx(e.attention_fwd_fraction / e.attention_fa2_fwd_fraction, rel=1e-9)
+    assert fused_b == pytest.approx(2.5 * flops / (peak * e.attention_bwd_fraction), rel=1e-9)
 
 
-def test_torchtitan_runs_fa2_and_a_flag_overrides_it() -> None:
-    assert framework_options("torchtitan", Options(), {}).attention_kernel == "fa2"
+def test_torchtitan_runs_sdpa_and_a_flag_overrides_it() -> None:
+    assert framework_options("torchtitan", Options(), {}).attention_kernel == "sdpa"
     assert framework_options("megatron", Options(), {}).attention_kernel == "fused"
     assert framework_options("torchtitan", Options(), {"attention_kernel": "fused"}).attention_kernel == "fused"
 
@@ -73,9 +83,13 @@ def test_cli_attention_kernel_flag(capsys) -> None:
     base = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "8192",
             "--global-batch", "64", "--json"]
     code, _, err = run_cli([*base, "--attention-kernel", "fa4"], capsys)
-    assert code == 2 and "--attention-kernel must be fused or fa2, got 'fa4'" in err
+    assert code == 2 and "--attention-kernel must be one of fused, fa2, sdpa, got 'fa4'" in err
     code, out, _ = run_cli(base, capsys)
     fused = json.loads(out)["plans"][0]["step_time_s"]
-    code, out, _ = run_cli([*base, "--attention-kernel", "fa2"], capsys)
-    fa2 = json.loads(out)["plans"][0]["step_time_s"]
-    assert code == 0 and fa2 > fused  # the same layouts with a slower kernel can only be slower
+    steps = {}
+    for kernel in ("fa2", "sdpa"):
+        code, out, _ = run_cli([*base, "--attention-kernel", kernel], capsys)
+        assert code == 0
+        steps[kernel] = json.loads(out)["plans"][0]["step_time_s"]
+    # the same layouts with a slower kernel can only be slower: FA3 > flash-attn's FA2 > SDPA's on Hopper
+    assert steps["sdpa"] > steps["fa2"] > fused

@@ -251,3 +251,16 @@ def test_hfu_only_counts_the_recomputed_forward() -> None:
     by_hfu["training"]["recompute"] = "full"
     by_hfu["measured"] = {"hfu": 0.60}
     assert H.measured_step_time_s(by_hfu) == pytest.approx(H.measured_step_time_s(by_mfu), rel=1e-12)
+
+
+@pytest.mark.parametrize(("text", "titan", "kernel"), [
+    ("bf16; flash-attn 2.5, fsdp", False, "fa2"),
+    ("bf16, flashattention-2", False, "fa2"),
+    ("torch sdpa", False, "sdpa"),
+    ("float8 linears; torch.compile", True, "sdpa"),  # torchtitan attends through SDPA
+    ("te fused attention (cudnn)", False, "fused"),
+    ("fa3 kernels", True, "fused"),  # a named kernel wins over the framework's default
+    ("bf16 mixed precision", False, "fused"),
+])
+def test_attention_kernel_read_from_the_run(text: str, titan: bool, kernel: str) -> None:
+    assert H._attention_kernel(text, titan) == kernel

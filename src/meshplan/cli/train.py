@@ -12,7 +12,7 @@ from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
-from meshplan.train.costmodel import Options
+from meshplan.train.costmodel import ATTENTION_KERNELS, Options
 from meshplan.train.frameworks import framework_options
 from meshplan.train.planner import plan
 from meshplan.train.space import PP_SCHEDULES, Pins, Problem
@@ -93,8 +93,9 @@ def train(
              "repeated to every head, all-gathered per layer, fp32 merges).")] = None,
     attention_kernel: Annotated[str | None, typer.Option(
         help="Fused attention kernel: fused (default: the chip's best, FA3/cuDNN on Hopper as Megatron-Core and "
-             "MaxText run it) or fa2 (FlashAttention-2, PyTorch SDPA's first choice, torchtitan: about half "
-             "FA3's rate on Hopper).")] = None,
+             "MaxText run it), fa2 (the flash-attn package's FlashAttention-2: nanotron, llm-foundry) or sdpa "
+             "(PyTorch SDPA, which picks its bundled FA2 first: torchtitan). Both FA2s run at about half FA3's "
+             "rate on Hopper.")] = None,
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
              "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
@@ -121,7 +122,7 @@ def train(
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
     _check_choice("--cp-impl", cp_impl, ("ring", "torch"))
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
-    _check_choice("--attention-kernel", attention_kernel, ("fused", "fa2"))
+    _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
@@ -156,8 +157,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
              f"ZeRO-3 fetch by {opts.zero3_fetch}"]
     parts.append("CP by PyTorch all-gather (repeated K/V, fp32 merges)" if opts.cp_impl == "torch"
                  else "CP by Ring Attention")
-    if opts.attention_kernel == "fa2":
-        parts.append("FlashAttention-2 (PyTorch SDPA)")
+    if opts.attention_kernel != "fused":
+        parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)"}[opts.attention_kernel])
     if opts.pp_schedule != "1f1b":
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
     if problem.model.is_moe:

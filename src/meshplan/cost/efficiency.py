@@ -35,6 +35,8 @@ class Efficiency:
     attention_bwd_fraction: float
     attention_fa2_fwd_fraction: float
     attention_fa2_bwd_fraction: float
+    attention_sdpa_fwd_fraction: float
+    attention_sdpa_bwd_fraction: float
     hbm_fraction: float
     kernel_overhead_s: float
     step_overhead_s: float
@@ -59,7 +61,8 @@ class Efficiency:
 
 _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_peak_fraction",
            "attention_fwd_fraction", "attention_bwd_fraction", "attention_fa2_fwd_fraction",
-           "attention_fa2_bwd_fraction", "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
+           "attention_fa2_bwd_fraction", "attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction",
+           "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
            "comm_compute_interference")
 

@@ -49,6 +49,7 @@ KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, r
 # the K/V concatenation 8 = 58.5.
 CP_TORCH_MERGE_FWD_BYTES = 40.5
 CP_TORCH_MERGE_BWD_BYTES = 58.5
+ATTENTION_KERNELS = ("fused", "fa2", "sdpa")  # Options.attention_kernel
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,10 @@ class Options:
     # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
     # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages).
     pp_schedule: str = "1f1b"
-    # Which fused attention kernel runs: "fused" = the chip's best (FA3 or cuDNN on Hopper, as Megatron-Core/TE and
-    # MaxText run; FA2 on Ampere), "fa2" = FlashAttention-2, which PyTorch's SDPA picks first on every GPU
-    # (torchtitan; pytorch/pytorch#142132): about half FA3's rate on Hopper (efficiency.yaml attention_fa2_*).
+    # Which fused attention kernel runs (efficiency.yaml): "fused" = the chip's best (FA3 or cuDNN on Hopper, as
+    # Megatron-Core/TE and MaxText run; FA2 on Ampere); "fa2" = the flash-attn package's FlashAttention-2
+    # (nanotron, llm-foundry); "sdpa" = PyTorch's scaled_dot_product_attention, whose bundled FA2 it picks first
+    # on every GPU (torchtitan; pytorch/pytorch#142132). On Hopper both FA2s run at about half FA3's rate.
     attention_kernel: str = "fused"
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
@@ -164,9 +166,10 @@ class CostModel:
         # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths)
         f_core = 2.0 * t * (S / 2.0) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
-            fa2 = self.opt.attention_kernel == "fa2"
-            fwd_frac = e.attention_fa2_fwd_fraction if fa2 else e.attention_fwd_fraction
-            bwd_frac = e.attention_fa2_bwd_fraction if fa2 else e.attention_bwd_fraction
+            fwd_frac, bwd_frac = {
+                "fa2": (e.attention_fa2_fwd_fraction, e.attention_fa2_bwd_fraction),
+                "sdpa": (e.attention_sdpa_fwd_fraction, e.attention_sdpa_bwd_fraction),
+            }.get(self.opt.attention_kernel, (e.attention_fwd_fraction, e.attention_bwd_fraction))
             core_f = f_core / (self.peak_bf16 * fwd_frac)
             core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * bwd_frac)
         else:

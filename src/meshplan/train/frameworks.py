@@ -26,10 +26,10 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # eager: F.cross_entropy on fp32 logits), torchao float8 casting weights on every forward; AsyncTP is opt-in;
     # context parallelism through PyTorch's context_parallel with its "allgather" rotation (torchtitan
     # config_manager `context_parallel_rotate_method`, default "allgather"; the Llama model repeats K/V heads
-    # before SDPA); attention by PyTorch SDPA, whose backend priority puts FlashAttention-2 first, also on Hopper
-    # (pytorch/pytorch#142132)
+    # before SDPA); attention by PyTorch SDPA, whose backend priority puts its bundled FlashAttention-2 first,
+    # also on Hopper (pytorch/pytorch#142132)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fsdp_over_cp=True,
-                       dp_overlap=True, cp_impl="torch", attention_kernel="fa2"),
+                       dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False),
