@@ -354,7 +354,7 @@ def options_of(e: dict) -> Options:
         fp8_weight_cache=not titan,
         # torchtitan's context parallelism is PyTorch's context_parallel with the all-gather rotation
         cp_impl="torch" if titan else "ring",
-        attention_kernel=_attention_kernel(text, titan),
+        attention_kernel=_attention_kernel(text + " " + _source_text(e).lower(), titan),
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
@@ -365,15 +365,17 @@ def options_of(e: dict) -> Options:
 
 
 def _attention_kernel(text: str, titan: bool) -> str:
-    """The attention kernel a run names: FA3 or cuDNN (the chip's best), PyTorch SDPA, or the flash-attn package's
-    FlashAttention-2; torchtitan attends through SDPA, which picks its bundled FA2 first (pytorch/pytorch#142132);
-    any other stack gets the chip's best."""
+    """The attention kernel a run names (in its precision, notes or source): FA3 or cuDNN (the chip's best), PyTorch
+    SDPA, or the flash-attn package's FlashAttention-2; torchtitan attends through SDPA, which picks its bundled FA2
+    first (pytorch/pytorch#142132); nanotron and MosaicML's llm-foundry call the flash-attn package; any other stack
+    gets the chip's best."""
     if any(k in text for k in ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")):
         return "fused"
     if titan or any(k in text for k in ("sdpa", "scaled_dot_product")):
         return "sdpa"
     if any(k in text for k in ("fa2", "flashattention-2", "flash-attention-2", "flash attention 2", "flashattention2",
-                               "flash_attention_2", "flash-attn", "flash_attn")):
+                               "flash_attention_2", "flash-attn", "flash_attn", "nanotron", "llm-foundry",
+                               "mosaicml")):
         return "fa2"
     return "fused"
 

@@ -261,6 +261,7 @@ def test_hfu_only_counts_the_recomputed_forward() -> None:
     ("te fused attention (cudnn)", False, "fused"),
     ("fa3 kernels", True, "fused"),  # a named kernel wins over the framework's default
     ("bf16 mixed precision", False, "fused"),
+    ("huggingface/nanotron ultrascale playbook", False, "fa2"),
 ])
 def test_attention_kernel_read_from_the_run(text: str, titan: bool, kernel: str) -> None:
     assert H._attention_kernel(text, titan) == kernel
