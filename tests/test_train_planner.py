@@ -301,16 +301,21 @@ def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
     prob = problem("llama3-8b", "h100-sxm", 1, 4096, 1)
     eff = default_efficiency(prob.chip)
     L = LayoutArrays.from_configs([ParallelConfig(microbatch=1, recompute="none")])
-    elem = {}
+    elem, elem_b = {}, {}
     for dtype in ("bf16", "fp8"):
         cm = CostModel(prob, eff, Options(compute_dtype=dtype))
         ct = cm.compute_terms(L, cm.geometry(L))
         elem[dtype] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
+        elem_b[dtype] = float((ct["layer_bwd"] - 2 * ct["layer_matmul_fwd"] - ct["layer_core_bwd"])[0])
     d, f, kv = 4096, 14336, 1024
     inputs = 4096 * (d + d + d + f)  # qkv, output projection, gate/up and down-projection inputs
     weights = 2 * d * d + 2 * d * kv + 3 * d * f
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     assert elem["fp8"] - elem["bf16"] == pytest.approx(5 * (inputs + weights) / hbm, rel=1e-9)
+    # backward: the output gradients of the qkv, output, gate/up and down projections are cast (5 B), the inputs
+    # and weights get transposed fp8 copies (3 B); the forward's casts are not paid again
+    grad_outs = 4096 * ((d + 2 * kv) + d + 2 * f + d)
+    assert elem_b["fp8"] - elem_b["bf16"] == pytest.approx((5 * grad_outs + 3 * (inputs + weights)) / hbm, rel=1e-9)
     # Transformer Engine casts the weights once per step: over 4 micro-batches each forward pays a quarter
     prob4 = problem("llama3-8b", "h100-sxm", 1, 4096, 4)
     per_fwd = {}

@@ -190,6 +190,7 @@ class CostModel:
             # k·D, write D); forward here, the backward's mirror in 2·elem_f
             elem_bytes = elem_bytes + ACT_BYTES * t * 2 * (1 + c["k"]) * c["D"]
         elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
+        cast_f = np.zeros_like(elem_f)  # FP8 casts of the forward's GEMM operands
         cast_b = np.zeros_like(elem_f)
         if self.opt.compute_dtype == "fp8":
             # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it):
@@ -202,20 +203,23 @@ class CostModel:
             # Transformer Engine casts a weight once per step and reuses it over the micro-batches
             # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
             w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
-            elem_f = elem_f + FP8_CAST_BYTES * (a_in + w_local) / self.hbm
+            cast_f = FP8_CAST_BYTES * (a_in + w_local) / self.hbm
             cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
         f_un = 2 * t * c["D"] * c["V"] / tp
         un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
         nl = g["layers_stage"]
         rc = L.recompute
-        full = mm_f + core_f + elem_f
-        selective = {"attention": core_f, "op": 0.5 * mm_f + elem_f, "layer": 0.5 * full}[self.opt.selective_flavor]
-        recompute = np.select([rc == 2, rc == 1, rc == 3], [full, selective, elem_f], 0.0)
+        # the backward's pointwise work mirrors the forward's (2·elem_f) and casts its own operands (cast_b); a
+        # recomputed forward casts its GEMM inputs again
+        full = mm_f + core_f + elem_f + cast_f
+        selective = {"attention": core_f, "op": 0.5 * mm_f + elem_f + cast_f,
+                     "layer": 0.5 * full}[self.opt.selective_flavor]
+        recompute = np.select([rc == 2, rc == 1, rc == 3], [full, selective, elem_f + cast_f], 0.0)
         return Terms(
-            layer_fwd=mm_f + core_f + elem_f, layer_bwd=2 * mm_f + core_b + 2 * elem_f + cast_b,
+            layer_fwd=full, layer_bwd=2 * mm_f + core_b + 2 * elem_f + cast_b,
             layer_recompute=recompute,
             layer_matmul_fwd=mm_f, layer_core_fwd=core_f, layer_core_bwd=core_b,
-            fwd=nl * (mm_f + core_f + elem_f) + un_f,
+            fwd=nl * full + un_f,
             bwd=nl * (2 * mm_f + core_b + 2 * elem_f + cast_b + recompute) + 2 * un_f,
         )
 
