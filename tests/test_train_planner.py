@@ -371,6 +371,29 @@ def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:
     assert float(lapped["ep_mb"][0]) < float(plain["ep_mb"][0])
 
 
+def test_moe_under_sequence_parallelism_dispatches_the_tp_slice_and_gathers_k_copies() -> None:
+    """Megatron-Core's alltoall dispatcher under TP with SP: each TP rank sends its 1/tp slice of the tokens through
+    the expert all-to-all, then the k routed copies are all-gathered over TP (reduce-scattered on the way back).
+    Mixtral 8x7B (D 4096, top-2), TP 2 with SP, EP 4, 4096 tokens per micro-batch, on a plain 100 GB/s
+    zero-latency network so the sums are by hand."""
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    bw, t, d, k, tp, ep = 1e11, 4096, 4096, 2, 2, 4
+    prob = problem("mixtral-8x7b", "h100-sxm", 16, t, 16)
+    cm = CostModel(prob, default_efficiency(prob.chip), Options())
+    cm.comm.time = lambda kind, nbytes, size, stride: (nbytes / bw) * (size > 1)
+    L = LayoutArrays.from_configs([ParallelConfig(dp=8, tp=tp, ep=ep, microbatch=1, recompute="full",
+                                                  sequence_parallel=True)])
+    g = cm.geometry(L)
+    out = cm.comm_terms(L, g, cm.compute_terms(L, g))
+    layers = 32
+    a2a = ep * 2 * (t / tp) * k * d / bw  # the full array of one all-to-all: ep ranks × their slice's k copies
+    assert float(out["ep_link_mb"][0]) == pytest.approx(layers * 4 * a2a, rel=1e-9)
+    ag = 2 * t * d / bw  # one [t, D] bf16 gather or scatter
+    assert float(out["tp_link_mb"][0]) == pytest.approx(layers * 2 * (1 + k) * 2 * ag, rel=1e-9)
+
+
 def test_fit_uses_the_memory_the_driver_exposes() -> None:
     """A marketed '80 GB' H100 exposes 81,559 MiB (nvidia-smi): the fit budget is that less the headroom, while
     the catalog keeps the marketed 80e9 the book's sums use. TPUs have no separate figure."""

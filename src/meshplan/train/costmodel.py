@@ -272,11 +272,14 @@ class CostModel:
         out = Terms()
         # TP (Megatron-SP): per layer 2 all-gathers + 2 reduce-scatters of [t, D] forward and again backward
         # (Korthikanti et al. 2022 §4.2.2); without SP, 2 all-reduces each way.
+        # An MoE layer under SP gathers the k routed copies of its tokens over TP after the expert all-to-all
+        # and reduce-scatters them before the return trip (Megatron-Core's alltoall dispatcher: A2A(EP) → AG(TP),
+        # RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one.
         v_tp = ACT_BYTES * t * c["D"]
         ag = comm.time("allgather", v_tp, tp, 1)
         rs = comm.time("reducescatter", v_tp, tp, 1)
         ar = comm.time("allreduce", v_tp, tp, 1)
-        tp_layer = np.where(g["sp"], 2 * (ag + rs), 2 * ar)
+        tp_layer = np.where(g["sp"], (1 + c["k"]) * (ag + rs), 2 * ar)
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
         # the tp steps cannot overlap.
         hidden_f = np.maximum(tp_layer - ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
@@ -306,7 +309,9 @@ class CostModel:
             # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
             # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
             copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
-            a2a = comm.time("alltoall", ep * ACT_BYTES * t * copies * c["D"], ep, tp * cp)
+            # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows, above)
+            t_rank = t / np.where(g["sp"], tp, 1)
+            a2a = comm.time("alltoall", ep * ACT_BYTES * t_rank * copies * c["D"], ep, tp * cp)
             out["ep_link_mb"] = nl * 4 * a2a
             if self.opt.ep_overlap:
                 # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
