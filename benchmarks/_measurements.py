@@ -352,6 +352,8 @@ def options_of(e: dict) -> Options:
         fused_loss=not titan,
         # torchao float8 (torchtitan) casts the weights on every forward; Transformer Engine caches them per step
         fp8_weight_cache=not titan,
+        # ...and runs torchao's dynamic scaling (an amax pass and a cast per operand); Transformer Engine fuses them
+        fp8_fused_casts=not titan,
         # torchtitan's context parallelism is PyTorch's context_parallel with the all-gather rotation
         cp_impl="torch" if titan else "ring",
         attention_kernel=_attention_kernel(text + " " + _source_text(e).lower(), titan),

@@ -293,8 +293,11 @@ def test_eager_loss_holds_six_more_bytes_per_logit() -> None:
 
 
 def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
-    """Dynamic per-tensor FP8 scaling reads each GEMM input twice (amax, cast) and writes it in fp8: 5 bytes per
-    element of the four linear inputs and of the layer's weights, forward. Llama 3 8B, one chip, 4096 tokens."""
+    """Dynamic per-tensor FP8 scaling (torchao, `fp8_fused_casts` off) reads each GEMM input twice (amax, cast) and
+    writes it in fp8: 5 bytes per element of the four linear inputs and of the layer's weights, forward.
+    Transformer Engine (the default) fuses: the norm emits the qkv and gate/up inputs in fp8, a fused
+    cast-transpose reads the other inputs and the weights once and writes fp8 and its transpose (4 B). Llama 3 8B,
+    one chip, 4096 tokens."""
     from meshplan.train.config import LayoutArrays, ParallelConfig
     from meshplan.train.costmodel import CostModel
 
@@ -302,25 +305,32 @@ def test_fp8_adds_the_scaling_casts_to_the_memory_bound_work() -> None:
     eff = default_efficiency(prob.chip)
     L = LayoutArrays.from_configs([ParallelConfig(microbatch=1, recompute="none")])
     elem, elem_b = {}, {}
-    for dtype in ("bf16", "fp8"):
-        cm = CostModel(prob, eff, Options(compute_dtype=dtype))
+    for name, opts in (("bf16", Options()), ("torchao", Options(compute_dtype="fp8", fp8_fused_casts=False)),
+                       ("te", Options(compute_dtype="fp8"))):
+        cm = CostModel(prob, eff, opts)
         ct = cm.compute_terms(L, cm.geometry(L))
-        elem[dtype] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
-        elem_b[dtype] = float((ct["layer_bwd"] - 2 * ct["layer_matmul_fwd"] - ct["layer_core_bwd"])[0])
+        elem[name] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
+        elem_b[name] = float((ct["layer_bwd"] - 2 * ct["layer_matmul_fwd"] - ct["layer_core_bwd"])[0])
     d, f, kv = 4096, 14336, 1024
-    inputs = 4096 * (d + d + d + f)  # qkv, output projection, gate/up and down-projection inputs
+    normed = 4096 * (d + d)  # qkv and gate/up inputs, the norms' outputs
+    others = 4096 * (d + f)  # output-projection and down-projection inputs
+    inputs = normed + others
     weights = 2 * d * d + 2 * d * kv + 3 * d * f
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
-    assert elem["fp8"] - elem["bf16"] == pytest.approx(5 * (inputs + weights) / hbm, rel=1e-9)
-    # backward: the output gradients of the qkv, output, gate/up and down projections are cast (5 B), the inputs
-    # and weights get transposed fp8 copies (3 B); the forward's casts are not paid again
+    assert elem["torchao"] - elem["bf16"] == pytest.approx(5 * (inputs + weights) / hbm, rel=1e-9)
+    assert elem["te"] - elem["bf16"] == pytest.approx(4 * (others + weights) / hbm, rel=1e-9)
+    # backward: the output gradients of the qkv, output, gate/up and down projections are cast (torchao 5 B; TE's
+    # fused cast-transpose 4 B); torchao makes transposed fp8 copies of inputs and weights (3 B), TE only of the
+    # norms' fp8 outputs (read 1, write 1); the forward's casts are not paid again
     grad_outs = 4096 * ((d + 2 * kv) + d + 2 * f + d)
-    assert elem_b["fp8"] - elem_b["bf16"] == pytest.approx((5 * grad_outs + 3 * (inputs + weights)) / hbm, rel=1e-9)
+    assert elem_b["torchao"] - elem_b["bf16"] == pytest.approx((5 * grad_outs + 3 * (inputs + weights)) / hbm,
+                                                               rel=1e-9)
+    assert elem_b["te"] - elem_b["bf16"] == pytest.approx((4 * grad_outs + 2 * normed) / hbm, rel=1e-9)
     # Transformer Engine casts the weights once per step: over 4 micro-batches each forward pays a quarter
     prob4 = problem("llama3-8b", "h100-sxm", 1, 4096, 4)
     per_fwd = {}
     for cache in (True, False):
-        cm = CostModel(prob4, eff, Options(compute_dtype="fp8", fp8_weight_cache=cache))
+        cm = CostModel(prob4, eff, Options(compute_dtype="fp8", fp8_weight_cache=cache, fp8_fused_casts=False))
         ct = cm.compute_terms(L, cm.geometry(L))
         per_fwd[cache] = float((ct["layer_fwd"] - ct["layer_matmul_fwd"] - ct["layer_core_fwd"])[0])
     assert per_fwd[False] - per_fwd[True] == pytest.approx(5 * weights * (1 - 1 / 4) / hbm, rel=1e-9)

@@ -72,6 +72,11 @@ def train(
         "--fp8-weight-cache/--no-fp8-weight-cache",
         help="With --dtype fp8: weights cast once per step (Transformer Engine; default); --no-fp8-weight-cache "
              "casts them on every forward (torchao float8, torchtitan).")] = None,
+    fp8_fused_casts: Annotated[bool | None, typer.Option(
+        "--fp8-fused-casts/--no-fp8-fused-casts",
+        help="With --dtype fp8: casts fused as Transformer Engine fuses them (norms emit fp8, fused "
+             "cast-transpose, delayed scaling; default); --no-fp8-fused-casts for torchao's dynamic scaling, an "
+             "amax pass and a cast per operand (torchtitan).")] = None,
     dp_overlap: Annotated[bool | None, typer.Option(
         "--dp-overlap/--no-dp-overlap",
         help="Data-parallel gradient reduction hidden behind the backward (default: yes on GPU, bucketed DDP; no "
@@ -125,8 +130,9 @@ def train(
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
-        fp8_weight_cache=fp8_weight_cache, ep_overlap=ep_overlap, dp_overlap=dp_overlap,
-        moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel))
+        fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
+        dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
+        attention_kernel=attention_kernel))
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
     if plot:
         from meshplan.report.train_plots import write_train_plots
@@ -148,8 +154,10 @@ def _check_choice(flag: str, value: str | None, choices: tuple[str, ...]) -> Non
 def assumptions(problem: Problem, opts: Options) -> str:
     """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md)."""
     tp, dp = opts.overlaps(problem.chip.kind)
-    parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if opts.compute_dtype == "fp8"
-                                                  and opts.fp8_weight_cache else ""),
+    fp8 = opts.compute_dtype == "fp8"
+    parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if fp8 and opts.fp8_weight_cache
+                                                else "") + (", fused fp8 casts (TE)" if fp8 and opts.fp8_fused_casts
+                                                            else ", fp8 casts by dynamic scaling" if fp8 else ""),
              "TP collectives overlapped" if tp else "TP collectives exposed",
              "DP reduction behind the backward" if dp else "DP reduction after the backward",
              "fused pointwise" if opts.fused_elementwise else "eager pointwise",

@@ -37,6 +37,12 @@ FSDP_COPY_OUT_BYTES = 2.0 * 2.0
 FSDP_COPY_IN_READ_BYTES = 2.0
 FP8_CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) + fp8 write (1)
 FP8_TRANSPOSE_BYTES = 3.0  # per element: read bf16 (2) + write the transposed fp8 copy (1)
+# Transformer Engine (delayed scaling: the scale comes from the amax history, the amax of this pass is recorded
+# by the same kernel): a fused cast-transpose reads bf16 once and writes the fp8 copy and its transpose
+# (`fp8_cast_transpose_fused`); the norm in LayerNormLinear writes its output in fp8 itself, so those inputs pay
+# only an fp8 transpose for the weight gradient (read 1, write 1).
+FP8_TE_CAST_TRANSPOSE_BYTES = 2.0 + 1.0 + 1.0
+FP8_TE_TRANSPOSE_BYTES = 1.0 + 1.0
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 # PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
 # it) merges each ring step's attention output into an fp32 running output and accumulates gradients in fp32
@@ -68,6 +74,9 @@ class Options:
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
+    # FP8 casts fused as Transformer Engine fuses them (norm kernels emit fp8, fused cast-transpose, delayed
+    # scaling); False = torchao's dynamic scaling, a separate amax pass and cast per operand (torchtitan)
+    fp8_fused_casts: bool = True
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
@@ -193,8 +202,8 @@ class CostModel:
         cast_f = np.zeros_like(elem_f)  # FP8 casts of the forward's GEMM operands
         cast_b = np.zeros_like(elem_f)
         if self.opt.compute_dtype == "fp8":
-            # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it):
-            # every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B):
+            # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it,
+            # `fp8_fused_casts` off): every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B):
             # forward the four linear inputs and the weights, backward the output gradients, plus transposed
             # fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2, write 1)
             mult = 3 if m.gated else 2
@@ -203,8 +212,16 @@ class CostModel:
             # Transformer Engine casts a weight once per step and reuses it over the micro-batches
             # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
             w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
-            cast_f = FP8_CAST_BYTES * (a_in + w_local) / self.hbm
-            cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
+            if self.opt.fp8_fused_casts:
+                # Transformer Engine: the qkv and gate/up inputs leave the norm in fp8 (their transposes are made
+                # for the backward); the output-projection and down-projection inputs, the weights and the output
+                # gradients go through fused cast-transposes
+                normed = t * 2 * c["D"]
+                cast_f = FP8_TE_CAST_TRANSPOSE_BYTES * (a_in - normed + w_local) / self.hbm
+                cast_b = (FP8_TE_CAST_TRANSPOSE_BYTES * g_out + FP8_TE_TRANSPOSE_BYTES * normed) / self.hbm
+            else:
+                cast_f = FP8_CAST_BYTES * (a_in + w_local) / self.hbm
+                cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
         f_un = 2 * t * c["D"] * c["V"] / tp
         un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
         nl = g["layers_stage"]

@@ -23,13 +23,14 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
-    # eager: F.cross_entropy on fp32 logits), torchao float8 casting weights on every forward; AsyncTP is opt-in;
+    # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
+    # weights cast on every forward); AsyncTP is opt-in;
     # context parallelism through PyTorch's context_parallel with its "allgather" rotation (torchtitan
     # config_manager `context_parallel_rotate_method`, default "allgather"; the Llama model repeats K/V heads
     # before SDPA); attention by PyTorch SDPA, whose backend priority puts its bundled FlashAttention-2 first,
     # also on Hopper (pytorch/pytorch#142132)
-    "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fsdp_over_cp=True,
-                       dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
+    "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
+                       fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False),
