@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from meshplan.cost.topology import default_slice_shape
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip, match_chip
 from meshplan.specs.model import ModelConfig, validate_model
@@ -401,7 +402,36 @@ def _selective_flavor(e: dict) -> str:
 
 
 def problem_of(e: dict) -> Problem:
-    return Problem(model_of(e), chip_of(e), _int(e["hardware"]["count"]), seq_len_of(e), global_batch_of(e))
+    chip, count = chip_of(e), _int(e["hardware"]["count"])
+    return Problem(model_of(e), chip, count, seq_len_of(e), global_batch_of(e), slice_shape_of(e, chip, count))
+
+
+def slice_shape_of(e: dict, chip, count: int) -> tuple[int, ...] | None:
+    """A TPU multislice job's ICI slice: the slice count printed as 'N slice(s)' or 'N x v5p-128', the shape
+    from the printed torus ('16x16 ICI torus') when it matches count / N chips, else meshplan's default slice of
+    that many chips. None (the largest slice the pod allows) when the source names no slices."""
+    if not _is_tpu(e):
+        return None
+    hw = e.get("hardware") or {}
+    inter, intra = str(hw.get("inter_node") or "").lower(), str(hw.get("intra_node") or "").lower()
+    m = re.search(r"(\d+)\s*slices?\b|(\d+)\s*slice\(s\)|(\d+)\s*x\s*v\d\w*-\d+", inter + " " + intra)
+    n = int(next(g for g in m.groups() if g)) if m else 1
+    if n <= 1 or count % n:
+        return None
+    per = count // n
+    printed = re.search(r"(\d+)x(\d+)(?:x(\d+))?", intra)
+    if printed:
+        shape = tuple(int(g) for g in printed.groups() if g)
+        if shape and _prod(shape) == per and len(shape) <= max(chip.links.torus_dims, 1):
+            return shape
+    return default_slice_shape(chip, per)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 _FRACTION_KEYS = ("mfu", "hfu")

@@ -265,3 +265,16 @@ def test_hfu_only_counts_the_recomputed_forward() -> None:
 ])
 def test_attention_kernel_read_from_the_run(text: str, titan: bool, kernel: str) -> None:
     assert H._attention_kernel(text, titan) == kernel
+
+
+@pytest.mark.parametrize(("inter", "intra", "count", "shape"), [
+    ("2 slice(s) over DCN (multislice)", "v5e-256 slice: 16x16 ICI torus", 512, (16, 16)),
+    ("2 slices over DCN", "v5p-128: 4x4x4 ICI torus", 128, (4, 4, 4)),
+    ("DCN between 2x v5p-256", "ICI", 256, (4, 4, 8)),  # no printed shape: meshplan's slice of 128 v5p chips
+    ("", "16x16 ICI torus", 256, None),  # one slice: the pod's default
+])
+def test_tpu_slices_read_from_the_hardware_text(inter: str, intra: str, count: int, shape) -> None:
+    chip = load_chip("tpu-v5p" if "v5p" in inter + intra else "tpu-v5e")
+    e = {"group": "maxtext", "hardware": {"chip": chip.name, "count": count, "inter_node": inter,
+                                          "intra_node": intra}}
+    assert H.slice_shape_of(e, chip, count) == shape

@@ -100,3 +100,26 @@ def test_human_output_states_the_assumptions(capsys):
     assert code == 0 and "assumes:" in out and "fused loss" in out and "TP collectives exposed" in out
     code, out, _ = run_cli(args + ["--framework", "torchtitan"], capsys)
     assert code == 0 and "eager fp32 loss" in out
+
+
+def test_multislice_puts_the_replicas_on_dcn(capsys):
+    """Two v5p-128 slices (4x4x4 chips each) joined over DCN: the pinned data-parallel axis of 2 crosses DCN, so
+    the same layout is slower than on one 128-chip ICI slice; the gradient reduction across slices (MaxText: after
+    the backward) is bound by the DCN egress of 6.25 GB/s per chip (book ch.2), 6.25/90 of an ICI link."""
+    import json
+
+    from conftest import run_cli
+
+    base = ["train", "--model", "maxtext-synthetic-32b", "--hardware", "tpu-v5p", "--chips", "128", "--seq-len",
+            "2048", "--global-batch", "896", "--tp", "4", "--fsdp", "16", "--dp", "2", "--microbatch", "7",
+            "--recompute", "gemm-last", "--framework", "maxtext", "--json"]
+    code, out, _ = run_cli([*base, "--slice", "4x4x4"], capsys)
+    assert code == 0
+    two = json.loads(out)["plans"][0]
+    code, out, _ = run_cli(base, capsys)
+    one = json.loads(out)["plans"][0]
+    assert "data=2 → dcn" in two["mesh"] and "dcn" not in one["mesh"]
+    assert two["time_breakdown_s"]["exposed_comm/dp"] > 3 * one["time_breakdown_s"]["exposed_comm/dp"]
+    assert two["step_time_s"] > one["step_time_s"]
+    code, _, err = run_cli([*base, "--slice", "4x4x3"], capsys)
+    assert code == 2 and "slice shape 4x4x3 (48 chips) does not divide 128 chips" in err

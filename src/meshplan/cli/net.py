@@ -60,15 +60,19 @@ def parse_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
+def parse_slice_shape(text: str | None) -> tuple[int, ...] | None:
+    """'16x16' / '4x4x8' (a TPU slice) or '8' (GPUs per NVLink domain); None when not given."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        fail(f"bad slice shape '{text}' (write e.g. 16x16 or 4x4x8)")
+
+
 def build_mapping(hardware: str, chips: int, mesh: str, order: str | None, slice_shape: str | None) -> MeshMapping:
     chip = load_chip(hardware)
-    shape = None
-    if slice_shape:
-        try:
-            shape = tuple(int(x) for x in slice_shape.lower().split("x"))
-        except ValueError:
-            fail(f"bad slice shape '{slice_shape}' (write e.g. 16x16 or 4x4x8)")
-    cluster = make_cluster(chip, chips, shape)
+    cluster = make_cluster(chip, chips, parse_slice_shape(slice_shape))
     axes_order = [a.strip() for a in order.split(",") if a.strip()] if order else None
     return map_mesh(cluster, parse_mesh(mesh), axes_order)
 

@@ -8,7 +8,9 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
+from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -21,11 +23,15 @@ from meshplan.units import fmt_bytes, fmt_time
 Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
 
 
-def build_problem(model: str, hardware: str, chips: int, seq_len: int, global_batch: int) -> Problem:
+def build_problem(model: str, hardware: str, chips: int, seq_len: int, global_batch: int,
+                  slice_shape: str | None = None) -> Problem:
     for name, v in (("--chips", chips), ("--seq-len", seq_len), ("--global-batch", global_batch)):
         if v <= 0:
             fail(f"{name} must be positive, got {v}")
-    return Problem(load_model(model), load_chip(hardware), chips, seq_len, global_batch)
+    chip, shape = load_chip(hardware), parse_slice_shape(slice_shape)
+    if shape:
+        make_cluster(chip, chips, shape)  # a shape that does not divide the chips or fit the pod fails here, clearly
+    return Problem(load_model(model), chip, chips, seq_len, global_batch, shape)
 
 
 def parse_tokens(text: str | None) -> float | None:
@@ -104,13 +110,14 @@ def train(
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
              "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
+    slice_shape: SliceOpt = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the DESIGN.md JSON object.")] = False,
 ) -> None:
     """Search every parallel layout; predict step time, MFU, memory; explain the best."""
-    problem = build_problem(model, hardware, chips, seq_len, global_batch)
+    problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
     if dtype not in ("bf16", "fp8"):
         fail(f"--dtype must be bf16 or fp8, got '{dtype}'")
     if not 0 <= headroom < 1:

@@ -116,6 +116,11 @@ def _shape(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
 
 
+def default_slice_shape(chip: Chip, n: int) -> tuple[int, ...]:
+    """The slice (TPU) or NVLink domain (GPU) meshplan assumes for `n` chips in one fast domain."""
+    return _default_shape(chip.links, n)
+
+
 def _default_shape(links: Links, n: int) -> tuple[int, ...]:
     if not links.is_torus:
         return (min(n, links.nvlink_domain_size),)

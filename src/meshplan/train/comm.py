@@ -20,8 +20,8 @@ _REF_BYTES = 1.0e9
 class CommModel:
     """Vectorised collective times on one cluster."""
 
-    def __init__(self, chip: Chip, chips: int):
-        self.cluster = make_cluster(chip, chips)
+    def __init__(self, chip: Chip, chips: int, slice_shape: tuple[int, ...] | None = None):
+        self.cluster = make_cluster(chip, chips, slice_shape)
         self._coef: dict[tuple[str, int, int], tuple[float, float]] = {}
 
     def _alpha_beta(self, kind: str, size: int, stride: int) -> tuple[float, float]:

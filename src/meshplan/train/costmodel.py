@@ -147,7 +147,7 @@ class CostModel:
         self.p = problem
         self.eff = eff
         self.opt = options or Options()
-        self.comm = CommModel(problem.chip, problem.chips)
+        self.comm = CommModel(problem.chip, problem.chips, problem.slice_shape)
         self.c = _shape_constants(problem.model)
         self.pc = tm.param_counts(problem.model)
         chip = problem.chip

@@ -53,6 +53,9 @@ class Problem:
     chips: int
     seq_len: int
     global_batch: int
+    # One fast domain: a TPU ICI slice shape (multislice jobs join several over DCN) or (GPUs per NVLink domain,);
+    # None = the largest slice the pod allows (TPU) or full NVLink domains (GPU)
+    slice_shape: tuple[int, ...] | None = None
 
 
 def validate_pins(p: Problem, pins: Pins) -> None:
