@@ -203,9 +203,10 @@ class CostModel:
         cast_b = np.zeros_like(elem_f)
         if self.opt.compute_dtype == "fp8":
             # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it,
-            # `fp8_fused_casts` off): every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B):
-            # forward the four linear inputs and the weights, backward the output gradients, plus transposed
-            # fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2, write 1)
+            # `fp8_fused_casts` off): every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for
+            # the cast, write 1 B): forward the four linear inputs and the weights, backward the output gradients,
+            # plus transposed fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2,
+            # write 1)
             mult = 3 if m.gated else 2
             a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
             g_out = t * (qkv_width + 2 * c["D"] + (mult - 1) * c["F"] * c["k"] / tp)
