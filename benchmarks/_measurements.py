@@ -6,6 +6,7 @@ recompute and precision. What the source leaves out (e.g. the micro-batch) is le
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import replace
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from meshplan.cost.topology import default_slice_shape
+from meshplan.cost.topology import default_slice_shape, make_cluster
+from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip, match_chip
 from meshplan.specs.model import ModelConfig, validate_model
@@ -422,16 +424,13 @@ def slice_shape_of(e: dict, chip, count: int) -> tuple[int, ...] | None:
     printed = re.search(r"(\d+)x(\d+)(?:x(\d+))?", intra)
     if printed:
         shape = tuple(int(g) for g in printed.groups() if g)
-        if shape and _prod(shape) == per and len(shape) <= max(chip.links.torus_dims, 1):
-            return shape
+        if math.prod(shape) == per:
+            try:
+                make_cluster(chip, count, shape)  # a printed shape the pod cannot hold is not used
+                return shape
+            except MeshplanError:
+                pass
     return default_slice_shape(chip, per)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 _FRACTION_KEYS = ("mfu", "hfu")

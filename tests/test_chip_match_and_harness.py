@@ -272,9 +272,24 @@ def test_attention_kernel_read_from_the_run(text: str, titan: bool, kernel: str)
     ("2 slices over DCN", "v5p-128: 4x4x4 ICI torus", 128, (4, 4, 4)),
     ("DCN between 2x v5p-256", "ICI", 256, (4, 4, 8)),  # no printed shape: meshplan's slice of 128 v5p chips
     ("", "16x16 ICI torus", 256, None),  # one slice: the pod's default
+    ("2 slices", "1x64 ICI torus", 128, (8, 8)),  # a printed shape the v5e pod cannot hold: the default slice
 ])
 def test_tpu_slices_read_from_the_hardware_text(inter: str, intra: str, count: int, shape) -> None:
     chip = load_chip("tpu-v5p" if "v5p" in inter + intra else "tpu-v5e")
     e = {"group": "maxtext", "hardware": {"chip": chip.name, "count": count, "inter_node": inter,
                                           "intra_node": intra}}
     assert H.slice_shape_of(e, chip, count) == shape
+
+
+@given(st.one_of(st.text(max_size=60), st.from_regex(r"\A(\d{1,3} slices?|\d{1,2} ?x ?v5p-\d{1,4})( over DCN)?\Z")),
+       st.one_of(st.text(max_size=60), st.from_regex(r"\A\d{1,2}x\d{1,2}(x\d{1,2})? ICI torus\Z")),
+       st.integers(1, 4096), st.sampled_from(["tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v4"]))
+@settings(max_examples=200, deadline=None)
+def test_slice_reader_never_crashes_and_gives_a_valid_slice(inter: str, intra: str, count: int, name: str) -> None:
+    chip = load_chip(name)
+    e = {"group": "maxtext", "hardware": {"chip": name, "count": count, "inter_node": inter, "intra_node": intra}}
+    shape = H.slice_shape_of(e, chip, count)
+    if shape is not None:  # whatever it reads must be a slice the planner accepts for this chip count
+        from meshplan.cost.topology import make_cluster
+
+        assert make_cluster(chip, count, shape).n_chips == count
