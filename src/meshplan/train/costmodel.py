@@ -189,7 +189,7 @@ class CostModel:
             core_f = core_f + CP_TORCH_MERGE_FWD_BYTES * out_elems / self.hbm
             core_b = core_b + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
         sp_div = np.where(g["sp"], tp, 1)
-        act_w = (3 if m.gated else 2) * c["F"] * c["k"]
+        act_w = c["mult"] * c["F"] * c["k"]
         elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
@@ -207,9 +207,8 @@ class CostModel:
             # the cast, write 1 B): forward the four linear inputs and the weights, backward the output gradients,
             # plus transposed fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2,
             # write 1)
-            mult = 3 if m.gated else 2
             a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
-            g_out = t * (qkv_width + 2 * c["D"] + (mult - 1) * c["F"] * c["k"] / tp)
+            g_out = t * (qkv_width + 2 * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
             # Transformer Engine casts a weight once per step and reuses it over the micro-batches
             # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
             w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
