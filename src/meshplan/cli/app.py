@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from contextvars import ContextVar
 from typing import Any
 
 import typer
@@ -48,8 +49,17 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+# Where print_json sends its object instead of stdout: `meshplan web` runs a command in its own thread and
+# collects the very object `--json` prints (a ContextVar, so each request thread has its own).
+json_sink: ContextVar[list | None] = ContextVar("json_sink", default=None)
+
+
 def print_json(obj: Any) -> None:
     """One JSON object on stdout (NaN/inf become null so the output is strict JSON)."""
+    sink = json_sink.get()
+    if sink is not None:
+        sink.append(_jsonable(obj))
+        return
     sys.stdout.write(json.dumps(_jsonable(obj), indent=2) + "\n")
 
 

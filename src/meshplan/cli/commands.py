@@ -7,4 +7,5 @@ from meshplan.cli import (
     serve,  # noqa: F401
     train,  # noqa: F401
     verify,  # noqa: F401
+    web,  # noqa: F401
 )

@@ -101,6 +101,7 @@ def serve(
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     plot: Annotated[str | None, typer.Option(help="Write the latency-throughput frontier to this PNG.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
 ) -> None:
     """Serve a model: layout, batch, TTFT/TPOT, throughput, memory and cost per million tokens."""
     _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
@@ -126,6 +127,12 @@ def serve(
         pts = frontier(m, chip, chips, best.config, eff, w, batching)
         plot_frontier(pts, plot, f"{m.name} on {chips} x {chip.name} (tp={best.config.tp}, pp={best.config.pp})")
         out["plot"] = plot
+    if html:
+        from meshplan.web.page import serve_view, write_html
+
+        write_html(html, serve_view(out, dict(model=model, hardware=hardware, chips=chips, input_len=input_len,
+                                              output_len=output_len, batch=batch, quant=quant, kv_quant=kv_quant,
+                                              tp=tp, pp=pp, ep=ep)))
     if json_out:
         print_json(out)
         return

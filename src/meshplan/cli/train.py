@@ -115,6 +115,7 @@ def train(
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the DESIGN.md JSON object.")] = False,
+    html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
 ) -> None:
     """Search every parallel layout; predict step time, MFU, memory; explain the best."""
     problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
@@ -145,6 +146,14 @@ def train(
         from meshplan.report.train_plots import write_train_plots
 
         write_train_plots(plot, problem, pins, eff, opts, result)
+    if html:
+        from meshplan.report.train_plots import mfu_scaling
+        from meshplan.web.page import train_view, write_html
+
+        inputs = dict(model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
+                      dtype=dtype, framework=framework, dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
+                      microbatch=microbatch, recompute=recompute, zero=zero)
+        write_html(html, train_view(result.as_dict(), inputs, mfu_scaling(problem, pins, eff, opts)))
     if json_out:
         print_json(result.as_dict())
         return

@@ -73,6 +73,17 @@ def schedule_1f1b(pp: int, m: int, vpp: int = 1) -> list[tuple[int, int, str, in
     return ev
 
 
+def schedule_bars(pp: int, vpp: int, micro_batches: float, compute_s: float,
+                  max_shown: int = 16) -> list[tuple[int, float, float, str, int]]:
+    """Bars (stage, start_s, duration_s, 'F'|'B', micro-batch) of the schedule drawing: the step's compute split
+    evenly over the micro-batches, a backward twice a forward (Narayanan et al. 2021), at most `max_shown`
+    micro-batches drawn; interleaving (vpp) as vpp-times shorter slots."""
+    m = max(int(min(micro_batches, max_shown)), 1)
+    per_unit = (compute_s / max(micro_batches, 1)) / 3.0
+    return [(s, start * per_unit / vpp, (1 if kind == "F" else 2) * per_unit / vpp, kind, i)
+            for s, start, kind, i in schedule_1f1b(pp, m, vpp)]
+
+
 def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     """Timeline of the chosen plan: forward, backward, bubbles and exposed communication per stage. The slots are
     drawn as 1F1B; under a zero-bubble or DualPipe schedule the title gives that schedule's (smaller) bubble."""
@@ -80,11 +91,8 @@ def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     cfg = plan["config"]
     pp, vpp = cfg["pp"], cfg["vpp"]
     m = int(min(plan.get("micro_batches", 1), 16))
-    per_unit = (plan["time_s"]["compute"] / max(plan.get("micro_batches", 1), 1)) / 3.0
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * pp))
-    for s, start, kind, i in schedule_1f1b(pp, max(m, 1), vpp):
-        w = (1 if kind == "F" else 2) * per_unit / vpp
-        x = start * per_unit / vpp
+    for s, x, w, kind, i in schedule_bars(pp, vpp, plan.get("micro_batches", 1), plan["time_s"]["compute"]):
         ax.barh(s, w, left=x, color="tab:blue" if kind == "F" else "tab:green", edgecolor="white")
         if m <= 8:
             ax.text(x + w / 2, s, f"{kind}{i}", ha="center", va="center", fontsize=6, color="white")
@@ -102,22 +110,39 @@ def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     plt.close(fig)
 
 
-def plot_mfu_scaling(problem, pins, eff, opts, path: str) -> None:
-    """Best plan's MFU at chip counts around the requested one (same global batch)."""
+SCALING_FACTORS = (0.125, 0.25, 0.5, 1, 2, 4)  # chip counts around the requested one
+
+
+def scaling_chip_counts(chips: int, global_batch: int) -> list[int]:
+    """The chip counts of the MFU-vs-chips curve (same global batch)."""
+    out = []
+    for f in SCALING_FACTORS:
+        n = int(chips * f)
+        if n < 1 or global_batch % max(1, n // 64) and n > global_batch * 64:
+            continue
+        out.append(n)
+    return out
+
+
+def mfu_scaling(problem, pins, eff, opts) -> list[tuple[int, float]]:
+    """(chips, MFU of the best plan) at chip counts around the requested one; data and FSDP degrees searched."""
     from meshplan.train.planner import plan
 
-    plt = _pyplot()
-    xs, ys = [], []
-    for f in (0.125, 0.25, 0.5, 1, 2, 4):
-        n = int(problem.chips * f)
-        if n < 1 or problem.global_batch % max(1, n // 64) and n > problem.global_batch * 64:
-            continue
+    points = []
+    for n in scaling_chip_counts(problem.chips, problem.global_batch):
         try:
             best = plan(replace(problem, chips=n), replace(pins, dp=None, fsdp=None), eff, opts, top=1).plans[0]
         except MeshplanError:
             continue
-        xs.append(n)
-        ys.append(best["mfu"])
+        points.append((n, best["mfu"]))
+    return points
+
+
+def plot_mfu_scaling(problem, pins, eff, opts, path: str) -> None:
+    """Best plan's MFU at chip counts around the requested one (same global batch)."""
+    plt = _pyplot()
+    points = mfu_scaling(problem, pins, eff, opts)
+    xs, ys = [n for n, _ in points], [m for _, m in points]
     plt_fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, ys, "o-")
     ax.set_xscale("log", base=2)

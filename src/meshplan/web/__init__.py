@@ -1,0 +1,1 @@
+"""`meshplan web`: a local page over the planner, and `--html` self-contained reports (issue #17)."""

@@ -1,0 +1,126 @@
+"""The web page's JSON API: a request's fields become the very `meshplan train|serve ... --json` command line, run
+in this process; the answer is the object `--json` prints, and a bad input gets the CLI's own `error:` message.
+
+Kept thin on purpose: no validation or planning happens here that the CLI does not do itself, except that the
+page may only name presets (the server must not read arbitrary paths) or upload a config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from meshplan.errors import MeshplanError
+
+# field -> CLI flag. Boolean fields take 0/1 and map to the flag's two spellings.
+TRAIN_FIELDS = {f: "--" + f.replace("_", "-") for f in (
+    "model", "hardware", "chips", "seq_len", "global_batch", "tokens", "dtype", "framework", "dp", "fsdp", "tp",
+    "pp", "vpp", "cp", "ep", "microbatch", "recompute", "zero", "offload", "pp_schedule", "attention_kernel",
+    "headroom", "top")}
+SERVE_FIELDS = {f: "--" + f.replace("_", "-") for f in (
+    "model", "hardware", "chips", "input_len", "output_len", "batch", "tp", "pp", "ep", "quant", "kv_quant",
+    "tpot_target", "ttft_target", "batching")}
+BOOL_FIELDS = {"train": {"sp": ("--sp", "--no-sp")}, "serve": {"search": ("--search", None)}}
+FIELDS = {"train": TRAIN_FIELDS, "serve": SERVE_FIELDS}
+MAX_MODEL_JSON_BYTES = 256 * 1024
+_FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)")
+_lock = threading.Lock()  # the planner keeps lru caches; one command at a time (each takes well under a second)
+_upload_dir = Path(tempfile.mkdtemp(prefix="meshplan-web-"))
+
+
+class InputError(MeshplanError):
+    """Bad input: the CLI's one-line message and, where it names one, the form field it is about."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def field_of(message: str, kind: str) -> str | None:
+    """The form field an error message names (the first CLI flag in it that the form has)."""
+    fields = FIELDS[kind]
+    for flag in _FLAG_RE.findall(message):
+        name = flag.replace("-", "_")
+        if name in fields or name in BOOL_FIELDS[kind]:
+            return name
+    low = message.lower()
+    for word in ("model", "hardware", "framework"):
+        if low.startswith(word) or f"{word} " in low or f"{word} config" in low:
+            return word
+    return None
+
+
+def _model_path(text: str, filename: str | None) -> str:
+    """Store an uploaded config.json under this server's temp folder; its path is what --model gets."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_MODEL_JSON_BYTES:
+        raise InputError(f"model config is larger than {MAX_MODEL_JSON_BYTES // 1024} KiB", "model")
+    stem = re.sub(r"[^A-Za-z0-9._-]", "", Path(filename or "").stem)[:64].strip(".") or "uploaded"
+    d = _upload_dir / hashlib.sha256(data).hexdigest()[:16]
+    d.mkdir(exist_ok=True)
+    p = d / f"{stem}.json"
+    if not p.exists():
+        p.write_bytes(data)
+    return str(p)
+
+
+def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
+    """The command line the CLI would get for these form fields (empty fields are left out: searched)."""
+    if kind not in FIELDS:
+        raise InputError(f"unknown command '{kind}' (known: train, serve)")
+    fields, bools = FIELDS[kind], BOOL_FIELDS[kind]
+    argv = [kind]
+    params = {k: v for k, v in params.items() if v is not None and str(v).strip() != ""}
+    model_json = params.pop("model_json", None)
+    model_name = params.pop("model_name", None)
+    if model_json is not None:
+        params["model"] = _model_path(str(model_json), model_name)
+    elif "model" in params and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(params["model"])):
+        raise InputError(f"model must be a preset name or an uploaded config.json, got '{params['model']}'", "model")
+    if "hardware" in params and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(params["hardware"])):
+        raise InputError(f"hardware must be a preset name, got '{params['hardware']}'", "hardware")
+    for key, value in params.items():
+        value = str(value).strip()
+        if key in bools:
+            on, off = bools[key]
+            if value not in ("0", "1", "true", "false"):
+                raise InputError(f"{on} must be 0 or 1, got '{value}'", key)
+            flag = on if value in ("1", "true") else off
+            if flag:
+                argv.append(flag)
+        elif key in fields:
+            argv.append(f"{fields[key]}={value}")
+        else:
+            raise InputError(f"unknown field '{key}' for {kind}")
+    argv.append("--json")
+    return argv
+
+
+def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
+    """The object `meshplan <kind> ... --json` prints for these fields; InputError with the CLI's message."""
+    from meshplan.cli import commands  # noqa: F401  (registers the commands)
+    from meshplan.cli.app import _ClickException, app, json_sink
+
+    argv = argv_for(kind, params)
+    sink: list = []
+    token = json_sink.set(sink)
+    try:
+        with _lock:
+            app(args=argv, standalone_mode=False)
+    except InputError:
+        raise
+    except MeshplanError as exc:
+        raise InputError(str(exc), field_of(str(exc), kind)) from None
+    except _ClickException as exc:
+        msg = exc.format_message().replace("\n", " ")
+        raise InputError(msg, field_of(msg, kind)) from None
+    finally:
+        json_sink.reset(token)
+    if len(sink) != 1:
+        raise RuntimeError(f"'{' '.join(argv)}' printed {len(sink)} JSON objects, expected 1")
+    return sink[0]
