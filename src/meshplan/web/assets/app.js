@@ -59,37 +59,44 @@
     });
     return s;
   }
-  // A line chart: series [{name, points: [{x, y, label}]}]; log2 x when asked.
+  // A line chart: series [{name, points: [{x, y, label, tag, highlight}]}]; log2 x / log10 y when asked.
   function lineChart(container, series, o) {
-    const W = o.width || 420, H = 260, L = 56, R = 12, T = 10, B = 40, s = svg(container, W, H);
-    const all = series.flatMap((se) => se.points).filter((p) => isFinite(p.x) && isFinite(p.y));
+    const W = o.width || 420, H = 260, L = 64, R = 30, T = 12, B = 40, s = svg(container, W, H);
+    const all = series.flatMap((se) => se.points).filter((p) => isFinite(p.x) && isFinite(p.y) && (!o.logx || p.x > 0) && (!o.logy || p.y > 0));
     if (!all.length) { el("text", {x: L, y: H / 2}, s, "no data"); return s; }
-    const fx = o.logx ? Math.log2 : (v) => v;
+    const fx = o.logx ? Math.log2 : (v) => v, fy = o.logy ? Math.log10 : (v) => v;
     let x0 = Math.min(...all.map((p) => fx(p.x))), x1 = Math.max(...all.map((p) => fx(p.x)));
-    let y0 = o.y0 !== undefined ? o.y0 : Math.min(...all.map((p) => p.y)), y1 = Math.max(...all.map((p) => p.y));
+    let y0 = o.y0 !== undefined && !o.logy ? o.y0 : Math.min(...all.map((p) => fy(p.y))), y1 = Math.max(...all.map((p) => fy(p.y)));
     if (x1 === x0) { x0 -= 1; x1 += 1; }
     if (y1 === y0) { y1 = y0 + (Math.abs(y0) || 1); }
-    const X = (v) => L + (W - L - R) * (fx(v) - x0) / (x1 - x0), Y = (v) => H - B - (H - T - B) * (v - y0) / (y1 - y0);
+    const X = (v) => L + (W - L - R) * (fx(v) - x0) / (x1 - x0), Y = (v) => H - B - (H - T - B) * (fy(v) - y0) / (y1 - y0);
     el("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#999"}, s);
     el("line", {x1: L, y1: T, x2: L, y2: H - B, stroke: "#999"}, s);
     for (let i = 0; i <= 4; i++) {
-      const v = y0 + (y1 - y0) * i / 4;
+      const f = y0 + (y1 - y0) * i / 4, v = o.logy ? 10 ** f : f;
       el("text", {x: L - 4, y: Y(v) + 4, "text-anchor": "end"}, s, o.yfmt(v));
       el("line", {x1: L, y1: Y(v), x2: W - R, y2: Y(v), stroke: "#eee"}, s);
     }
-    const xt = [...new Set(all.map((p) => p.x))].sort((a, b) => a - b);
-    const step = Math.ceil(xt.length / 8);
-    xt.forEach((v, i) => { if (i % step === 0) el("text", {x: X(v), y: H - B + 14, "text-anchor": "middle"}, s, o.xfmt(v)); });
+    let last = -1e9;
+    for (const v of [...new Set(all.map((p) => p.x))].sort((a, b) => a - b)) {
+      if (X(v) - last < 34) continue;
+      last = X(v);
+      el("text", {x: X(v), y: H - B + 14, "text-anchor": "middle"}, s, o.xfmt(v));
+    }
     el("text", {x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle"}, s, o.xlabel);
     el("text", {x: 12, y: (T + H - B) / 2, transform: `rotate(-90 12 ${(T + H - B) / 2})`, "text-anchor": "middle"}, s, o.ylabel);
     series.forEach((se, k) => {
-      const pts = se.points.filter((p) => isFinite(p.x) && isFinite(p.y));
+      const pts = se.points.filter((p) => all.includes(p));
       el("polyline", {points: pts.map((p) => `${X(p.x)},${Y(p.y)}`).join(" "), fill: "none",
         stroke: COLORS[k % COLORS.length], "stroke-width": 2}, s);
+      let lastTag = -1e9;
       pts.forEach((p) => {
         const c = el("circle", {cx: X(p.x), cy: Y(p.y), r: p.highlight ? 6 : 3.5, fill: p.highlight ? "#dc2626" : COLORS[k % COLORS.length]}, s);
         c.appendChild(el("title", {}, null, p.label || `${o.xfmt(p.x)}: ${o.yfmt(p.y)}`));
-        if (p.tag !== undefined) el("text", {x: X(p.x) + 5, y: Y(p.y) - 5}, s, p.tag);
+        if (p.tag !== undefined && (X(p.x) - lastTag >= 22 || p.highlight)) {
+          lastTag = X(p.x);
+          el("text", {x: X(p.x) + 5, y: Y(p.y) - 6}, s, p.tag);
+        }
       });
     });
     return s;
@@ -256,9 +263,9 @@
     const fr = o.frontier || [];
     lineChart($("chart-frontier"), [{name: "frontier", points: fr.map((p) => ({x: p.throughput_tokens_per_s, y: p.tpot_s * 1e3, tag: p.batch,
       highlight: p.batch === o.batch, label: `batch ${p.batch}: ${Math.round(p.throughput_tokens_per_s)} tok/s, TPOT ${fmtTime(p.tpot_s)}, TTFT ${fmtTime(p.ttft_s)}`}))}],
-    {width: 760, y0: 0, xlabel: "output tokens/s (deployment)", ylabel: "TPOT (ms)", xfmt: (v) => v >= 1e3 ? (v / 1e3).toFixed(0) + "k" : v.toFixed(0), yfmt: (v) => v.toFixed(1)});
+    {width: 760, y0: 0, logx: true, xlabel: "output tokens/s (deployment)", ylabel: "TPOT (ms)", xfmt: (v) => v >= 1e3 ? (v / 1e3).toFixed(0) + "k" : v.toFixed(0), yfmt: (v) => v.toFixed(1)});
     lineChart($("chart-cost"), [{name: "cost", points: fr.map((p) => ({x: p.batch, y: p.cost_per_million_tokens.output, highlight: p.batch === o.batch}))}],
-      {logx: true, xlabel: "batch per replica", ylabel: "$ / M output tokens", xfmt: (v) => String(v), yfmt: (v) => "$" + v.toFixed(2)});
+      {logx: true, logy: true, xlabel: "batch per replica", ylabel: "$ / M output tokens", xfmt: (v) => String(v), yfmt: (v) => "$" + v.toFixed(2)});
     const m = o.memory_bytes_per_chip;
     stackBar($("chart-serve-memory"), ["weights", "kv_cache", "activations", "reserved"].map((n) => ({label: n, value: m[n]})), fmtGiB, m.budget);
     const tb = document.querySelector("#layouts tbody");
