@@ -48,10 +48,10 @@ def field_of(message: str, kind: str) -> str | None:
         name = flag.replace("-", "_")
         if name in fields or name in BOOL_FIELDS[kind]:
             return name
-    low = message.lower()
-    for word in ("model", "hardware", "framework"):
-        if low.startswith(word) or f"{word} " in low or f"{word} config" in low:
-            return word
+    low = message.lower()  # messages that name the quantity in words ("output length must be ...")
+    for name in sorted(fields, key=len, reverse=True):
+        if name.replace("_", " ") in low:
+            return name
     return None
 
 
@@ -107,6 +107,8 @@ def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
     from meshplan.cli.app import _ClickException, app, json_sink
 
     argv = argv_for(kind, params)
+    uploaded = {str(_model_path(str(params["model_json"]), params.get("model_name"))): str(params.get("model_name") or
+                "uploaded.json")} if params.get("model_json") not in (None, "") else {}
     sink: list = []
     token = json_sink.set(sink)
     try:
@@ -115,7 +117,10 @@ def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
     except InputError:
         raise
     except MeshplanError as exc:
-        raise InputError(str(exc), field_of(str(exc), kind)) from None
+        msg = str(exc)
+        for path, name in uploaded.items():  # the page's user knows their file's name, not the server's folder
+            msg = msg.replace(path, name)
+        raise InputError(msg, field_of(msg, kind)) from None
     except _ClickException as exc:
         msg = exc.format_message().replace("\n", " ")
         raise InputError(msg, field_of(msg, kind)) from None

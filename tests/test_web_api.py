@@ -1,0 +1,232 @@
+"""`meshplan web`'s JSON API against the CLI itself: the same objects, the same error messages, and a server that
+answers every request (no 500, no file outside its own page)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshplan.web import api
+from meshplan.web.server import make_server
+
+TRAIN = {"model": "llama3-8b", "hardware": "h100-sxm", "chips": "16", "seq_len": "4096", "global_batch": "64"}
+SERVE = {"model": "llama3-8b", "hardware": "h100-sxm", "chips": "8", "input_len": "1000", "output_len": "200"}
+
+
+@pytest.fixture(scope="module")
+def port():
+    server = make_server(0, quiet=True)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None,
+            headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, params: dict) -> tuple[int, dict]:
+    status, body = request(port, "POST", path, json.dumps(params).encode(), {"Content-Type": "application/json"})
+    return status, json.loads(body)
+
+
+def cli(argv: list[str]) -> tuple[int, str, str]:
+    """The real entry point in-process: (exit code, stdout, stderr)."""
+    from meshplan.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def flags(kind: str, params: dict) -> list[str]:
+    """The command line written out by hand (not through api.argv_for)."""
+    return [kind] + [f"--{k.replace('_', '-')}={v}" for k, v in params.items()] + ["--json"]
+
+
+def _addresses(text: str) -> list[str]:
+    """Every URL in a page but the SVG namespace name (an identifier, never fetched)."""
+    return [u for u in re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"']*", text) if u != "http://www.w3.org/2000/svg"]
+
+
+def _without_timing(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "search_time_s"}
+
+
+def test_api_train_is_train_json(port):
+    status, got = post(port, "/api/train", {**TRAIN, "tp": "2", "top": "3"})
+    code, out, _ = cli(flags("train", {**TRAIN, "tp": "2", "top": "3"}))
+    assert status == 200 and code == 0
+    assert _without_timing(got) == _without_timing(json.loads(out))  # search_time_s is a stopwatch reading
+    assert [p["config"]["tp"] for p in got["plans"]] == [2, 2, 2]
+
+
+def test_api_serve_is_serve_json_and_get_works(port):
+    status, body = request(port, "GET", "/api/serve?" + "&".join(f"{k}={v}" for k, v in SERVE.items()) + "&tp=2")
+    code, out, _ = cli(flags("serve", {**SERVE, "tp": "2"}))
+    assert status == 200 and code == 0
+    assert json.loads(body) == json.loads(out)
+
+
+@pytest.mark.parametrize(("kind", "change", "field"), [
+    ("train", {"chips": "abc"}, "chips"),
+    ("train", {"chips": "0"}, "chips"),
+    ("train", {"tp": "3"}, "tp"),
+    ("train", {"model": "llama3-8bx"}, "model"),
+    ("train", {"hardware": "h100"}, "hardware"),
+    ("train", {"dtype": "fp4"}, "dtype"),
+    ("train", {"framework": "jax"}, "framework"),
+    ("serve", {"quant": "int3"}, "quant"),
+    ("serve", {"output_len": "-1"}, "output_len"),
+])
+def test_bad_input_gets_the_cli_message_and_its_field(port, kind, change, field):
+    params = {**(TRAIN if kind == "train" else SERVE), **change}
+    status, got = post(port, f"/api/{kind}", params)
+    code, _, err = cli(flags(kind, params))
+    assert code == 2 and err.startswith("error: ")
+    assert status == 400
+    assert got == {"error": err.removeprefix("error: ").rstrip("\n"), "field": field}
+
+
+def test_uploaded_config_plans_like_the_preset_and_bad_config_errs_like_the_cli(port, tmp_path):
+    from meshplan.specs.model import MODELS_DIR
+
+    text = (MODELS_DIR / "llama3-8b.json").read_text()
+    params = {k: v for k, v in TRAIN.items() if k != "model"}
+    status, got = post(port, "/api/train", {**params, "model_json": text, "model_name": "mine.json"})
+    _, preset = post(port, "/api/train", TRAIN)
+    assert status == 200
+    assert [p["config"] for p in got["plans"]] == [p["config"] for p in preset["plans"]]
+    assert [p["mfu"] for p in got["plans"]] == [p["mfu"] for p in preset["plans"]]
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"hidden_size": 4096,')
+    status, got = post(port, "/api/train", {**params, "model_json": bad.read_text(), "model_name": "broken.json"})
+    code, _, err = cli(flags("train", {**params, "model": str(bad)}))
+    assert code == 2 and status == 400
+    # the CLI names the file by its path; the page by the uploaded file's name
+    assert got["error"] == err.removeprefix("error: ").rstrip("\n").replace(str(bad), "broken.json")
+    assert got["field"] == "model"
+
+
+@pytest.mark.parametrize("path", [
+    "/../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd", "/assets/../../../etc/passwd", "//etc/passwd",
+    "/api/../../pyproject.toml", "/index.html/../../../etc/passwd", "/..%2f..%2fetc%2fpasswd", "/%00",
+    "/web/assets/app.js", "/meshplan/web/page.py", "/" + "a" * 4000, "/api/train/../../../../etc/passwd",
+])
+def test_nothing_outside_the_page_is_served(port, path):
+    status, body = request(port, "GET", path)
+    assert status == 404, (path, status)
+    assert b"root:" not in body and b"import" not in body
+    assert json.loads(body)["error"].startswith("no such page")
+
+
+def test_page_and_presets(port):
+    status, body = request(port, "GET", "/")
+    assert status == 200 and b"<svg" not in body[:100] and b'id="plans"' in body
+    assert not _addresses(body.decode())  # nothing outside the page is referenced
+    status, body = request(port, "GET", "/api/presets")
+    assert status == 200 and "llama3-8b" in json.loads(body)["models"]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "expect"), [
+    ("POST", "/api/train", b"{not json", {}, 400),
+    ("POST", "/api/train", b"[1, 2]", {}, 400),
+    ("POST", "/api/train", b'{"chips": [16]}', {}, 400),
+    ("POST", "/api/train", b"\xff\xfe", {}, 400),
+    ("POST", "/api/train", b"{}", {"Content-Length": str(1 << 30)}, 413),
+    ("POST", "/api/train", b"{}", {}, 400),  # the CLI's missing-option error
+    ("PUT", "/api/train", b"{}", {}, 405),
+    ("DELETE", "/", None, {}, 405),
+    ("GET", "/api/train?chips=1&chips=2", None, {}, 400),
+    ("GET", "/api/train?bogus=1", None, {}, 400),
+    ("GET", "/api/train?model=/etc/passwd", None, {}, 400),
+    ("GET", "/api/schedule?pp=0&vpp=1&micro_batches=4&compute_s=1", None, {}, 400),
+    ("GET", "/api/schedule?pp=4&vpp=1&micro_batches=4&compute_s=nan", None, {}, 400),
+])
+def test_malformed_requests_are_4xx(port, method, path, body, headers, expect):
+    if "Content-Length" in headers:  # a lying length: the server must refuse it before reading
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.putrequest(method, path)
+        conn.putheader("Content-Length", headers["Content-Length"])
+        conn.endheaders()
+        status = conn.getresponse().status
+        conn.close()
+    else:
+        status, _ = request(port, method, path, body, headers)
+    assert status == expect
+
+
+def test_schedule_matches_the_plot_bars(port):
+    # pp=2, 2 micro-batches, compute 6 s: a unit of 6/2/3 = 1 s; 1F1B slots (Narayanan et al. Fig. 4): stage 0
+    # F0 at 0, stage 1 F0 at 1, stage 0 F1 at 1; 8 slots (2 stages x 2 micro-batches x F and B).
+    status, got = post(port, "/api/schedule", {"pp": 2, "vpp": 1, "micro_batches": 2, "compute_s": 6.0})
+    assert status == 200
+    bars = {(b["stage"], b["kind"], b["micro_batch"]): (b["start_s"], b["duration_s"]) for b in got["bars"]}
+    assert len(bars) == 8
+    assert bars[(0, "F", 0)] == (0.0, 1.0) and bars[(1, "F", 0)] == (1.0, 1.0) and bars[(1, "B", 0)][1] == 2.0
+
+
+_value = st.one_of(st.integers(-3, 300).map(str), st.sampled_from(["", "0", "1e3", "2.5", "abc", "-", "--json", "8"]),
+                   st.text(max_size=6))
+_train = st.fixed_dictionaries({k: st.one_of(st.just(v), _value) for k, v in TRAIN.items()},
+                               optional={k: _value for k in ("tp", "pp", "dp", "cp", "microbatch", "zero", "dtype",
+                                                             "recompute", "framework", "tokens", "offload")})
+_serve = st.fixed_dictionaries({k: st.one_of(st.just(v), _value) for k, v in SERVE.items()},
+                               optional={k: _value for k in ("tp", "pp", "ep", "batch", "quant", "kv_quant")})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind_params=st.one_of(st.tuples(st.just("train"), _train), st.tuples(st.just("serve"), _serve)))
+def test_fuzzed_requests_are_answered_with_the_cli_message(port, kind_params):
+    kind, params = kind_params
+    status, got = post(port, f"/api/{kind}", params)
+    assert status in (200, 400), got
+    if status == 200:
+        return
+    assert got["error"] and "\n" not in got["error"]
+    try:
+        argv = api.argv_for(kind, params)
+    except api.InputError as exc:  # refused by the web layer itself (a path for --model, say): its own message
+        assert got["error"] == str(exc)
+        return
+    code, _, err = cli(argv)
+    assert code == 2 and err == f"error: {got['error']}\n"
+
+
+def test_server_still_answers_after_everything(port):
+    assert request(port, "GET", "/api/presets")[0] == 200
+
+
+def test_html_file_is_self_contained(tmp_path):
+    out = tmp_path / "plan.html"
+    code, _, err = cli(["train", *sum(([f"--{k.replace('_', '-')}", v] for k, v in TRAIN.items()), []), "--top", "2",
+                        "--html", str(out)])
+    assert code == 0, err
+    text = out.read_text()
+    assert not _addresses(text) and "<script src" not in text and "<link" not in text
+    data = json.loads(text.split('<script id="meshplan-data" type="application/json">')[1].split("</script>")[0])
+    assert data["mode"] == "static" and len(data["view"]["train"]["plans"]) == 2
+    assert Path(out).stat().st_size < 400_000
