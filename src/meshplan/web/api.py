@@ -75,7 +75,10 @@ def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
         raise InputError(f"unknown command '{kind}' (known: train, serve)")
     fields, bools = FIELDS[kind], BOOL_FIELDS[kind]
     argv = [kind]
-    params = {k: v for k, v in params.items() if v is not None and str(v).strip() != ""}
+    params = {k: str(v).strip() for k, v in params.items() if v is not None and str(v).strip() != ""}
+    for key, value in params.items():
+        if key != "model_json" and any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise InputError(f"field '{key}' has a control character", key if key in fields else None)
     model_json = params.pop("model_json", None)
     model_name = params.pop("model_name", None)
     if model_json is not None:
@@ -85,7 +88,6 @@ def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
     if "hardware" in params and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(params["hardware"])):
         raise InputError(f"hardware must be a preset name, got '{params['hardware']}'", "hardware")
     for key, value in params.items():
-        value = str(value).strip()
         if key in bools:
             on, off = bools[key]
             if value not in ("0", "1", "true", "false"):

@@ -88,7 +88,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except ConnectionError:  # the page moved on (a newer request): nothing to answer
+                pass
 
     def _json(self, status: int, obj: Any) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json")
@@ -130,6 +133,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             url = urlsplit(self.path)
             self._handle(self._params_from_query(url.query), url.path)
+        except ConnectionError:  # the client went away: nothing to answer
+            pass
         except Exception as exc:
             self._error(400, f"bad request: {type(exc).__name__}")
 
@@ -152,6 +157,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._error(400, "request body must be a JSON object")
                 return
             self._handle(params, url.path)
+        except ConnectionError:
+            pass
         except Exception as exc:
             self._error(400, f"bad request: {type(exc).__name__}")
 

@@ -184,7 +184,7 @@
   function showError(msg, field) {
     const name = field && (tab === "serve" && !SHARED.includes(field) ? "s_" + field : field);
     const spot = name && document.querySelector(`.err[data-for="${name}"]`);
-    const target = spot && spot.offsetParent !== null ? spot : $("form-error");
+    const target = spot && spot.parentElement.offsetParent !== null ? spot : $("form-error");  // its fieldset is shown
     target.textContent = "error: " + msg;
     if (spot && form.elements[name]) form.elements[name].classList.add("bad");
   }
