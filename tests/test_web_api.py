@@ -230,3 +230,28 @@ def test_html_file_is_self_contained(tmp_path):
     data = json.loads(text.split('<script id="meshplan-data" type="application/json">')[1].split("</script>")[0])
     assert data["mode"] == "static" and len(data["view"]["train"]["plans"]) == 2
     assert Path(out).stat().st_size < 400_000
+
+
+def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", "from meshplan.cli import main; main()", "web", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert url, line
+        with urllib.request.urlopen(url.group(0) + "api/presets", timeout=30) as r:
+            assert r.status == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    code, _, err = cli(["web", f"--port={port}"])  # the test server holds this port
+    assert code == 2 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}")
