@@ -163,6 +163,7 @@ def test_page_and_presets(port):
     ("GET", "/api/train?chips=1&chips=2", None, {}, 400),
     ("GET", "/api/train?bogus=1", None, {}, 400),
     ("GET", "/api/train?model=/etc/passwd", None, {}, 400),
+    ("GET", "/api/train?model=pyproject.toml&hardware=README.md", None, {}, 400),
     ("GET", "/api/schedule?pp=0&vpp=1&micro_batches=4&compute_s=1", None, {}, 400),
     ("GET", "/api/schedule?pp=4&vpp=1&micro_batches=4&compute_s=nan", None, {}, 400),
 ])
@@ -255,3 +256,16 @@ def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
             proc.kill()
     code, _, err = cli(["web", f"--port={port}"])  # the test server holds this port
     assert code == 2 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_scaling_endpoint_agrees_with_the_html_report(port, tmp_path):
+    # Two routes to MFU vs chips: the server runs `train --json` per chip count, --html calls the planner in-process
+    # (report.train_plots.mfu_scaling, as --plot does); both must give the same points.
+    out = tmp_path / "t.html"
+    argv = flags("train", TRAIN)[:-1] + [f"--html={out}"]
+    assert cli(argv)[0] == 0
+    view = json.loads(out.read_text().split('type="application/json">')[1].split("</script>")[0])["view"]
+    status, got = post(port, "/api/scaling", TRAIN)
+    assert status == 200 and len(got["points"]) > 1
+    assert got["points"] == view["scaling"]
+    assert {"chips": 16, "mfu": view["train"]["plans"][0]["mfu"]} in got["points"]

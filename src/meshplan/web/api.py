@@ -7,15 +7,19 @@ page may only name presets (the server must not read arbitrary paths) or upload 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, unknown_name_error
+from meshplan.specs.hardware import preset_chips
+from meshplan.specs.model import preset_models
 
 # field -> CLI flag. Boolean fields take 0/1 and map to the flag's two spellings.
 TRAIN_FIELDS = {f: "--" + f.replace("_", "-") for f in (
@@ -31,6 +35,7 @@ MAX_MODEL_JSON_BYTES = 256 * 1024
 _FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)")
 _lock = threading.Lock()  # the planner keeps lru caches; one command at a time (each takes well under a second)
 _upload_dir = Path(tempfile.mkdtemp(prefix="meshplan-web-"))
+atexit.register(shutil.rmtree, _upload_dir, ignore_errors=True)
 
 
 class InputError(MeshplanError):
@@ -69,6 +74,13 @@ def _model_path(text: str, filename: str | None) -> str:
     return str(p)
 
 
+def _preset(kind: str, name: str, presets: list[str]) -> None:
+    """The page names presets only: a name that is not one gets the CLI's own unknown-name message, and the server
+    never reads a file a request names (the CLI would take a path)."""
+    if name.lower() not in presets:
+        raise InputError(str(unknown_name_error(kind, name, presets)), kind)
+
+
 def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
     """The command line the CLI would get for these form fields (empty fields are left out: searched)."""
     if kind not in FIELDS:
@@ -83,10 +95,10 @@ def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
     model_name = params.pop("model_name", None)
     if model_json is not None:
         params["model"] = _model_path(str(model_json), model_name)
-    elif "model" in params and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(params["model"])):
-        raise InputError(f"model must be a preset name or an uploaded config.json, got '{params['model']}'", "model")
-    if "hardware" in params and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(params["hardware"])):
-        raise InputError(f"hardware must be a preset name, got '{params['hardware']}'", "hardware")
+    elif "model" in params:
+        _preset("model", params["model"], preset_models())
+    if "hardware" in params:
+        _preset("hardware", params["hardware"], preset_chips())
     for key, value in params.items():
         if key in bools:
             on, off = bools[key]
