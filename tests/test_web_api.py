@@ -269,3 +269,16 @@ def test_scaling_endpoint_agrees_with_the_html_report(port, tmp_path):
     assert status == 200 and len(got["points"]) > 1
     assert got["points"] == view["scaling"]
     assert {"chips": 16, "mfu": view["train"]["plans"][0]["mfu"]} in got["points"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=st.dictionaries(st.sampled_from(["pp", "vpp", "micro_batches", "compute_s", "x"]),
+                              st.one_of(st.integers(-2, 5000), st.floats(allow_nan=True), st.text(max_size=5)),
+                              max_size=5))
+def test_fuzzed_schedule_requests_are_4xx_or_bars(port, params):
+    status, got = post(port, "/api/schedule", params)
+    assert status in (200, 400), got
+    if status == 200:
+        # every stage runs each shown micro-batch's forward and backward once
+        shown = min(int(params["micro_batches"]), 16)
+        assert len(got["bars"]) == 2 * int(params["pp"]) * shown

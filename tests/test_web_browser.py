@@ -26,6 +26,7 @@ if CHROMIUM is None:
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
+from meshplan.specs.model import MODELS_DIR  # noqa: E402
 from meshplan.web import api  # noqa: E402
 from meshplan.web.server import make_server  # noqa: E402
 
@@ -79,7 +80,7 @@ def cli_error(argv: list[str]) -> str:
     return err.getvalue().strip()
 
 
-def test_form_plans_tabs_pins_and_errors(page, base_url):
+def test_form_plans_tabs_pins_and_errors(page, base_url, tmp_path):
     page.goto(base_url)
     page.select_option("#f-model", "llama3-8b")
     page.select_option("#f-hardware", "h100-sxm")
@@ -97,6 +98,15 @@ def test_form_plans_tabs_pins_and_errors(page, base_url):
     assert page.locator("#chart-timeline rect.slot").count() > 0
     rows.nth(1).click()
     assert "plan #2" in page.locator("#bottleneck").inner_text()
+
+    config = {k: v for k, v in json.loads((MODELS_DIR / "llama3-8b.json").read_text()).items() if k[0] != "_"}
+    upload = tmp_path / "my-8b.json"
+    upload.write_text(json.dumps(config))
+    page.set_input_files("#f-upload", str(upload))  # an uploaded HF config.json: the same model, another name
+    page.wait_for_function("document.querySelector('#train-title').textContent.startsWith('my-8b on 16')")
+    assert rows.nth(0).locator("td").nth(3).inner_text() == f"{100 * want['plans'][0]['mfu']:.1f}%"
+    assert "model_json=" in page.url
+    page.select_option("#f-model", "llama3-8b")
 
     page.click("#tab-serve")
     for k in ("input_len", "output_len"):

@@ -200,7 +200,8 @@
   function renderTrain(view) {
     train = view;
     const r = view.train, i = view.inputs || {};
-    $("train-title").textContent = `${i.model || ""} on ${i.chips || ""} × ${i.hardware || ""}: ${r.searched} layouts searched in ${r.search_time_s.toFixed(2)} s`;
+    const name = i.model || (i.model_name || "uploaded").replace(/\.json$/i, "");
+    $("train-title").textContent = `${name} on ${i.chips || ""} × ${i.hardware || ""}: ${r.searched} layouts searched in ${r.search_time_s.toFixed(2)} s`;
     const tb = document.querySelector("#plans tbody");
     tb.textContent = "";
     r.plans.forEach((p, k) => {
