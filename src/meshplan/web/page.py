@@ -25,7 +25,10 @@ def presets() -> dict[str, list[str]]:
     from meshplan.train.frameworks import FRAMEWORKS
     from meshplan.train.space import PP_SCHEDULES
 
+    from meshplan.specs.hardware import load_chip
+
     return {"models": preset_models(), "hardware": preset_chips(), "frameworks": sorted(FRAMEWORKS),
+            "hbm_usable_bytes": {name: load_chip(name).usable_hbm_bytes for name in preset_chips()},
             "recompute": list(RECOMPUTE_POLICIES), "pp_schedules": list(PP_SCHEDULES), "batching": list(MODES)}
 
 

@@ -44,10 +44,18 @@
     return el("svg", {width: w, height: h, viewBox: `0 0 ${w} ${h}`, role: "img"}, container);
   }
   // One horizontal stacked bar with a legend: parts [{label, value}] in one unit.
-  function stackBar(container, parts, fmt, total) {
+  // `limit` {label, value}: a dashed capacity line, the scale stretched to hold it (training: the chip's usable HBM,
+  // as the --plot memory PNG draws it; serving: the memory budget serve --json gives).
+  function stackBar(container, parts, fmt, total, limit) {
     parts = parts.filter((p) => p.value > 0);
-    const W = 420, H = 40 + 16 * parts.length, s = svg(container, W, H);
-    const sum = total || parts.reduce((a, p) => a + p.value, 0) || 1;
+    const W = 420, H = 40 + 16 * (parts.length + (limit ? 1 : 0)), s = svg(container, W, H);
+    const used = parts.reduce((a, p) => a + p.value, 0);
+    const sum = Math.max(total || used, limit ? limit.value : 0) || 1;
+    if (limit) {
+      const lx = 10 + (W - 20) * limit.value / sum;
+      el("line", {x1: lx, y1: 2, x2: lx, y2: 34, stroke: "#111", "stroke-dasharray": "4 3", class: "limit"}, s);
+      el("text", {x: 10, y: 45 + 16 * parts.length}, s, `- - ${limit.label} ${fmt(limit.value)}`);
+    }
     let x = 10;
     parts.forEach((p, i) => {
       const w = (W - 20) * p.value / sum;
@@ -55,13 +63,13 @@
         s).appendChild(el("title", {}, null, `${p.label}: ${fmt(p.value)}`));
       x += w;
       el("rect", {x: 10, y: 36 + 16 * i, width: 10, height: 10, fill: COLORS[i % COLORS.length]}, s);
-      el("text", {x: 26, y: 45 + 16 * i}, s, `${p.label}  ${fmt(p.value)}  (${(100 * p.value / sum).toFixed(0)}%)`);
+      el("text", {x: 26, y: 45 + 16 * i}, s, `${p.label}  ${fmt(p.value)}  (${(100 * p.value / (used || 1)).toFixed(0)}%)`);
     });
     return s;
   }
   // A line chart: series [{name, points: [{x, y, label, tag, highlight}]}]; log2 x / log10 y when asked.
   function lineChart(container, series, o) {
-    const W = o.width || 420, H = 260, L = 64, R = 30, T = 12, B = 40, s = svg(container, W, H);
+    const W = o.width || 420, H = 268, L = 64, R = 30, T = 20, B = 40, s = svg(container, W, H);
     const all = series.flatMap((se) => se.points).filter((p) => isFinite(p.x) && isFinite(p.y) && (!o.logx || p.x > 0) && (!o.logy || p.y > 0));
     if (!all.length) { el("text", {x: L, y: H / 2}, s, "no data"); return s; }
     const fx = o.logx ? Math.log2 : (v) => v, fy = o.logy ? Math.log10 : (v) => v;
@@ -222,7 +230,9 @@
     document.querySelectorAll(".sel").forEach((e) => { e.textContent = `#${k + 1}`; });
     $("bottleneck").textContent = `Bottleneck (plan #${k + 1}): ${p.bottleneck}. ${p.explanation}. Mesh: ${p.mesh}.`;
     const m = p.memory_bytes_per_chip;
-    stackBar($("chart-memory"), ["params", "grads", "optimizer", "activations", "other"].map((n) => ({label: n, value: m[n]})), fmtGiB);
+    const hbm = (BOOT.presets.hbm_usable_bytes || {})[(train.inputs || {}).hardware];
+    stackBar($("chart-memory"), ["params", "grads", "optimizer", "activations", "other"].map((n) => ({label: n, value: m[n]})), fmtGiB,
+      undefined, hbm ? {label: "HBM", value: hbm} : undefined);
     const tbd = p.time_breakdown_s || p.time_s, parts = [{label: "compute", value: tbd.compute}];
     for (const key in tbd) if (key.startsWith("exposed_comm/")) parts.push({label: "exposed " + key.slice(13), value: tbd[key]});
     if (parts.length === 1) parts.push({label: "exposed comm", value: p.time_s.exposed_comm});
@@ -268,7 +278,8 @@
     lineChart($("chart-cost"), [{name: "cost", points: fr.map((p) => ({x: p.batch, y: p.cost_per_million_tokens.output, highlight: p.batch === o.batch}))}],
       {logx: true, logy: true, xlabel: "batch per replica", ylabel: "$ / M output tokens", xfmt: (v) => String(v), yfmt: (v) => "$" + v.toFixed(2)});
     const m = o.memory_bytes_per_chip;
-    stackBar($("chart-serve-memory"), ["weights", "kv_cache", "activations", "reserved"].map((n) => ({label: n, value: m[n]})), fmtGiB, m.budget);
+    stackBar($("chart-serve-memory"), ["weights", "kv_cache", "activations", "reserved"].map((n) => ({label: n, value: m[n]})), fmtGiB, undefined,
+      {label: "budget", value: m.budget});
     const tb = document.querySelector("#layouts tbody");
     tb.textContent = "";
     for (const l of o.layouts || []) {
