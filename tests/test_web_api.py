@@ -123,7 +123,7 @@ def test_uploaded_config_plans_like_the_preset_and_bad_config_errs_like_the_cli(
     assert [p["mfu"] for p in got["plans"]] == [p["mfu"] for p in preset["plans"]]
     bad = tmp_path / "broken.json"
     bad.write_text('{"hidden_size": 4096,')
-    status, got = post(port, "/api/train", {**params, "model_json": bad.read_text(), "model_name": "broken.json"})
+    status, got = post(port, "/api/train", {**params, "model_json": f" {bad.read_text()}\n", "model_name": "broken.json"})
     code, _, err = cli(flags("train", {**params, "model": str(bad)}))
     assert code == 2 and status == 400
     # the CLI names the file by its path; the page by the uploaded file's name

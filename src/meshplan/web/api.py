@@ -83,6 +83,11 @@ def _preset(kind: str, name: str, presets: list[str]) -> None:
 
 def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
     """The command line the CLI would get for these form fields (empty fields are left out: searched)."""
+    return command(kind, params)[0]
+
+
+def command(kind: str, params: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, {stored upload's path: the uploaded file's name}) for these form fields."""
     if kind not in FIELDS:
         raise InputError(f"unknown command '{kind}' (known: train, serve)")
     fields, bools = FIELDS[kind], BOOL_FIELDS[kind]
@@ -93,8 +98,10 @@ def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
             raise InputError(f"field '{key}' has a control character", key if key in fields else None)
     model_json = params.pop("model_json", None)
     model_name = params.pop("model_name", None)
+    renames = {}
     if model_json is not None:
-        params["model"] = _model_path(str(model_json), model_name)
+        params["model"] = _model_path(model_json, model_name)
+        renames[params["model"]] = model_name or "uploaded.json"
     elif "model" in params:
         _preset("model", params["model"], preset_models())
     if "hardware" in params:
@@ -112,7 +119,7 @@ def argv_for(kind: str, params: Mapping[str, str]) -> list[str]:
         else:
             raise InputError(f"unknown field '{key}' for {kind}")
     argv.append("--json")
-    return argv
+    return argv, renames
 
 
 def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
@@ -120,9 +127,7 @@ def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
     from meshplan.cli import commands  # noqa: F401  (registers the commands)
     from meshplan.cli.app import _ClickException, app, json_sink
 
-    argv = argv_for(kind, params)
-    uploaded = {str(_model_path(str(params["model_json"]), params.get("model_name"))): str(params.get("model_name") or
-                "uploaded.json")} if params.get("model_json") not in (None, "") else {}
+    argv, uploaded = command(kind, params)
     sink: list = []
     token = json_sink.set(sink)
     try:

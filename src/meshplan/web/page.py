@@ -16,16 +16,14 @@ from meshplan.report.train_plots import schedule_bars
 ASSETS = files("meshplan.web") / "assets"
 
 
-def presets() -> dict[str, list[str]]:
+def presets() -> dict[str, Any]:
     """The names the page's menus offer (the CLI's own preset lists)."""
     from meshplan.infer.metrics import MODES
     from meshplan.math.transformer import RECOMPUTE_POLICIES
-    from meshplan.specs.hardware import preset_chips
+    from meshplan.specs.hardware import load_chip, preset_chips
     from meshplan.specs.model import preset_models
     from meshplan.train.frameworks import FRAMEWORKS
     from meshplan.train.space import PP_SCHEDULES
-
-    from meshplan.specs.hardware import load_chip
 
     return {"models": preset_models(), "hardware": preset_chips(), "frameworks": sorted(FRAMEWORKS),
             "hbm_usable_bytes": {name: load_chip(name).usable_hbm_bytes for name in preset_chips()},
