@@ -282,3 +282,13 @@ def test_fuzzed_schedule_requests_are_4xx_or_bars(port, params):
         # every stage runs each shown micro-batch's forward and backward once
         shown = min(int(params["micro_batches"]), 16)
         assert len(got["bars"]) == 2 * int(params["pp"]) * shown
+
+
+def test_embedded_data_cannot_close_its_script_element():
+    from meshplan.web.page import render, serve_view
+
+    hostile = "</script><script>alert(1)</script><!--"
+    text = render(serve_view({"model": hostile}, {"model": hostile}))
+    blob = text.split('<script id="meshplan-data" type="application/json">')[1].split("</script>")[0]
+    assert json.loads(blob)["view"]["inputs"]["model"] == hostile  # the whole object survives inside one element
+    assert "<script>alert" not in text

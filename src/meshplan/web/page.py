@@ -50,8 +50,10 @@ def serve_view(result: dict, inputs: dict) -> dict[str, Any]:
 
 
 def _script_json(obj: Any) -> str:
-    """JSON safe inside a <script> element (no '</' can close it)."""
-    return json.dumps(obj, separators=(",", ":")).replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON safe inside a <script> element: '<', '>' and '&' (only ever inside JSON strings) as \\u escapes, so
+    nothing in the data can close the element or open a comment."""
+    return (json.dumps(obj, separators=(",", ":"))
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
 
 
 def render(view: dict | None = None) -> str:
