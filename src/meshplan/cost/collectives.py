@@ -135,27 +135,36 @@ def _scale_out_ring(p: GroupPlacement, V: float, ideal: bool, name: str) -> Leve
     return Level(name, links.scale_out_kind, V * (M - 1) / (M * w), (M - 1) * links.scale_out_hop_latency_s)
 
 
-def _gpu_levels(p: GroupPlacement, V: float, ideal: bool) -> list[Level]:
-    """Book ch.12 §collectives (precise): T = V max_i (D_i - 1) / (D_i W_i) over NVLink, leaf and spine."""
+def _gpu_levels(p: GroupPlacement, V: float, ideal: bool, in_network: bool = False) -> list[Level]:
+    """Book ch.12 §collectives (precise): T = V max_i (D_i - 1) / (D_i W_i) over NVLink, leaf and spine.
+    `in_network` (SHARP, book ch.12 §in-network reductions): each GPU sends V to the switch, which reduces and
+    sends V back, so a level costs V / W_i with no (D_i - 1)/D_i factor."""
     links, out = p.cluster.links, []
     k, M = p.fast_members, p.n_domains
+
+    def frac(d: int) -> float:
+        return 1.0 if in_network else (d - 1) / d
+
     if k > 1:
         w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
-        out.append(Level("nvlink", "nvlink", V * (k - 1) / (k * w), (k - 1) * links.fast_hop_latency_s))
+        out.append(Level("nvlink", "nvlink", V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
     if M > 1:
         L = leaf_degree_nodes(p.cluster.domain_size)
         w_nic = k * links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
         d_leaf, d_spine = min(M, L), math.ceil(M / L)
         lat = (M - 1) * links.scale_out_hop_latency_s
-        out.append(Level("leaf", links.scale_out_kind, V * (d_leaf - 1) / (d_leaf * w_nic), lat))
+        out.append(Level("leaf", links.scale_out_kind, V * frac(d_leaf) / w_nic, lat))
         if d_spine > 1:  # spine children are whole leaf groups at full bisection: L x node egress
-            out.append(Level("spine", links.scale_out_kind, V * (d_spine - 1) / (d_spine * L * w_nic), 0.0))
+            out.append(Level("spine", links.scale_out_kind, V * frac(d_spine) / (L * w_nic), 0.0))
     return out
 
 
-def network_levels(p: GroupPlacement, nbytes: float, *, ideal: bool = False) -> list[Level]:
-    """AllGather of `nbytes` over the group, level by level (the slowest bandwidth level binds)."""
-    return _torus_levels(p, nbytes, ideal) if p.cluster.is_torus else _gpu_levels(p, nbytes, ideal)
+def network_levels(p: GroupPlacement, nbytes: float, *, ideal: bool = False, in_network: bool = False) -> list[Level]:
+    """AllGather of `nbytes` over the group, level by level (the slowest bandwidth level binds);
+    `in_network`: the switch-reduced (SHARP) form of the GPU levels."""
+    if p.cluster.is_torus:
+        return _torus_levels(p, nbytes, ideal)
+    return _gpu_levels(p, nbytes, ideal, in_network)
 
 
 def level_bandwidths(p: GroupPlacement) -> dict[str, float]:
@@ -195,14 +204,21 @@ def _gather(kind: str, p: GroupPlacement, V: float, ideal: bool) -> CollectiveCo
 
 
 def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> CollectiveCost:
-    """AllReduce = ReduceScatter + AllGather (2x, book ch.3 §4.2); with SHARP the switch reduces, B/W in
-    theory (book ch.12 §in-network reductions) but only ~1.3x faster measured."""
+    """AllReduce = ReduceScatter + AllGather (2x, book ch.3 §4.2). With SHARP the switch reduces: ideally
+    T = V / W per level (book ch.12 §in-network reductions: B/W, no (N-1)/N factor, so 1.75x faster than the
+    ring on 8 GPUs, not 2x); measured only ~1.3x faster than the ring, which the realistic cost uses."""
     ag = _gather("allgather", p, V, ideal)
-    f = sharp_speedup(ideal) if sharp else 1.0
-    bw, lat = 2 * ag.bandwidth_time_s / f, ag.latency_time_s * (1 if sharp else 2)
+    if sharp and ideal and not p.cluster.is_torus:
+        lv = network_levels(p, V, ideal=True, in_network=True)
+        levels = tuple((x.name, x.bandwidth_time_s) for x in lv)
+        bw = max(t for _, t in levels)
+    else:
+        f = sharp_speedup(ideal) if sharp else 1.0
+        bw = 2 * ag.bandwidth_time_s / f
+        levels = tuple((n, 2 * t / f) for n, t in ag.levels)
+    lat = ag.latency_time_s * (1 if sharp else 2)
     algo = "SHARP in-network reduction" if sharp else "reduce-scatter + all-gather: " + ag.algorithm
     sent = V if sharp else 2 * ag.bytes_per_chip  # SHARP: egress V(N-1)/N + V/N per GPU (book ch.12)
-    levels = tuple((n, 2 * t / f) for n, t in ag.levels)
     return CollectiveCost("allreduce", max(bw, lat), sent, algo, "latency" if lat > bw else "bandwidth",
                           bw, lat, p.size, p.link, levels)
 
@@ -240,6 +256,33 @@ def _alltoall(p: GroupPlacement, V: float, ideal: bool) -> CollectiveCost:
     bw, lat = (_alltoall_torus if p.cluster.is_torus else _alltoall_gpu)(p, V, ideal)
     sent = V / p.size * (p.size - 1) / p.size  # each chip holds V/N and keeps 1/N of it
     return _result("alltoall", p, sent, "direct all-to-all (bisection-bound)", bw, lat)
+
+
+def ragged_destinations(k: int, n: int) -> float:
+    """Expected distinct devices a token routed to `k` of `n` devices' experts lands on (uniform routing):
+    n (1 - ((n-1)/n)^k); 1 for k = 1 and -> min(k, n) (book ch.12 §other collectives: a ragged top-k
+    AllToAll costs min(k/N, 1) of an AllGather of the activations, i.e. up to k x a dense AllToAll)."""
+    if k < 1 or n < 1:
+        raise MeshplanError(f"top-k and group size must be at least 1, got k={k}, n={n}")
+    return n * (1.0 - ((n - 1) / n) ** k)
+
+
+def ragged_alltoall(nbytes: float, mapping: MeshMapping, axes: Sequence[str], k: int, *,
+                    ideal: bool = False) -> CollectiveCost:
+    """MoE dispatch (or combine) of `nbytes` of token activations over `axes` when each token goes to its
+    top-`k` experts spread over the group (book ch.12 §other collectives, ragged AllToAll): a dense
+    AllToAll sends each token to one device; here each token is copied to `ragged_destinations(k, N)`
+    devices, so the bandwidth term and bytes sent scale by that factor (latency unchanged). In one 8-GPU
+    node: V (N-1)/(W N^2) x N (1 - ((N-1)/N)^k)."""
+    dense = collective("alltoall", nbytes, mapping, axes, ideal=ideal)
+    if dense.group_size <= 1 or nbytes == 0:
+        return dense
+    f = ragged_destinations(k, dense.group_size)
+    bw = dense.bandwidth_time_s * f
+    return CollectiveCost("alltoall", max(bw, dense.latency_time_s), dense.bytes_per_chip * f,
+                          f"ragged top-{k} all-to-all ({f:.2f} destinations per token)",
+                          "latency" if dense.latency_time_s > bw else "bandwidth", bw, dense.latency_time_s,
+                          dense.group_size, dense.link)
 
 
 def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:

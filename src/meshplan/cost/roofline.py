@@ -117,10 +117,25 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
 
 
 def critical_batch(peak_flops_per_s: float, bandwidth_bytes_per_s: float, weight_bytes: float = 2.0) -> float:
-    """Tokens per replica above which X[B,D]·W[D,F] is compute-bound, for B ≪ D, F (book ch.1, ch.7):
-    FLOPs 2BDF over weight bytes D·F·w gives intensity 2B/w, so B_crit = (C/W)·w/2."""
+    """Tokens per replica above which X[B,D]·W[D,F] is compute-bound, for B ≪ D, F (book ch.1, ch.7 §8.1):
+    FLOPs 2BDF over weight bytes D·F·w gives intensity 2B/w, so B_crit = (C/W)·w/2, with C the peak at the
+    precision the FLOPs run at. The one critical batch of meshplan: ch.7's β·α_hbm (β = weight bits /
+    activation bits) is the same number when α is the bf16 C/W. v5e: bf16 240, int8 weights + bf16 FLOPs
+    120, int8 weights + int8 FLOPs 3.94e14/8.2e11·1/2 = 240 (not 480)."""
     _check_positive(peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     return peak_flops_per_s / bandwidth_bytes_per_s * weight_bytes / 2.0
+
+
+def chip_critical_batches(chip: Chip) -> dict[str, float]:
+    """`critical_batch` for the weight/FLOP precision pairs of book ch.7 §8.1 that the chip has units for:
+    'bf16' (bf16 weights and FLOPs), 'int8_weights_bf16_flops', 'int8' and 'fp8' (weights and FLOPs)."""
+    W = chip.hbm_bandwidth_bytes_per_s
+    out = {"bf16": critical_batch(chip.peak("bf16"), W, dtype_bytes("bf16")),
+           "int8_weights_bf16_flops": critical_batch(chip.peak("bf16"), W, dtype_bytes("int8"))}
+    for d in ("int8", "fp8"):
+        if d in chip.peak_flops_per_s:
+            out[d] = critical_batch(chip.peak(d), W, dtype_bytes(d))
+    return out
 
 
 def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16", causal: bool = True,

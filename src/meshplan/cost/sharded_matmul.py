@@ -74,13 +74,38 @@ class ShardedMatmul:
     time_overlapped_s: float  # max(compute, comm): perfect overlap (e.g. a collective matmul)
     time_sequential_s: float  # compute + comm: no overlap
     alternatives: tuple[tuple[str, float], ...] = field(default=())  # (strategy, overlapped time)
+    comm_bytes_per_chip: float = 0.0  # bytes each chip sends, summed over the steps
+    comm_bytes_all_chips: float = 0.0  # the same over every chip of the mesh (book ch.3: totals across devices)
+    replication: tuple[tuple[str, int], ...] = field(default=())  # (operand, copies of each element)
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("steps", "alternatives")}
         d["local_shape"] = list(self.local_shape)
         d["collectives"] = [s.as_dict() for s in self.steps]
         d["alternatives"] = [{"strategy": s, "time_overlapped_s": t} for s, t in self.alternatives]
+        d["replication"] = dict(self.replication)
         return d
+
+
+def mesh_size(mapping: MeshMapping) -> int:
+    return math.prod(mapping.axes.values())
+
+
+def replication_factor(op: Operand | str, mapping: MeshMapping) -> int:
+    """Copies of each element of an array across the mesh (book ch.3 Q1): the mesh size over the product of
+    the axes sharding it. A[I_X, J] on {X: 4, Y: 8, Z: 2}: 64 / 4 = 16 (replicated over Y and Z)."""
+    op = parse_operand(op) if isinstance(op, str) else tuple(op)
+    for a in _axes_of(op):
+        if a not in mapping.axes:
+            raise MeshplanError(f"axis '{a}' is not in the mesh (axes: {', '.join(mapping.axes)})")
+    return mesh_size(mapping) // math.prod(mapping.axes[a] for a in _axes_of(op))
+
+
+def bytes_all_chips(op: Operand | str, sizes: dict[str, int], mapping: MeshMapping, dtype: str = "bf16") -> float:
+    """Bytes an array takes summed over every chip (book ch.3 pop quiz: int8[128, 2048] sharded over X, Y
+    and replicated over Z=2 takes 128 x 2048 x 2 = 512 KiB in all): global bytes x replication factor."""
+    op = parse_operand(op) if isinstance(op, str) else tuple(op)
+    return dtype_bytes(dtype) * math.prod(sizes[n] for n, _ in op) * replication_factor(op, mapping)
 
 
 @dataclass
@@ -213,8 +238,11 @@ def _evaluate(plan, J, sizes, mapping, wb, output, dtype, ideal, case, lhs, rhs)
     comm = tuple(CommStep(k, ax, V, why, collective(k, V, mapping, ax, ideal=ideal)) for k, ax, V, why in steps)
     t_comm = sum(s.cost.time_s for s in comm)
     label = plan.label if comm else "local matmul, no communication"
+    per_chip = sum(s.cost.bytes_per_chip for s in comm)
+    copies = tuple((format_operand(o), replication_factor(o, mapping)) for o in (lhs, rhs, out))
     return ShardedMatmul(case, label, format_operand(lhs), format_operand(rhs), format_operand(out), shape, comm,
-                         compute, t_comm, max(compute, t_comm), compute + t_comm)
+                         compute, t_comm, max(compute, t_comm), compute + t_comm, (), per_chip,
+                         per_chip * mesh_size(mapping), copies)
 
 
 def _case(lhs: Operand, rhs: Operand, J: str, case4: bool) -> int:
