@@ -10,8 +10,9 @@ from rich.table import Table
 from meshplan.cli.app import app, console, fail, print_json
 from meshplan.cost import roofline as rf
 from meshplan.math import transformer as tm
-from meshplan.specs.hardware import load_chip, preset_chips
+from meshplan.specs.hardware import Chip, load_chip, preset_chips
 from meshplan.specs.model import load_model
+from meshplan.specs.pod import superpod
 from meshplan.units import fmt_bytes, fmt_count, fmt_flops, fmt_rate, fmt_time
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
@@ -86,7 +87,7 @@ def hardware(
     """Chip specifications: peak FLOP/s, HBM, links, price — with their sources."""
     chips = [load_chip(name)] if name else [load_chip(n) for n in preset_chips()]
     if json_out:
-        print_json(chips[0].as_dict() if name else [c.as_dict() for c in chips])
+        print_json(_chip_json(chips[0]) if name else [_chip_json(c) for c in chips])
         return
     t = Table(title="hardware")
     for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h"):
@@ -101,8 +102,39 @@ def hardware(
                   fmt_rate(c.links.scale_out_bandwidth_bytes_per_s, "B"), f"{c.price_per_chip_hour:.2f}")
     console.print(t)
     if name:
+        _print_on_chip_and_fabric(chips[0])
         for field, src in chips[0].sources.items():
             console.print(f"[dim]{field}: {src}[/dim]")
+
+
+def _chip_json(c: Chip) -> dict:
+    """`hardware --json`: the spec, plus the derived SuperPod structure (book ch.12) where the spec has one."""
+    d = c.as_dict()
+    if c.superpod and not c.links.is_torus:
+        d["superpod_structure"] = superpod(c).as_dict()
+    return d
+
+
+def _print_on_chip_and_fabric(c: Chip) -> None:
+    """On-chip memories (book ch.2 VMEM, ch.12 SMEM/L2/registers) and the SuperPod levels (ch.12)."""
+    if c.on_chip_memory:
+        t = Table(title=f"on-chip memory of {c.name} (book ch.2, ch.12)")
+        t.add_column("memory")
+        t.add_column("value", justify="right")
+        for k, v in c.on_chip_memory.items():
+            t.add_row(k, fmt_rate(v, "B") if k.endswith("_per_s") else f"{v:.0f}" if k == "sm_count" else fmt_bytes(v))
+        console.print(t)
+    if c.superpod and not c.links.is_torus:
+        sp = superpod(c)
+        t = Table(title=f"{c.name} SuperPod (book ch.12): {sp.gpus} GPUs, {sp.nodes} nodes, {sp.su_count} SUs of "
+                        f"{sp.nodes_per_su} nodes, {sp.total_switches} switches, node egress "
+                        f"{fmt_rate(sp.node_egress_bytes_per_s, 'B')}")
+        for col in ("level", "GPUs", "switches", "unit bandwidth", "per GPU"):
+            t.add_column(col, justify="left" if col == "level" else "right")
+        for lv in sp.levels:
+            t.add_row(lv.name, str(lv.gpus), str(lv.switches), fmt_rate(lv.unit_bandwidth_bytes_per_s, "B"),
+                      fmt_rate(lv.per_gpu_bytes_per_s, "B"))
+        console.print(t)
 
 
 def _parse_op(text: str) -> rf.Op:

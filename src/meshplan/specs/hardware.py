@@ -96,6 +96,10 @@ class Chip:
     # 0 = same as hbm_bytes. Fit decisions use it; the marketed capacity stays for reports and the book's sums.
     hbm_usable_bytes: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # on-chip memories (book ch.2 VMEM, ch.12 SMEM/L2/registers/TMEM): keys in ON_CHIP_KEYS; optional
+    on_chip_memory: dict[str, float] = field(default_factory=dict, compare=False)
+    # scale-out fabric of the vendor's reference cluster (book ch.12 SuperPod): keys in SUPERPOD_KEYS; optional
+    superpod: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def usable_hbm_bytes(self) -> float:
@@ -132,8 +136,28 @@ class Chip:
             "host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s,
             "links": self.links.as_dict(),
             "price_per_chip_hour": self.price_per_chip_hour,
+            "on_chip_memory": dict(self.on_chip_memory),
+            "superpod": dict(self.superpod),
             "sources": dict(self.sources),
         }
+
+
+ON_CHIP_KEYS = ("sm_count", "registers_bytes_per_sm", "smem_bytes_per_sm", "tmem_bytes_per_sm", "l2_bytes",
+                "l2_bandwidth_bytes_per_s", "vmem_bytes", "vmem_bandwidth_bytes_per_s", "vregs_bytes")
+SUPERPOD_KEYS = ("nodes_per_su", "su_count", "leaf_switches_per_su", "spine_switches", "nvswitches_per_node",
+                 "switch_ports", "port_bandwidth_bytes_per_s")
+
+
+def _optional_numbers(r: FieldReader, data: dict[str, Any], section: str, keys: tuple[str, ...]) -> dict[str, float]:
+    node = data.get(section)
+    if node is None:
+        return {}
+    if not isinstance(node, dict):
+        raise MeshplanError(f"{r.origin}: field '{section}' must be a mapping")
+    for k in node:
+        if k not in keys:
+            raise MeshplanError(f"{r.origin}: field '{section}.{k}' is not known (known: {', '.join(keys)})")
+    return {k: r.number(f"{section}.{k}") for k in keys if k in node}
 
 
 def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
@@ -190,6 +214,8 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         hbm_usable_bytes=r.number("hbm_usable_bytes", required=False, default=0.0, positive=False),
         links=links,
         price_per_chip_hour=r.number("price_per_chip_hour"),
+        on_chip_memory=_optional_numbers(r, data, "on_chip_memory", ON_CHIP_KEYS),
+        superpod=_optional_numbers(r, data, "superpod", SUPERPOD_KEYS),
         sources=r.sources,
     )
 

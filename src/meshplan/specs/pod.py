@@ -103,3 +103,58 @@ def vector_flops_per_s(alus: int, clock_hz: float, *, ops_per_alu_per_cycle: flo
     per cycle; spec sheets count an FMA as 2 and quote twice this)."""
     _positive(alus=alus, clock_hz=clock_hz, ops_per_alu_per_cycle=ops_per_alu_per_cycle)
     return alus * clock_hz * ops_per_alu_per_cycle
+
+
+@dataclass(frozen=True)
+class FabricLevel:
+    """One level of a GPU cluster's network (book ch.12 SuperPod table)."""
+
+    name: str  # node | leaf | spine
+    gpus: int  # GPUs under one unit of this level
+    switches: int  # switches in one unit (node: NVSwitches; leaf: per SU; spine: all)
+    unit_bandwidth_bytes_per_s: float  # bandwidth into one unit from below
+    per_gpu_bytes_per_s: float  # that bandwidth per GPU under the unit
+
+
+@dataclass(frozen=True)
+class SuperPod:
+    """The vendor reference cluster of a GPU (book ch.12 §networking): scalable units (SUs) of nodes under
+    leaf switches, SUs joined by spine switches, a fat tree with full bisection."""
+
+    chip: str
+    gpus: int
+    nodes: int
+    su_count: int
+    nodes_per_su: int
+    total_switches: int
+    node_egress_bytes_per_s: float
+    levels: tuple[FabricLevel, ...]
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def superpod(chip: Chip) -> SuperPod:
+    """Derive the SuperPod structure from the chip's `superpod` spec (book ch.12): node = NVLink domain,
+    unit bandwidth domain x GPU egress; leaf (one SU) = leaf switches x ports x port bandwidth / 2 (half the
+    ports face the nodes); spine = spine switches x ports x port bandwidth (all face the leaves). DGX H100:
+    node 8 x 450 GB/s = 3.6 TB/s; leaf 8 x 64 x 50 GB/s / 2 = 12.8 TB/s (50 GB/s per GPU); spine
+    16 x 64 x 50 GB/s = 51.2 TB/s; switches 128 x 4 + 4 x 8 + 16 = 560."""
+    sp = chip.superpod
+    if chip.links.is_torus or not sp:
+        raise MeshplanError(f"{chip.name} has no SuperPod structure in its spec (GPU presets h100-sxm, b200 do)")
+    g = chip.links.nvlink_domain_size
+    su, nps = int(sp["su_count"]), int(sp["nodes_per_su"])
+    nodes = su * nps
+    port = sp["switch_ports"] * sp["port_bandwidth_bytes_per_s"]
+    leaf_sw, spine_sw, nvsw = int(sp["leaf_switches_per_su"]), int(sp["spine_switches"]), int(sp["nvswitches_per_node"])
+    leaf_bw, spine_bw = leaf_sw * port / 2, spine_sw * port
+    levels = (
+        FabricLevel("node", g, nvsw, g * chip.links.nvlink_bandwidth_bytes_per_s, chip.links.nvlink_bandwidth_bytes_per_s),
+        FabricLevel("leaf", g * nps, leaf_sw, leaf_bw, leaf_bw / (g * nps)),
+        FabricLevel("spine", g * nodes, spine_sw, spine_bw, spine_bw / (g * nodes)),
+    )
+    return SuperPod(chip.name, g * nodes, nodes, su, nps, nodes * nvsw + su * leaf_sw + spine_sw,
+                    g * chip.links.scale_out_bandwidth_bytes_per_s, levels)
