@@ -110,7 +110,8 @@ def test_cli_matmul_json(capsys):
     assert code == 0
     d = json.loads(out)
     assert d["case"] == 3 and d["collectives"][0]["kind"] == "allreduce"
-    assert d["comm_s"] == pytest.approx(2 * 2 * 4096 * 4096 / W)
+    assert d["book_ideal"]["comm_s"] == pytest.approx(2 * 2 * 4096 * 4096 / W)
+    assert d["comm_s"] > d["book_ideal"]["comm_s"]  # realistic ICI efficiency below 1
     assert "mapping" in d
 
 

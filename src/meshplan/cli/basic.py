@@ -9,6 +9,7 @@ from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
 from meshplan.cost import roofline as rf
+from meshplan.cost.efficiency import default_efficiency
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import Chip, load_chip, preset_chips
 from meshplan.specs.model import load_model
@@ -170,6 +171,8 @@ def roofline(
     seq_len: Annotated[int | None, typer.Option(help="Sequence length (default: min(model's, tokens)).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: bf16, fp8, int8.")] = "bf16",
     plot: Annotated[str | None, typer.Option(help="Write a log-log roofline PNG here.")] = None,
+    ideal: Annotated[bool, typer.Option("--ideal", help="Print the book's ideal time beside meshplan's realistic "
+                                                        "one (kernel efficiencies, launch overhead).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Roofline of ops, or of every op in one layer of a model, on one chip (book ch.1, 12)."""
@@ -178,24 +181,41 @@ def roofline(
         fail("give --model or at least one --op")
     if tokens_per_chip <= 0:
         fail(f"--tokens-per-chip must be positive, got {tokens_per_chip}")
-    rows: list[rf.Roofline] = []
+    ops: list[rf.Op] = []
     if model_name:
-        rows += rf.model_roofline(load_model(model_name), chip, tokens_per_chip, seq_len, dtype=dtype)
-    rows += [rf.roofline(_parse_op(o), chip) for o in op or []]
+        ops += rf.model_ops(load_model(model_name), tokens_per_chip, seq_len, dtype=dtype)
+    ops += [_parse_op(o) for o in op or []]
+    rows: list[rf.Roofline] = [rf.roofline(o, chip) for o in ops]
     if plot:
         from meshplan.report.plots import plot_roofline
 
         plot_roofline(rows, chip, plot, dtype=dtype)
+    eff = default_efficiency(chip)
+    real = [rf.realistic_time_s(o, chip, eff) for o in ops]
+    crit = rf.chip_critical_batches(chip)
     if json_out:
-        print_json({"hardware": chip.name, "critical_intensity": chip.critical_intensity(dtype),
-                    "ops": [r.as_dict() for r in rows]})
+        out = {"hardware": chip.name, "critical_intensity": chip.critical_intensity(dtype),
+               "critical_batch": crit, "ops": [{**r.as_dict(), "realistic_s": t} for r, t in zip(rows, real, strict=True)]}
+        if ideal:
+            out["book_ideal"] = {"ops": [{"name": r.name, "time_s": r.t_lower_s, "realistic_s": t,
+                                          "realistic_over_ideal": t / r.t_lower_s if r.t_lower_s else None}
+                                         for r, t in zip(rows, real, strict=True)]}
+        print_json(out)
         return
     t = Table(title=f"roofline on {chip.name} (critical intensity {chip.critical_intensity(dtype):.0f} FLOP/B)")
-    for col in ("op", "FLOPs", "bytes", "intensity", "T_math", "T_mem", "lower", "upper", "bound"):
+    cols = ["op", "FLOPs", "bytes", "intensity", "T_math", "T_mem", "lower", "upper", "bound"]
+    cols += ["meshplan (realistic)", "realistic/ideal"] if ideal else []
+    for col in cols:
         t.add_column(col, justify="left" if col in ("op", "bound") else "right")
-    for r in rows:
+    for r, real_s in zip(rows, real, strict=True):
+        extra = [fmt_time(real_s), f"{real_s / r.t_lower_s:.2f}x" if r.t_lower_s else "—"] if ideal else []
         t.add_row(r.name, fmt_flops(r.flops), fmt_bytes(r.bytes), f"{r.intensity:.1f}", fmt_time(r.t_math_s),
-                  fmt_time(r.t_mem_s), fmt_time(r.t_lower_s), fmt_time(r.t_upper_s), r.bound)
+                  fmt_time(r.t_mem_s), fmt_time(r.t_lower_s), fmt_time(r.t_upper_s), r.bound, *extra)
     console.print(t)
+    console.print("critical batch (book ch.1, ch.7 §8.1: (C/W)·weight bytes/2, tokens per replica): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in crit.items()), highlight=False)
+    if ideal:
+        console.print("[dim]ideal = the book's roofline (peak FLOPs, peak HBM bandwidth, perfect overlap); "
+                      f"realistic = meshplan's kernel efficiencies ({eff.origin}) and launch overhead[/dim]")
     if plot:
         console.print(f"wrote {plot}")

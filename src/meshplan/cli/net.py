@@ -12,7 +12,8 @@ from rich.table import Table
 from meshplan.cli.app import app, console, fail, parse_mesh, print_json
 from meshplan.cost.collectives import KINDS
 from meshplan.cost.collectives import collective as collective_cost
-from meshplan.cost.sharded_matmul import collective_matmul_time, sharded_matmul
+from meshplan.cost.collectives import ragged_alltoall
+from meshplan.cost.sharded_matmul import collective_matmul_time, mesh_size, sharded_matmul
 from meshplan.cost.topology import MeshMapping, make_cluster, map_mesh
 from meshplan.specs.hardware import load_chip
 from meshplan.units import fmt_bytes, fmt_time
@@ -23,7 +24,8 @@ ChipsOpt = Annotated[int, typer.Option("--chips", "-n", help="Number of chips.")
 MeshOpt = Annotated[str, typer.Option("--mesh", help="Logical mesh, e.g. data=8,tensor=4.")]
 OrderOpt = Annotated[str | None, typer.Option("--order", help="Mesh axes innermost (fastest links) first.")]
 SliceOpt = Annotated[str | None, typer.Option("--slice", help="TPU slice shape, e.g. 16x16 (GPU: GPUs per node).")]
-IdealOpt = Annotated[bool, typer.Option("--ideal", help="The book's formulas exactly (no efficiency).")]
+IdealOpt = Annotated[bool, typer.Option("--ideal", help="Also the book's ideal answer (peak bandwidth, no efficiency), "
+                                                       "beside meshplan's realistic one; --json key 'book_ideal'.")]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -100,30 +102,54 @@ def collective(
     nbytes: Annotated[str, typer.Option("--bytes", help="Full (gathered) array per group: 1e9, 512MB, 1GiB.")],
     order: OrderOpt = None,
     slice_shape: SliceOpt = None,
+    topk: Annotated[int | None, typer.Option("--topk", help="alltoall only: MoE dispatch where each token goes to "
+                                                            "its top-k experts (ragged all-to-all, book ch.12).")]
+    = None,
+    sharp: Annotated[bool | None, typer.Option("--sharp/--no-sharp", help="allreduce: in-network reduction "
+                                                                          "(default: the chip's spec).")] = None,
     ideal: IdealOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Time of one collective over mesh axes on a real topology (book ch.2, 3, 12)."""
     if kind not in KINDS:
         fail(f"unknown collective '{kind}' (known: {', '.join(KINDS)})")
+    if topk is not None and (kind != "alltoall" or topk < 1):
+        fail("--topk takes a positive expert count and only applies to alltoall")
     _check_negative(nbytes)
     V = parse_bytes(nbytes)
     mapping = build_mapping(hardware_name, chips, mesh, order, slice_shape)
     ax = _axes(axes)
-    cost = collective_cost(kind, V, mapping, ax, ideal=ideal)
+
+    def cost_of(book: bool):
+        if topk is not None:
+            return ragged_alltoall(V, mapping, ax, topk, ideal=book)
+        return collective_cost(kind, V, mapping, ax, ideal=book, sharp=sharp)
+
+    cost = cost_of(False)
+    book = cost_of(True) if ideal else None
     if json_out:
-        print_json({**cost.as_dict(), "nbytes": V, "axes": ax, "group": mapping.group(ax).describe(),
-                    "mapping": mapping.as_dict(), "ideal": ideal})
+        out = {**cost.as_dict(), "nbytes": V, "axes": ax, "group": mapping.group(ax).describe(),
+               "mapping": mapping.as_dict(), "ideal": ideal}
+        if book:
+            out["book_ideal"] = book.as_dict()
+        print_json(out)
         return
     _print_mapping(mapping)
     console.print(f"[bold]{kind}[/bold] of {fmt_bytes(V)} over {','.join(ax)} ({cost.group_size} chips, "
                   f"{mapping.group(ax).describe()})", highlight=False)
-    t = Table(show_header=False)
-    for k, v in (("time", fmt_time(cost.time_s)), ("bandwidth term", fmt_time(cost.bandwidth_time_s)),
-                 ("latency term", fmt_time(cost.latency_time_s)), ("regime", cost.regime),
-                 ("bytes sent per chip", fmt_bytes(cost.bytes_per_chip)), ("algorithm", cost.algorithm),
-                 ("link", cost.link), *((f"level {n}", fmt_time(s)) for n, s in cost.levels)):
-        t.add_row(k, v)
+    t = Table(show_header=bool(book))
+    t.add_column("quantity")
+    t.add_column("meshplan (realistic)")
+    if book:
+        t.add_column("book (ideal)")
+    levels = dict(book.levels) if book else {}
+    for k, f in (("time", lambda c: fmt_time(c.time_s)), ("bandwidth term", lambda c: fmt_time(c.bandwidth_time_s)),
+                 ("latency term", lambda c: fmt_time(c.latency_time_s)), ("regime", lambda c: c.regime),
+                 ("bytes sent per chip", lambda c: fmt_bytes(c.bytes_per_chip)), ("algorithm", lambda c: c.algorithm),
+                 ("link", lambda c: c.link)):
+        t.add_row(k, f(cost), *([f(book)] if book else []))
+    for n, s in cost.levels:
+        t.add_row(f"level {n}", fmt_time(s), *([fmt_time(levels.get(n, 0.0))] if book else []))
     console.print(t)
 
 
@@ -145,12 +171,21 @@ def matmul(
 ) -> None:
     """Sharded matmul (book ch.3): the strategy, its collectives and time with and without overlap."""
     mapping = build_mapping(hardware_name, chips, mesh, order, slice_shape)
-    r = sharded_matmul(lhs, rhs, parse_sizes(sizes), mapping, dtype=dtype, output=output, ideal=ideal)
-    fused = [collective_matmul_time(s.kind, s.nbytes, r.compute_s, mapping, s.axes, ideal=ideal)
-             for s in r.steps if s.kind in ("allgather", "reducescatter") and len(r.steps) == 1]
+
+    def solve(book: bool):
+        r = sharded_matmul(lhs, rhs, parse_sizes(sizes), mapping, dtype=dtype, output=output, ideal=book)
+        fused = [collective_matmul_time(s.kind, s.nbytes, r.compute_s, mapping, s.axes, ideal=book)
+                 for s in r.steps if s.kind in ("allgather", "reducescatter") and len(r.steps) == 1]
+        return r, fused
+
+    r, fused = solve(False)
+    book = solve(True) if ideal else None
     if json_out:
-        print_json({**r.as_dict(), "collective_matmul": fused[0].as_dict() if fused else None,
-                    "mapping": mapping.as_dict()})
+        out = {**r.as_dict(), "collective_matmul": fused[0].as_dict() if fused else None,
+               "mapping": mapping.as_dict()}
+        if book:
+            out["book_ideal"] = {**book[0].as_dict(), "collective_matmul": book[1][0].as_dict() if book[1] else None}
+        print_json(out)
         return
     _print_mapping(mapping)
     console.print(f"[bold]{r.lhs} · {r.rhs} -> {r.out}[/bold]  (book ch.3 case {r.case})", highlight=False)
@@ -167,3 +202,12 @@ def matmul(
                       f"{fmt_time(f.exposed_comm_s)} ({'hidden' if f.hidden else 'not hidden'})", highlight=False)
     for name, t in r.alternatives[1:]:
         console.print(f"[dim]alternative: {name}: {fmt_time(t)}[/dim]", highlight=False)
+    console.print(f"communication: {fmt_bytes(r.comm_bytes_per_chip)} sent per chip, "
+                  f"{fmt_bytes(r.comm_bytes_all_chips)} across all {mesh_size(mapping)} chips (book ch.3)", highlight=False)
+    console.print("replication (copies of each element, book ch.3): "
+                  + ", ".join(f"{op} x{n}" for op, n in r.replication), highlight=False)
+    if book:
+        b, bf = book
+        console.print(f"[bold]book (ideal)[/bold]: comm {fmt_time(b.comm_s)}; time with overlap "
+                      f"{fmt_time(b.time_overlapped_s)}, without {fmt_time(b.time_sequential_s)}"
+                      + (f"; collective matmul {fmt_time(bf[0].time_s)}" if bf else ""), highlight=False)

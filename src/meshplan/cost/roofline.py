@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
 from meshplan.math.transformer import attention_pair_width, dtype_bytes
 from meshplan.specs.hardware import Chip
@@ -24,6 +25,7 @@ class Op:
     bytes: float
     kind: str = "matmul"  # matmul | attention | elementwise
     dtype: str = "bf16"  # the precision the FLOPs run at
+    dims: tuple[float, ...] = ()  # matmul (rows, contracting, cols) for the shape-dependent efficiency
 
     @property
     def intensity(self) -> float:
@@ -60,7 +62,7 @@ def matmul(B: float, D: float, F: float, *, lhs_dtype: str = "bf16", rhs_dtype: 
     _check_positive(B=B, D=D, F=F)
     out_dtype = out_dtype or lhs_dtype
     nbytes = B * D * dtype_bytes(lhs_dtype) + D * F * dtype_bytes(rhs_dtype) + B * F * dtype_bytes(out_dtype)
-    return Op(name, 2.0 * B * D * F, nbytes, "matmul", compute_dtype or lhs_dtype)
+    return Op(name, 2.0 * B * D * F, nbytes, "matmul", compute_dtype or lhs_dtype, (B, D, F))
 
 
 def batched_matmul(batch: float, B: float, D: float, F: float, *, per_example_weights: bool = True,
@@ -114,6 +116,21 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
     t_math, t_mem = op.flops / peak_flops_per_s, op.bytes / W
     return Roofline(op.name, op.kind, op.flops, op.bytes, op.intensity, peak_flops_per_s / W, t_math, t_mem,
                     max(t_math, t_mem), t_math + t_mem, "compute" if t_math >= t_mem else "memory")
+
+
+def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
+    """meshplan's realistic time of one op beside the book's ideal `roofline` (DESIGN.md accuracy source 2):
+    FLOPs at the peak times the kernel's efficiency (matmul: shape-dependent `eff.matmul`, fp8 scaled by
+    fp8_peak_fraction; attention: the fused forward kernel's fraction), bytes at W_hbm x hbm_fraction,
+    overlapped (max), plus one kernel launch."""
+    r = roofline(op, chip)
+    frac = 1.0
+    if op.kind == "matmul":
+        frac = float(eff.matmul(*op.dims)) if op.dims else eff.matmul_peak_fraction
+        frac *= eff.fp8_peak_fraction if op.dtype == "fp8" else 1.0
+    elif op.kind == "attention":
+        frac = eff.attention_fwd_fraction
+    return max(r.t_math_s / frac, r.t_mem_s / eff.hbm_fraction) + eff.kernel_overhead_s
 
 
 def critical_batch(peak_flops_per_s: float, bandwidth_bytes_per_s: float, weight_bytes: float = 2.0) -> float:
@@ -185,8 +202,14 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
 def model_roofline(m: ModelConfig, chip: Chip, tokens_per_chip: float, seq_len: int | None = None,
                    dtype: str = "bf16", causal: bool = True) -> list[Roofline]:
     """The per-layer roofline of a model at `tokens_per_chip` (forward), one row per op."""
+    return [roofline(op, chip) for op in model_ops(m, tokens_per_chip, seq_len, dtype=dtype, causal=causal)]
+
+
+def model_ops(m: ModelConfig, tokens_per_chip: float, seq_len: int | None = None, dtype: str = "bf16",
+              causal: bool = True) -> list[Op]:
+    """`layer_ops` at `tokens_per_chip`, sequence length defaulting to min(the model's, tokens)."""
     S = seq_len or min(m.max_seq_len, int(tokens_per_chip)) or 1
-    return [roofline(op, chip) for op in layer_ops(m, tokens_per_chip, S, dtype=dtype, causal=causal)]
+    return layer_ops(m, tokens_per_chip, S, dtype=dtype, causal=causal)
 
 
 # --- helpers for the book's single-chip questions (ch.1, ch.2, ch.4, ch.9) ---------------------------

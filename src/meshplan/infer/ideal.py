@@ -1,0 +1,82 @@
+"""The book's idealised serving answers for a model on a chip (ch.7 'Inference', ch.8 'Serving LLaMA 3-70B'):
+peak FLOPs, peak HBM bandwidth, no kernel launches, no scheduler, no runtime memory reserve. `serve --ideal`
+prints them beside the realistic planner (`infer.step`, `infer.memory`), which reduces to them when every
+efficiency is 1 and every overhead 0.
+
+Context: the KV cache is counted at the full context (input + output) for memory, as the book's memory
+questions do, and at the mean context (input + output/2) for the decode step, the average over a request.
+"""
+
+from __future__ import annotations
+
+from meshplan.cost.roofline import critical_batch, moe_critical_batch
+from meshplan.infer import bounds as bd
+from meshplan.infer.config import ServeConfig, Workload
+from meshplan.math.transformer import dtype_bytes, kv_cache_bytes_per_token, matmul_params_active, param_counts
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig
+
+BOOK_DTYPES = ("bf16", "int8", "int4")  # book ch.8 'smallest topology' table: weights and KV in the same dtype
+
+
+def smallest_topologies(m: ModelConfig, chip: Chip, w: Workload, *, step_target_s: float | None = None,
+                        dtypes: tuple[str, ...] = BOOK_DTYPES) -> list[dict]:
+    """Book ch.8: per weight dtype (KV in the same dtype), the smallest power-of-two slice holding the
+    weights, the batch its free HBM holds and the QPS per chip; then the same on twice the chips (how QPS
+    moves with topology). `step_target_s` caps the batch at a decode-step latency target."""
+    params, active = param_counts(m).total, matmul_params_active(m)
+    ctx = w.input_len + w.output_len
+    rows = []
+    for d in dtypes:
+        kv_tok = kv_cache_bytes_per_token(m, d)
+        C = chip.peak("bf16")  # int8/int4 weights compute in bf16 (book ch.8); bf16 itself is bf16
+        base = bd.ideal_serving_point(params, d, kv_tok, ctx, w.output_len, chip.hbm_bytes,
+                                      chip.hbm_bandwidth_bytes_per_s, C, step_target_s=step_target_s)
+        for scale in (1, 2):
+            p = base if scale == 1 else bd.ideal_serving_point(
+                params, d, kv_tok, ctx, w.output_len, chip.hbm_bytes, chip.hbm_bandwidth_bytes_per_s, C,
+                chips=2 * base.chips, step_target_s=step_target_s)
+            rows.append({**p.as_dict(), "topology": "smallest" if scale == 1 else "doubled",
+                         "active_flops_params": active})
+    return rows
+
+
+def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, batch: int,
+                  step_target_s: float | None = None) -> dict:
+    """The ideal answers for one replica of `cfg` (tp x pp chips) at `batch` sequences:
+    TPOT = ideal decode step (book ch.7 §8.3, FLOPs from the active matmul parameters), TTFT = the prefill
+    compute floor 2 P_active I / (N C) or the weight read, whichever is larger (book ch.7/ch.8 at 100% MFU),
+    the free-HBM batch, critical batch (ch.7 §8.1; x E/k for MoE, ch.4), QPS per chip (ch.8), and the
+    2D weight-stationary comparison of one MLP (ch.7 Q7)."""
+    n = cfg.chips_per_replica
+    params, active = param_counts(m).total, matmul_params_active(m)
+    pbytes = bd.weight_bytes(params, cfg.weight_dtype)
+    kv_tok = kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    C, W = chip.peak(cfg.compute_dtype(chip)), chip.hbm_bandwidth_bytes_per_s
+    kv_mean = bd.kv_bytes_per_sequence(kv_tok, w.input_len + w.output_len / 2)
+    step = bd.ideal_decode_step(pbytes, kv_mean, batch, n, W, C, active)
+    ttft = max(2.0 * active * w.input_len / (n * C), bd.min_decode_latency(pbytes, n, W))
+    max_b = bd.ideal_max_decode_batch(n * chip.hbm_bytes, pbytes, bd.kv_bytes_per_sequence(
+        kv_tok, w.input_len + w.output_len))
+    wb = dtype_bytes(cfg.weight_dtype)
+    b_crit = (moe_critical_batch(C, W, m.n_experts, m.experts_per_token, wb) if m.is_moe
+              else critical_batch(C, W, wb))
+    ici = (2 * chip.links.ici_bandwidth_per_link_bytes_per_s if chip.links.is_torus
+           else chip.links.nvlink_bandwidth_bytes_per_s)
+    ws = bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, ici, C) if n > 1 else None
+    out = {
+        "chips_per_replica": n,
+        "batch": batch,
+        "tpot_s": step,
+        "ttft_s": ttft,
+        "min_decode_step_s": bd.min_decode_latency(pbytes, n, W),
+        "max_batch_per_replica": max_b,
+        "throughput_tokens_per_s_per_chip": batch / (step * n),
+        "queries_per_s_per_chip": bd.queries_per_s_per_chip(batch, step, w.output_len, n),
+        "critical_batch": b_crit,
+        "weight_stationary_2d": ws.as_dict() if ws else None,
+        "smallest_topologies": smallest_topologies(m, chip, w, step_target_s=step_target_s),
+    }
+    if step_target_s is not None:
+        out["batch_for_step_target"] = bd.max_batch_for_step(step_target_s, pbytes, kv_mean, n, W, C, active)
+    return out
