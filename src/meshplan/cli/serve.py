@@ -12,6 +12,7 @@ from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.infer.config import ServeConfig, Workload, check_layout, check_workload
 from meshplan.infer.disagg import disaggregate
 from meshplan.infer.frontier import Targets, frontier, search
+from meshplan.infer.ideal import ideal_serving, print_ideal
 from meshplan.infer.memory import max_batch_per_replica, require_fit
 from meshplan.infer.metrics import MODES
 from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, simulate
@@ -100,6 +101,8 @@ def serve(
     disaggregate_: Annotated[bool, typer.Option("--disaggregate", help="Size prefill and decode pools.")] = False,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     plot: Annotated[str | None, typer.Option(help="Write the latency-throughput frontier to this PNG.")] = None,
+    ideal: Annotated[bool, typer.Option("--ideal", help="Also the book's ideal answers (ch.7, ch.8) beside the "
+                                                        "realistic plan; --json key 'book_ideal'.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
 ) -> None:
@@ -127,6 +130,8 @@ def serve(
         pts = frontier(m, chip, chips, best.config, eff, w, batching)
         plot_frontier(pts, plot, f"{m.name} on {chips} x {chip.name} (tp={best.config.tp}, pp={best.config.pp})")
         out["plot"] = plot
+    if ideal:
+        out["book_ideal"] = ideal_serving(m, chip, best.config, w, best.batch, tpot_target)
     if html:
         from meshplan.web.page import serve_view, write_html
 
@@ -137,6 +142,8 @@ def serve(
         print_json(out)
         return
     _print_table(out)
+    if ideal:
+        print_ideal(out)
 
 
 def _print_table(o: dict) -> None:

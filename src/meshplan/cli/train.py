@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
+from meshplan.train.ideal import ideal_training
 from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import make_cluster
@@ -114,6 +115,8 @@ def train(
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
+    ideal: Annotated[bool, typer.Option("--ideal", help="Also the book's ideal step (peak FLOPs, comms hidden, no "
+                                                        "bubble) beside each plan; --json key 'book_ideal'.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the DESIGN.md JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
 ) -> None:
@@ -154,10 +157,20 @@ def train(
                       dtype=dtype, framework=framework, dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
                       microbatch=microbatch, recompute=recompute, zero=zero)
         write_html(html, train_view(result.as_dict(), inputs, mfu_scaling(problem, pins, eff, opts)))
+    out = result.as_dict()
+    if ideal:  # book ch.6: model FLOPs / (N x C) at the bf16 peak, the MFU basis (DESIGN.md)
+        for p in out["plans"]:
+            p["book_ideal"] = ideal_training(p, chips, problem.chip.peak("bf16"))
     if json_out:
-        print_json(result.as_dict())
+        print_json(out)
         return
     show(problem, result, opts)
+    if ideal and out["plans"]:
+        b, p = out["plans"][0]["book_ideal"], out["plans"][0]
+        console.print(f"book (ideal, ch.6): step {fmt_time(b['step_time_s'])} at MFU 1 (peak FLOPs, comms hidden, "
+                      f"no bubble; {fmt_time(b['step_time_with_recompute_s'])} with recomputation) vs meshplan "
+                      f"{fmt_time(p['step_time_s'])} (MFU {p['mfu']:.1%}): {b['realistic_over_ideal']:.2f}x",
+                      highlight=False)
 
 
 def _check_choice(flag: str, value: str | None, choices: tuple[str, ...]) -> None:

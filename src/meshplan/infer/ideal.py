@@ -80,3 +80,40 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     if step_target_s is not None:
         out["batch_for_step_target"] = bd.max_batch_for_step(step_target_s, pbytes, kv_mean, n, W, C, active)
     return out
+
+
+def print_ideal(o: dict) -> None:
+    """`serve --ideal` text: the book's answers beside the realistic plan in `o` (serve's JSON object)."""
+    from rich.table import Table
+
+    from meshplan.cli.app import console
+    from meshplan.units import fmt_bytes, fmt_time
+
+    b = o["book_ideal"]
+    t = Table(title=f"book (ideal, ch.7/ch.8) vs meshplan (realistic): one replica of {b['chips_per_replica']} "
+                    f"chips at batch {b['batch']}")
+    for col in ("quantity", "meshplan (realistic)", "book (ideal)"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    t.add_row("TPOT (decode step)", fmt_time(o["tpot_s"]), fmt_time(b["tpot_s"]))
+    t.add_row("TTFT", fmt_time(o["ttft_s"]), fmt_time(b["ttft_s"]))
+    t.add_row("max batch per replica", str(o["max_batch_per_replica"]), str(b["max_batch_per_replica"]))
+    t.add_row("output tokens/s per chip", f"{o['throughput_tokens_per_s_per_chip']:,.1f}",
+              f"{b['throughput_tokens_per_s_per_chip']:,.1f}")
+    t.add_row("queries/s per chip", f"{o['throughput_tokens_per_s_per_chip'] / o['output_len']:.3f}",
+              f"{b['queries_per_s_per_chip']:.3f}")
+    t.add_row("critical batch (compute-bound decode)", "", f"{b['critical_batch']:.0f}")
+    console.print(t)
+    ws = b["weight_stationary_2d"]
+    if ws:
+        console.print(f"2D weight-stationary MLP (book ch.7 Q7) on {ws['n_chips']} chips: X={ws['x']:.1f}, "
+                      f"YZ={ws['yz']:.1f}, comms {fmt_time(ws['t_comms_2d_s'])} vs 1D {fmt_time(ws['t_comms_1d_s'])} "
+                      f"(math {fmt_time(ws['t_math_s'])}); 2D wins above {ws['crossover_chips']:.0f} chips -> "
+                      f"{ws['better'].upper()}", highlight=False)
+    t = Table(title="smallest topology per weight dtype (book ch.8; KV in the same dtype, batch = what free HBM holds)")
+    for col in ("dtype", "topology", "chips", "weights", "free HBM", "batch", "step", "tokens/s/chip", "QPS/chip"):
+        t.add_column(col, justify="left" if col in ("dtype", "topology") else "right")
+    for r in b["smallest_topologies"]:
+        t.add_row(r["weight_dtype"], r["topology"], str(r["chips"]), fmt_bytes(r["param_bytes"]),
+                  fmt_bytes(r["free_bytes"]), str(r["batch"]), fmt_time(r["step_s"]), f"{r['tokens_per_s_per_chip']:,.1f}",
+                  f"{r['queries_per_s_per_chip']:.3f}")
+    console.print(t)
