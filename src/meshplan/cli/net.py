@@ -10,9 +10,8 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, parse_mesh, print_json
-from meshplan.cost.collectives import KINDS
+from meshplan.cost.collectives import KINDS, ragged_alltoall
 from meshplan.cost.collectives import collective as collective_cost
-from meshplan.cost.collectives import ragged_alltoall
 from meshplan.cost.sharded_matmul import collective_matmul_time, mesh_size, sharded_matmul
 from meshplan.cost.topology import MeshMapping, make_cluster, map_mesh
 from meshplan.specs.hardware import load_chip

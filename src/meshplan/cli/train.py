@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
-from meshplan.train.ideal import ideal_training
 from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import make_cluster
@@ -17,6 +16,7 @@ from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import ATTENTION_KERNELS, Options
 from meshplan.train.frameworks import framework_options
+from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
 from meshplan.train.space import PP_SCHEDULES, Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time

@@ -7,7 +7,6 @@ efficiency is 1 and every overhead 0. All bytes and FLOPs are totals; `n_chips` 
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass
 
 from meshplan.errors import MeshplanError
