@@ -149,7 +149,8 @@ def _gpu_levels(p: GroupPlacement, V: float, ideal: bool, in_network: bool = Fal
         w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
         out.append(Level("nvlink", "nvlink", V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
     if M > 1:
-        L = leaf_degree_nodes(p.cluster.domain_size)
+        sp = p.cluster.chip.superpod  # the chip's SuperPod spec where it has one (book ch.12), else the catalog
+        L = int(sp["nodes_per_su"]) if sp.get("nodes_per_su") else leaf_degree_nodes(p.cluster.domain_size)
         w_nic = k * links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
         d_leaf, d_spine = min(M, L), math.ceil(M / L)
         lat = (M - 1) * links.scale_out_hop_latency_s
