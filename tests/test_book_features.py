@@ -213,6 +213,12 @@ def test_cli_serve_ideal_json(capsys):
     assert b["max_batch_per_replica"] == 317
     assert b["queries_per_s_per_chip"] == pytest.approx(0.40319, rel=1e-4)
     assert d["tpot_s"] > b["tpot_s"]  # realistic above ideal
+    # QPS vs batch: batch 8 -> (8 * 1.6777e8 + 1.605999e10)/3.35e12 = 1.740216e10/3.35e12 = 5.1947 ms (still
+    # memory-bound: FLOPs 2 * 8 * ~7.5e9/9.89e14 = 0.12 ms < 4.79 ms weights); QPS/chip 8/(5.1947e-3 * 512) = 3.0079
+    row = {r["batch"]: r for r in b["by_batch"]}
+    assert row[1]["step_s"] == pytest.approx(b["tpot_s"])
+    assert row[8]["step_s"] == pytest.approx(5.1947e-3, rel=1e-4)
+    assert row[8]["queries_per_s_per_chip"] == pytest.approx(3.0079, rel=1e-4)
     dtypes = {(r["weight_dtype"], r["topology"]): r["chips"] for r in b["smallest_topologies"]}
     # weights 16.06 GB bf16 / 80 GB -> 1 chip; doubled 2
     assert dtypes[("bf16", "smallest")] == 1 and dtypes[("bf16", "doubled")] == 2

@@ -64,6 +64,12 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     ici = (2 * chip.links.ici_bandwidth_per_link_bytes_per_s if chip.links.is_torus
            else chip.links.nvlink_bandwidth_bytes_per_s)
     ws = bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, ici, C) if n > 1 else None
+    sweep = sorted({b for b in (1, 8, 32, 128, 512, round(b_crit), batch, max_b) if 1 <= b <= max(max_b, batch)})
+    by_batch = []
+    for b in sweep:  # how QPS/chip moves with batch (book ch.7 §8.3 latency-throughput trade-off, ch.8)
+        t = bd.ideal_decode_step(pbytes, kv_mean, b, n, W, C, active)
+        by_batch.append({"batch": b, "step_s": t, "tokens_per_s_per_chip": b / (t * n),
+                         "queries_per_s_per_chip": bd.queries_per_s_per_chip(b, t, w.output_len, n)})
     out = {
         "chips_per_replica": n,
         "batch": batch,
@@ -75,6 +81,7 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
         "queries_per_s_per_chip": bd.queries_per_s_per_chip(batch, step, w.output_len, n),
         "critical_batch": b_crit,
         "weight_stationary_2d": ws.as_dict() if ws else None,
+        "by_batch": by_batch,
         "smallest_topologies": smallest_topologies(m, chip, w, step_target_s=step_target_s),
     }
     if step_target_s is not None:
@@ -109,6 +116,13 @@ def print_ideal(o: dict) -> None:
                       f"YZ={ws['yz']:.1f}, comms {fmt_time(ws['t_comms_2d_s'])} vs 1D {fmt_time(ws['t_comms_1d_s'])} "
                       f"(math {fmt_time(ws['t_math_s'])}); 2D wins above {ws['crossover_chips']:.0f} chips -> "
                       f"{ws['better'].upper()}", highlight=False)
+    t = Table(title=f"book (ideal): QPS per chip vs batch on this replica ({o['output_len']}-token outputs)")
+    for col in ("batch", "step", "tokens/s/chip", "QPS/chip"):
+        t.add_column(col, justify="right")
+    for r in b["by_batch"]:
+        t.add_row(str(r["batch"]), fmt_time(r["step_s"]), f"{r['tokens_per_s_per_chip']:,.1f}",
+                  f"{r['queries_per_s_per_chip']:.3f}")
+    console.print(t)
     t = Table(title="smallest topology per weight dtype (book ch.8; KV in the same dtype, batch = what free HBM holds)")
     for col in ("dtype", "topology", "chips", "weights", "free HBM", "batch", "step", "tokens/s/chip", "QPS/chip"):
         t.add_column(col, justify="left" if col in ("dtype", "topology") else "right")
