@@ -192,6 +192,15 @@ def test_cli_roofline_ideal_json(capsys):
     assert d["critical_batch"]["int8"] == pytest.approx(3.94e14 / 8.2e11 / 2)
 
 
+def test_cli_collective_bytes_all_chips(capsys):
+    # AllGather of 1e9 B over tensor=8 on 64 H100s (8 groups at once): each chip sends 1e9 x 7/8 = 8.75e8 B;
+    # all 64 chips: 5.6e10 B
+    code, out, _ = run_cli(["collective", "allgather", "-h", "h100-sxm", "--chips", "64", "--mesh", "data=8,tensor=8",
+                            "--axes", "tensor", "--bytes", "1e9", "--json"], capsys)
+    d = json.loads(out)
+    assert code == 0 and d["bytes_per_chip"] == pytest.approx(8.75e8) and d["bytes_all_chips"] == pytest.approx(5.6e10)
+
+
 def test_cli_collective_topk_needs_alltoall(capsys):
     code, _, err = run_cli(["collective", "allgather", "-h", "h100-sxm", "--chips", "8", "--mesh", "d=8", "--axes",
                             "d", "--bytes", "1e9", "--topk", "2"], capsys)

@@ -128,7 +128,9 @@ def collective(
     book = cost_of(True) if ideal else None
     if json_out:
         out = {**cost.as_dict(), "nbytes": V, "axes": ax, "group": mapping.group(ax).describe(),
-               "mapping": mapping.as_dict(), "ideal": ideal}
+               "mapping": mapping.as_dict(), "ideal": ideal,
+               # every group of the mesh runs it at once (book ch.3: totals across devices)
+               "bytes_all_chips": cost.bytes_per_chip * mesh_size(mapping)}
         if book:
             out["book_ideal"] = book.as_dict()
         print_json(out)
@@ -144,7 +146,9 @@ def collective(
     levels = dict(book.levels) if book else {}
     for k, f in (("time", lambda c: fmt_time(c.time_s)), ("bandwidth term", lambda c: fmt_time(c.bandwidth_time_s)),
                  ("latency term", lambda c: fmt_time(c.latency_time_s)), ("regime", lambda c: c.regime),
-                 ("bytes sent per chip", lambda c: fmt_bytes(c.bytes_per_chip)), ("algorithm", lambda c: c.algorithm),
+                 ("bytes sent per chip", lambda c: fmt_bytes(c.bytes_per_chip)),
+                 (f"bytes sent, all {mesh_size(mapping)} chips", lambda c: fmt_bytes(c.bytes_per_chip * mesh_size(mapping))),
+                 ("algorithm", lambda c: c.algorithm),
                  ("link", lambda c: c.link)):
         t.add_row(k, f(cost), *([f(book)] if book else []))
     for n, s in cost.levels:
