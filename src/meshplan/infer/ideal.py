@@ -46,8 +46,8 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     """The ideal answers for one replica of `cfg` (tp x pp chips) at `batch` sequences:
     TPOT = ideal decode step (book ch.7 §8.3, FLOPs from the active matmul parameters), TTFT = the prefill
     compute floor 2 P_active I / (N C) or the weight read, whichever is larger (book ch.7/ch.8 at 100% MFU),
-    the free-HBM batch, critical batch (ch.7 §8.1; x E/k for MoE, ch.4), QPS per chip (ch.8), and the
-    2D weight-stationary comparison of one MLP (ch.7 Q7)."""
+    the free-HBM batch, critical batch (ch.7 §8.1; x E/k for MoE, ch.4), QPS per chip (ch.8) and how it
+    moves with batch, and on TPUs the 2D weight-stationary comparison of one MLP (ch.7 Q7)."""
     n = cfg.chips_per_replica
     params, active = param_counts(m).total, matmul_params_active(m)
     pbytes = bd.weight_bytes(params, cfg.weight_dtype)
@@ -61,9 +61,9 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     wb = dtype_bytes(cfg.weight_dtype)
     b_crit = (moe_critical_batch(C, W, m.n_experts, m.experts_per_token, wb) if m.is_moe
               else critical_batch(C, W, wb))
-    ici = (2 * chip.links.ici_bandwidth_per_link_bytes_per_s if chip.links.is_torus
-           else chip.links.nvlink_bandwidth_bytes_per_s)
-    ws = bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, ici, C) if n > 1 else None
+    # ch.7 Q7 counts torus axes (W = bidirectional ICI per axis); a GPU's NVSwitch has no axes to split over
+    ws = (bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, 2 * chip.links.ici_bandwidth_per_link_bytes_per_s, C)
+          if n > 1 and chip.links.is_torus else None)
     sweep = sorted({b for b in (1, 8, 32, 128, 512, round(b_crit), batch, max_b) if 1 <= b <= max(max_b, batch)})
     by_batch = []
     for b in sweep:  # how QPS/chip moves with batch (book ch.7 §8.3 latency-throughput trade-off, ch.8)
