@@ -242,3 +242,15 @@ def test_cli_train_ideal_json(capsys):
     p = json.loads(out)["plans"][0]
     assert p["book_ideal"]["realistic_over_ideal"] == pytest.approx(1 / p["mfu"], rel=1e-9)
     assert p["book_ideal"]["step_time_s"] == pytest.approx(p["model_flops_per_step"] / (8 * 9.89e14))
+
+
+def test_hardware_yaml_bad_on_chip_key(tmp_path, capsys):
+    from meshplan.specs.hardware import HARDWARE_DIR
+
+    p = tmp_path / "chip.yaml"
+    p.write_text((HARDWARE_DIR / "h100-sxm.yaml").read_text().replace("  sm_count:", "  smx_count:"))
+    code, _, err = run_cli(["hardware", str(p)], capsys)
+    assert code == 2 and err.startswith("error:") and "on_chip_memory.smx_count" in err
+    p.write_text((HARDWARE_DIR / "h100-sxm.yaml").read_text().replace("spine_switches: {value: 16", "spine_switches: {value: -16"))
+    code, _, err = run_cli(["hardware", str(p)], capsys)
+    assert code == 2 and "superpod.spine_switches" in err
