@@ -148,9 +148,11 @@ def max_batch_for_step(step_target_s: float, param_bytes: float, kv_bytes_per_se
     if param_bytes / bw > step_target_s:
         return -1
     per_seq_mem = kv_bytes_per_seq / bw
+    per_seq = per_seq_mem + 2.0 * params / flops
+    if per_seq <= 0:
+        raise MeshplanError("with no KV cache and no FLOPs per sequence the batch is unbounded")
     mem = (step_target_s - param_bytes / bw) / per_seq_mem if per_seq_mem else math.inf
-    comp = step_target_s / (per_seq_mem + 2.0 * params / flops)
-    return math.floor(min(mem, comp) + 1e-9)
+    return math.floor(min(mem, step_target_s / per_seq) + 1e-9)
 
 
 @dataclass(frozen=True)
