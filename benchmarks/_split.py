@@ -1,0 +1,61 @@
+"""The frozen split of the new ground truth (issue #14): half of the new published runs, chosen BY SOURCE, is held
+out as validation and never used to choose a constant; the other half ("tuning") is where new constants may be
+chosen.
+
+Rule (fixed before any prediction was compared with these data): an entry's split is decided by its
+`source.key` (one publication table, e.g. 'megatron-bridge-perf:qwen3-235b-a22b'): the SHA-256 of the key, read
+as hex; if its first 8 hex digits are an even number the source is `validation`, otherwise `tuning`. The rule
+looks at the key alone, so adding a source never moves another, and every row of one source lands in one half.
+Each entry also carries the resulting `split:` field, so the data file says it on its own; tests check the two
+agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from pathlib import Path
+
+import yaml
+
+DATA = Path(__file__).resolve().parent / "data"
+NEW_TRAINING = DATA / "training_measurements_new.yaml"
+NEW_SERVING = DATA / "serving_measurements_new.yaml"
+SPLITS = ("validation", "tuning")
+
+
+def split_of(source_key: str) -> str:
+    """'validation' or 'tuning' for a source key (the rule in the module docstring)."""
+    return "validation" if int(hashlib.sha256(source_key.encode()).hexdigest()[:8], 16) % 2 == 0 else "tuning"
+
+
+def load_new_training() -> list[dict]:
+    entries = yaml.safe_load(NEW_TRAINING.read_text()) or []
+    for e in entries:
+        e.setdefault("group", "ungrouped")
+    return entries
+
+
+def load_new_serving() -> list[dict]:
+    return yaml.safe_load(NEW_SERVING.read_text())["measurements"]
+
+
+def error_stats(errs: list[float]) -> dict:
+    """Median |error|, 90th percentile of |error| (nearest rank), signed median, and the count within 25%.
+    Errors are predicted / measured - 1 of the quantity compared (see each script for its sign convention)."""
+    if not errs:
+        return {"n": 0, "median_abs": None, "p90_abs": None, "signed_median": None, "within_25": 0}
+    a = sorted(abs(x) for x in errs)
+    rank = max(math.ceil(0.9 * len(a)), 1)  # nearest-rank 90th percentile
+    return {"n": len(errs), "median_abs": statistics.median(a), "p90_abs": a[rank - 1],
+            "signed_median": statistics.median(errs), "within_25": sum(x <= 0.25 for x in a)}
+
+
+def format_stats_row(label: str, s: dict, unplannable: int | None = None) -> str:
+    """One markdown table row: label | n | median |err| | p90 |err| | signed median | within 25% [| unplannable]."""
+    def pct(v: float | None, signed: bool = False) -> str:
+        return "-" if v is None else (f"{v * 100:+.1f}%" if signed else f"{v * 100:.1f}%")
+    un = "" if unplannable is None else f" {unplannable} |"
+    return (f"| {label} | {s['n']} | {pct(s['median_abs'])} | {pct(s['p90_abs'])} | {pct(s['signed_median'], True)} | "
+            f"{s['within_25']}/{s['n']} |{un}")
