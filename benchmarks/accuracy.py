@@ -5,7 +5,12 @@ omits is chosen by meshplan). Compared like with like (flops_conventions.md): st
 (no FLOP convention needed). Also runs meshplan's own search at the same chips, batch and sequence length
 and checks it finds a layout at least as good as the published one under meshplan's own model.
 
-    python benchmarks/accuracy.py [--group NAME] [--csv out.csv]
+    python benchmarks/accuracy.py [--group NAME] [--no-search] [--no-new]
+
+After the reference set, the same evaluation runs over the new published runs of issue #14
+(data/training_measurements_new.yaml), reported per frozen half (validation / tuning, split by source:
+_split.py) and per family. Sign convention, as everywhere in this script: error = predicted step time / measured
+step time - 1, so a NEGATIVE error is a prediction FASTER than the measured run (optimistic).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from _measurements import (
     pins_of,
     problem_of,
 )
+from _split import SPLITS, error_stats, format_stats_row, load_new_training
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group")
     ap.add_argument("--no-search", action="store_true")
+    ap.add_argument("--no-new", action="store_true", help="skip the new runs of issue #14 (reference set only)")
     ap.add_argument("--d-half-gpu", type=float, help="replace the Ampere/Hopper GEMM tile constant (sensitivity)")
     args = ap.parse_args(argv)
     everything = load_entries()
@@ -171,7 +178,62 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"{len(skipped)} of {len(entries)} entries could not be evaluated (listed above)")
     print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.1f} s")
+    if not args.no_new and not args.group:
+        ref = error_stats([r["rel_err"] for r in rows])
+        new_data_report(ref, len(skipped), d_half_gpu=args.d_half_gpu)
     return 0
+
+
+def evaluate_all(entries: list[dict], d_half_gpu: float | None = None) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """Rows for every entry meshplan can plan at its published layout, and (entry, reason) for the others."""
+    rows, unplannable = [], []
+    for e in entries:
+        try:
+            row = evaluate_entry(e, search=False, d_half_gpu=d_half_gpu)
+            row["split"], row["families"] = e.get("split"), e.get("families") or []
+            rows.append(row)
+        except Exception as exc:  # reported with its reason, never dropped
+            unplannable.append((e, f"{type(exc).__name__}: {exc}"))
+    return rows, unplannable
+
+
+def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = None) -> dict:
+    """Issue #14's tables: the reference set and each half of the new runs (median |err|, p90, signed median,
+    within 25%, unplannable, predicted-faster count), then each half per family; then every new row."""
+    entries = load_new_training()
+    rows, unplannable = evaluate_all(entries, d_half_gpu)
+    head = ("| set | n planned | median abs err | p90 abs err | signed median | within 25% | unplannable | "
+            "predicted faster | layout does not fit |")
+    print("\n## Issue #14: new published runs (step-time error = predicted / measured - 1; negative = predicted faster)")
+    print(head)
+    print("|" + "---|" * 9)
+    print(format_stats_row("reference (shared/reference)", ref, ref_unplannable) + " - | - |")
+    report = {"reference": ref}
+    for half in SPLITS:
+        hr = [r for r in rows if r["split"] == half]
+        s = error_stats([r["rel_err"] for r in hr])
+        un = sum(e.get("split") == half for e, _ in unplannable)
+        faster = sum(r["rel_err"] < 0 for r in hr)
+        nofit = sum(not r["fits"] for r in hr)
+        report[half] = dict(s, unplannable=un, faster=faster, no_fit=nofit)
+        print(format_stats_row(f"new: {half}", s, un) + f" {faster}/{len(hr)} | {nofit} |")
+    print("\n| half / family | n planned | median abs err | p90 abs err | signed median | within 25% | unplannable |")
+    print("|" + "---|" * 7)
+    fams = sorted({f for e in entries for f in e.get("families") or []})
+    for half in SPLITS:
+        for fam in fams:
+            hr = [r for r in rows if r["split"] == half and fam in r["families"]]
+            un = sum(e.get("split") == half and fam in (e.get("families") or []) for e, _ in unplannable)
+            if hr or un:
+                print(format_stats_row(f"{half} / {fam}", error_stats([r["rel_err"] for r in hr]), un))
+    print(f"\n{'id':52s} {'split':10s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'fit':>4s}  layout / bottleneck")
+    for r in rows:
+        print(f"{r['id'][:52]:52s} {r['split']:10s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} "
+              f"{r['rel_err']:+7.1%} {'y' if r['fits'] else 'N':>4s}  {r['layout']} / {r['bottleneck']}"
+              + (f"  [{r['note']}]" if r.get("note") else ""))
+    for e, why in unplannable:
+        print(f"UNPLANNABLE {e['id']} ({e.get('split')}): {why[:150]}")
+    return report
 
 
 if __name__ == "__main__":

@@ -4,7 +4,12 @@ Physics, not fitted rows: every entry runs through meshplan's default efficienci
 gaps in an entry (unstated KV dtype, variable lengths) are filled by the fixed rules in
 benchmarks/data/serving_assumptions.yaml, the same for every entry.
 
-    python benchmarks/serving_accuracy.py [--file F.yaml] [--json]
+    python benchmarks/serving_accuracy.py [--file F.yaml] [--json] [--no-new]
+
+After the published set, the new measurements of issue #14 (data/serving_measurements_new.yaml) are reported per
+frozen half (validation / tuning, split by source: _split.py) and per family. Sign convention, as in the rest of
+this script: error = (predicted - measured) / measured of the quantity itself, so for output tokens/s a POSITIVE
+error is an optimistic prediction (faster than measured), and for TPOT and TTFT a NEGATIVE error is optimistic.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from _split import SPLITS, error_stats, format_stats_row, load_new_serving
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
@@ -65,7 +71,8 @@ def mode(e: dict) -> str:
 
 
 def predict(e: dict, rules: dict) -> dict:
-    m, chip = load_model(e["model"]), load_chip(e["hardware"])
+    # a config under benchmarks/data (models/qwen3-235b-a22b.json) or a preset name
+    m, chip = load_model(str(DATA / e["model"]) if e["model"].endswith(".json") else e["model"]), load_chip(e["hardware"])
     eff = default_efficiency(chip)
     cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e))
     check_layout(m, chip, e["chips"], cfg)
@@ -88,17 +95,18 @@ def _rel(pred: float, meas: float | None) -> float | None:
     return None if meas in (None, 0) else (pred - meas) / meas
 
 
-def run(path: Path) -> dict:
+def run(path: Path | None = None, entries: list[dict] | None = None) -> dict:
     rules = _assumptions()
     rows = []
-    for e in yaml.safe_load(path.read_text())["measurements"]:
+    for e in entries if entries is not None else yaml.safe_load(path.read_text())["measurements"]:
         try:
             pred = predict(e, rules)
         except MeshplanError as exc:
-            rows.append({"id": e["id"], "skipped": str(exc)})
+            rows.append({"id": e["id"], "skipped": str(exc), "split": e.get("split"), "families": e.get("families") or []})
             continue
         meas = e["measured"]
-        rows.append({"id": e["id"], "predicted": pred, "measured": meas,
+        rows.append({"id": e["id"], "predicted": pred, "measured": meas, "split": e.get("split"),
+                     "families": e.get("families") or [],
                      "error": {k: _rel(pred[k], meas.get(k)) for k in ("output_tokens_per_s", "tpot_s", "ttft_s")}})
     return {"rows": rows, "summary": _summary(rows)}
 
@@ -137,14 +145,58 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", type=Path, default=DATA / "serving_measurements.yaml")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-new", action="store_true", help="skip the new measurements of issue #14")
     args = ap.parse_args(argv)
     res = run(args.file)
+    if not args.no_new and args.file == DATA / "serving_measurements.yaml":
+        res["new"] = run(entries=load_new_serving())
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         print()
     else:
         print_report(res)
+        if "new" in res:
+            print("\n## Issue #14: new published serving measurements")
+            print_report(res["new"])
+            print_halves(res, res["new"]["rows"])
     return 0
+
+
+QUANTITIES = (("output_tokens_per_s", "output tok/s", 1), ("tpot_s", "TPOT/ITL", -1), ("ttft_s", "TTFT", -1))
+
+
+def print_halves(res: dict, rows: list[dict]) -> dict:
+    """Issue #14's tables: per quantity, the published set and each half of the new data (median |err|, p90, signed
+    median, within 25%, unplannable, optimistic count), then per half and family."""
+    ref_rows = res["rows"]
+    out = {}
+    print("\nerror = (predicted - measured) / measured; optimistic = tok/s over-predicted or TPOT/TTFT under-predicted")
+    print("| quantity / set | n | median abs err | p90 abs err | signed median | within 25% | unplannable | optimistic |")
+    print("|" + "---|" * 8)
+    for key, label, sign in QUANTITIES:
+        sets = [("published (serving_measurements.yaml)", ref_rows)] + [
+            (f"new: {h}", [r for r in rows if r.get("split") == h]) for h in SPLITS]
+        for name, rs in sets:
+            errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
+            st = error_stats(errs)
+            un = sum("skipped" in r for r in rs)
+            opt = sum(sign * x > 0 for x in errs)
+            out[f"{key}/{name}"] = dict(st, unplannable=un, optimistic=opt)
+            print(format_stats_row(f"{label} / {name}", st, un) + f" {opt}/{len(errs)} |")
+    print("\n| half / family / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
+    print("|" + "---|" * 7)
+    fams = sorted({f for r in rows for f in r.get("families") or []})
+    for h in SPLITS:
+        for fam in fams:
+            rs = [r for r in rows if r.get("split") == h and fam in r["families"]]
+            for key, label, _ in QUANTITIES:
+                errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
+                if errs:
+                    print(format_stats_row(f"{h} / {fam} / {label}", error_stats(errs), sum("skipped" in r for r in rs)))
+    for r in rows:
+        if "skipped" in r:
+            print(f"UNPLANNABLE {r['id']} ({r.get('split')}): {r['skipped']}")
+    return out
 
 
 if __name__ == "__main__":
