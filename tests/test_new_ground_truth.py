@@ -91,6 +91,14 @@ def test_training_entry_plans_at_its_published_layout(entry: dict) -> None:
             accuracy.evaluate_entry(entry, search=False)
 
 
+def test_finite_load_serving_rows_name_a_batch() -> None:
+    # a row at a finite request rate is compared at its in-flight batch (Little's law, >= 1); an unset batch would
+    # put it at meshplan's maximum-throughput point instead
+    for e in SERVING:
+        if e["regime"] == "server_qps":
+            assert isinstance(e["batch"], int) and e["batch"] >= 1, e["id"]
+
+
 def test_serving_entries_all_plan() -> None:
     rows = serving_accuracy.run(entries=SERVING)["rows"]
     assert [r["id"] for r in rows if "skipped" in r] == []
