@@ -40,6 +40,12 @@ KNOWN_UNPLANNABLE = {
 }
 
 
+# Published layouts meshplan plans but whose memory model says they do not fit (timed without the memory limit):
+# MaxText on TPU v6e with activations offloaded to host memory (remat_policy custom with *_proj / decoder_layer_input
+# "offload"), which meshplan's TPU memory model does not have.
+KNOWN_DOES_NOT_FIT = {e["id"] for e in TRAINING if e["id"].startswith("tpurecipes_v6e_")}
+
+
 def _known_reason(entry_id: str) -> str | None:
     return next((why for why, ids in KNOWN_UNPLANNABLE.items() if entry_id in ids), None)
 
@@ -86,6 +92,7 @@ def test_training_entry_plans_at_its_published_layout(entry: dict) -> None:
         row = accuracy.evaluate_entry(entry, search=False)
         assert row["pred_step_s"] > 0 and row["measured_step_s"] > 0
         assert "released" not in row.get("note", ""), row["note"]  # every published degree was kept
+        assert row["fits"] == (entry["id"] not in KNOWN_DOES_NOT_FIT)
     else:
         with pytest.raises(MeshplanError, match=why):
             accuracy.evaluate_entry(entry, search=False)
