@@ -56,7 +56,7 @@ def calibrate(
     show: Annotated[str | None, typer.Option(help="Print achieved vs peak from a profile file and exit.")] = None,
     model: Annotated[str | None, typer.Option(help="Model whose decoder layer is timed (default llama3.2-1b).")] = None,
     bench: Annotated[str | None, typer.Option(help="Comma list of benchmarks (default all): matmul, hbm, "
-                                                   "attention, host, overhead, layer, collectives.")] = None,
+                                                   "attention, sdpa, norm, host, overhead, layer, collectives.")] = None,
     coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
 ) -> None:
     """Microbenchmark the local accelerator(s) and fit meshplan's efficiency model (a --profile for train/serve)."""
@@ -93,7 +93,7 @@ def _calibrate(names: list[str], quick: bool, hardware: str | None, model: str |
 
 def parse_benchmarks(text: str | None) -> list[str]:
     from_text = [b.strip() for b in (text or "").split(",") if b.strip()]
-    known = ("matmul", "hbm", "attention", "host", "overhead", "layer", "collectives")
+    known = ("matmul", "hbm", "attention", "sdpa", "norm", "host", "overhead", "layer", "collectives")
     bad = [b for b in from_text if b not in known]
     if bad:
         fail(f"unknown benchmark '{bad[0]}' (known: {', '.join(known)})")

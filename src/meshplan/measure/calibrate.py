@@ -3,7 +3,10 @@
 Benchmarks (each a named task over a grid, timed by `measure.timing`):
   matmul       [m,k]·[k,n] in bf16 (fp8 where the chip has it) over square and thin shapes
   hbm          a large elementwise copy y = a·x + b: bytes read plus bytes written
-  attention    jax.nn.dot_product_attention, causal, at several lengths: forward and forward+backward
+  attention    jax.nn.dot_product_attention, causal, at several lengths: forward and forward+backward; then
+               other (heads, head dim) shapes at one length
+  sdpa         the same through PyTorch's scaled_dot_product_attention (GPU, where torch is installed)
+  norm         memory-bound layer kernels: RMSNorm, SwiGLU's silu(g)·u, the residual add
   host         host→device (jax.device_put) and device→host (jax.device_get) bandwidth
   overhead     a chain of tiny dependent matmuls: the fixed cost of one more kernel
   layer        one decoder layer of the reference JAX model (measure/jaxmodel.py), forward and backward
@@ -28,7 +31,7 @@ from meshplan.measure.timing import Timing, auto_inner, random_inputs, time_fn, 
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig, load_model
 
-BENCHMARKS = ("matmul", "hbm", "attention", "host", "overhead", "layer", "collectives")
+BENCHMARKS = ("matmul", "hbm", "attention", "sdpa", "norm", "host", "overhead", "layer", "collectives")
 MiB = 2**20
 Record = dict[str, Any]
 
@@ -52,6 +55,10 @@ class Grid:
     layer_seq: int
     repeats: int
     target_s: float  # each timed batch lasts about this long
+    attn_shapes: tuple[tuple[int, int], ...] = ()  # further (heads, head_dim) timed at attn_shape_seq
+    attn_shape_seq: int = 0
+    norm_tokens: int = 0  # rows of the norm/elementwise kernels (0: not run)
+    norm_width: int = 0  # D of the norm and residual; the SwiGLU product runs at 3.5·D (LLaMA 3's F/D)
 
 
 GPU_QUICK = Grid((512, 1024, 2048, 4096, 8192), (64, 128, 256, 512, 1024, 2048), 8192, (2048, 4096, 8192),
@@ -62,11 +69,14 @@ GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6
                    hbm_bytes=(64 * MiB, 256 * MiB, 1024 * MiB, 4096 * MiB), attn_lengths=(512, 1024, 2048, 4096, 8192, 16384),
                    host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
                    repeats=15, target_s=0.05)
+GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096)
+GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
+                   norm_width=8192)
 CPU_QUICK = Grid((32, 64, 128, 256), (8, 32), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
-                 4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002)
+                 4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256)
 CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
                    matmul_big=512, hbm_bytes=(16 * MiB, 64 * MiB), attn_lengths=(128, 256, 512, 1024), attn_tokens=1024,
-                   repeats=7, target_s=0.02)
+                   repeats=7, target_s=0.02, attn_shapes=((8, 16),), attn_shape_seq=256, norm_width=512)
 
 
 def grid_for(platform: str, quick: bool) -> Grid:
@@ -223,21 +233,81 @@ def _attention_fns(impl: str) -> tuple[Callable, Callable]:
 
 def bench_attention(ctx: Context) -> list[Record]:
     g = ctx.grid
-    dt = jnp.dtype(g.dtype)
-    impl = attention_impl(ctx.platform, dt)
+    impl = attention_impl(ctx.platform, jnp.dtype(g.dtype))
     fwd, fwd_bwd = _attention_fns(impl)
     peak = ctx.chip.peak("bf16")
     out = []
     for T in g.attn_lengths:
-        B = max(1, g.attn_tokens // T)
-        shape = (B, T, g.attn_heads, g.head_dim)
-        flops = 4.0 * B * T * (T / 2.0) * g.attn_heads * g.head_dim  # causal forward: QKᵀ and AV
-        tf = _timed(fwd, [(shape, dt)] * 3, g)
-        tfb = _timed(fwd_bwd, [(shape, dt)] * 4, g)
-        extra = {"impl": impl, "dtype": str(dt), "batch": B, "seq": T, "heads": g.attn_heads, "head_dim": g.head_dim}
-        out.append(_record("attention", f"fwd T={T}", tf, peak, flops, "FLOP", **extra))
-        out.append(_record("attention", f"fwd+bwd T={T}", tfb, peak, flops, "FLOP", **extra,
-                           bwd_time_s=max(tfb.median_s - tf.median_s, 1e-9)))
+        out += _attention_pair(fwd, fwd_bwd, g, T, g.attn_heads, g.head_dim, impl, peak, "")
+    for heads, head_dim in g.attn_shapes:  # other head shapes at one length; the fit reads only the above
+        out += _attention_pair(fwd, fwd_bwd, g, g.attn_shape_seq, heads, head_dim, impl, peak,
+                               f" N={heads} H={head_dim}", sweep="head_shape")
+    return out
+
+
+def attention_shape(g: Grid, T: int, heads: int, head_dim: int) -> tuple[tuple[int, int, int, int], float]:
+    """[B, T, N, H] holding about attn_tokens·attn_heads·head_dim elements per tensor, and its causal forward
+    FLOPs: QKᵀ and AV, 4·B·T·(T/2)·N·H (FlashAttention-2 paper §4.1, causal halves the pairs)."""
+    B = max(1, g.attn_tokens * g.attn_heads * g.head_dim // (T * heads * head_dim))
+    return (B, T, heads, head_dim), 4.0 * B * T * (T / 2.0) * heads * head_dim
+
+
+def _attention_pair(fwd: Callable, fwd_bwd: Callable, g: Grid, T: int, heads: int, head_dim: int, impl: str,
+                    peak: float, suffix: str, **tags: Any) -> list[Record]:
+    dt = jnp.dtype(g.dtype)
+    shape, flops = attention_shape(g, T, heads, head_dim)
+    tf = _timed(fwd, [(shape, dt)] * 3, g)
+    tfb = _timed(fwd_bwd, [(shape, dt)] * 4, g)
+    extra = {"impl": impl, "dtype": str(dt), "batch": shape[0], "seq": T, "heads": heads, "head_dim": head_dim,
+             **tags}
+    return [_record("attention", f"fwd T={T}{suffix}", tf, peak, flops, "FLOP", **extra),
+            _record("attention", f"fwd+bwd T={T}{suffix}", tfb, peak, flops, "FLOP", **extra,
+                    bwd_time_s=max(tfb.median_s - tf.median_s, 1e-9))]
+
+
+def bench_sdpa(ctx: Context) -> list[Record]:
+    """PyTorch's scaled_dot_product_attention (torchtitan's kernel) at the attention lengths, on a GPU."""
+    if ctx.platform != "gpu":
+        return [{"benchmark": "sdpa", "name": "sdpa", "skipped": "PyTorch SDPA is timed on GPUs only"}]
+    from meshplan.measure import torch_timing
+
+    if not torch_timing.available():
+        return [{"benchmark": "sdpa", "name": "sdpa", "skipped": "torch with CUDA is not installed"}]
+    g, peak = ctx.grid, ctx.chip.peak("bf16")
+    out = []
+    for T in g.attn_lengths:
+        shape, flops = attention_shape(g, T, g.attn_heads, g.head_dim)
+        t_f, t_fb, backend = torch_timing.time_sdpa(shape, g.repeats)
+        extra = {"impl": f"torch sdpa ({backend})", "dtype": "bfloat16", "batch": shape[0], "seq": T,
+                 "heads": g.attn_heads, "head_dim": g.head_dim}
+        out.append(_record("sdpa", f"fwd T={T}", t_f, peak, flops, "FLOP", **extra))
+        out.append(_record("sdpa", f"fwd+bwd T={T}", t_fb, peak, flops, "FLOP", **extra,
+                           bwd_time_s=max(t_fb.median_s - t_f.median_s, 1e-9)))
+    return out
+
+
+# --- memory-bound layer kernels --------------------------------------------------------------------
+
+def bench_norm(ctx: Context) -> list[Record]:
+    """RMSNorm (read x, write y), SwiGLU's silu(g)·u (read 2, write 1) and the residual add (read 2, write 1)
+    over [tokens, width] in the grid's dtype: bytes moved over time, against the HBM peak."""
+    from meshplan.measure import jaxmodel as jm
+
+    g = ctx.grid
+    if not g.norm_tokens:
+        return []
+    dt = jnp.dtype(g.dtype)
+    T, D = g.norm_tokens, g.norm_width
+    F = int(3.5 * D)
+    item = dt.itemsize
+    cases = {"rmsnorm": (jax.jit(jm.rmsnorm), [((T, D), dt), ((D,), dt)], 2.0 * T * D * item),
+             "silu(g)*u": (jax.jit(lambda a, b: jax.nn.silu(a) * b), [((T, F), dt)] * 2, 3.0 * T * F * item),
+             "residual add": (jax.jit(jnp.add), [((T, D), dt)] * 2, 3.0 * T * D * item)}
+    out = []
+    for name, (fn, specs, nbytes) in cases.items():
+        t = _timed(fn, specs, g)
+        out.append(_record("norm", f"{name} {T}x{specs[0][0][1]}", t, ctx.chip.hbm_bandwidth_bytes_per_s, nbytes,
+                           "B", dtype=str(dt), bytes=nbytes))
     return out
 
 
@@ -329,7 +399,8 @@ def _fmt_size(nbytes: float) -> str:
 
 
 BENCH_FNS: dict[str, Callable[[Context], list[Record]]] = {
-    "matmul": bench_matmul, "hbm": bench_hbm, "attention": bench_attention, "host": bench_host,
+    "matmul": bench_matmul, "hbm": bench_hbm, "attention": bench_attention, "sdpa": bench_sdpa, "norm": bench_norm,
+    "host": bench_host,
     "overhead": bench_overhead, "layer": bench_layer, "collectives": bench_collectives}
 
 

@@ -4,7 +4,7 @@ Fits (relative to the chip's catalog peaks, book ch.1): matmul_peak_fraction and
 squares of fraction = p·d/(d + d_half) over d = min(m, n, k) (the planner's `Efficiency.matmul`);
 fp8_peak_fraction at the largest fp8 shape; hbm_fraction from the largest copy; attention_fwd/bwd_fraction at
 the two longest lengths (causal FLOPs, the backward counted as attention_bwd_flops_ratio × forward, as the
-planner counts it); kernel_overhead_s from the slope of the tiny-kernel chain. Fields not measured keep their
+planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the slope of the tiny-kernel chain. Fields not measured keep their
 defaults and are marked "default" in `efficiency_origin`.
 """
 
@@ -68,15 +68,22 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
         out["fp8_peak_fraction"] = max(fp8, key=lambda r: r["m"])["fraction"]
     if by.get("hbm"):
         out["hbm_fraction"] = max(by["hbm"], key=lambda r: r["bytes"])["fraction"]
-    out.update(_fit_attention(by.get("attention", []), chip, curves))
+    out.update(_fit_attention(by.get("attention", []), chip, curves, "attention"))
+    out.update(_fit_attention(by.get("sdpa", []), chip, curves, "attention_sdpa"))
+    if by.get("norm"):
+        curves["norm"] = {r["name"]: r["fraction"] for r in by["norm"]}  # reported beside hbm_fraction
     ovh = [r for r in by.get("overhead", []) if "per_kernel_s" in r]
     if ovh:
         out["kernel_overhead_s"] = ovh[0]["per_kernel_s"]
     return out, curves
 
 
-def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any]) -> dict[str, float]:
-    """Fractions at the two longest lengths (flash attention's efficiency plateaus with length)."""
+def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any], prefix: str) -> dict[str, float]:
+    """Fractions at the two longest lengths (flash attention's efficiency plateaus with length), read from the
+    base head shape only (the head-shape sweep is reported, not fitted); fields `{prefix}_fwd/bwd_fraction`."""
+    curves_key = prefix
+    sweep = [r for r in recs if r.get("sweep")]
+    recs = [r for r in recs if not r.get("sweep")]
     if not recs:
         return {}
     ratio = default_efficiency(chip).attention_bwd_flops_ratio
@@ -84,11 +91,12 @@ def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any]) -> di
     longest = sorted({r["seq"] for r in recs})[-2:]
     fwd = [r["fraction"] for r in recs if r["name"].startswith("fwd T") and r["seq"] in longest]
     bwd = [r["work"] * ratio / (r["bwd_time_s"] * peak) for r in recs if "bwd_time_s" in r and r["seq"] in longest]
-    curves["attention"] = {"impl": recs[0]["impl"], "lengths": longest, "bwd_flops_ratio": ratio,
-                           "fwd": {str(r["seq"]): r["fraction"] for r in recs if r["name"].startswith("fwd T")},
-                           "bwd": {str(r["seq"]): r["work"] * ratio / (r["bwd_time_s"] * peak)
-                                   for r in recs if "bwd_time_s" in r}}
-    return {"attention_fwd_fraction": _median(fwd), "attention_bwd_fraction": _median(bwd)}
+    curves[curves_key] = {"impl": recs[0]["impl"], "lengths": longest, "bwd_flops_ratio": ratio,
+                          "fwd": {str(r["seq"]): r["fraction"] for r in recs if r["name"].startswith("fwd T")},
+                          "bwd": {str(r["seq"]): r["work"] * ratio / (r["bwd_time_s"] * peak)
+                                  for r in recs if "bwd_time_s" in r},
+                          "head_shapes": {r["name"]: r["fraction"] for r in sweep if r["name"].startswith("fwd T")}}
+    return {f"{prefix}_fwd_fraction": _median(fwd), f"{prefix}_bwd_fraction": _median(bwd)}
 
 
 def build_profile(chip: Chip, records: list[Record], meta: dict[str, Any]) -> dict[str, Any]:

@@ -236,6 +236,25 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, p
     return jnp.einsum("bkgqs,bskh->bqkgh", p, v).reshape(B, Tq, N, H)
 
 
+def flash_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array,
+                         implementation: str | None = None) -> jax.Array:
+    """Causal GQA attention by `jax.nn.dot_product_attention` (query head n reads KV head n // (N/K), as
+    `attention_core` groups them): with implementation "cudnn", cuDNN's fused flash attention on NVIDIA GPUs;
+    None lets JAX choose (XLA's on the CPU). The causal mask is positional, so the tokens must be in natural
+    order (no context parallelism); pos_q/pos_k are unused."""
+    del pos_q, pos_k
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+# attention kernels of the reference model: "materialized" (the default; what `verify` compiles), "dpa"
+# (jax.nn.dot_product_attention, kernel chosen by JAX), "cudnn" (cuDNN flash attention, GPUs only)
+ATTENTION_CORES: dict[str, Callable] = {
+    "materialized": attention_core,
+    "dpa": flash_attention_core,
+    "cudnn": lambda q, k, v, pq, pk: flash_attention_core(q, k, v, pq, pk, implementation="cudnn"),
+}
+
+
 def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sh: Sharder,
                                core: Callable) -> jax.Array:
     """CP with all-gathered K/V (Llama 3 style): each device keeps its queries (one early and one late chunk
@@ -262,8 +281,10 @@ def load_balanced_order(seq_len: int, cp: int) -> np.ndarray:
 
 # --- attention and MLP blocks --------------------------------------------------------------------
 
-def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recompute: str) -> jax.Array:
-    """h [B,T,D] (normed, seq-sharded under SP) → o-projection output [B,T,D]."""
+def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recompute: str,
+                    attention: str = "materialized") -> jax.Array:
+    """h [B,T,D] (normed, seq-sharded under SP) → o-projection output [B,T,D]; `attention` names the kernel
+    (ATTENTION_CORES)."""
     h = gather_seq(h, sh)
     w = gather_weight(lp["wqkv"], ("embed", "kv_heads", None, "head_dim"), sh)
     qkv = jnp.einsum("btd,dkgh->btkgh", h, w)
@@ -272,9 +293,9 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     q = sh.constrain(qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
     k, v = (sh.constrain(qkv[:, :, :, i], ("batch", "seq", "act_kv_heads", None)) for i in (G2 - 2, G2 - 1))
     q, k = rotary(q, pos), rotary(k, pos)
-    core = attention_core
+    core = ATTENTION_CORES[attention]
     if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
-        core = jax.checkpoint(attention_core, policy=jax.checkpoint_policies.nothing_saveable)
+        core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
     if sh.axis_size("context") > 1:
         o = context_parallel_attention(q, k, v, pos, sh, core)
     else:
@@ -386,21 +407,21 @@ def remat_policy(recompute: str) -> Callable:
 
 
 def decoder_layer(lp: Params, x: jax.Array, pos: jax.Array, model: ModelConfig, sh: Sharder,
-                  recompute: str) -> jax.Array:
+                  recompute: str, attention: str = "materialized") -> jax.Array:
     """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). x [B,T,D] sharded (batch, seq_sp)."""
     x = sh.constrain(x, ("batch", "seq_sp", "act_embed"))
     h = rmsnorm(x, gather_weight(lp["attn_norm"], ("embed",), sh))
-    x = x + attention_block(lp, h, pos, sh, recompute)
+    x = x + attention_block(lp, h, pos, sh, recompute, attention)
     h = rmsnorm(x, gather_weight(lp["mlp_norm"], ("embed",), sh))
     y = moe_block(lp, h, model, sh) if model.is_moe else mlp_block(lp, h, model, sh)
     return sh.constrain(x + y, ("batch", "seq_sp", "act_embed"))
 
 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
-            recompute: str) -> jax.Array:
+            recompute: str, attention: str = "materialized") -> jax.Array:
     """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
     x = embed_lookup(params["embed"], batch["tokens"], sh)
-    layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute),
+    layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
                            policy=remat_policy(recompute), prevent_cse=True)
     for lp in params["layers"]:
         x = layer(lp, x, batch["pos"])
@@ -433,11 +454,19 @@ def adamw_update(params: Params, grads: Params, opt: dict[str, Any], lr: float =
     return jax.tree.map(upd, params, m, v), {"m": m, "v": v, "step": t}
 
 
-def make_train_step(model: ModelConfig, sh: Sharder, recompute: str) -> Callable:
-    """(params, opt, batch) → (params, opt, loss): forward, loss, backward (jax.grad), AdamW."""
+def make_train_step(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized",
+                    compute_dtype: Any = None) -> Callable:
+    """(params, opt, batch) → (params, opt, loss): forward, loss, backward (jax.grad), AdamW. With
+    `compute_dtype` (mixed precision, Micikevicius et al. 2018): the params stay the fp32 master copy, the
+    forward and backward run on a cast copy, and the gradients arrive in the params' dtype."""
+
+    def loss_of(params, batch):
+        if compute_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        return loss_fn(params, batch, model, sh, recompute, attention)
 
     def step(params, opt, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, model, sh, recompute)
+        loss, grads = jax.value_and_grad(loss_of)(params, batch)
         params, opt = adamw_update(params, grads, opt)
         return params, opt, loss
 
@@ -461,16 +490,22 @@ class Program:
 
 
 def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                  devices: list | None = None) -> Program:
-    """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet)."""
+                  devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None) -> Program:
+    """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet);
+    `attention` and `compute_dtype` as in `make_train_step`."""
     check_supported(model, layout, seq_len, global_batch)
+    if attention not in ATTENTION_CORES:
+        raise MeshplanError(f"unknown attention kernel '{attention}' (known: {', '.join(ATTENTION_CORES)})")
+    if attention != "materialized" and layout.cp > 1:
+        raise MeshplanError(f"attention '{attention}' masks by token order: context parallelism needs "
+                            "'materialized'")
     mesh = make_mesh(layout, devices)
     sh = make_sharder(layout, model, mesh)
     ps = param_shardings(model, sh)
     os_ = {"m": ps, "v": ps, "step": NamedSharding(mesh, P())}
     bs = {"tokens": sh.sharding(("batch", "seq")), "targets": sh.sharding(("batch", "seq")),
           "pos": sh.sharding(("seq",))}
-    step = jax.jit(make_train_step(model, sh, layout.recompute), in_shardings=(ps, os_, bs),
+    step = jax.jit(make_train_step(model, sh, layout.recompute, attention, compute_dtype), in_shardings=(ps, os_, bs),
                    out_shardings=(ps, os_, NamedSharding(mesh, P())), donate_argnums=(0, 1))
     return Program(model, layout, mesh, sh, step, ps, os_, bs)
 

@@ -89,14 +89,18 @@ def _peak_memory(compiled: Any) -> tuple[float, str]:
 
 
 def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int,
-                 param_dtype: Any = jnp.bfloat16) -> StepRun:
-    """Compile, warm up once, then time `steps` steps, each on a fresh random batch placed beforehand."""
+                 param_dtype: Any = jnp.bfloat16, attention: str = "materialized",
+                 compute_dtype: Any = None) -> StepRun:
+    """Compile, warm up once, then time `steps` steps, each on a fresh random batch placed beforehand.
+    `attention` and `compute_dtype` go to `jaxmodel.build_program` (e.g. "cudnn" and bf16 compute over fp32
+    params: the mixed precision the planner's memory model assumes)."""
     if steps < 1:
         raise MeshplanError(f"--steps must be at least 1, got {steps}")
     n = jax.device_count()
     if layout.devices > n or (jax.process_count() > 1 and layout.devices != n):
         raise MeshplanError(f"the layout uses {layout.devices} devices but JAX has {n}")
-    prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices()[: layout.devices])
+    prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices()[: layout.devices], attention,
+                            compute_dtype)
     params, opt = jm.init_state(prog, seed=0, dtype=param_dtype)
     batches = [jm.place_batch(prog, jm.synthetic_batch(model, seq_len, global_batch, seed=i))
                for i in range(steps + 1)]
@@ -117,10 +121,11 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
 
 
 def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global_batch: int,
-            eff: Efficiency) -> dict[str, Any]:
-    """The planner's plan for exactly this layout (one micro-batch, materialised attention)."""
+            eff: Efficiency, options: Options | None = None) -> dict[str, Any]:
+    """The planner's plan for exactly this layout (one micro-batch; by default materialised attention, as
+    the reference model computes it unless told otherwise)."""
     problem = Problem(model, chip, layout.devices, seq_len, global_batch)
     pins = Pins(dp=layout.dp, fsdp=layout.fsdp, tp=layout.tp, pp=1, vpp=1, cp=1, ep=1,
                 microbatch=layout.microbatch, recompute=layout.recompute, zero=0, offload=0.0,
                 sequence_parallel=layout.sequence_parallel)
-    return plan(problem, pins, eff, Options(flash_attention=False), top=1).plans[0]
+    return plan(problem, pins, eff, options or Options(flash_attention=False), top=1).plans[0]
