@@ -1,0 +1,103 @@
+"""meshplan's predictions for one case of the GPU suite, shared by the suite (when it writes a row) and by
+tests/test_gpu_results.py (when it re-predicts a committed row with the current model). No JAX, no torch.
+
+A case is a plain dict (it is stored in the results file):
+  train   {"kind": "train", "framework": "jax"|"torch", "model", "overrides", "seq_len", "batch", "recompute",
+           "attention": "cudnn"|"dpa"|"sdpa"|"materialized", "steps"}
+  prefill {"kind": "prefill", "model", "overrides", "prompt_len", "batch"}
+  decode  {"kind": "decode", "model", "overrides", "batch", "context", "steps"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.cost.efficiency import Efficiency
+from meshplan.infer.config import ServeConfig
+from meshplan.infer.memory import memory_per_chip
+from meshplan.infer.step import decode_step, prefill_step
+from meshplan.specs.hardware import Chip
+from meshplan.specs.model import ModelConfig, load_model
+from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import framework_options
+
+Case = dict[str, Any]
+
+
+def case_model(case: Case) -> ModelConfig:
+    """The preset with the case's overrides (a narrower shape, fewer layers); the name says what changed."""
+    m = load_model(case["model"])
+    over = dict(case.get("overrides") or {})
+    return m.with_overrides(**over) if over else m
+
+
+def train_options(case: Case) -> Options:
+    """How the planner should model the run. JAX: XLA fuses pointwise chains and the loss; flash attention when
+    the reference model runs jax.nn.dot_product_attention (cuDNN's fused kernel: the chip's best, "fused").
+    PyTorch: torchtitan's behaviour (framework preset), SDPA attention, the loss eager on fp32 logits."""
+    if case["framework"] == "torch":
+        return framework_options("torchtitan", Options(), {})
+    flash = case["attention"] != "materialized"
+    return Options(flash_attention=flash, attention_kernel="fused", fused_loss=True)
+
+
+def predict_train(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
+    """Step time, MFU and peak memory of one training step on one chip (dp = 1, one micro-batch)."""
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins, Problem
+
+    m = case_model(case)
+    problem = Problem(m, chip, 1, case["seq_len"], case["batch"])
+    pins = Pins(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=case["batch"], recompute=case["recompute"],
+                zero=0, offload=0.0, sequence_parallel=False)
+    p = plan(problem, pins, eff, train_options(case), top=1).plans[0]
+    return {"step_time_s": p["step_time_s"], "mfu": p["mfu"],
+            "memory_bytes": p["memory_bytes_per_chip"]["total"], "fits": bool(p["fits"])}
+
+
+def predict_prefill(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
+    m = case_model(case)
+    cost = prefill_step(m, chip, ServeConfig(), eff, case["batch"], case["prompt_len"])
+    return {"step_time_s": cost.time_s, "bound": cost.bound}
+
+
+def decode_context(case: Case) -> float:
+    """Cached tokens a timed decode step attends: the context plus, on average, half the timed steps."""
+    return case["context"] + case["steps"] / 2.0
+
+
+def decode_capacity(case: Case) -> int:
+    """Positions the decode cache holds: the context, the timed steps and the two warm-up steps."""
+    return case["context"] + case["steps"] + 2
+
+
+def predict_decode(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
+    m = case_model(case)
+    cost = decode_step(m, chip, ServeConfig(), eff, case["batch"], decode_context(case))
+    mem = memory_per_chip(m, chip, ServeConfig(), eff, case["batch"], decode_capacity(case))
+    return {"step_time_s": cost.time_s, "bound": cost.bound, "kv_cache_bytes": mem.kv_cache,
+            "weight_bytes": mem.weights}
+
+
+PREDICTORS = {"train": predict_train, "prefill": predict_prefill, "decode": predict_decode}
+
+
+def predict_case(case: Case, chip: Chip, eff: Efficiency) -> dict[str, Any]:
+    return PREDICTORS[case["kind"]](case, chip, eff)
+
+
+# measured key -> predicted key of the quantities a row compares (relative error = predicted / measured - 1)
+COMPARED = {"train": {"step_time_s": "step_time_s", "memory_bytes": "memory_bytes"},
+            "prefill": {"step_time_s": "step_time_s"},
+            "decode": {"step_time_s": "step_time_s", "kv_cache_bytes": "kv_cache_bytes"}}
+
+
+def errors(kind: str, measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, float]:
+    """predicted / measured − 1 for each compared quantity both sides have."""
+    out = {}
+    for mk, pk in COMPARED[kind].items():
+        mv, pv = measured.get(mk), predicted.get(pk)
+        if isinstance(mv, int | float) and isinstance(pv, int | float) and mv > 0:
+            out[mk] = pv / mv - 1.0
+    return out
+

@@ -1,0 +1,111 @@
+"""Tables from a GPU suite results file: `python benchmarks/gpu/report.py FILE` prints the markdown for
+benchmarks/README.md (the rows, then the summary against issue #15's bounds)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+# issue #15, "Must show": (row kind, compared quantity, efficiencies, statistic, bound on |error|)
+BOUNDS = [("train", "step_time_s", "calibrated", "median", 0.05),
+          ("train", "step_time_s", "calibrated", "worst", 0.10),
+          ("train", "step_time_s", "defaults", "median", 0.15),
+          ("train", "memory_bytes", "defaults", "worst", 0.10),
+          ("prefill", "step_time_s", "calibrated", "median", 0.08),
+          ("decode", "step_time_s", "calibrated", "median", 0.08)]
+MFU_BOUND = 0.45  # the JAX reference model on the best 1B-8B single-GPU case
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.1%}"
+
+
+def _time(s: float | None) -> str:
+    if s is None:
+        return "—"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def one_line(row: dict[str, Any]) -> str:
+    m = row["measured"]
+    if "error" in m:
+        return f"{row['id']}: {m['error']}"
+    parts = [f"{row['id']}: {_time(m['step_time_s'])}"]
+    if "mfu" in m:
+        parts.append(f"MFU {m['mfu']:.1%}")
+    for key in ("defaults", "calibrated"):
+        e = row.get(f"errors_{key}", {})
+        if e:
+            parts.append(f"{key} " + ", ".join(f"{k.replace('_s', '').replace('_bytes', '')} {_pct(v)}"
+                                              for k, v in e.items()))
+    return "; ".join(parts)
+
+
+def abs_errors(rows: list[dict[str, Any]], kind: str, quantity: str, key: str) -> list[float]:
+    return [abs(r[f"errors_{key}"][quantity]) for r in rows
+            if r["case"]["kind"] == kind and quantity in r.get(f"errors_{key}", {})]
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each bound of the issue with the statistic the rows reach (None where no row has the quantity)."""
+    out = []
+    for kind, q, key, stat, bound in BOUNDS:
+        errs = abs_errors(rows, kind, q, key)
+        value = (statistics.median(errs) if stat == "median" else max(errs)) if errs else None
+        out.append({"kind": kind, "quantity": q, "efficiencies": key, "statistic": stat, "bound": bound,
+                    "value": value, "rows": len(errs), "met": None if value is None else value <= bound})
+    return out
+
+
+def best_jax_mfu(rows: list[dict[str, Any]]) -> float | None:
+    mfus = [r["measured"]["mfu"] for r in rows if r["case"]["kind"] == "train"
+            and r["case"]["framework"] == "jax" and "mfu" in r["measured"]]
+    return max(mfus) if mfus else None
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    lines = [f"GPU suite, {data['mode']}, {data['date']}: {data.get('gpu') or 'CPU'} (driver {data.get('driver')}), "
+             f"predicted as {data['chip']}; wall {data['wall_s']:.0f} s of a {data['budget_s']:.0f} s budget.", ""]
+    cal = data.get("calibration") or {}
+    if cal:
+        lines += [f"Calibration (`{cal.get('command')}`): {cal.get('wall_s', 0):.0f} s, "
+                  f"{'ok' if cal.get('ok') else 'failed'}; profile `{data.get('profile_file')}`.", ""]
+    lines += ["| case | measured | MFU | mem measured | pred. defaults | err | pred. calibrated | err | mem err |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["measured"]
+        if "error" in m:
+            lines.append(f"| {r['id']} | {m['error'][:80]} | | | | | | | |")
+            continue
+        pd, pc = r.get("predicted_defaults", {}), r.get("predicted_calibrated", {})
+        ed, ec = r.get("errors_defaults", {}), r.get("errors_calibrated", {})
+        mem_key = "memory_bytes" if r["case"]["kind"] == "train" else "kv_cache_bytes"
+        mem = m.get(mem_key)
+        mfu = f"{m['mfu']:.1%}" if "mfu" in m else ""
+        mem_s = f"{mem / 2**30:.2f} GiB" if mem else ""
+        lines.append(f"| {r['id']} | {_time(m['step_time_s'])} | {mfu} | {mem_s} | {_time(pd.get('step_time_s'))} | "
+                     f"{_pct(ed.get('step_time_s'))} | {_time(pc.get('step_time_s'))} | {_pct(ec.get('step_time_s'))} | "
+                     f"{_pct(ed.get(mem_key))} |")
+    lines += ["", "| bound (issue #15) | rows | reached | bound | met |", "|---|---:|---:|---:|---|"]
+    for s in summary(rows):
+        met = "—" if s["met"] is None else ("yes" if s["met"] else "**no**")
+        val = "—" if s["value"] is None else f"{s['value']:.1%}"
+        lines.append(f"| {s['kind']} {s['quantity']} ({s['efficiencies']}), {s['statistic']} |abs error| | "
+                     f"{s['rows']} | {val} | {s['bound']:.0%} | {met} |")
+    mfu = best_jax_mfu(rows)
+    lines.append(f"| JAX reference model, best MFU (≥ {MFU_BOUND:.0%}) | | "
+                 f"{'—' if mfu is None else f'{mfu:.1%}'} | | "
+                 f"{'—' if mfu is None else ('yes' if mfu >= MFU_BOUND else '**no**')} |")
+    if data.get("notes"):
+        lines += ["", "Notes: " + "; ".join(data["notes"])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: report.py RESULTS.json", file=sys.stderr)
+        sys.exit(2)
+    print(markdown(json.loads(open(sys.argv[1]).read())))

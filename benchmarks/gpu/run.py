@@ -1,0 +1,302 @@
+"""The GPU measurement suite (issue #15): calibrate, then training steps, prefill and decode on one GPU,
+measured beside meshplan's predictions with the default efficiencies and with the calibrated profile.
+
+    python benchmarks/gpu/run.py [--quick] [--out DIR] [--budget-s S] [--parts calibrate,train,serve,torch]
+    python benchmarks/gpu/run.py --cpu-smoke      # every code path at toy sizes on the CPU (tests use it)
+
+Parts, in order (a global time budget; whatever does not fit is skipped with a note in the results):
+  calibrate  `meshplan calibrate` (full grid; --quick: the quick grid) → profile_<chip>_<date>.json
+  train      JAX reference model (cuDNN flash attention, bf16 compute on fp32 master weights, AdamW): step
+             time, MFU and device memory, one process per case
+  serve      prefill at 512-16k tokens and decode steps at batch 1-256, context 1k-32k (KV cache), JAX
+  torch      the same model in PyTorch (torch.compile per block, SDPA), where torch is installed
+Results: gpu_<chip>_<date>.json (rows of case, measured, predicted with defaults and calibrated, errors) under
+--out, else $OUT, else ./out/gpu. `report.py FILE` prints the markdown table for benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import cases as cs  # noqa: E402
+import report  # noqa: E402
+from predict import COMPARED, Case, case_model, errors, predict_case  # noqa: E402
+
+from meshplan.cost.efficiency import default_efficiency, load_profile  # noqa: E402
+from meshplan.measure.cluster import chip_for_device_kind  # noqa: E402
+from meshplan.specs.hardware import Chip, load_chip  # noqa: E402
+
+PARTS = ("calibrate", "train", "serve", "torch")
+# each part ends by this share of the budget (time a part leaves unused passes to the next)
+PART_END = {"calibrate": 0.30, "train": 0.66, "serve": 0.88, "torch": 1.0}
+SCHEMA = "meshplan-gpu-results/1"
+
+
+class Budget:
+    def __init__(self, total_s: float, min_case_s: float):
+        self.t0, self.total_s, self.min_case_s = time.monotonic(), total_s, min_case_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left_for(self, part: str) -> float:
+        return PART_END[part] * self.total_s - self.elapsed()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def env_for_workers() -> dict[str, str]:
+    """Workers import this checkout's meshplan; JAX takes memory as it needs it (no 75% preallocation), so the
+    device memory it holds is the case's own and PyTorch can share the card with a JAX calibration."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    return env
+
+
+def run_worker(kind: str, payload: Any, timeout_s: float, tmp: Path) -> dict[str, Any]:
+    """One worker process; whatever it wrote is returned, also after a timeout (then with a note)."""
+    out = tmp / f"{kind}_{time.monotonic_ns()}.json"
+    cmd = [sys.executable, str(HERE / "worker.py"), kind, json.dumps(payload), str(out)]
+    note = None
+    try:
+        proc = subprocess.run(cmd, env=env_for_workers(), timeout=timeout_s, capture_output=True, text=True)
+        if proc.returncode:
+            note = f"worker exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr else ''}"
+    except subprocess.TimeoutExpired:
+        note = f"stopped at its time limit ({timeout_s:.0f} s)"
+    data = json.loads(out.read_text()) if out.exists() else {"results": []}
+    if note:
+        data["note"] = note
+    return data
+
+
+# --- rows ------------------------------------------------------------------------------------------
+
+def describe(case: Case) -> str:
+    name = case_model(case).name
+    if case["kind"] == "train":
+        return (f"{case['framework']} train {name} seq {case['seq_len']} batch {case['batch']} "
+                f"recompute {case['recompute']} attention {case['attention']} {case.get('compute_dtype', 'bf16')}")
+    if case["kind"] == "prefill":
+        return f"prefill {name} {case['prompt_len']} tokens batch {case['batch']}"
+    return f"decode {name} batch {case['batch']} context {case['context']}"
+
+
+def make_row(case: Case, measured: dict[str, Any], chip: Chip, effs: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": describe(case), "case": case, "measured": measured}
+    if "error" in measured:
+        return row
+    if case["kind"] == "train":
+        from meshplan.measure.steps import model_flops_per_step
+
+        flops = model_flops_per_step(case_model(case), case["seq_len"], case["batch"])
+        measured["mfu"] = flops / (measured["step_time_s"] * chip.peak("bf16"))
+    for key, eff in effs.items():
+        pred = predict_case(case, chip, eff)
+        row[f"predicted_{key}"] = pred
+        row[f"errors_{key}"] = errors(case["kind"], measured, pred)
+    return row
+
+
+# --- parts -----------------------------------------------------------------------------------------
+
+def part_calibrate(args, ctx: dict[str, Any]) -> None:
+    if args.profile:
+        ctx["profile"] = args.profile
+        ctx["notes"].append(f"calibrate: not run; profile {args.profile} given")
+        return
+    left = ctx["budget"].left_for("calibrate")
+    if left < ctx["budget"].min_case_s:
+        ctx["notes"].append("calibrate: skipped, no time left")
+        return
+    path = ctx["out"] / f"profile_{ctx['chip_tag']}_{ctx['date']}.json"
+    cmd = [sys.executable, "-c", "from meshplan.cli import main; main()", "calibrate", "--out", str(path),
+           "--hardware", ctx["chip"].name]
+    if args.quick or args.cpu_smoke:
+        cmd.append("--quick")
+    if args.cpu_smoke:
+        cmd += ["--bench", "matmul,hbm,attention,norm,overhead"]
+    t0 = time.monotonic()
+    log(f"calibrate: {' '.join(cmd[3:])} (limit {left:.0f} s)")
+    try:
+        proc = subprocess.run(cmd, env=env_for_workers(), timeout=left, capture_output=True, text=True)
+        ok = proc.returncode == 0 and path.exists()
+        msg = "" if ok else (proc.stderr.strip().splitlines() or ["?"])[-1]
+    except subprocess.TimeoutExpired:
+        ok, msg = False, f"stopped at its time limit ({left:.0f} s)"
+    wall = time.monotonic() - t0
+    ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok}
+    if ok:
+        ctx["profile"] = str(path)
+        prof = json.loads(path.read_text())
+        ctx["calibration"].update(efficiency=prof["efficiency"], efficiency_origin=prof["efficiency_origin"],
+                                  profile_file=path.name, versions=prof.get("versions"))
+        log(f"calibrate: done in {wall:.0f} s → {path.name}")
+    else:
+        ctx["notes"].append(f"calibrate failed: {msg}")
+        log(f"calibrate failed: {msg}")
+
+
+def _effs(ctx: dict[str, Any]) -> dict[str, Any]:
+    effs = {"defaults": default_efficiency(ctx["chip"])}
+    if ctx.get("profile"):
+        effs["calibrated"] = load_profile(ctx["profile"], ctx["chip"])
+    return effs
+
+
+def _run_cases(part: str, kind: str, groups: list[Any], ctx: dict[str, Any]) -> None:
+    """groups: a worker payload each (one case, or a list of serving cases of one model)."""
+    budget = ctx["budget"]
+    for i, payload in enumerate(groups):
+        left = budget.left_for(part)
+        first = payload[0] if isinstance(payload, list) else payload
+        if left < budget.min_case_s:
+            rest = sum(len(g) if isinstance(g, list) else 1 for g in groups[i:])
+            ctx["notes"].append(f"{part}: {rest} case(s) skipped for the time budget, from '{describe(first)}'")
+            log(f"{part}: out of time, {rest} case(s) skipped")
+            return
+        more = f" (+{len(payload) - 1} more)" if isinstance(payload, list) and len(payload) > 1 else ""
+        log(f"{part}: {describe(first)}{more} (limit {left:.0f} s)")
+        data = run_worker(kind, payload, left, ctx["tmp"])
+        if data.get("device"):
+            ctx.setdefault("device", data["device"])
+        done = {json.dumps(r["case"], sort_keys=True) for r in data["results"]}
+        for r in data["results"]:
+            row = make_row(r["case"], r["measured"], ctx["chip"], _effs(ctx))
+            ctx["rows"].append(row)
+            log("  " + report.one_line(row))
+        for case in payload if isinstance(payload, list) else [payload]:
+            if json.dumps(case, sort_keys=True) not in done:
+                reason = data.get("error") or data.get("note") or "not reached"
+                ctx["rows"].append({"id": describe(case), "case": case, "measured": {"error": reason}})
+                log(f"  {describe(case)}: {reason}")
+        write_results(ctx)
+
+
+def part_train(args, ctx: dict[str, Any]) -> None:
+    groups = cs.smoke_cases()["train"] if args.cpu_smoke else cs.gpu_train_cases(ctx["chip"], "jax")
+    if args.quick:
+        groups = groups[:4]
+    _run_cases("train", "train_jax", groups, ctx)
+
+
+def part_serve(args, ctx: dict[str, Any]) -> None:
+    groups = cs.smoke_cases()["serve"] if args.cpu_smoke else cs.gpu_serve_cases(ctx["chip"])
+    if args.quick:
+        groups = [g[::2] for g in groups[:1]]
+    _run_cases("serve", "serve", groups, ctx)
+
+
+def part_torch(args, ctx: dict[str, Any]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        ctx["notes"].append("torch: skipped, PyTorch is not installed")
+        log("torch: skipped (PyTorch is not installed)")
+        return
+    groups = cs.smoke_cases()["torch"] if args.cpu_smoke else cs.gpu_train_cases(ctx["chip"], "torch")
+    if args.cpu_smoke:
+        ctx["notes"].append("torch: the PyTorch path needs CUDA; on the CPU it is not run")
+        return
+    _run_cases("torch", "train_torch", groups[:1] if args.quick else groups, ctx)
+
+
+PART_FNS = {"calibrate": part_calibrate, "train": part_train, "serve": part_serve, "torch": part_torch}
+
+
+# --- output ----------------------------------------------------------------------------------------
+
+def gpu_name_and_driver() -> tuple[str | None, str | None]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None, None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=False).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if not out:
+        return None, None
+    name, _, driver = out[0].partition(",")
+    return name.strip(), driver.strip()
+
+
+def write_results(ctx: dict[str, Any]) -> Path:
+    path = ctx["out"] / f"gpu_{ctx['chip_tag']}_{ctx['date']}.json"
+    data = {"schema": SCHEMA, "mode": ctx["mode"], "date": ctx["date"], "chip": ctx["chip"].name,
+            "gpu": ctx["gpu"], "driver": ctx["driver"], "host": platform.node(), "device": ctx.get("device"),
+            "budget_s": ctx["budget"].total_s, "wall_s": ctx["budget"].elapsed(),
+            "calibration": ctx.get("calibration"),
+            "profile_file": Path(ctx["profile"]).name if ctx.get("profile") else None,
+            "compared": COMPARED, "notes": ctx["notes"], "rows": ctx["rows"]}
+    path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="calibrate --quick and a few cases of each part")
+    ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: proves the code paths")
+    ap.add_argument("--out", help="output folder (default: $OUT, else ./out/gpu)")
+    ap.add_argument("--budget-s", type=float, help="global time budget (default 450 s; --cpu-smoke 60 s)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    ap.add_argument("--hardware", help="chip to predict for (default: the GPU nvidia-smi names; h100-sxm on the CPU)")
+    ap.add_argument("--profile", help="use this calibrated profile instead of running calibrate")
+    args = ap.parse_args(argv)
+    bad = [p for p in args.parts.split(",") if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part '{bad[0]}' (known: {', '.join(PARTS)})")
+    return args
+
+
+def resolve_chip(args, gpu: str | None) -> Chip:
+    name = args.hardware or (chip_for_device_kind(gpu) if gpu else None) or "h100-sxm"
+    return load_chip(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpu, driver = gpu_name_and_driver()
+    if not args.cpu_smoke and gpu is None:
+        print("error: no NVIDIA GPU found (nvidia-smi); use --cpu-smoke on the CPU", file=sys.stderr)
+        return 2
+    out = Path(args.out or os.environ.get("OUT") or ROOT / "out" / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    chip = resolve_chip(args, gpu)
+    budget = Budget(args.budget_s or (60.0 if args.cpu_smoke else 450.0), 3.0 if args.cpu_smoke else 20.0)
+    ctx: dict[str, Any] = {"out": out, "chip": chip, "chip_tag": "cpu" if args.cpu_smoke else chip.name.split("-")[0],
+                           "date": dt.datetime.now(dt.UTC).date().isoformat(), "mode": "cpu-smoke" if args.cpu_smoke
+                           else "gpu", "gpu": gpu, "driver": driver, "budget": budget, "notes": [], "rows": []}
+    log(f"suite on {gpu or 'CPU (smoke)'} as {chip.name}; budget {budget.total_s:.0f} s; out {out}")
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx["tmp"] = Path(tmp)
+        for part in PARTS:
+            if part in args.parts.split(","):
+                PART_FNS[part](args, ctx)
+                write_results(ctx)
+    path = write_results(ctx)
+    print(report.markdown(json.loads(path.read_text())))
+    log(f"wrote {path} in {budget.elapsed():.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""A reference serving loop in JAX for the GPU suite: prefill (one forward over the prompt that fills a KV
+cache) and decode steps (one token per sequence against the cache), with the weights of the reference
+training model (`meshplan.measure.jaxmodel`: fused QKV per KV group, fused gate/up, RMSNorm, RoPE).
+
+Layers are a Python loop over per-layer weight arrays (no scan: a scan's dynamic slices could copy weights or
+the cache each step, which would distort a memory-bound decode step). Prefill attention is
+jax.nn.dot_product_attention (cuDNN flash attention on GPUs); decode attention reads the cache with two
+einsums (QKᵀ and AV over the whole cache, later positions masked), as memory-bound as a decode kernel.
+Only the last prompt position's logits are computed in prefill, as serving engines do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from meshplan.measure import jaxmodel as jm
+from meshplan.specs.model import ModelConfig
+
+Params = dict[str, Any]
+
+
+def init_weights(model: ModelConfig, dtype: Any, seed: int = 0) -> Params:
+    """Random weights (jaxmodel's init, one layer at a time so no second copy is ever held)."""
+    one = model.with_overrides(n_layers=1)
+    init = jax.jit(lambda k: jm.init_params(one, k, dtype))
+    keys = jax.random.split(jax.random.key(seed), model.n_layers)
+    first = init(keys[0])
+    layers = [first["layers"][0]] + [init(k)["layers"][0] for k in keys[1:]]
+    return {"embed": first["embed"], "final_norm": first["final_norm"], "layers": layers,
+            **({"unembed": first["unembed"]} if "unembed" in first else {})}
+
+
+def _mlp(lp: Params, h: jax.Array) -> jax.Array:
+    gu = jnp.einsum("btd,dcf->btcf", h, lp["w_gate_up"])
+    return (jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]) @ lp["w_down"]
+
+
+def _qkv(lp: Params, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B,T,N,H], k/v [B,T,K,H] with RoPE at absolute positions pos [T]."""
+    qkv = jnp.einsum("btd,dkgh->btkgh", h, lp["wqkv"])
+    B, T, K, G2, H = qkv.shape
+    q = qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H)
+    return jm.rotary(q, pos), jm.rotary(qkv[:, :, :, G2 - 2], pos), qkv[:, :, :, G2 - 1]
+
+
+def _logits(params: Params, model: ModelConfig, x: jax.Array) -> jax.Array:
+    x = jm.rmsnorm(x, params["final_norm"])
+    w_out = params["embed"].T if model.tied_embeddings else params["unembed"]
+    return (x @ w_out).astype(jnp.float32)
+
+
+def make_prefill(model: ModelConfig, attention: str, capacity: int):
+    """(params, tokens [B,T]) → (last-position logits [B,V], cache [L × (k, v) of [B, capacity, K, H]])."""
+    core = jm.ATTENTION_CORES[attention]
+
+    def prefill(params, tokens):
+        B, T = tokens.shape
+        pos = jnp.arange(T, dtype=jnp.int32)
+        x = jnp.take(params["embed"], tokens, axis=0)
+        cache = []
+        for lp in params["layers"]:
+            q, k, v = _qkv(lp, jm.rmsnorm(x, lp["attn_norm"]), pos)
+            o = core(q, k, v, pos, pos)
+            x = x + jnp.einsum("btnh,nhd->btd", o, lp["wo"])
+            x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
+            pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
+            cache.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+        return _logits(params, model, x[:, -1:])[:, 0], cache
+
+    return jax.jit(prefill)
+
+
+def make_decode(model: ModelConfig):
+    """(params, cache, tokens [B], pos scalar) → (logits [B,V], cache): one token per sequence at position
+    `pos`, its K/V written into the cache in place (the cache is donated)."""
+
+    def attend(q, ck, cv, pos):
+        B, _, N, H = q.shape
+        K = ck.shape[2]
+        qg = q.reshape(B, K, N // K, H)
+        s = jnp.einsum("bkgh,bskh->bkgs", qg, ck).astype(jnp.float32) * (H ** -0.5)
+        s = jnp.where(jnp.arange(ck.shape[1]) <= pos, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(cv.dtype)
+        return jnp.einsum("bkgs,bskh->bkgh", p, cv).reshape(B, 1, N, H)
+
+    def decode(params, cache, tokens, pos):
+        x = jnp.take(params["embed"], tokens[:, None], axis=0)  # [B,1,D]
+        p = jnp.reshape(pos, (1,))
+        new_cache = []
+        for lp, (ck, cv) in zip(params["layers"], cache, strict=True):
+            q, k, v = _qkv(lp, jm.rmsnorm(x, lp["attn_norm"]), p)
+            ck = jax.lax.dynamic_update_slice_in_dim(ck, k, pos, axis=1)
+            cv = jax.lax.dynamic_update_slice_in_dim(cv, v, pos, axis=1)
+            x = x + jnp.einsum("btnh,nhd->btd", attend(q, ck, cv, pos), lp["wo"])
+            x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
+            new_cache.append((ck, cv))
+        return _logits(params, model, x)[:, 0], new_cache
+
+    return jax.jit(decode, donate_argnums=(1,))
+
+
+def random_cache(model: ModelConfig, batch: int, capacity: int, dtype: Any, seed: int) -> list:
+    """A filled cache (random values, never zeros) of `capacity` positions per sequence."""
+    shape = (batch, capacity, model.n_kv_heads, model.head_dim)
+    make = jax.jit(lambda k: tuple(jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+                                   for kk in jax.random.split(k, 2)))
+    return [make(k) for k in jax.random.split(jax.random.key(seed), model.n_layers)]
