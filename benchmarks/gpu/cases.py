@@ -12,6 +12,7 @@ from typing import Any
 from predict import Case, case_model, predict_decode, predict_train
 
 from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import InfeasibleError
 from meshplan.specs.hardware import Chip
 
 QWEN05_SHAPE = {"name": "llama-0.5b (Qwen2.5-0.5B shape)", "d_model": 896, "n_layers": 24, "n_heads": 14,
@@ -54,11 +55,18 @@ def cut_to_fit(case: Case, chip: Chip) -> Case:
 
     def fits(layers: int) -> bool:
         c = {**case, "overrides": {**case["overrides"], "n_layers": layers}}
-        return predict_train(c, chip, eff)["memory_bytes"] <= budget
+        try:
+            return predict_train(c, chip, eff)["memory_bytes"] <= budget
+        except InfeasibleError:  # the planner finds no layout that fits
+            return False
 
     if fits(full.n_layers):
         return case
-    layers = max((n for n in range(1, full.n_layers) if fits(n)), default=1)
+    lo, hi = 1, full.n_layers  # memory grows with the layers: bisect for the most that fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    layers = lo
     over = {**case["overrides"], "n_layers": layers,
             "name": f"{full.name} cut to {layers} of {full.n_layers} layers (the full model does not fit)"}
     return {**case, "overrides": over}
@@ -92,7 +100,7 @@ def smoke_cases() -> dict[str, Any]:
     """Toy sizes for the CPU: every code path of the suite, in seconds."""
     preset, over = _base("tiny")
     serve = {"model": preset, "overrides": over, "dtype": "bf16"}  # the planner's serving formats are bf16
-    return {"train": [train_case("tiny", 64, 2, "selective", "jax", "dpa", steps=2, compute_dtype="fp32")],
+    return {"train": [train_case("tiny", 64, 2, "selective", "jax", "dpa", steps=2)],
             "torch": [train_case("tiny", 64, 2, "none", "torch", "sdpa", steps=2)],
             "serve": [[{**serve, "kind": "prefill", "prompt_len": 32, "batch": 1, "attention": "dpa", "repeats": 2},
                        {**serve, "kind": "decode", "batch": 2, "context": 32, "steps": 3}]]}

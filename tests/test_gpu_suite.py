@@ -1,0 +1,173 @@
+"""The GPU suite (benchmarks/gpu) proven on the CPU before a GPU session spends device time on it: the whole
+suite at toy sizes (`--cpu-smoke`), and the pieces whose correctness the timings rest on (the flash-attention
+core, mixed precision, the KV-cache decode loop, the layer cut), each against an independent computation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu"
+sys.path.insert(0, str(SUITE))
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    # a generous budget: on a loaded CI machine the parts must not be cut (the toy cases take ~20 s of CPU)
+    r = subprocess.run([sys.executable, str(SUITE / "run.py"), "--cpu-smoke", "--out", str(out), "--budget-s", "300"],
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (results,) = out.glob("gpu_cpu_*.json")
+    return {"out": out, "path": results, "data": json.loads(results.read_text()), "stdout": r.stdout}
+
+
+@pytest.mark.jax
+@needs_jax
+def test_cpu_smoke_runs_every_part_and_predicts_each_row(smoke) -> None:
+    data = smoke["data"]
+    assert data["schema"] == "meshplan-gpu-results/1" and data["mode"] == "cpu-smoke"
+    assert data["calibration"]["ok"] and (smoke["out"] / data["profile_file"]).exists()
+    kinds = {r["case"]["kind"] for r in data["rows"]}
+    assert kinds == {"train", "prefill", "decode"}
+    for r in data["rows"]:
+        assert "error" not in r["measured"], r
+        assert r["measured"]["step_time_s"] > 0
+        for key in ("defaults", "calibrated"):
+            pred = r[f"predicted_{key}"]
+            # the recorded error is predicted / measured − 1, recomputed here from the row's own numbers
+            assert r[f"errors_{key}"]["step_time_s"] == pytest.approx(
+                pred["step_time_s"] / r["measured"]["step_time_s"] - 1)
+    decode = next(r for r in data["rows"] if r["case"]["kind"] == "decode")
+    c = decode["case"]
+    # the tiny model's cache: 2 (K and V) × 2 layers × batch 2 × (32 + 3 + 2) positions × 2 KV heads × 16 × 2 B
+    assert decode["measured"]["kv_cache_bytes"] == 2 * 2 * 2 * (32 + 3 + 2) * 2 * 16 * 2
+    assert decode["errors_defaults"]["kv_cache_bytes"] == pytest.approx(0.0)  # the planner's formula is exact here
+    assert c["batch"] == 2 and "| bound (issue #15)" in smoke["stdout"]
+    train = next(r for r in data["rows"] if r["case"]["kind"] == "train")
+    assert train["case"]["compute_dtype"] == "bf16"  # fp32 master weights, bf16 compute: the GPU path
+    # untrained loss: the final RMSNorm gives unit-RMS x, tied embedding rows are N(0, 1/V) (fan-in V = 256), so
+    # each logit is N(0, D/V = 64/256 = 0.25) and E[loss] ≈ ln V + σ²/2 = 5.545 + 0.125 = 5.67
+    assert train["measured"]["losses"][0] == pytest.approx(5.67, abs=0.1)
+
+
+@pytest.mark.jax
+@needs_jax
+def test_results_test_repredicts_a_results_file(smoke) -> None:
+    """tests/test_gpu_results.py's re-prediction, run on the smoke file: the same model gives the same errors."""
+    from test_gpu_results import repredicted_rows
+
+    rows = repredicted_rows(smoke["path"])
+    recorded = [r for r in smoke["data"]["rows"] if "error" not in r["measured"]]
+    assert len(rows) == len(recorded) == 3
+    for new, old in zip(rows, recorded, strict=True):
+        for key in ("errors_defaults", "errors_calibrated"):
+            assert new[key] == pytest.approx(old[key])
+
+
+@pytest.mark.jax
+@needs_jax
+def test_report_prints_the_markdown_table(smoke) -> None:
+    r = subprocess.run([sys.executable, str(SUITE / "report.py"), str(smoke["path"])], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "| case | measured |" in r.stdout and "prefill tiny (smoke) 32 tokens" in r.stdout
+
+
+@pytest.mark.jax
+@needs_jax
+def test_dot_product_attention_core_equals_the_materialised_one() -> None:
+    """GQA grouping and the causal mask of the flash path agree with the reference model's own einsums."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan.measure import jaxmodel as jm
+
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (2, 24, 8, 16), jnp.float32)  # N = 8 query heads
+    k, v = (jax.random.normal(x, (2, 24, 2, 16), jnp.float32) for x in (kk, kv))  # K = 2 KV heads
+    pos = jnp.arange(24)
+    ref = jm.ATTENTION_CORES["materialized"](q, k, v, pos, pos)
+    got = jm.ATTENTION_CORES["dpa"](q, k, v, pos, pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 128, "vocab_size": 256}
+
+
+@pytest.mark.jax
+@needs_jax
+def test_decode_steps_reproduce_the_prefill() -> None:
+    """The KV-cache loop: decoding 13 tokens one by one from an empty cache ends with the logits that a prefill of
+    the same 13 tokens gives at its last position (fp32 on the CPU), and leaves the cache the prefill fills."""
+    import jax.numpy as jnp
+    import serve_jax as sj
+
+    from meshplan.specs.model import load_model
+
+    m = load_model("llama3.2-1b").with_overrides(**TINY)
+    params = sj.init_weights(m, jnp.float32)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 13), dtype=np.int32))
+    want, want_cache = sj.make_prefill(m, "materialized", 16)(params, toks)
+    decode = sj.make_decode(m)
+    cache = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in want_cache]
+    for i in range(13):
+        got, cache = decode(params, cache, toks[:, i], jnp.int32(i))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(cache[1][0]), np.asarray(want_cache[1][0]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_that_does_not_fit_is_cut_and_named() -> None:
+    import cases as cs
+    from predict import case_model, predict_train
+
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.errors import InfeasibleError
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip("h100-sxm")
+    big = cs.cut_to_fit(cs.train_case("8b", 4096, 2, "full", "jax", "cudnn", 5), chip)
+    m = case_model(big)
+    # Llama 3 8B keeps 18 bytes of state per parameter (2 bf16 + 4 fp32 grad + 12 Adam): 8.0e9 × 18 = 144 GB > 80 GB
+    assert m.n_layers < 32 and f"cut to {m.n_layers} of 32 layers" in m.name
+    budget = cs.FIT_FRACTION * chip.usable_hbm_bytes
+    eff = default_efficiency(chip)
+    assert predict_train(big, chip, eff)["memory_bytes"] <= budget
+    one_more = {**big, "overrides": {**big["overrides"], "n_layers": m.n_layers + 1}}
+    try:
+        assert predict_train(one_more, chip, eff)["memory_bytes"] > budget
+    except InfeasibleError:
+        pass  # the planner itself finds it does not fit
+    small = cs.train_case("1b", 4096, 4, "none", "jax", "cudnn", 5)
+    assert cs.cut_to_fit(small, chip) == small
+
+
+@pytest.mark.gpu
+@needs_jax
+def test_cudnn_flash_attention_on_the_gpu_matches_the_materialised_core() -> None:
+    """GPU only: cuDNN's kernel in bf16 against the einsum core in fp32 (relative error of bf16 operands)."""
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no NVIDIA GPU (nvidia-smi not found)")
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU")
+    from meshplan.measure import jaxmodel as jm
+
+    kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(kq, (2, 1024, 32, 128), jnp.float32)
+    k, v = (jax.random.normal(x, (2, 1024, 8, 128), jnp.float32) for x in (kk, kv))
+    pos = jnp.arange(1024)
+    ref = np.asarray(jm.ATTENTION_CORES["materialized"](q, k, v, pos, pos))
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = np.asarray(jm.ATTENTION_CORES["cudnn"](*bf, pos, pos).astype(jnp.float32))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
