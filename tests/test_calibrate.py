@@ -126,6 +126,11 @@ def test_measure_runs_steps_beside_the_prediction(tiny_model, cpu_profile):
     assert d["predicted"]["defaults"]["step_time_s"] > 0 and d["predicted"]["profile"]["origin"] == "profile cpu.json"
 
 
+def test_measure_rejects_an_unknown_attention_kernel(capsys):
+    code, _, err = run_cli(["measure", "--model", "llama3.2-1b", "--attention", "flash9"], capsys)
+    assert code == 2 and err.strip() == "error: --attention must be materialized, dpa or cudnn, got 'flash9'"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

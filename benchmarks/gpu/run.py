@@ -42,20 +42,27 @@ from meshplan.measure.cluster import chip_for_device_kind  # noqa: E402
 from meshplan.specs.hardware import Chip, load_chip  # noqa: E402
 
 PARTS = ("calibrate", "train", "serve", "torch")
-# each part ends by this share of the budget (time a part leaves unused passes to the next)
-PART_END = {"calibrate": 0.30, "train": 0.66, "serve": 0.88, "torch": 1.0}
+# shares of the budget; each part ends by the running sum of the chosen parts' shares (time a part leaves unused
+# passes to the next)
+PART_SHARE = {"calibrate": 0.33, "train": 0.35, "serve": 0.20, "torch": 0.12}
+# what the suite calibrates: everything a one-GPU prediction reads (host transfers and collectives are not)
+CALIBRATE_BENCH = "matmul,hbm,attention,sdpa,norm,overhead,layer"
+SMOKE_BENCH = "matmul,hbm,attention,norm,overhead"
 SCHEMA = "meshplan-gpu-results/1"
 
 
 class Budget:
-    def __init__(self, total_s: float, min_case_s: float):
+    def __init__(self, total_s: float, min_case_s: float, parts: list[str]):
         self.t0, self.total_s, self.min_case_s = time.monotonic(), total_s, min_case_s
+        chosen = [p for p in PARTS if p in parts]
+        total = sum(PART_SHARE[p] for p in chosen)
+        self.end_s = {p: total_s * sum(PART_SHARE[q] for q in chosen[: i + 1]) / total for i, p in enumerate(chosen)}
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     def left_for(self, part: str) -> float:
-        return PART_END[part] * self.total_s - self.elapsed()
+        return self.end_s[part] - self.elapsed()
 
 
 def log(msg: str) -> None:
@@ -120,7 +127,6 @@ def make_row(case: Case, measured: dict[str, Any], chip: Chip, effs: dict[str, A
 
 def part_calibrate(args, ctx: dict[str, Any]) -> None:
     if args.profile:
-        ctx["profile"] = args.profile
         ctx["notes"].append(f"calibrate: not run; profile {args.profile} given")
         return
     left = ctx["budget"].left_for("calibrate")
@@ -132,8 +138,7 @@ def part_calibrate(args, ctx: dict[str, Any]) -> None:
            "--hardware", ctx["chip"].name]
     if args.quick or args.cpu_smoke:
         cmd.append("--quick")
-    if args.cpu_smoke:
-        cmd += ["--bench", "matmul,hbm,attention,norm,overhead"]
+    cmd += ["--bench", SMOKE_BENCH if args.cpu_smoke else CALIBRATE_BENCH]
     t0 = time.monotonic()
     log(f"calibrate: {' '.join(cmd[3:])} (limit {left:.0f} s)")
     try:
@@ -240,7 +245,7 @@ def gpu_name_and_driver() -> tuple[str | None, str | None]:
 
 
 def write_results(ctx: dict[str, Any]) -> Path:
-    path = ctx["out"] / f"gpu_{ctx['chip_tag']}_{ctx['date']}.json"
+    path = ctx["out"] / f"gpu_{ctx['chip_tag']}_{ctx['date']}{ctx.get('suffix', '')}.json"
     data = {"schema": SCHEMA, "mode": ctx["mode"], "date": ctx["date"], "chip": ctx["chip"].name,
             "gpu": ctx["gpu"], "driver": ctx["driver"], "host": platform.node(), "device": ctx.get("device"),
             "budget_s": ctx["budget"].total_s, "wall_s": ctx["budget"].elapsed(),
@@ -281,15 +286,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or ROOT / "out" / "gpu")
     out.mkdir(parents=True, exist_ok=True)
     chip = resolve_chip(args, gpu)
-    budget = Budget(args.budget_s or (60.0 if args.cpu_smoke else 450.0), 3.0 if args.cpu_smoke else 20.0)
+    parts = args.parts.split(",")
+    budget = Budget(args.budget_s or (60.0 if args.cpu_smoke else 450.0), 3.0 if args.cpu_smoke else 20.0, parts)
     ctx: dict[str, Any] = {"out": out, "chip": chip, "chip_tag": "cpu" if args.cpu_smoke else chip.name.split("-")[0],
                            "date": dt.datetime.now(dt.UTC).date().isoformat(), "mode": "cpu-smoke" if args.cpu_smoke
                            else "gpu", "gpu": gpu, "driver": driver, "budget": budget, "notes": [], "rows": []}
+    if args.profile:
+        ctx["profile"] = args.profile
+    if set(parts) != set(PARTS):  # a partial run (e.g. the parts a first call had no time for) gets its own file
+        ctx["suffix"] = "_" + "-".join(p for p in PARTS if p in parts)
     log(f"suite on {gpu or 'CPU (smoke)'} as {chip.name}; budget {budget.total_s:.0f} s; out {out}")
     with tempfile.TemporaryDirectory() as tmp:
         ctx["tmp"] = Path(tmp)
         for part in PARTS:
-            if part in args.parts.split(","):
+            if part in parts:
                 PART_FNS[part](args, ctx)
                 write_results(ctx)
     path = write_results(ctx)

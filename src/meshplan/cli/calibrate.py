@@ -209,6 +209,9 @@ def measure(
     hardware: Annotated[str | None, typer.Option(help="Chip to predict for (default: detected).")] = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile for the second prediction.")] = None,
     param_dtype: Annotated[str, typer.Option(help="auto (bf16 on accelerators, fp32 on CPU), bf16, fp32.")] = "auto",
+    attention: Annotated[str, typer.Option(help="materialized (the score matrix, as verify compiles it), dpa "
+                                                "(jax.nn.dot_product_attention) or cudnn (its cuDNN flash kernel; "
+                                                "predicted as flash attention).")] = "materialized",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
 ) -> None:
@@ -216,6 +219,8 @@ def measure(
     from meshplan.specs.model import load_model
 
     m = load_model(model)
+    if attention not in ("materialized", "dpa", "cudnn"):
+        fail(f"--attention must be materialized, dpa or cudnn, got '{attention}'")
     if layers is not None:
         if layers < 1:
             fail(f"--layers must be positive, got {layers}")
@@ -234,8 +239,9 @@ def measure(
 
         batch = global_batch or summary["devices"]
         layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, batch)
-        run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]))
-        result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary)
+        run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]),
+                              attention=attention)
+        result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary, attention)
     if not is_main(summary):
         return
     if json_out:
@@ -265,9 +271,10 @@ def _measure_chip(hardware: str | None, summary: dict[str, Any]) -> Chip | None:
     return load_chip(resolve_chip_name(hardware, summary["device_kind"], summary["platform"]))
 
 
-def _measure_result(m, chip, layout, seq_len, batch, run, profile, summary) -> dict[str, Any]:
+def _measure_result(m, chip, layout, seq_len, batch, run, profile, summary, attention) -> dict[str, Any]:
     from meshplan.cost.efficiency import default_efficiency, load_profile
     from meshplan.measure import steps as st
+    from meshplan.train.costmodel import Options
 
     measured = run.as_dict()
     out: dict[str, Any] = {"model": m.name, "seq_len": seq_len, "global_batch": batch, "layout": layout.as_dict(),
@@ -285,7 +292,7 @@ def _measure_result(m, chip, layout, seq_len, batch, run, profile, summary) -> d
         effs["profile"] = load_profile(profile, chip)
     for key, eff in effs.items():
         try:
-            p = st.predict(m, chip, layout, seq_len, batch, eff)
+            p = st.predict(m, chip, layout, seq_len, batch, eff, Options(flash_attention=attention != "materialized"))
         except MeshplanError as exc:
             out["predicted"][key] = {"error": str(exc)}
             continue

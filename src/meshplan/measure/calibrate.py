@@ -266,18 +266,19 @@ def _attention_pair(fwd: Callable, fwd_bwd: Callable, g: Grid, T: int, heads: in
 
 
 def bench_sdpa(ctx: Context) -> list[Record]:
-    """PyTorch's scaled_dot_product_attention (torchtitan's kernel) at the attention lengths, on a GPU."""
+    """PyTorch's scaled_dot_product_attention (torchtitan's kernel) at the attention lengths, on a GPU, timed in
+    a separate process (measure/torch_timing.py) so PyTorch's CUDA libraries stay out of JAX's process."""
     if ctx.platform != "gpu":
         return [{"benchmark": "sdpa", "name": "sdpa", "skipped": "PyTorch SDPA is timed on GPUs only"}]
     from meshplan.measure import torch_timing
 
     if not torch_timing.available():
-        return [{"benchmark": "sdpa", "name": "sdpa", "skipped": "torch with CUDA is not installed"}]
+        return [{"benchmark": "sdpa", "name": "sdpa", "skipped": "torch is not installed"}]
     g, peak = ctx.grid, ctx.chip.peak("bf16")
+    shapes = [attention_shape(g, T, g.attn_heads, g.head_dim) for T in g.attn_lengths]
+    timings = torch_timing.sdpa_in_subprocess([s for s, _ in shapes], g.repeats)
     out = []
-    for T in g.attn_lengths:
-        shape, flops = attention_shape(g, T, g.attn_heads, g.head_dim)
-        t_f, t_fb, backend = torch_timing.time_sdpa(shape, g.repeats)
+    for T, (shape, flops), (t_f, t_fb, backend) in zip(g.attn_lengths, shapes, timings, strict=True):
         extra = {"impl": f"torch sdpa ({backend})", "dtype": "bfloat16", "batch": shape[0], "seq": T,
                  "heads": g.attn_heads, "head_dim": g.head_dim}
         out.append(_record("sdpa", f"fwd T={T}", t_f, peak, flops, "FLOP", **extra))

@@ -1,13 +1,18 @@
 """Timing PyTorch CUDA work the way `measure.timing` times JAX work (METHOD.md: device events around the
 region, warm-up first, the median of repeats, fresh random inputs for every repeat, never zeros).
 
-Optional: torch is not a meshplan dependency; `available()` says whether torch with a CUDA device is importable.
+Optional: torch is not a meshplan dependency; `available()` says whether torch is installed. `sdpa_in_subprocess`
+times SDPA in a process of its own, so that PyTorch's CUDA libraries never share a process with JAX's
+(`python -m meshplan.measure.torch_timing SHAPES_JSON REPEATS` prints the timings as JSON).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,11 +20,7 @@ from meshplan.measure.timing import Timing
 
 
 def available() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
+    return importlib.util.find_spec("torch") is not None
 
 
 def time_cuda(fn: Callable[..., Any], make_inputs: Callable[[int], tuple], repeats: int = 10,
@@ -69,3 +70,32 @@ def time_sdpa(shape: tuple[int, int, int, int], repeats: int) -> tuple[Timing, T
     t_f = time_cuda(fwd, lambda s: make(s, False), repeats)
     t_fb = time_cuda(fwd_bwd, lambda s: make(s, True), repeats)
     return t_f, t_fb, f"default backend, torch {torch.__version__}"
+
+
+def sdpa_in_subprocess(shapes: list[tuple[int, int, int, int]], repeats: int,
+                       timeout_s: float = 600.0) -> list[tuple[Timing, Timing, str]]:
+    """`time_sdpa` for each shape, in a fresh Python process (raises RuntimeError with its last error line)."""
+    proc = subprocess.run([sys.executable, "-m", "meshplan.measure.torch_timing", json.dumps(shapes), str(repeats)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+        raise RuntimeError(lines[-1])
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [(Timing(**f), Timing(**fb), backend) for f, fb, backend in rows]
+
+
+def _main(argv: list[str]) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("torch sees no CUDA device")
+    shapes, repeats = json.loads(argv[0]), int(argv[1])
+    out = []
+    for shape in shapes:
+        f, fb, backend = time_sdpa(tuple(shape), repeats)
+        out.append([f.as_dict(), fb.as_dict(), backend])
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
