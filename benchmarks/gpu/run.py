@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,17 +79,31 @@ def env_for_workers() -> dict[str, str]:
     return env
 
 
+def run_process(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """(exit code, stderr) of a command in its own process group; at the time limit the whole group is killed
+    (a worker's own children too, such as calibrate's PyTorch process or torch.compile's compile workers, so
+    nothing left behind runs beside the next measurement). Exit code None: stopped at the limit."""
+    proc = subprocess.Popen(cmd, env=env_for_workers(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, ""
+
+
 def run_worker(kind: str, payload: Any, timeout_s: float, tmp: Path) -> dict[str, Any]:
     """One worker process; whatever it wrote is returned, also after a timeout (then with a note)."""
     out = tmp / f"{kind}_{time.monotonic_ns()}.json"
     cmd = [sys.executable, str(HERE / "worker.py"), kind, json.dumps(payload), str(out)]
     note = None
-    try:
-        proc = subprocess.run(cmd, env=env_for_workers(), timeout=timeout_s, capture_output=True, text=True)
-        if proc.returncode:
-            note = f"worker exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr else ''}"
-    except subprocess.TimeoutExpired:
+    code, err = run_process(cmd, timeout_s)
+    if code is None:
         note = f"stopped at its time limit ({timeout_s:.0f} s)"
+    elif code:
+        note = f"worker exit {code}: {err.strip().splitlines()[-1][:300] if err.strip() else ''}"
     data = json.loads(out.read_text()) if out.exists() else {"results": []}
     if note:
         data["note"] = note
@@ -141,12 +156,9 @@ def part_calibrate(args, ctx: dict[str, Any]) -> None:
     cmd += ["--bench", SMOKE_BENCH if args.cpu_smoke else CALIBRATE_BENCH]
     t0 = time.monotonic()
     log(f"calibrate: {' '.join(cmd[3:])} (limit {left:.0f} s)")
-    try:
-        proc = subprocess.run(cmd, env=env_for_workers(), timeout=left, capture_output=True, text=True)
-        ok = proc.returncode == 0 and path.exists()
-        msg = "" if ok else (proc.stderr.strip().splitlines() or ["?"])[-1]
-    except subprocess.TimeoutExpired:
-        ok, msg = False, f"stopped at its time limit ({left:.0f} s)"
+    code, err = run_process(cmd, left)
+    ok = code == 0 and path.exists()
+    msg = f"stopped at its time limit ({left:.0f} s)" if code is None else (err.strip().splitlines() or ["?"])[-1]
     wall = time.monotonic() - t0
     ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok}
     if ok:

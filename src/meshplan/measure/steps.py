@@ -4,9 +4,10 @@ devices (all processes under jax.distributed), beside the planner's prediction f
 Measured MFU uses the DESIGN.md formula: model FLOPs per step ÷ (step time × chips × dense bf16 peak), model
 FLOPs = 3 × (2 × matmul parameters + causal attention) per token × tokens per step (book ch.4).
 
-The reference model computes attention by materialising the score matrix (no flash kernel) and runs the whole
-global batch as one micro-batch, so the prediction is made with Options(flash_attention=False) and one
-micro-batch per step.
+By default the reference model computes attention by materialising the score matrix (no flash kernel) and runs
+the whole global batch as one micro-batch, so the prediction is made with Options(flash_attention=False) and one
+micro-batch per step; `run_training(attention="cudnn")` runs cuDNN's flash kernel instead (predict with
+flash_attention=True, as `meshplan measure --attention` and benchmarks/gpu do).
 """
 
 from __future__ import annotations
