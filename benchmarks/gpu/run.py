@@ -39,6 +39,7 @@ import report  # noqa: E402
 from predict import COMPARED, Case, case_model, errors, predict_case  # noqa: E402
 
 from meshplan.cost.efficiency import default_efficiency, load_profile  # noqa: E402
+from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.measure.cluster import chip_for_device_kind  # noqa: E402
 from meshplan.specs.hardware import Chip, load_chip  # noqa: E402
 
@@ -132,7 +133,11 @@ def make_row(case: Case, measured: dict[str, Any], chip: Chip, effs: dict[str, A
         flops = model_flops_per_step(case_model(case), case["seq_len"], case["batch"])
         measured["mfu"] = flops / (measured["step_time_s"] * chip.peak("bf16"))
     for key, eff in effs.items():
-        pred = predict_case(case, chip, eff)
+        try:
+            pred = predict_case(case, chip, eff)
+        except MeshplanError as exc:  # e.g. the planner finds that a case which ran does not fit
+            row[f"predicted_{key}"] = {"error": str(exc)}
+            continue
         row[f"predicted_{key}"] = pred
         row[f"errors_{key}"] = errors(case["kind"], measured, pred)
     return row
@@ -312,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx["tmp"] = Path(tmp)
         for part in PARTS:
             if part in parts:
-                PART_FNS[part](args, ctx)
+                try:
+                    PART_FNS[part](args, ctx)
+                except Exception as exc:  # noqa: BLE001 - keep what the other parts measure
+                    ctx["notes"].append(f"{part}: failed in the suite itself: {type(exc).__name__}: {exc}")
+                    log(f"{part}: FAILED {type(exc).__name__}: {exc}")
                 write_results(ctx)
     path = write_results(ctx)
     print(report.markdown(json.loads(path.read_text())))
