@@ -150,6 +150,28 @@ def test_a_model_that_does_not_fit_is_cut_and_named() -> None:
     assert cs.cut_to_fit(small, chip) == small
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed (not a dependency)")
+def test_torch_reference_model_matches_meshplans_parameter_count_and_trains() -> None:
+    """The PyTorch model of the suite's torch part (run here on the CPU, uncompiled): meshplan's parameter count,
+    and the untrained loss ln V + σ²/2 with each logit N(0, D·(1/D) = 1) (unit-RMS x, embedding std 1/√D):
+    ln 256 + 0.5 = 6.05, under each recompute policy."""
+    import torch
+    import torch_model as tmod
+    from predict import case_model
+
+    from meshplan.math.transformer import param_counts
+
+    m = case_model({"model": "llama3.2-1b", "overrides": TINY})
+    torch.manual_seed(0)
+    toks = torch.randint(0, 256, (2, 65))
+    for recompute in ("none", "selective", "full"):
+        model = tmod.Decoder(m, recompute)
+        assert sum(p.numel() for p in model.parameters()) == param_counts(m).total
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        loss = float(tmod.train_step(model, opt, toks[:, :-1], toks[:, 1:]))
+        assert loss == pytest.approx(6.05, abs=0.15)
+
+
 @pytest.mark.gpu
 @needs_jax
 def test_cudnn_flash_attention_on_the_gpu_matches_the_materialised_core() -> None:
