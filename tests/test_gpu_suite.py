@@ -193,3 +193,22 @@ def test_cudnn_flash_attention_on_the_gpu_matches_the_materialised_core() -> Non
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     got = np.asarray(jm.ATTENTION_CORES["cudnn"](*bf, pos, pos).astype(jnp.float32))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_summary_reads_median_and_worst_against_the_issue_bounds() -> None:
+    import report
+
+    def row(kind: str, err: float) -> dict:
+        return {"case": {"kind": kind, "framework": "jax"}, "measured": {"step_time_s": 1.0},
+                "errors_calibrated": {"step_time_s": err}, "errors_defaults": {"step_time_s": 2 * err}}
+
+    rows = [row("train", 0.02), row("train", -0.04), row("train", 0.12), row("decode", -0.07)]
+    got = {(s["kind"], s["efficiencies"], s["statistic"]): s for s in report.summary(rows)}
+    # train calibrated |errors| 0.02, 0.04, 0.12: median 0.04 <= 5%, worst 0.12 > 10%
+    assert got[("train", "calibrated", "median")]["value"] == pytest.approx(0.04)
+    assert got[("train", "calibrated", "median")]["met"] is True
+    assert got[("train", "calibrated", "worst")]["value"] == pytest.approx(0.12)
+    assert got[("train", "calibrated", "worst")]["met"] is False
+    assert got[("train", "defaults", "median")]["value"] == pytest.approx(0.08)  # twice the calibrated errors
+    assert got[("decode", "calibrated", "median")]["met"] is True  # 7% <= 8%
+    assert got[("prefill", "calibrated", "median")]["value"] is None  # no prefill rows
