@@ -146,6 +146,8 @@ def make_row(case: Case, measured: dict[str, Any], chip: Chip, effs: dict[str, A
 # --- parts -----------------------------------------------------------------------------------------
 
 def part_calibrate(args, ctx: dict[str, Any]) -> None:
+    """`meshplan calibrate` (full grid unless --quick); if the full grid overruns its share, the quick grid once
+    more within the next part's time, so that calibrated predictions exist (the results say which grid)."""
     if args.profile:
         ctx["notes"].append(f"calibrate: not run; profile {args.profile} given")
         return
@@ -153,19 +155,26 @@ def part_calibrate(args, ctx: dict[str, Any]) -> None:
     if left < ctx["budget"].min_case_s:
         ctx["notes"].append("calibrate: skipped, no time left")
         return
+    quick = args.quick or args.cpu_smoke
+    if not _calibrate(args, ctx, quick, left) and not quick and ctx["calibration"]["timed_out"]:
+        ctx["notes"].append(f"calibrate: the full grid overran its {left:.0f} s; the quick grid was run instead")
+        rest = ctx["budget"].total_s - ctx["budget"].elapsed()
+        _calibrate(args, ctx, True, min(120.0, rest / 3))  # a third of what is left, so the parts after still run
+
+
+def _calibrate(args, ctx: dict[str, Any], quick: bool, limit_s: float) -> bool:
     path = ctx["out"] / f"profile_{ctx['chip_tag']}_{ctx['date']}.json"
     cmd = [sys.executable, "-c", "from meshplan.cli import main; main()", "calibrate", "--out", str(path),
-           "--hardware", ctx["chip"].name]
-    if args.quick or args.cpu_smoke:
+           "--hardware", ctx["chip"].name, "--bench", SMOKE_BENCH if args.cpu_smoke else CALIBRATE_BENCH]
+    if quick:
         cmd.append("--quick")
-    cmd += ["--bench", SMOKE_BENCH if args.cpu_smoke else CALIBRATE_BENCH]
     t0 = time.monotonic()
-    log(f"calibrate: {' '.join(cmd[3:])} (limit {left:.0f} s)")
-    code, err = run_process(cmd, left)
+    log(f"calibrate: {' '.join(cmd[3:])} (limit {limit_s:.0f} s)")
+    code, err = run_process(cmd, max(limit_s, 1.0))
     ok = code == 0 and path.exists()
-    msg = f"stopped at its time limit ({left:.0f} s)" if code is None else (err.strip().splitlines() or ["?"])[-1]
+    msg = f"stopped at its time limit ({limit_s:.0f} s)" if code is None else (err.strip().splitlines() or ["?"])[-1]
     wall = time.monotonic() - t0
-    ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok}
+    ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok, "timed_out": code is None}
     if ok:
         ctx["profile"] = str(path)
         prof = json.loads(path.read_text())
@@ -175,6 +184,7 @@ def part_calibrate(args, ctx: dict[str, Any]) -> None:
     else:
         ctx["notes"].append(f"calibrate failed: {msg}")
         log(f"calibrate failed: {msg}")
+    return ok
 
 
 def _effs(ctx: dict[str, Any]) -> dict[str, Any]:
