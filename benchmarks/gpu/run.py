@@ -174,7 +174,9 @@ def _calibrate(args, ctx: dict[str, Any], quick: bool, limit_s: float) -> bool:
     ok = code == 0 and path.exists()
     msg = f"stopped at its time limit ({limit_s:.0f} s)" if code is None else (err.strip().splitlines() or ["?"])[-1]
     wall = time.monotonic() - t0
-    ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok, "timed_out": code is None}
+    earlier = [ctx["calibration"]] if ctx.get("calibration") else []  # the full grid's attempt, if this is the retry
+    ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok, "timed_out": code is None,
+                          "earlier_attempts": earlier}
     if ok:
         ctx["profile"] = str(path)
         prof = json.loads(path.read_text())
