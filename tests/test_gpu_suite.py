@@ -212,3 +212,30 @@ def test_summary_reads_median_and_worst_against_the_issue_bounds() -> None:
     assert got[("train", "defaults", "median")]["value"] == pytest.approx(0.08)  # twice the calibrated errors
     assert got[("decode", "calibrated", "median")]["met"] is True  # 7% <= 8%
     assert got[("prefill", "calibrated", "median")]["value"] is None  # no prefill rows
+
+
+def test_fit_reads_sdpa_into_its_own_fields_and_leaves_the_head_shape_sweep_out() -> None:
+    """Synthetic records: cuDNN attention at 0.60 forward / 0.50 backward, SDPA at 0.30 / 0.25, and a head-shape
+    sweep record at 0.10 that must not pull the attention fit down."""
+    from meshplan.measure.fit import build_profile
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip("h100-sxm")
+    peak = chip.peak("bf16")
+    ratio = 2.5  # efficiency.yaml attention_bwd_flops_ratio (FlashAttention-2 §3.1.2)
+
+    def pair(bench: str, T: int, fwd: float, bwd: float, **tags) -> list[dict]:
+        work = 4.0 * 16384 * (T / 2) * 16 * 128
+        t_f, t_b = work / (fwd * peak), ratio * work / (bwd * peak)
+        return [{"benchmark": bench, "name": f"fwd T={T}", "seq": T, "impl": bench, "work": work, "fraction": fwd,
+                 **tags},
+                {"benchmark": bench, "name": f"fwd+bwd T={T}", "seq": T, "impl": bench, "work": work,
+                 "bwd_time_s": t_b, "time_s": t_f + t_b, **tags}]
+
+    recs = [r for T in (8192, 16384) for r in pair("attention", T, 0.60, 0.50) + pair("sdpa", T, 0.30, 0.25)]
+    recs += pair("attention", 16384, 0.10, 0.10, sweep="head_shape")
+    eff = build_profile(chip, recs, {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})["efficiency"]
+    assert eff["attention_fwd_fraction"] == pytest.approx(0.60)
+    assert eff["attention_bwd_fraction"] == pytest.approx(0.50)
+    assert eff["attention_sdpa_fwd_fraction"] == pytest.approx(0.30)
+    assert eff["attention_sdpa_bwd_fraction"] == pytest.approx(0.25)
