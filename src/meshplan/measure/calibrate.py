@@ -328,7 +328,7 @@ def layer_model(ctx: Context) -> ModelConfig:
     return m
 
 
-def _layer_fns(model: ModelConfig, seq: int) -> tuple[Callable, Callable, Any]:
+def _layer_fns(model: ModelConfig, seq: int, attention: str) -> tuple[Callable, Callable, Any]:
     from meshplan.measure import jaxmodel as jm
     from meshplan.measure.layout import Layout
 
@@ -337,7 +337,7 @@ def _layer_fns(model: ModelConfig, seq: int) -> tuple[Callable, Callable, Any]:
     pos = jnp.arange(seq, dtype=jnp.int32)
 
     def fwd(lp, x):
-        return jm.decoder_layer(lp, x, pos, model, sh, "none")
+        return jm.decoder_layer(lp, x, pos, model, sh, "none", attention)
 
     def fwd_bwd(lp, x, dy):
         _, vjp = jax.vjp(fwd, lp, x)
@@ -350,7 +350,9 @@ def _layer_fns(model: ModelConfig, seq: int) -> tuple[Callable, Callable, Any]:
 def bench_layer(ctx: Context) -> list[Record]:
     m, g = layer_model(ctx), ctx.grid
     dt = jnp.dtype(g.dtype)
-    fwd, fwd_bwd, shapes = _layer_fns(m, g.layer_seq)
+    # the attention kernel the attention benchmark found (cuDNN flash on NVIDIA GPUs), else the score matrix
+    attention = "cudnn" if attention_impl(ctx.platform, dt) == "cudnn" else "materialized"
+    fwd, fwd_bwd, shapes = _layer_fns(m, g.layer_seq, attention)
     names = list(shapes)
     x_shape = (1, g.layer_seq, m.d_model)
 
@@ -364,7 +366,7 @@ def bench_layer(ctx: Context) -> list[Record]:
                            + tm.attention_flops_per_token(m, g.layer_seq))
     tf = time_fn(fwd, lambda s: make(s, False), warmup=1, repeats=g.repeats)
     tfb = time_fn(fwd_bwd, lambda s: make(s, True), warmup=1, repeats=g.repeats)
-    extra = {"model": m.name, "seq": g.layer_seq, "batch": 1, "dtype": str(dt)}
+    extra = {"model": m.name, "seq": g.layer_seq, "batch": 1, "dtype": str(dt), "attention": attention}
     peak = ctx.chip.peak("bf16")
     return [_record("layer", f"{m.name} fwd", tf, peak, flops, "FLOP", **extra),
             _record("layer", f"{m.name} fwd+bwd", tfb, peak, 3 * flops, "FLOP", **extra)]
