@@ -40,14 +40,9 @@ def model_summary(name: str, seq_len: int | None = None) -> dict:
             "forward/attention_full": tm.attention_flops_per_token(m, S, causal=False),
         },
         "seq_len": S,
-        "kv_cache_bytes_per_token": {d: tm.kv_cache_bytes_per_token(m, d) for d in ("bf16", "fp8", "int8")},
+        "kv_cache_bytes_per_token": {d: tm.kv_cache_bytes_per_token(m, d, S) for d in ("bf16", "fp8", "int8")},
         "weight_bytes": {d: pc.total * tm.dtype_bytes(d) for d in ("bf16", "fp8", "int8", "int4")},
-        "params_breakdown": {
-            "embedding": pc.embedding, "position": pc.position,
-            "attention": pc.per_layer_attention * m.n_layers, "mlp": pc.per_layer_mlp * m.n_layers,
-            "router": pc.per_layer_router * m.n_layers, "norms": pc.per_layer_norms * m.n_layers + pc.final_norm,
-            "unembedding": pc.unembedding,
-        },
+        "params_breakdown": pc.breakdown(),
         "architecture": m.as_dict(),
     }
 

@@ -16,7 +16,7 @@ from meshplan.infer.bounds import disaggregation_ratio
 from meshplan.infer.config import ServeConfig, Workload, serving_constant
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.step import decode_step, prefill_step
-from meshplan.math.transformer import kv_cache_bytes_per_token
+from meshplan.math.transformer import kv_cache_bytes_per_sequence
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -49,7 +49,7 @@ class DisaggPlan:
 
 def kv_transfer_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, prompt_len: int) -> float:
     """Time to ship one prompt's KV cache from a prefill instance to a decode instance over the NICs."""
-    nbytes = prompt_len * kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    nbytes = kv_cache_bytes_per_sequence(m, prompt_len, cfg.kv_dtype)  # windowed layers ship at most their window
     bw = cfg.chips_per_replica * chip.links.scale_out_bandwidth_bytes_per_s * serving_constant(
         "kv_transfer_efficiency", chip)
     return nbytes / bw + chip.links.scale_out_hop_latency_s

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant
-from meshplan.math.transformer import kv_cache_elements_per_layer, param_counts
+from meshplan.math.transformer import kv_cache_elements_per_layer, kv_cached_tokens, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.units import fmt_bytes
@@ -105,10 +105,11 @@ def activation_bytes_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, batc
 def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, batch: int,
                     context_len: float) -> MemoryBreakdown:
     """Per-chip memory of a replica serving `batch` sequences of up to `context_len` tokens each. With PP
-    each stage holds the KV of every sequence for its own layers."""
+    each stage holds the KV of every sequence for its own layers. Sliding-window and chunked layers keep at most
+    their window (`kv_cached_tokens`, the mean over the model's layers)."""
     return MemoryBreakdown(
         weights=weight_bytes_per_chip(m, cfg),
-        kv_cache=batch * context_len * kv_bytes_per_token_per_chip(m, cfg),
+        kv_cache=batch * kv_cached_tokens(m, context_len) * kv_bytes_per_token_per_chip(m, cfg),
         activations=activation_bytes_per_chip(m, chip, cfg, batch),
         reserved=eff.memory_reserved_bytes,
         budget=chip.usable_hbm_bytes * serving_constant("memory_utilization", chip),
@@ -119,7 +120,7 @@ def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Eff
     """Most sequences one replica holds with every sequence's KV reserved at its full length (input+output,
     TensorRT-LLM's default guaranteed-no-evict scheduling). 0 when even the weights do not fit."""
     empty = memory_per_chip(m, chip, cfg, eff, 0, w.max_context)
-    per_seq = (w.max_context * kv_bytes_per_token_per_chip(m, cfg)
+    per_seq = (kv_cached_tokens(m, w.max_context) * kv_bytes_per_token_per_chip(m, cfg)
                + activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0))
     free = empty.budget - empty.total
     return max(int(free // per_seq), 0) if free > 0 else 0

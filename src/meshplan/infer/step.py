@@ -21,7 +21,7 @@ from functools import lru_cache
 from meshplan.cost.efficiency import Efficiency
 from meshplan.infer.config import ServeConfig, serving_constant
 from meshplan.infer.memory import attention_params_per_chip, kv_bytes_per_token_per_chip, layers_per_stage
-from meshplan.math.transformer import attention_pair_width, param_counts
+from meshplan.math.transformer import attention_pair_width, kv_cached_tokens, mean_attended_keys, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -136,6 +136,10 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # weights streamed: every layer (routed experts only where hit) and the vocab-sharded output projection;
     # the embedding table is a gather of a few rows, not a read of the table
     weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / cfg.tp
+    # windowed layers read at most their window of cached keys; a prompt's queries attend the keys of
+    # `mean_attended_keys` (prefill_ctx is the causal mean T/2 of a T-token prompt)
+    decode_ctx = kv_cached_tokens(m, decode_ctx)
+    prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
     mm_flops = 2.0 * tokens * (Ls * lp.active + m.d_model * m.vocab_size / cfg.tp)
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the

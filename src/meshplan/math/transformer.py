@@ -32,9 +32,19 @@ def _mlp_params(m: ModelConfig, width: int) -> int:
     return weights + bias
 
 
-def _norm_params(m: ModelConfig) -> int:
-    """RMSNorm has a scale (D); LayerNorm a scale and a bias (2D)."""
-    return m.d_model * (2 if m.norm == "layernorm" else 1)
+def _norm_params(m: ModelConfig, width: int | None = None) -> int:
+    """RMSNorm has a scale (D); LayerNorm a scale and a bias (2D; Cohere's LayerNorm has no bias)."""
+    return (width or m.d_model) * (2 if m.norm == "layernorm" and m.norm_bias else 1)
+
+
+def _qk_norm_params(m: ModelConfig) -> int:
+    """Norms on queries and keys: per head over H (Qwen3, Gemma 3: 2H) or over the whole projections (OLMo 2:
+    N·H + K·H)."""
+    if m.qk_norm == "head":
+        return 2 * _norm_params(m, m.head_dim)
+    if m.qk_norm == "full":
+        return _norm_params(m, m.q_dim) + _norm_params(m, m.kv_dim)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,19 @@ class ParamCounts:
         return (self.embedding + self.position + moe_layers * self.per_layer_active + self._dense_layers
                 + self.final_norm + self.unembedding)
 
+    def breakdown(self) -> dict[str, int]:
+        """Parameters by part, summing to `total`: the leading dense layers of an MoE model (DeepSeek) count their
+        own MLP, not the experts."""
+        moe_layers = self.n_layers - self.n_dense_layers
+        return {
+            "embedding": self.embedding, "position": self.position,
+            "attention": self.per_layer_attention * self.n_layers,
+            "mlp": self.per_layer_mlp * moe_layers + self.per_dense_layer_mlp * self.n_dense_layers,
+            "router": self.per_layer_router * moe_layers,
+            "norms": self.per_layer_norms * self.n_layers + self.final_norm,
+            "unembedding": self.unembedding,
+        }
+
     @property
     def non_embedding(self) -> int:
         """Parameters other than the token/position embeddings and untied output projection."""
@@ -98,12 +121,14 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         attn += m.q_dim + 2 * m.kv_dim + D
     elif m.qkv_bias:
         attn += m.q_dim + 2 * m.kv_dim
+    attn += _qk_norm_params(m) + (m.n_heads if m.attention_sinks else 0)  # gpt-oss: one sink logit per head
     if m.is_moe:
         mlp = m.n_experts * _mlp_params(m, m.d_ff)
         mlp_active = m.experts_per_token * _mlp_params(m, m.d_ff)
         shared = m.n_shared_experts * _mlp_params(m, m.shared_expert_d_ff or m.d_ff)
+        shared += D if m.shared_expert_gate else 0  # Qwen2-MoE's sigmoid gate on the shared expert
         mlp, mlp_active = mlp + shared, mlp_active + shared
-        router = D * m.n_experts
+        router = D * m.n_experts + (m.n_experts if m.router_bias else 0)
     else:
         mlp = mlp_active = _mlp_params(m, m.d_ff)
         router = 0
@@ -115,9 +140,9 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         per_layer_mlp=mlp,
         per_layer_mlp_active=mlp_active,
         per_layer_router=router,
-        per_layer_norms=2 * _norm_params(m),
+        per_layer_norms=m.norms_per_layer * _norm_params(m),
         final_norm=_norm_params(m),
-        unembedding=0 if m.tied_embeddings else m.vocab_size * D,
+        unembedding=(0 if m.tied_embeddings else m.vocab_size * D) + (m.vocab_size if m.lm_head_bias else 0),
         n_layers=m.n_layers,
         n_dense_layers=m.first_dense_layers,
         per_dense_layer_mlp=_mlp_params(m, m.dense_d_ff) if m.first_dense_layers else 0,
@@ -173,11 +198,48 @@ class TokenFlops:
         return 3.0 * self.forward_attention
 
 
+def attended_keys(window: int, seq_len: float, causal: bool = True, kind: str = "sliding") -> float:
+    """Mean keys a query attends to in one layer over a sequence of `seq_len` tokens (continuous in the position).
+    Full causal attention: S/2 (book ch.4: the causal mask halves QKᵀ and AV). A sliding window w < S (Mistral,
+    Gemma 2/3 local layers, gpt-oss): query p sees min(p, w) keys, mean (w²/2 + (S − w)·w)/S = w − w²/(2S).
+    Chunked attention with chunks of w (Llama 4): a query sees the keys of its own chunk up to itself, mean
+    (⌊S/w⌋·w²/2 + r²/2)/S with r = S mod w. Non-causal: min(S, w) keys (S for full attention)."""
+    S = float(seq_len)
+    if not window or window >= S:
+        return S / 2.0 if causal else S
+    w = float(window)
+    if not causal:
+        return w
+    if kind == "chunked":
+        whole, rest = divmod(S, w)
+        return (whole * w * w / 2.0 + rest * rest / 2.0) / S
+    return w - w * w / (2.0 * S)
+
+
+def mean_attended_keys(m: ModelConfig, seq_len: float, causal: bool = True) -> float:
+    """Keys per query averaged over the layers: S/2 (causal) for full attention everywhere; less where layers
+    attend within a window or chunk (`attended_keys`). The attention core's FLOPs scale with it."""
+    if not m.has_windows:
+        return seq_len / 2.0 if causal else float(seq_len)
+    spans = m.windows()
+    return sum(attended_keys(w, seq_len, causal, m.window_kind) for w in spans) / len(spans)
+
+
+def kv_cached_tokens(m: ModelConfig, context_len: float) -> float:
+    """Tokens of KV cache one sequence of `context_len` tokens keeps, averaged over the layers: every token for a
+    full-attention layer, at most the window for a sliding-window layer (older keys are never read again: vLLM's
+    and SGLang's sliding-window KV managers free them) and at most one chunk for a chunked layer."""
+    if not m.has_windows:
+        return float(context_len)
+    spans = m.windows()
+    return sum(min(float(context_len), w) if w else float(context_len) for w in spans) / len(spans)
+
+
 def attention_flops_per_token(m: ModelConfig, context_len: float, causal: bool = True) -> float:
     """Forward QKᵀ and AV for one query token over `context_len` keys: 4·S·N·H per layer
     (book ch.4: 12BT²NH training = 3 × 4BT²NH forward). A causal mask with a proper kernel
-    halves the useful work (the average query sees S/2 keys)."""
-    s = context_len / 2.0 if causal else float(context_len)
+    halves the useful work (the average query sees S/2 keys); windowed layers see fewer (`mean_attended_keys`)."""
+    s = mean_attended_keys(m, context_len, causal)
     return 2.0 * s * m.n_heads * attention_pair_width(m) * m.n_layers
 
 
@@ -211,10 +273,19 @@ def einsum_flops(dim_sizes: dict[str, int], contracted: bool = True) -> float:
 
 # --- KV cache ------------------------------------------------------------------------------------
 
-def kv_cache_bytes_per_token(m: ModelConfig, dtype: str = "bf16") -> float:
+def kv_cache_bytes_per_token(m: ModelConfig, dtype: str = "bf16", context_len: float | None = None) -> float:
     """Keys and values for every layer: 2·L·K·H elements per token (book ch.4 §KV cache); MLA caches the
-    latent and the shared RoPE key instead, L·(kv_lora_rank + qk_rope_head_dim) (DeepSeek-V2 §2.1.2)."""
-    return m.n_layers * kv_cache_elements_per_layer(m) * dtype_bytes(dtype)
+    latent and the shared RoPE key instead, L·(kv_lora_rank + qk_rope_head_dim) (DeepSeek-V2 §2.1.2).
+    With `context_len`, the mean per token of a sequence that long: windowed layers keep at most their window."""
+    full = m.n_layers * kv_cache_elements_per_layer(m) * dtype_bytes(dtype)
+    if context_len is None or not m.has_windows:
+        return full
+    return full * kv_cached_tokens(m, context_len) / context_len
+
+
+def kv_cache_bytes_per_sequence(m: ModelConfig, context_len: float, dtype: str = "bf16") -> float:
+    """KV cache of one sequence of `context_len` tokens: per-token bytes × the tokens each layer keeps."""
+    return m.n_layers * kv_cache_elements_per_layer(m) * dtype_bytes(dtype) * kv_cached_tokens(m, context_len)
 
 
 def kv_cache_elements_per_layer(m: ModelConfig) -> int:

@@ -1,9 +1,10 @@
 """Model architecture: the shape of a decoder-only transformer in the book's notation.
 
-`load_model` takes a preset name (`llama3-70b`) or a path to a Hugging Face style `config.json`
-(model_type llama, mistral, mixtral, qwen2, qwen2_moe, gpt2, gpt_neox, gpt_bigcode). Presets are
-themselves HF-style JSON files in `data/models/`, each with a `_source`. Missing keys get the model
-type's defaults; contradictions are errors.
+`load_model` takes a preset name (`llama3-70b`) or a path to a Hugging Face style `config.json` (the model types
+in `SUPPORTED_MODEL_TYPES`; a multimodal config is read through its `text_config`), or a YAML/JSON file in
+meshplan's own generic schema (`model_type: meshplan`, see `GENERIC_KEYS`). Presets are themselves HF-style JSON
+files in `data/models/`, each with a `_source`. Missing keys get the model type's defaults (those of
+transformers' configuration classes); contradictions are errors.
 """
 
 from __future__ import annotations
@@ -54,8 +55,28 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0  # value width per head (0 = head_dim)
     # MoE models whose first layers are dense (DeepSeek's first_k_dense_replace) with this MLP width
+    # (DeepSeek's first_k_dense_replace, Llama 4's interleave_moe_layer_step, Qwen's mlp_only_layers: only their
+    # number matters to the counts and to the mean layer the cost model times)
     first_dense_layers: int = 0
     dense_d_ff: int = 0
+    # Attention span per layer, in tokens, 0 = full causal attention (one entry per layer, or empty: all full).
+    # window_kind "sliding": a query sees the last w keys (Mistral, Gemma 2/3 local layers, gpt-oss); "chunked": a
+    # query sees the keys of its own w-token chunk (Llama 4's local layers, attention_chunk_size).
+    layer_windows: tuple[int, ...] = ()
+    window_kind: str = "sliding"
+    attn_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of attention logits (0 = none)
+    final_logit_softcap: float = 0.0  # Gemma 2: soft-capping of the output logits
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per head and layer
+    qk_norm: str = ""  # "": none; "head": RMSNorm over each head's H (Qwen3, Gemma 3); "full": over N·H and K·H (OLMo 2)
+    norms_per_layer: int = 2  # pre-attention and pre-MLP; Gemma 2/3 add two post-norms; Cohere/Falcon-7B share one
+    norm_bias: bool = True  # LayerNorm with a bias (False: Cohere's scale-only LayerNorm)
+    router_bias: bool = False  # gpt-oss: the router has a bias
+    lm_head_bias: bool = False  # Phi-3.5-MoE: the output projection has a bias
+    shared_expert_gate: bool = False  # Qwen2-MoE: a sigmoid gate [D, 1] on the shared expert
+    moe_norm_topk: bool = False  # routing weights renormalised over the top k (norm_topk_prob); no cost effect
+    moe_n_groups: int = 0  # DeepSeek group/node-limited routing: experts in n_group groups,
+    moe_topk_groups: int = 0  # a token's k experts drawn from topk_group of them (DeepSeek-V3: 8 and 4)
+    expert_weight_dtype: str = ""  # the released checkpoint's expert weights, e.g. "mxfp4" (gpt-oss); "" = as the rest
     family: str = "llama"
     source: str = ""
 
@@ -106,6 +127,14 @@ class ModelConfig:
         }
 
     @property
+    def has_windows(self) -> bool:
+        return any(self.layer_windows)
+
+    def windows(self) -> tuple[int, ...]:
+        """The attention span of every layer (0 = full)."""
+        return self.layer_windows or (0,) * self.n_layers
+
+    @property
     def gqa_group(self) -> int:
         """G = N/K query heads per KV head."""
         return self.n_heads // self.n_kv_heads
@@ -154,6 +183,15 @@ def validate_model(m: ModelConfig) -> None:
     if m.first_dense_layers and (m.first_dense_layers >= m.n_layers or not m.dense_d_ff or not m.is_moe):
         raise MeshplanError(f"model '{m.name}': first_dense_layers needs an MoE model, fewer than {m.n_layers} "
                             f"dense layers and their dense_d_ff")
+    if m.layer_windows and (len(m.layer_windows) != m.n_layers or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in m.layer_windows)):
+        raise MeshplanError(f"model '{m.name}': layer_windows needs one non-negative window per layer ({m.n_layers})")
+    if m.window_kind not in ("sliding", "chunked"):
+        raise MeshplanError(f"model '{m.name}': window_kind must be sliding or chunked, got '{m.window_kind}'")
+    if m.qk_norm not in ("", "head", "full"):
+        raise MeshplanError(f"model '{m.name}': qk_norm must be '', head or full, got '{m.qk_norm}'")
+    if isinstance(m.norms_per_layer, bool) or not isinstance(m.norms_per_layer, int) or not 0 <= m.norms_per_layer <= 8:
+        raise MeshplanError(f"model '{m.name}': norms_per_layer must be an integer from 0 to 8")
     if m.is_moe and not 1 <= m.experts_per_token <= m.n_experts:
         raise MeshplanError(
             f"model '{m.name}': experts per token must be between 1 and {m.n_experts}, got {m.experts_per_token}")
@@ -188,17 +226,136 @@ def _act(name: Any, gated_family: bool) -> str:
     return "gelu"
 
 
-_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "deepseek_v2",
-                   "deepseek_v3")
-_KNOWN_FAMILIES = _GATED_FAMILIES + ("gpt2", "gpt_neox", "gpt_bigcode", "meshplan")
+# Model types read with their own semantics (transformers' configuration_<type>.py defaults). Gated MLPs (three
+# matrices) unless listed in _PLAIN_MLP; "meshplan" is the generic schema below.
+_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                   "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "llama4", "llama4_text", "gpt_oss", "phi3",
+                   "phimoe", "mistral3", "ministral3", "olmo2", "cohere", "granite")
+_PLAIN_MLP = ("gpt2", "gpt_neox", "gpt_bigcode", "falcon")
+SUPPORTED_MODEL_TYPES = _GATED_FAMILIES + _PLAIN_MLP + ("meshplan",)
+_KNOWN_FAMILIES = SUPPORTED_MODEL_TYPES  # kept for callers of the old name
+# Keys of meshplan's generic schema (`model_type: meshplan`, YAML or JSON): any decoder-only transformer the types
+# above do not cover, described by its shapes.
+GENERIC_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "max_position_embeddings", "mlp_act (swiglu|geglu|gelu|relu|silu)",
+                "tie_word_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "n_shared_experts", "layer_windows (one span per layer, 0 = full)", "window_kind (sliding|chunked)",
+                "kv_lora_rank/q_lora_rank/qk_rope_head_dim/v_head_dim (MLA)")
+_WRAPPERS = ("mistral3", "llama4", "gemma3")  # multimodal configs whose text model sits under text_config
+
+
+def _unsupported(origin: str, family: str) -> MeshplanError:
+    return MeshplanError(
+        f"{origin}: model_type '{family}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
+        f"describe it generically with model_type: meshplan and the keys {'; '.join(GENERIC_KEYS)}")
+
+
+# Defaults of transformers' configuration classes for keys that released configs leave out (Gemma 3's multimodal
+# configs give only the shapes that differ from Gemma3TextConfig's defaults)
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh"},
+}
+
+
+def _float(cfg: dict[str, Any], origin: str, key: str) -> float:
+    v = cfg.get(key)
+    if v is None:
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise MeshplanError(f"{origin}: '{key}' must be a non-negative number, got {v!r}")
+    return float(v)
+
+
+def _text_part(cfg: dict[str, Any], origin: str) -> tuple[dict[str, Any], str]:
+    """The language model's config: a multimodal config's `text_config` (Llama 4, Gemma 3, Mistral 3 ...), with the
+    outer file's provenance keys kept."""
+    family = str(cfg.get("model_type", "llama")).lower()
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        inner = {k: v for k, v in cfg.items() if k.startswith("_")}
+        inner.update(text)
+        inner_family = str(text.get("model_type") or family).lower()
+        inner.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", text.get("tie_word_embeddings")))
+        return inner, inner_family
+    if family in _WRAPPERS and family != "gemma3":
+        raise MeshplanError(f"{origin}: a '{family}' config needs its text_config")
+    return cfg, family
+
+
+def _layer_windows(cfg: dict[str, Any], family: str, L: int, origin: str) -> tuple[tuple[int, ...], str]:
+    """Per-layer attention span from the config's own layer schedule (transformers' semantics per model type)."""
+    if "layer_windows" in cfg:  # meshplan's generic schema
+        w = cfg["layer_windows"]
+        if not isinstance(w, list) or len(w) != L or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                              for x in w):
+            raise MeshplanError(f"{origin}: 'layer_windows' must list {L} non-negative spans (0 = full)")
+        return tuple(w), str(cfg.get("window_kind", "sliding"))
+    if family in ("llama4", "llama4_text"):
+        C = _int(cfg, origin, "attention_chunk_size", default=0) if cfg.get("attention_chunk_size") else 0
+        if not C:
+            return (), "sliding"
+        nope = cfg.get("no_rope_layers")
+        # Llama 4 (modeling_llama4): RoPE layers use chunked attention, the NoPE layers (every 4th) see everything
+        if isinstance(nope, list) and len(nope) == L:
+            return tuple(C if x else 0 for x in nope), "chunked"
+        return tuple(C if (i + 1) % 4 else 0 for i in range(L)), "chunked"
+    W = cfg.get("sliding_window")
+    if not W or cfg.get("use_sliding_window") is False:
+        return (), "sliding"
+    W = _int(cfg, origin, "sliding_window")
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == L:
+        return tuple(W if str(t).startswith("sliding") else 0 for t in types), "sliding"
+    if family == "gemma2":
+        # Gemma 2 (modeling_gemma2): even layers local (sliding), odd layers global
+        return tuple(W if i % 2 == 0 else 0 for i in range(L)), "sliding"
+    if family in ("gemma3", "gemma3_text"):
+        # Gemma 3 report §2.2: 5 local layers for every global one; layer i is global when (i + 1) % pattern == 0
+        pattern = _int(cfg, origin, "sliding_window_pattern", default=6)
+        return tuple(0 if (i + 1) % pattern == 0 else W for i in range(L)), "sliding"
+    if family == "gpt_oss":
+        return tuple(W if i % 2 == 0 else 0 for i in range(L)), "sliding"  # alternating, sliding first
+    if family in ("mistral", "mixtral", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "meshplan"):
+        seq = cfg.get("max_position_embeddings") or 0
+        if isinstance(seq, int) and 0 < seq <= W:
+            return (), "sliding"  # a window as long as the context is full attention
+        if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+            # Qwen2/3 (use_sliding_window true): layers from max_window_layers on use the window
+            first = _int(cfg, origin, "max_window_layers", default=L)
+            return tuple(W if i >= first else 0 for i in range(L)), "sliding"
+        return (W,) * L, "sliding"
+    return (), "sliding"
+
+
+def _dense_layer_count(cfg: dict[str, Any], family: str, L: int, origin: str) -> int:
+    """Layers of an MoE model that keep a dense MLP."""
+    if cfg.get("first_k_dense_replace"):
+        return _int(cfg, origin, "first_k_dense_replace")
+    if family in ("llama4", "llama4_text"):
+        moe_layers = cfg.get("moe_layers")
+        if isinstance(moe_layers, list) and moe_layers:
+            return L - len(set(moe_layers))
+        step = _int(cfg, origin, "interleave_moe_layer_step", default=1)
+        return L - L // step  # Llama 4: layers step-1, 2·step-1, ... are MoE
+    if family in ("qwen2_moe", "qwen3_moe"):
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = _int(cfg, origin, "decoder_sparse_step", default=1)
+        return sum(1 for i in range(L) if i in dense or (i + 1) % step)  # Qwen MoE: MoE where (i+1) % step == 0
+    return 0
 
 
 def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json mapping."""
+    """Build a ModelConfig from a Hugging Face config.json mapping (or meshplan's generic schema)."""
     family = str(cfg.get("model_type", "llama")).lower()
-    if family not in _KNOWN_FAMILIES:
-        raise MeshplanError(f"{origin}: model_type '{family}' is not supported (supported: {', '.join(_KNOWN_FAMILIES)})")
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise _unsupported(origin, family)
+    cfg, family = _text_part(cfg, origin)
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise _unsupported(origin, family)
+    cfg = {**_TYPE_DEFAULTS.get(family, {}), **cfg}
     gpt_style = family in ("gpt2", "gpt_bigcode")
+    gemma = family.startswith("gemma")
     D = _int(cfg, origin, "hidden_size", "n_embd", "d_model")
     N = _int(cfg, origin, "num_attention_heads", "n_head")
     L = _int(cfg, origin, "num_hidden_layers", "n_layer")
@@ -220,21 +377,29 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         H = D // N
     if family == "gpt_bigcode" and cfg.get("multi_query", True):
         K = 1
+    elif family == "falcon" and not cfg.get("new_decoder_architecture") and cfg.get("multi_query", True):
+        K = 1  # Falcon-7B: multi-query attention
     else:
-        K = _int(cfg, origin, "num_key_value_heads", "n_kv_heads", default=N)
+        K = _int(cfg, origin, "num_key_value_heads", "n_kv_heads", "num_kv_heads", default=N)
     F = _int(cfg, origin, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * D)
-    moe_F = cfg.get("moe_intermediate_size")
     E = _int(cfg, origin, "num_local_experts", "num_experts", "n_routed_experts", default=0) if any(
         k in cfg and cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")) else 0
-    k = _int(cfg, origin, "num_experts_per_tok", "moe_topk", default=2 if E else 0) if E else 0
+    k = _int(cfg, origin, "num_experts_per_tok", "moe_topk", "experts_per_token", default=2 if E else 0) if E else 0
     shared_F = 0
     n_shared = 0
     dense = {}
-    if E and moe_F:
-        if cfg.get("first_k_dense_replace"):
-            # DeepSeek: the first k layers keep a dense MLP of intermediate_size
-            dense = dict(first_dense_layers=_int(cfg, origin, "first_k_dense_replace"), dense_d_ff=F)
-        F = _int(cfg, origin, "moe_intermediate_size")
+    if E:
+        n_dense = _dense_layer_count(cfg, family, L, origin)
+        if family in ("llama4", "llama4_text"):
+            # Llama 4: experts and the always-on shared expert are intermediate_size wide; its dense layers'
+            # MLPs intermediate_size_mlp
+            n_shared, shared_F = 1, F
+            if n_dense:
+                dense = dict(first_dense_layers=n_dense, dense_d_ff=_int(cfg, origin, "intermediate_size_mlp"))
+        elif cfg.get("moe_intermediate_size"):
+            if n_dense:
+                dense = dict(first_dense_layers=n_dense, dense_d_ff=F)
+            F = _int(cfg, origin, "moe_intermediate_size")
     if cfg.get("shared_expert_intermediate_size"):
         shared_F = _int(cfg, origin, "shared_expert_intermediate_size")
         n_shared = 1
@@ -242,21 +407,56 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         n_shared = _int(cfg, origin, "n_shared_experts")
         shared_F = shared_F or F
     gated = family in _GATED_FAMILIES
-    act = cfg.get("mlp_act") or _act(cfg.get("hidden_act") or cfg.get("activation_function"), gated)
-    tied_default = gpt_style
+    act = cfg.get("mlp_act") or _act(cfg.get("hidden_activation") or cfg.get("hidden_act")
+                                     or cfg.get("activation_function"), gated)
+    # tied embeddings: transformers' defaults per model type (Gemma, Cohere, Falcon and GPT-2 tie theirs)
+    tied_default = gpt_style or gemma or family in ("cohere", "falcon")
     tied = cfg.get("tie_word_embeddings", tied_default)
+    if tied is None:
+        tied = tied_default
     if not isinstance(tied, bool):
         raise MeshplanError(f"{origin}: 'tie_word_embeddings' must be true or false, got {tied!r}")
-    position = cfg.get("position") or ("learned" if gpt_style else "rotary")
-    norm = cfg.get("norm") or ("layernorm" if family in ("gpt2", "gpt_neox", "gpt_bigcode") else "rmsnorm")
-    linear_bias = bool(cfg.get("linear_bias", family in ("gpt2", "gpt_neox", "gpt_bigcode")))
+    position = cfg.get("position") or ("learned" if gpt_style else "alibi" if cfg.get("alibi") else "rotary")
+    layernorm = family in ("gpt2", "gpt_neox", "gpt_bigcode", "falcon", "cohere", "phimoe")
+    norm = cfg.get("norm") or ("layernorm" if layernorm else "rmsnorm")
+    linear_bias = bool(cfg.get("linear_bias", family in ("gpt2", "gpt_neox", "gpt_bigcode", "gpt_oss")
+                           or (family == "falcon" and cfg.get("bias", False))))
     qkv_bias = bool(cfg.get("attention_bias", family in ("qwen2", "qwen2_moe")))
+    if family == "gpt_oss":
+        qkv_bias = True
     seq = _int(cfg, origin, "max_position_embeddings", "n_positions", "seq_length", default=4096)
+    windows, kind = _layer_windows(cfg, family, L, origin)
+    norms_per_layer = 2
+    if gemma and family != "gemma":
+        norms_per_layer = 4  # Gemma 2/3: pre- and post-norms around attention and MLP
+    elif family == "cohere" or (family == "falcon" and not cfg.get("new_decoder_architecture")):
+        norms_per_layer = 1  # one input norm feeds the parallel attention and MLP
+    elif family == "falcon" and cfg.get("num_ln_in_parallel_attn", 2) == 1:
+        norms_per_layer = 1
+    qk_norm = ""
+    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text") or (family == "cohere" and cfg.get("use_qk_norm")):
+        qk_norm = "head"
+    elif family == "olmo2":
+        qk_norm = "full"
+    quant = cfg.get("quantization_config")
+    expert_dtype = str(quant.get("quant_method", "")) if isinstance(quant, dict) and family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
         max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, norm=norm,
-        linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias, n_experts=E, experts_per_token=k,
+        linear_bias=linear_bias, qkv_bias=(qkv_bias or family == "phimoe") and not linear_bias,
+        n_experts=E, experts_per_token=k,
         n_shared_experts=n_shared, shared_expert_d_ff=shared_F, family=family,
+        layer_windows=windows if any(windows) else (), window_kind=kind,
+        attn_logit_softcap=_float(cfg, origin, "attn_logit_softcapping"),
+        final_logit_softcap=_float(cfg, origin, "final_logit_softcapping"),
+        attention_sinks=family == "gpt_oss", qk_norm=qk_norm, norms_per_layer=norms_per_layer,
+        norm_bias=family != "cohere", router_bias=family == "gpt_oss",
+        lm_head_bias=bool(cfg.get("lm_head_bias", family == "phimoe")),
+        shared_expert_gate=family == "qwen2_moe" and bool(n_shared),
+        moe_norm_topk=bool(cfg.get("norm_topk_prob", family in ("mixtral", "phimoe", "gpt_oss", "llama4_text"))),
+        moe_n_groups=_int(cfg, origin, "n_group", default=0) if E and cfg.get("n_group") else 0,
+        moe_topk_groups=_int(cfg, origin, "topk_group", default=0) if E and cfg.get("topk_group") else 0,
+        expert_weight_dtype=expert_dtype,
         source=str(cfg.get("_source", origin)), **mla, **dense,
     )
     validate_model(m)

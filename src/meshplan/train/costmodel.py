@@ -172,8 +172,8 @@ class CostModel:
         f_mlp = 2 * t * c["mlp_w_active"] / tp
         mm_f = self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + self._attention_projections(t, tp)
         qkv_width = self._qkv_width(tp)
-        # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths)
-        f_core = 2.0 * t * (S / 2.0) * c["N"] * tm.attention_pair_width(m) / tp
+        # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths); windowed layers attend fewer keys
+        f_core = 2.0 * t * tm.mean_attended_keys(m, S) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
             fwd_frac, bwd_frac = {
                 "fa2": (e.attention_fa2_fwd_fraction, e.attention_fa2_bwd_fraction),
