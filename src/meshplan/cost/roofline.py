@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.math.transformer import attention_pair_width, dtype_bytes
+from meshplan.math.transformer import attention_pair_width, dtype_bytes, mean_attended_keys
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -162,6 +162,9 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
     _check_positive(tokens=tokens, seq_len=seq_len)
     D, F = m.d_model, m.d_ff
     seqs = tokens / seq_len
+    # keys per query: seq_len (halved by the causal mask) or, with sliding-window/chunked layers, their mean over
+    # the layers (math/transformer.mean_attended_keys), timed as that many keys unmasked
+    keys, masked = (mean_attended_keys(m, seq_len, causal), False) if m.has_windows else (seq_len, causal)
     ops = [elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype)]
     if m.is_mla:
         # DeepSeek-V2 §2.1: latent down-projections, per-head up-projections (keys and values up-projected as in
@@ -175,12 +178,12 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
                        rhs_dtype=dtype),
                 matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
                        rhs_dtype=dtype),
-                attention(seqs, seq_len, seq_len, N, N, max(1, round(attention_pair_width(m) / 2)),
-                          causal=causal, dtype=dtype, name="attn/core"),
+                attention(seqs, seq_len, keys, N, N, max(1, round(attention_pair_width(m) / 2)),
+                          causal=masked, dtype=dtype, name="attn/core"),
                 matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     else:
         ops += [matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
-                attention(seqs, seq_len, seq_len, m.n_heads, m.n_kv_heads, m.head_dim, causal=causal,
+                attention(seqs, seq_len, keys, m.n_heads, m.n_kv_heads, m.head_dim, causal=masked,
                           dtype=dtype, name="attn/core"),
                 matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     ops.append(elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype))
@@ -194,6 +197,11 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
             elementwise(tokens * F * experts, flops_per_element=5, n_inputs=2 if m.gated else 1,
                         name="mlp/act", dtype=dtype),
             Op(down.name, down.flops * n_mats, down.bytes * n_mats, "matmul", dtype)]
+    if m.is_moe and m.n_shared_experts:
+        # shared experts (DeepSeek, Qwen-MoE, Llama 4) see every token
+        sF = m.n_shared_experts * (m.shared_expert_d_ff or F)
+        ops += [matmul(tokens, D, sF * (2 if m.gated else 1), name="mlp/shared_up", lhs_dtype=dtype, rhs_dtype=dtype),
+                matmul(tokens, sF, D, name="mlp/shared_down", lhs_dtype=dtype, rhs_dtype=dtype)]
     if include_unembedding:
         ops.append(matmul(tokens, D, m.vocab_size, name="unembed", lhs_dtype=dtype, rhs_dtype=dtype))
     return ops
