@@ -41,7 +41,8 @@ def model_summary(name: str, seq_len: int | None = None) -> dict:
         },
         "seq_len": S,
         "kv_cache_bytes_per_token": {d: tm.kv_cache_bytes_per_token(m, d, S) for d in ("bf16", "fp8", "int8")},
-        "weight_bytes": {d: pc.total * tm.dtype_bytes(d) for d in ("bf16", "fp8", "int8", "int4")},
+        "weight_bytes": {**{d: pc.total * tm.dtype_bytes(d) for d in ("bf16", "fp8", "int8", "int4")},
+                         "native": tm.native_weight_bytes(m)},
         "params_breakdown": pc.breakdown(),
         "architecture": m.as_dict(),
     }

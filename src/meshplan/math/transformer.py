@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
 
-BYTES_PER_DTYPE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# mxfp4: OCP Microscaling Formats v1.0 — blocks of 32 E2M1 (4-bit) elements sharing one E8M0 (8-bit) scale,
+# 4.25 bits per element (gpt-oss's released expert weights)
+BYTES_PER_DTYPE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 4.25 / 8}
 RECOMPUTE_POLICIES = ("none", "selective", "full", "gemm-last")
 
 
@@ -147,6 +149,16 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         n_dense_layers=m.first_dense_layers,
         per_dense_layer_mlp=_mlp_params(m, m.dense_d_ff) if m.first_dense_layers else 0,
     )
+
+
+def native_weight_bytes(m: ModelConfig, dtype: str = "bf16") -> float:
+    """Bytes of the weights as released: routed-expert matrices in the checkpoint's expert format when it has one
+    (gpt-oss: MXFP4), everything else (attention, router, embeddings, biases) in `dtype`."""
+    pc = param_counts(m)
+    if not (m.is_moe and m.expert_weight_dtype in BYTES_PER_DTYPE):
+        return pc.total * dtype_bytes(dtype)
+    experts = (m.n_layers - m.first_dense_layers) * m.n_experts * (3 if m.gated else 2) * m.d_model * m.d_ff
+    return experts * dtype_bytes(m.expert_weight_dtype) + (pc.total - experts) * dtype_bytes(dtype)
 
 
 def attention_matmul_weights(m: ModelConfig) -> int:
