@@ -325,3 +325,23 @@ def test_generic_yaml_model_in_meshplans_own_schema(tmp_path) -> None:
                    "intermediate_size: 4096\nvocab_size: 32000\nlayer_windows: [256, 0]\n")
     with pytest.raises(MeshplanError, match="layer_windows"):
         load_model(str(bad))
+
+
+def test_decode_reads_only_the_window_of_cached_keys() -> None:
+    """A decode step at 8192 tokens of context reads each layer's cached keys and values: Gemma 2 9B's local layers
+    read 4096 of them, so the KV term is (21·8192 + 21·4096)/(42·8192) = 3/4 of the full-attention model's."""
+    from meshplan.infer.step import decode_step
+
+    m, chip = cfg("gemma2-9b"), load_chip("h100-sxm")
+    eff = default_efficiency(chip)
+    windowed = decode_step(m, chip, ServeConfig(tp=1), eff, 16, 8192).parts
+    full = decode_step(m.with_overrides(layer_windows=()), chip, ServeConfig(tp=1), eff, 16, 8192).parts
+    assert windowed["kv_cache"] / full["kv_cache"] == pytest.approx(0.75, rel=1e-12)
+
+
+def test_roofline_attention_at_the_window() -> None:
+    """Gemma 2 9B, one 8192-token sequence: the attention core costs 4·T·(mean keys 3584)·N·H FLOPs."""
+    ops = {op.name: op for op in layer_ops(cfg("gemma2-9b"), 8192, 8192)}
+    assert ops["attn/core"].flops == 4 * 8192 * 3584 * 16 * 256
+    full = {op.name: op for op in layer_ops(cfg("gemma2-9b").with_overrides(layer_windows=()), 8192, 8192)}
+    assert full["attn/core"].flops == 4 * 8192 * 8192 * 16 * 256 / 2

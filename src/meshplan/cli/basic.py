@@ -69,8 +69,14 @@ def model(
     t.add_row("parameters (active per token)", fmt_count(s["params_active"]))
     t.add_row(f"FLOPs/token forward (seq {s['seq_len']}, causal)", fmt_flops(s["flops_per_token_forward"]))
     t.add_row("FLOPs/token training (fwd+bwd)", fmt_flops(s["flops_per_token_training"]))
+    spans = a["layer_windows"]
+    if spans:
+        kind = a["window_kind"]
+        t.add_row("attention layers", ", ".join(f"{spans.count(w)} × {f'{kind} {w}' if w else 'full'}"
+                                                  for w in sorted(set(spans), reverse=True)))
     for d, v in s["kv_cache_bytes_per_token"].items():
-        t.add_row(f"KV cache per token ({d})", fmt_bytes(v))
+        t.add_row(f"KV cache per token ({d}, mean over {s['seq_len']})" if spans else f"KV cache per token ({d})",
+                  fmt_bytes(v))
     for d, v in s["weight_bytes"].items():
         t.add_row(f"weights ({d})", fmt_bytes(v))
     console.print(t)

@@ -328,18 +328,27 @@ def _layer_windows(cfg: dict[str, Any], family: str, L: int, origin: str) -> tup
     return (), "sliding"
 
 
+def _layer_list(cfg: dict[str, Any], key: str, L: int, origin: str) -> set[int]:
+    """A list of layer indices (Llama 4's moe_layers, Qwen's mlp_only_layers), each in 0..L-1."""
+    value = cfg.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L
+                                              for i in value):
+        raise MeshplanError(f"{origin}: '{key}' must be a list of layer indices from 0 to {L - 1}")
+    return set(value)
+
+
 def _dense_layer_count(cfg: dict[str, Any], family: str, L: int, origin: str) -> int:
     """Layers of an MoE model that keep a dense MLP."""
     if cfg.get("first_k_dense_replace"):
         return _int(cfg, origin, "first_k_dense_replace")
     if family in ("llama4", "llama4_text"):
-        moe_layers = cfg.get("moe_layers")
-        if isinstance(moe_layers, list) and moe_layers:
-            return L - len(set(moe_layers))
+        moe_layers = _layer_list(cfg, "moe_layers", L, origin)
+        if moe_layers:
+            return L - len(moe_layers)
         step = _int(cfg, origin, "interleave_moe_layer_step", default=1)
         return L - L // step  # Llama 4: layers step-1, 2·step-1, ... are MoE
     if family in ("qwen2_moe", "qwen3_moe"):
-        dense = set(cfg.get("mlp_only_layers") or [])
+        dense = _layer_list(cfg, "mlp_only_layers", L, origin)
         step = _int(cfg, origin, "decoder_sparse_step", default=1)
         return sum(1 for i in range(L) if i in dense or (i + 1) % step)  # Qwen MoE: MoE where (i+1) % step == 0
     return 0
