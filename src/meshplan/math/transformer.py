@@ -290,7 +290,7 @@ def kv_cache_bytes_per_token(m: ModelConfig, dtype: str = "bf16", context_len: f
     latent and the shared RoPE key instead, L·(kv_lora_rank + qk_rope_head_dim) (DeepSeek-V2 §2.1.2).
     With `context_len`, the mean per token of a sequence that long: windowed layers keep at most their window."""
     full = m.n_layers * kv_cache_elements_per_layer(m) * dtype_bytes(dtype)
-    if context_len is None or not m.has_windows:
+    if not context_len or not m.has_windows:
         return full
     return full * kv_cached_tokens(m, context_len) / context_len
 
