@@ -345,3 +345,10 @@ def test_roofline_attention_at_the_window() -> None:
     assert ops["attn/core"].flops == 4 * 8192 * 3584 * 16 * 256
     full = {op.name: op for op in layer_ops(cfg("gemma2-9b").with_overrides(layer_windows=()), 8192, 8192)}
     assert full["attn/core"].flops == 4 * 8192 * 8192 * 16 * 256 / 2
+
+
+def test_olmo2_count_is_exact() -> None:
+    """The released OLMo-2-1124-13B checkpoint holds 54,864,793,600 bytes of fp32 tensors (its safetensors index):
+    13,716,198,400 parameters, every one accounted for (Q/K/V/O, the QK-norms over N·H and K·H, SwiGLU, the two
+    post-norms per layer, the final norm, untied embedding and output projection)."""
+    assert tm.param_counts(cfg("olmo2-13b")).total == 54_864_793_600 // 4

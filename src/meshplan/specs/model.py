@@ -443,10 +443,10 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     elif family == "falcon" and cfg.get("num_ln_in_parallel_attn", 2) == 1:
         norms_per_layer = 1
     qk_norm = ""
-    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text") or (family == "cohere" and cfg.get("use_qk_norm")):
-        qk_norm = "head"
-    elif family == "olmo2":
-        qk_norm = "full"
+    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
+        qk_norm = "head"  # RMSNorm(head_dim) shared by the heads
+    elif family == "olmo2" or (family == "cohere" and cfg.get("use_qk_norm")):
+        qk_norm = "full"  # OLMo 2: RMSNorm over N·H and K·H; Cohere: a LayerNorm weight per (head, dim)
     quant = cfg.get("quantization_config")
     expert_dtype = str(quant.get("quant_method", "")) if isinstance(quant, dict) and family == "gpt_oss" else ""
     m = ModelConfig(
