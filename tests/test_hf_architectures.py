@@ -352,3 +352,13 @@ def test_olmo2_count_is_exact() -> None:
     13,716,198,400 parameters, every one accounted for (Q/K/V/O, the QK-norms over N·H and K·H, SwiGLU, the two
     post-norms per layer, the final norm, untied embedding and output projection)."""
     assert tm.param_counts(cfg("olmo2-13b")).total == 54_864_793_600 // 4
+
+
+def test_serving_weights_count_dense_layers_as_dense() -> None:
+    """Llama 4 Maverick's 24 dense layers (MLP 16384) and DeepSeek-V3's 3 were served as MoE layers (784B and 710B of
+    weights for 401B and 671B models). On one chip the served weights are the model's parameters, 2 bytes each."""
+    from meshplan.infer.memory import weight_bytes_per_chip
+
+    for name in ("llama4-maverick", "deepseek-v3"):
+        m = load_model(name)
+        assert weight_bytes_per_chip(m, ServeConfig(tp=1)) == pytest.approx(2 * tm.param_counts(m).total, rel=1e-12)

@@ -45,11 +45,25 @@ def layers_per_stage(m: ModelConfig, pp: int) -> int:
     return math.ceil(m.n_layers / pp)
 
 
-def layer_weight_params_per_chip(m: ModelConfig, tp: int) -> float:
-    """One layer's parameters on one TP chip: Q/O and MLP split tp ways (Megatron sharding, book ch.5),
-    K/V projections split over KV heads (replicated when tp > K), norms replicated."""
+def moe_layer_share(m: ModelConfig, pp: int = 1) -> float:
+    """Share of MoE layers in the largest pipeline stage of a model with dense layers among its MoE layers: their
+    mean share without PP or when they are interleaved (Llama 4); 1 with PP when the dense layers lead (DeepSeek's
+    first_k_dense_replace: the later stages hold MoE layers only)."""
+    if not m.first_dense_layers:
+        return 1.0
+    if pp == 1 or m.moe_interleave:
+        return 1.0 - m.first_dense_layers / m.n_layers
+    return 1.0
+
+
+def layer_weight_params_per_chip(m: ModelConfig, tp: int, pp: int = 1) -> float:
+    """One (mean) layer's parameters on one TP chip: Q/O and MLP split tp ways (Megatron sharding, book ch.5),
+    K/V projections split over KV heads (replicated when tp > K), norms replicated; MoE and dense MLPs in the
+    proportion of `moe_layer_share`."""
     pc = param_counts(m)
-    return attention_params_per_chip(m, tp) + (pc.per_layer_mlp + pc.per_layer_router) / tp + pc.per_layer_norms
+    share = moe_layer_share(m, pp)
+    mlp = share * (pc.per_layer_mlp + pc.per_layer_router) + (1.0 - share) * pc.per_dense_layer_mlp
+    return attention_params_per_chip(m, tp) + mlp / tp + pc.per_layer_norms
 
 
 def attention_params_per_chip(m: ModelConfig, tp: int) -> float:
@@ -78,7 +92,7 @@ def embedding_params_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
 
 def weight_bytes_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
     """Weights on the most loaded chip of a replica."""
-    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp)
+    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp, cfg.pp)
     return (layers + embedding_params_per_chip(m, cfg)) * cfg.weight_bytes
 
 

@@ -20,7 +20,12 @@ from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.infer.config import ServeConfig, serving_constant
-from meshplan.infer.memory import attention_params_per_chip, kv_bytes_per_token_per_chip, layers_per_stage
+from meshplan.infer.memory import (
+    attention_params_per_chip,
+    kv_bytes_per_token_per_chip,
+    layers_per_stage,
+    moe_layer_share,
+)
 from meshplan.math.transformer import attention_pair_width, kv_cached_tokens, mean_attended_keys, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -47,7 +52,7 @@ class _LayerParams:
 
 
 @lru_cache(maxsize=256)
-def _layer_params(m: ModelConfig, tp: int) -> _LayerParams:
+def _layer_params(m: ModelConfig, tp: int, pp: int = 1) -> _LayerParams:
     pc = param_counts(m)
     D = m.d_model
     attn = attention_params_per_chip(m, tp) + pc.per_layer_norms
@@ -56,8 +61,12 @@ def _layer_params(m: ModelConfig, tp: int) -> _LayerParams:
         return _LayerParams(attn + mlp, 0.0, 0, attn + mlp)
     expert = (3 if m.gated else 2) * D * m.d_ff  # book ch.4 MoE: E experts of 3DF
     shared = pc.per_layer_mlp - m.n_experts * expert
-    dense = attn + (shared + pc.per_layer_router) / tp
-    return _LayerParams(dense, expert / tp, m.n_experts, attn + (pc.per_layer_mlp_active + pc.per_layer_router) / tp)
+    # the mean layer of the stage: MoE layers in the share moe_layer_share, dense MLPs (DeepSeek, Llama 4) the rest
+    share = moe_layer_share(m, pp)
+    dense_mlp = (1.0 - share) * pc.per_dense_layer_mlp / tp
+    dense = attn + share * (shared + pc.per_layer_router) / tp + dense_mlp
+    active = attn + share * (pc.per_layer_mlp_active + pc.per_layer_router) / tp + dense_mlp
+    return _LayerParams(dense, share * expert / tp, m.n_experts, active)
 
 
 def touched_experts(m: ModelConfig, tokens: float) -> float:
@@ -129,7 +138,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
                 decode_ctx: float, prefill_tokens: float, prefill_ctx: float) -> dict[str, float]:
     """Seconds of each term for one micro-batch through one pipeline stage."""
     Ls = layers_per_stage(m, cfg.pp)
-    lp = _layer_params(m, cfg.tp)
+    lp = _layer_params(m, cfg.tp, cfg.pp)
     tokens = decode_seqs + prefill_tokens
     W = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     cdt = cfg.compute_dtype(chip)

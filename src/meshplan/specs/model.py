@@ -59,6 +59,7 @@ class ModelConfig:
     # number matters to the counts and to the mean layer the cost model times)
     first_dense_layers: int = 0
     dense_d_ff: int = 0
+    moe_interleave: int = 0  # MoE on every n-th layer (Llama 4, Qwen's decoder_sparse_step); 0: dense layers lead
     # Attention span per layer, in tokens, 0 = full causal attention (one entry per layer, or empty: all full).
     # window_kind "sliding": a query sees the last w keys (Mistral, Gemma 2/3 local layers, gpt-oss); "chunked": a
     # query sees the keys of its own w-token chunk (Llama 4's local layers, attention_chunk_size).
@@ -150,7 +151,7 @@ class ModelConfig:
 
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len",
                 "n_experts", "experts_per_token", "n_shared_experts", "shared_expert_d_ff", "kv_lora_rank",
-                "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_dense_layers", "dense_d_ff")
+                "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_dense_layers", "dense_d_ff", "moe_interleave")
 _MAX_SIZE = 2**53
 
 
@@ -404,10 +405,13 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
             # MLPs intermediate_size_mlp
             n_shared, shared_F = 1, F
             if n_dense:
-                dense = dict(first_dense_layers=n_dense, dense_d_ff=_int(cfg, origin, "intermediate_size_mlp"))
+                dense = dict(first_dense_layers=n_dense, dense_d_ff=_int(cfg, origin, "intermediate_size_mlp"),
+                             moe_interleave=_int(cfg, origin, "interleave_moe_layer_step", default=1))
         elif cfg.get("moe_intermediate_size"):
             if n_dense:
-                dense = dict(first_dense_layers=n_dense, dense_d_ff=F)
+                dense = dict(first_dense_layers=n_dense, dense_d_ff=F,
+                             moe_interleave=_int(cfg, origin, "decoder_sparse_step", default=0)
+                             if family in ("qwen2_moe", "qwen3_moe") and cfg.get("decoder_sparse_step") else 0)
             F = _int(cfg, origin, "moe_intermediate_size")
     if cfg.get("shared_expert_intermediate_size"):
         shared_F = _int(cfg, origin, "shared_expert_intermediate_size")
