@@ -362,3 +362,10 @@ def test_serving_weights_count_dense_layers_as_dense() -> None:
     for name in ("llama4-maverick", "deepseek-v3"):
         m = load_model(name)
         assert weight_bytes_per_chip(m, ServeConfig(tp=1)) == pytest.approx(2 * tm.param_counts(m).total, rel=1e-12)
+
+
+def test_layer_types_must_cover_every_layer() -> None:
+    raw = json.loads((CONFIGS / "gpt-oss-120b.json").read_text())
+    raw["layer_types"] = raw["layer_types"][:-1]
+    with pytest.raises(MeshplanError, match="layer_types"):
+        model_from_hf(raw, "x", "config.json")

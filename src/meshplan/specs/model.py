@@ -306,7 +306,9 @@ def _layer_windows(cfg: dict[str, Any], family: str, L: int, origin: str) -> tup
         return (), "sliding"
     W = _int(cfg, origin, "sliding_window")
     types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == L:
+    if types is not None:
+        if not isinstance(types, list) or len(types) != L:
+            raise MeshplanError(f"{origin}: 'layer_types' must list the attention type of each of the {L} layers")
         return tuple(W if str(t).startswith("sliding") else 0 for t in types), "sliding"
     if family == "gemma2":
         # Gemma 2 (modeling_gemma2): even layers local (sliding), odd layers global
