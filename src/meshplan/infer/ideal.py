@@ -28,7 +28,7 @@ def smallest_topologies(m: ModelConfig, chip: Chip, w: Workload, *, step_target_
     ctx = w.input_len + w.output_len
     rows = []
     for d in dtypes:
-        kv_tok = kv_cache_bytes_per_token(m, d)
+        kv_tok = kv_cache_bytes_per_token(m, d, ctx)  # mean per token: windowed layers keep at most their window
         C = chip.peak("bf16")  # int8/int4 weights compute in bf16 (book ch.8); bf16 itself is bf16
         base = bd.ideal_serving_point(params, d, kv_tok, ctx, w.output_len, chip.hbm_bytes,
                                       chip.hbm_bandwidth_bytes_per_s, C, step_target_s=step_target_s)
@@ -51,9 +51,11 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     n = cfg.chips_per_replica
     params, active = param_counts(m).total, matmul_params_active(m)
     pbytes = bd.weight_bytes(params, cfg.weight_dtype)
-    kv_tok = kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    # per token, averaged over the context (windowed layers keep at most their window)
+    kv_tok = kv_cache_bytes_per_token(m, cfg.kv_dtype, w.input_len + w.output_len)
     C, W = chip.peak(cfg.compute_dtype(chip)), chip.hbm_bandwidth_bytes_per_s
-    kv_mean = bd.kv_bytes_per_sequence(kv_tok, w.input_len + w.output_len / 2)
+    mean_ctx = w.input_len + w.output_len / 2
+    kv_mean = bd.kv_bytes_per_sequence(kv_cache_bytes_per_token(m, cfg.kv_dtype, mean_ctx), mean_ctx)
     step = bd.ideal_decode_step(pbytes, kv_mean, batch, n, W, C, active)
     ttft = max(2.0 * active * w.input_len / (n * C), bd.min_decode_latency(pbytes, n, W))
     max_b = bd.ideal_max_decode_batch(n * chip.hbm_bytes, pbytes, bd.kv_bytes_per_sequence(
