@@ -369,3 +369,25 @@ def test_layer_types_must_cover_every_layer() -> None:
     raw["layer_types"] = raw["layer_types"][:-1]
     with pytest.raises(MeshplanError, match="layer_types"):
         model_from_hf(raw, "x", "config.json")
+
+
+def test_disaggregated_kv_transfer_ships_the_window() -> None:
+    """A 7168-token prompt of Gemma 2 9B leaves (21·7168 + 21·4096)/42 = 5632 tokens of KV per layer to ship from
+    the prefill to the decode instance, 5632/7168 of the full-attention model's bytes."""
+    from meshplan.infer.disagg import kv_transfer_s
+
+    m, chip = cfg("gemma2-9b"), load_chip("h100-sxm")
+    hop = chip.links.scale_out_hop_latency_s
+    windowed = kv_transfer_s(m, chip, ServeConfig(tp=1), 7168) - hop
+    full = kv_transfer_s(m.with_overrides(layer_windows=()), chip, ServeConfig(tp=1), 7168) - hop
+    assert windowed / full == pytest.approx(5632 / 7168, rel=1e-9)
+
+
+def test_attention_bias_is_q_k_v_and_o_outside_qwen() -> None:
+    """transformers: Qwen2's attention_bias covers Q, K and V; Llama-style models (Phi-3.5-MoE) bias O as well:
+    4096 + 1024 + 1024 + 4096 per layer for Phi-3.5-MoE (N·H = 4096, K·H = 1024)."""
+    phi = cfg("phi-3.5-moe")
+    no_bias = phi.with_overrides(qkv_bias=False, out_bias=False)
+    assert tm.param_counts(phi).per_layer_attention - tm.param_counts(no_bias).per_layer_attention == 4096 * 2 + 2048
+    q = cfg("qwen1.5-moe-a2.7b")
+    assert q.qkv_bias and not q.out_bias

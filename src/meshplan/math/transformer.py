@@ -122,7 +122,7 @@ def param_counts(m: ModelConfig) -> ParamCounts:
     elif m.linear_bias:
         attn += m.q_dim + 2 * m.kv_dim + D
     elif m.qkv_bias:
-        attn += m.q_dim + 2 * m.kv_dim
+        attn += m.q_dim + 2 * m.kv_dim + (D if m.out_bias else 0)
     attn += _qk_norm_params(m) + (m.n_heads if m.attention_sinks else 0)  # gpt-oss: one sink logit per head
     if m.is_moe:
         mlp = m.n_experts * _mlp_params(m, m.d_ff)

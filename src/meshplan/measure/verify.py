@@ -57,7 +57,7 @@ def import_jax() -> Any:
 def reference_model(m: ModelConfig) -> ModelConfig:
     """The LLaMA-style architecture the JAX reference builds: RMSNorm, RoPE, no biases, no shared experts, full
     attention in every layer (no windows), two norms per layer, every layer alike."""
-    return m.with_overrides(norm="rmsnorm", position="rotary", linear_bias=False, qkv_bias=False,
+    return m.with_overrides(norm="rmsnorm", position="rotary", linear_bias=False, qkv_bias=False, out_bias=False,
                             n_shared_experts=0, shared_expert_d_ff=0, layer_windows=(), norms_per_layer=2,
                             norm_bias=True, qk_norm="", attention_sinks=False, router_bias=False,
                             lm_head_bias=False, shared_expert_gate=False, first_dense_layers=0, dense_d_ff=0)

@@ -43,6 +43,7 @@ class ModelConfig:
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     linear_bias: bool = False  # every linear layer has a bias (GPT-2/3, NeoX, BLOOM)
     qkv_bias: bool = False  # only the Q/K/V projections have biases (Qwen2)
+    out_bias: bool = False  # the attention output projection has a bias too (attention_bias outside Qwen: Phi-3.5-MoE)
     n_experts: int = 0  # E; 0 means dense
     experts_per_token: int = 0  # k
     n_shared_experts: int = 0
@@ -458,7 +459,9 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
         max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, norm=norm,
-        linear_bias=linear_bias, qkv_bias=(qkv_bias or family == "phimoe") and not linear_bias,
+        linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias,
+        # transformers: attention_bias gives Q, K, V and O biases (Llama, Phi-3.5-MoE, ...), Qwen2's only Q/K/V
+        out_bias=qkv_bias and not linear_bias and family not in ("qwen2", "qwen2_moe"),
         n_experts=E, experts_per_token=k,
         n_shared_experts=n_shared, shared_expert_d_ff=shared_F, family=family,
         layer_windows=windows if any(windows) else (), window_kind=kind,
