@@ -30,6 +30,7 @@ app = typer.Typer(
 # Rich assumes 80 columns when stdout is not a terminal; plans are wider than that.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
+ARGV: list[str] = []  # the arguments `main` was given, for files that record the command that wrote them
 
 
 def fail(message: str) -> None:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         args = ["--help"]
+    ARGV[:] = args
     try:
         result = app(args=args, standalone_mode=False)
     except MeshplanError as exc:

@@ -49,11 +49,12 @@ def parse_tokens(text: str | None) -> float | None:
 
 @app.command()
 def train(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset or HF config.json.")],
-    hardware: Annotated[str, typer.Option("--hardware", help="Chip preset or YAML.")],
-    chips: Annotated[int, typer.Option(help="Number of chips.")],
-    seq_len: Annotated[int, typer.Option(help="Sequence length (tokens).")],
-    global_batch: Annotated[int, typer.Option(help="Global batch in sequences.")],
+    # required unless --from FILE states them (checked below)
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Preset or HF config.json.")] = None,
+    hardware: Annotated[str | None, typer.Option("--hardware", help="Chip preset or YAML.")] = None,
+    chips: Annotated[int | None, typer.Option(help="Number of chips.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length (tokens).")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Global batch in sequences.")] = None,
     tokens: Annotated[str | None, typer.Option(help="Training tokens: adds wall-clock days and cost.")] = None,
     dp: Pin = None, fsdp: Pin = None, tp: Pin = None, pp: Pin = None, vpp: Pin = None, cp: Pin = None,
     ep: Pin = None, microbatch: Pin = None,
@@ -119,32 +120,64 @@ def train(
                                                         "bubble) beside each plan; --json key 'book_ideal'.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the DESIGN.md JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
+    from_file: Annotated[str | None, typer.Option(
+        "--from", help="Predict a framework's own config (torchtitan .toml, Megatron arguments, MaxText .yml, NeMo "
+                       ".yaml, DeepSpeed .json) and show the best layouts beside it.")] = None,
+    export: Annotated[str | None, typer.Option(
+        help="Write the plan as a framework's config: torchtitan, megatron, nemo, maxtext or deepspeed (plans with "
+             "that framework's behaviour).")] = None,
+    out: Annotated[str | None, typer.Option(help="Folder --export writes to.")] = None,
+    rank: Annotated[int | None, typer.Option(
+        help="Which plan --export writes (default: the best the framework can express).")] = None,
 ) -> None:
     """Search every parallel layout; predict step time, MFU, memory; explain the best."""
-    problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
+    from meshplan.cli.export import export_pins, train_framework, train_from
+
+    if from_file is None:
+        for flag, v in (("--model", model), ("--hardware", hardware), ("--chips", chips), ("--seq-len", seq_len),
+                        ("--global-batch", global_batch)):
+            if v is None:
+                fail(f"missing option {flag} (or read a framework's config with --from FILE)")
+    elif hardware is None:
+        fail("missing option --hardware (a framework's config does not name the chip)")
+    framework = train_framework(export, framework)
+    if from_file is None:
+        problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
     if dtype not in ("bf16", "fp8"):
         fail(f"--dtype must be bf16 or fp8, got '{dtype}'")
     if not 0 <= headroom < 1:
         fail(f"--headroom is a fraction in [0, 1), got {headroom}")
     if top < 1:
         fail(f"--top must be at least 1, got {top}")
-    if dtype == "fp8":
+    if dtype == "fp8" and from_file is None:
         problem.chip.peak("fp8")
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
-    eff = resolve_efficiency(problem.chip, profile)
+    pins = export_pins(export, pins)
     if moe_node_limit is not None and moe_node_limit < 1:
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
     _check_choice("--cp-impl", cp_impl, ("ring", "torch"))
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
-    opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), dict(
+    explicit = dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
-        attention_kernel=attention_kernel))
+        attention_kernel=attention_kernel)
+    if from_file is not None:
+        train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
+                   slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
+                   json_out=json_out, pins=pins, explicit=explicit)
+        return
+    eff = resolve_efficiency(problem.chip, profile)
+    opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), explicit)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
+    if export:
+        from meshplan.cli.export import write_train_export
+
+        write_train_export(export, out, rank, problem, result, opts, model,
+                           more=lambda n: plan(problem, pins, eff, opts, top=n))
     if plot:
         from meshplan.report.train_plots import write_train_plots
 

@@ -34,6 +34,10 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False),
+    # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
+    # per pointwise op, an eager loss on fp32 logits, attention through PyTorch SDPA (transformers' default
+    # attn_implementation); `overlap_comm` (zero_optimization) buckets the gradient reduction behind the backward
+    "deepspeed": dict(fused_elementwise=False, fused_loss=False, attention_kernel="sdpa", dp_overlap=True),
 }
 
 

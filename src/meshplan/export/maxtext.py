@@ -1,0 +1,180 @@
+"""MaxText YAML (run as `python -m maxtext.trainers.pre_train.train FILE`). Key names: src/maxtext/configs/base.yml at
+AI-Hypercomputer/maxtext@e591f30cbbf217ed67ef71263ec0538239f9c3b8 (data/maxtext_keys.txt lists every key).
+
+Mesh: MaxText multiplies ici_* (inside a slice) and dcn_* (across slices) degrees per axis. meshplan's data,
+fsdp, tensor, pipeline and context axes map onto MaxText's data, fsdp, tensor, pipeline and context axes; the slow
+(DCN) share is taken from the outermost axes first, as meshplan places them (ParallelConfig.mesh). MaxText's
+expert axis also shards the batch and the non-expert weights (its logical rule `embed -> [fsdp, ..., expert]`),
+so meshplan's expert parallelism, carved out of the FSDP ranks, is MaxText's expert axis times its fsdp axis.
+Batch: global batch = per_device_batch_size x devices x gradient_accumulation_steps (base.yml); with pipelining,
+the micro-batch is global batch / num_pipeline_microbatches (base.yml).
+"""
+
+from __future__ import annotations
+
+import math
+
+import yaml
+
+from meshplan.cost.topology import make_cluster
+from meshplan.errors import MeshplanError
+from meshplan.export.common import Job, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.train.space import Pins
+
+NAME = "maxtext"
+PINS = {"zero": 0, "offload": 0.0}  # what a MaxText config cannot say (REASONS)
+SUFFIX = ".yml"
+# meshplan recompute -> remat_policy (layers/decoders.py): "minimal" saves the matmul outputs without batch
+# dimensions, so the attention core (QK^T, AV) and the pointwise ops are recomputed (Korthikanti's selective);
+# "minimal_with_context" also saves the attention output: only the pointwise ops run again (gemm-last)
+REMAT = {"full": "full", "selective": "minimal", "gemm-last": "minimal_with_context"}
+AXES = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("cp", "context"), ("tp", "tensor"))  # outermost first
+REASONS = {
+    "recompute": "MaxText rematerialises every scanned layer: its least recompute, remat_policy "
+                 "minimal_with_context, is meshplan's gemm-last",
+    "zero": "MaxText shards with its fsdp axis (ZeRO-3)",
+    "offload": "activation offload is a custom remat policy meshplan does not write",
+    "pp_schedule": "MaxText pipelines with a circular GPipe-like schedule",
+    "ep": "MaxText's expert axis must divide the FSDP ranks",
+    "tp_overlap": "XLA decomposes TP collectives into collective matmuls",
+    "dp_overlap": "XLA reduces the scanned layers' gradients after the backward",
+}
+MODEL_KEYS = {"base_num_decoder_layers": "n_layers", "base_emb_dim": "d_model", "base_num_query_heads": "n_heads",
+              "base_num_kv_heads": "n_kv_heads", "base_mlp_dim": "d_ff", "head_dim": "head_dim",
+              "vocab_size": "vocab_size", "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
+
+
+def _dcn_split(c, slices: int) -> dict[str, int]:
+    """The share of each axis that crosses slices, outermost axes first."""
+    out, left = {}, slices
+    for attr, _ in AXES:
+        f = math.gcd(getattr(c, attr), left)
+        out[attr], left = f, left // f
+    if left != 1:
+        raise MeshplanError(f"maxtext: the {slices} slices cannot be split over this plan's outer axes")
+    return out
+
+
+def export(plan: PlanToExport) -> str:
+    c, o, p = plan.config, plan.options, plan.problem
+    m = p.model
+    slices = make_cluster(p.chip, p.chips, p.slice_shape).n_slices
+    dcn = _dcn_split(c, slices)
+    ep_axis = c.ep if m.is_moe else 1
+    degrees = {attr: getattr(c, attr) for attr, _ in AXES}
+    if ep_axis > 1:
+        degrees["fsdp"] = c.fsdp // ep_axis if c.fsdp % ep_axis == 0 else 0
+    data = c.dp * c.fsdp
+    n_micro = p.global_batch // (data * c.microbatch)
+    accum = 1 if c.pp > 1 else n_micro
+    doc: dict = {"base_config": "base.yml", "hardware": "tpu" if p.chip.kind == "tpu" else "gpu"}
+    if plan.model_arg == m.name:
+        doc["model_name"] = m.name
+    doc.update({k: getattr(m, v) for k, v in MODEL_KEYS.items() if v not in ("n_experts", "experts_per_token")})
+    if m.is_moe:
+        doc.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token)
+    doc.update({
+        "max_target_length": p.seq_len,
+        "per_device_batch_size": p.global_batch / (p.chips * accum),
+        "gradient_accumulation_steps": accum,
+        "remat_policy": REMAT.get(c.recompute, c.recompute),
+        "dtype": "bfloat16",
+        "quantization": "fp8" if o.compute_dtype == "fp8" else "",
+        "attention": "flash" if p.chip.kind == "tpu" else "cudnn_flash_te",
+    })
+    if c.pp > 1:
+        doc["num_pipeline_microbatches"] = n_micro
+        doc["num_layers_per_pipeline_stage"] = -(-m.n_layers // (c.pp * c.vpp))
+    if p.chip.kind == "tpu":
+        doc["num_slices"] = slices
+    for attr, axis in AXES:
+        ici = degrees[attr] // dcn[attr] if degrees[attr] % dcn[attr] == 0 else 0
+        doc[f"ici_{axis}_parallelism"], doc[f"dcn_{axis}_parallelism"] = ici, dcn[attr]
+    doc["ici_expert_parallelism"], doc["dcn_expert_parallelism"] = ep_axis, 1
+    return commented(header_lines(plan, NAME)) + yaml.safe_dump(doc, sort_keys=False)
+
+
+def load(text: str, chips: int | None = None) -> Job:
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise MeshplanError("a MaxText config is a YAML mapping of keys")
+    known = framework_keys(NAME)
+    used = {"base_config", "hardware", "model_name", "max_target_length", "per_device_batch_size",
+            "gradient_accumulation_steps", "remat_policy", "dtype", "quantization", "attention",
+            "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_slices", *MODEL_KEYS}
+    used |= {f"{kind}_{axis}_parallelism" for kind in ("ici", "dcn")
+             for axis in ("data", "fsdp", "tensor", "pipeline", "context", "sequence", "expert")}
+    job = Job(NAME, Pins())
+    job.unknown_keys = sorted(k for k in doc if k not in known)
+    job.unmodelled_keys = sorted(k for k in doc if k in known and k not in used)
+    deg: dict[str, int] = {}
+    for kind in ("ici", "dcn"):
+        for axis in ("data", "fsdp", "tensor", "pipeline", "context", "expert"):
+            # base.yml defaults: ici_fsdp_parallelism -1 and dcn_data_parallelism -1 take what is left
+            default = -1 if (kind, axis) in (("ici", "fsdp"), ("dcn", "data")) else 1
+            v = doc.get(f"{kind}_{axis}_parallelism", default)
+            if axis == "context":  # the older name of the context axis
+                v *= doc.get(f"{kind}_sequence_parallelism", 1)
+            deg[f"{kind}_{axis}"] = v
+    slices = doc.get("num_slices", -1)
+    slices = slices if isinstance(slices, int) and slices > 0 else None
+    _fill(deg, "dcn", slices)
+    total_dcn = math.prod(v for k, v in deg.items() if k.startswith("dcn"))
+    if any(v == -1 for k, v in deg.items() if k.startswith("ici")):
+        if chips is None:
+            raise MeshplanError("the MaxText file leaves an ici_*_parallelism at -1 (all devices left over): "
+                                "give --chips")
+        _fill(deg, "ici", divide(NAME, "--chips", chips, total_dcn))
+    job.chips = math.prod(deg.values())
+    job.slices = math.prod(v for k, v in deg.items() if k.startswith("dcn")) if doc.get("hardware", "tpu") \
+        .startswith("tpu") else None
+    both = {axis: deg[f"ici_{axis}"] * deg[f"dcn_{axis}"] for axis in ("data", "fsdp", "tensor", "pipeline",
+                                                                        "context", "expert")}
+    dp, tp, pp, cp, ep = both["data"], both["tensor"], both["pipeline"], both["context"], both["expert"]
+    fsdp = both["fsdp"] * ep  # the expert axis shards the batch and the non-expert weights as fsdp does
+    check_degrees(NAME, data=dp, fsdp=fsdp, tensor=tp, pipeline=pp, context=cp, expert=ep)
+    accum = doc.get("gradient_accumulation_steps", 1)
+    per_device = float(doc.get("per_device_batch_size", 12.0))
+    gb = per_device * job.chips * accum
+    if abs(gb - round(gb)) > 1e-9:
+        raise MeshplanError(f"maxtext file: per_device_batch_size {per_device} x {job.chips} devices is not a whole "
+                            "number of sequences")
+    job.global_batch, job.seq_len = round(gb), doc.get("max_target_length", 2048)
+    data = dp * fsdp
+    if pp > 1:
+        n_micro = doc.get("num_pipeline_microbatches", -1)
+        n_micro = pp if n_micro in (-1, None) else n_micro  # base.yml: by default the number of stages
+        mb = divide(NAME, "global batch per data-parallel rank", job.global_batch // data, n_micro)
+        # the stages repeat around the pipeline until the layers are used up (num_pipeline_repeats): virtual stages
+        vpp, job.layers_per_stage = None, doc.get("num_layers_per_pipeline_stage", 1)
+    else:
+        mb, vpp = divide(NAME, "global batch", job.global_batch, data * accum), 1
+    policy = doc.get("remat_policy", "full")
+    back = {v: k for k, v in REMAT.items()}
+    if policy not in back:
+        raise MeshplanError(f"maxtext remat_policy '{policy}' is not one meshplan models ({', '.join(back)}): "
+                            "give --recompute")
+    job.pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=mb, recompute=back[policy],
+                    zero=0, offload=0.0, sequence_parallel=True)
+    q = str(doc.get("quantization") or "")
+    job.options["compute_dtype"] = "fp8" if q.startswith("fp8") or q == "nanoo_fp8" else "bf16"
+    if doc.get("attention") == "dot_product":
+        job.options["flash_attention"] = False
+    job.model = doc.get("model_name") if doc.get("model_name") not in (None, "default") else None
+    job.model_dims = {v: doc[k] for k, v in MODEL_KEYS.items() if isinstance(doc.get(k), int) and doc[k] > 0
+                      and not (k == "num_experts" and doc[k] == 1) and not (k == "num_experts_per_tok" and doc[k] == 1)}
+    return job
+
+
+def _fill(deg: dict[str, int], kind: str, total: int | None) -> None:
+    """MaxText's -1: the one axis of `kind` that takes whatever `total` leaves (1 when total is unknown)."""
+    free = [k for k, v in deg.items() if k.startswith(kind) and v == -1]
+    if len(free) > 1:
+        raise MeshplanError(f"maxtext file: more than one {kind}_*_parallelism is -1 ({', '.join(free)})")
+    if not free:
+        return
+    fixed = math.prod(v for k, v in deg.items() if k.startswith(kind) and v > 0)
+    deg[free[0]] = 1 if total is None else divide(NAME, f"{kind} devices", total, fixed)

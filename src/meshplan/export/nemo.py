@@ -1,0 +1,126 @@
+"""NeMo 2 recipe overrides: a YAML of the recipe attributes to set on a `nemo.collections.llm` pretraining recipe, each
+one a dotted path NeMo-Run's CLI also takes (`nemo llm pretrain --factory llama3_8b trainer.num_nodes=4 ...`).
+Paths: data/nemo_keys.txt (Megatron-Core config fields at core_v0.15.0; NeMo's Trainer, MegatronStrategy,
+MegatronMixedPrecision and data module arguments). NeMo runs Megatron-Core, so the behaviour is Megatron's plus the
+TP communication overlap its performance recipes turn on (train/frameworks.py "nemo").
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from meshplan.errors import MeshplanError
+from meshplan.export.common import Job, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.export.megatron import REASONS as MEGATRON_REASONS
+from meshplan.train.space import Pins
+
+NAME = "nemo"
+PINS = {"offload": 0.0}  # as Megatron
+SUFFIX = ".yaml"
+REASONS = dict(MEGATRON_REASONS, fsdp="meshplan writes NeMo's Megatron DDP (no FSDP)",
+               dp="meshplan writes NeMo's Megatron DDP (no FSDP)")
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = v
+    return out
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + str(k)] = v
+    return out
+
+
+def export(plan: PlanToExport) -> str:
+    c, o, p = plan.config, plan.options, plan.problem
+    gpus = min(p.chip.links.nvlink_domain_size or 8, p.chips)
+    tp_ov, dp_ov = o.overlaps(p.chip.kind)
+    flat = {
+        "trainer.num_nodes": divide(NAME, "chips", p.chips, gpus), "trainer.devices": gpus,
+        "trainer.strategy.tensor_model_parallel_size": c.tp, "trainer.strategy.pipeline_model_parallel_size": c.pp,
+        "trainer.strategy.virtual_pipeline_model_parallel_size": c.vpp if c.pp > 1 and c.vpp > 1 else None,
+        "trainer.strategy.context_parallel_size": c.cp, "trainer.strategy.expert_model_parallel_size": c.ep,
+        "trainer.strategy.sequence_parallel": bool(c.sequence_parallel and c.tp > 1),
+        "trainer.strategy.ddp.overlap_grad_reduce": bool(dp_ov),
+        "trainer.strategy.ddp.overlap_param_gather": bool(o.overlap_param_gather),
+        "optim.config.use_distributed_optimizer": c.zero >= 1,
+        "model.config.tp_comm_overlap": bool(tp_ov and c.tp > 1),
+        "model.config.recompute_granularity": None if c.recompute == "none" else c.recompute,
+        "data.seq_length": p.seq_len, "data.micro_batch_size": c.microbatch, "data.global_batch_size": p.global_batch,
+        "trainer.plugins.fp8": "hybrid" if o.compute_dtype == "fp8" else None,
+        "trainer.plugins.fp8_recipe": "delayed" if o.compute_dtype == "fp8" else None,
+    }
+    if c.recompute == "full":
+        flat.update({"model.config.recompute_method": "uniform", "model.config.recompute_num_layers": 1})
+    if c.recompute not in ("none", "full", "selective"):
+        flat["model.config.recompute_granularity"] = c.recompute  # read back as not expressible
+    if c.fsdp > 1:
+        flat["trainer.strategy.ddp.data_parallel_sharding_strategy"] = "optim_grads_params"
+    cli = "nemo llm pretrain --factory RECIPE " + " ".join(f"{k}={v}" for k, v in flat.items() if v is not None)
+    lines = header_lines(plan, NAME) + [f"as NeMo-Run overrides: {cli}"]
+    return commented(lines) + yaml.safe_dump(_unflatten({k: v for k, v in flat.items() if v is not None}),
+                                             sort_keys=False)
+
+
+USED = {"trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_parallel_size",
+        "trainer.strategy.pipeline_model_parallel_size", "trainer.strategy.virtual_pipeline_model_parallel_size",
+        "trainer.strategy.context_parallel_size", "trainer.strategy.expert_model_parallel_size",
+        "trainer.strategy.sequence_parallel", "trainer.strategy.ddp.overlap_grad_reduce",
+        "trainer.strategy.ddp.overlap_param_gather", "optim.config.use_distributed_optimizer",
+        "trainer.strategy.ddp.use_distributed_optimizer", "model.config.tp_comm_overlap",
+        "model.config.recompute_granularity", "model.config.recompute_method", "model.config.recompute_num_layers",
+        "data.seq_length", "data.micro_batch_size", "data.global_batch_size", "trainer.plugins.fp8",
+        "trainer.plugins.fp8_recipe", "trainer.strategy.ddp.data_parallel_sharding_strategy"}
+
+
+def load(text: str, chips: int | None = None) -> Job:
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise MeshplanError("a NeMo override file is a YAML mapping")
+    flat = _flatten(doc)
+    known = framework_keys(NAME)
+    job = Job(NAME, Pins())
+    job.unknown_keys = sorted(k for k in flat if k not in known)
+    job.unmodelled_keys = sorted(k for k in flat if k in known and k not in USED)
+    g = flat.get
+    tp, pp = g("trainer.strategy.tensor_model_parallel_size", 1), g("trainer.strategy.pipeline_model_parallel_size", 1)
+    cp, ep = g("trainer.strategy.context_parallel_size", 1), g("trainer.strategy.expert_model_parallel_size", 1)
+    check_degrees(NAME, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                  expert_model_parallel_size=ep)
+    if g("trainer.num_nodes") and g("trainer.devices"):
+        job.chips = g("trainer.num_nodes") * g("trainer.devices")
+    else:
+        job.chips = chips
+    if job.chips is None:
+        raise MeshplanError("the NeMo file does not say trainer.num_nodes and trainer.devices: give --chips")
+    data = divide(NAME, "chips", job.chips, tp * pp * cp)
+    gran = g("model.config.recompute_granularity")
+    if gran not in (None, "full", "selective"):
+        raise MeshplanError(f"nemo model.config.recompute_granularity must be full or selective, got '{gran}'")
+    zero3 = g("trainer.strategy.ddp.data_parallel_sharding_strategy") == "optim_grads_params"
+    vpp = g("trainer.strategy.virtual_pipeline_model_parallel_size") or 1
+    distopt = bool(g("optim.config.use_distributed_optimizer") or g("trainer.strategy.ddp.use_distributed_optimizer"))
+    job.pins = Pins(dp=1 if zero3 else data, fsdp=data if zero3 else 1, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
+                    microbatch=g("data.micro_batch_size", 1), recompute=gran or "none",
+                    zero=1 if distopt and not zero3 else 0, offload=0.0,
+                    sequence_parallel=bool(g("trainer.strategy.sequence_parallel", False)))
+    job.seq_len, job.global_batch = g("data.seq_length"), g("data.global_batch_size")
+    job.options.update(compute_dtype="fp8" if g("trainer.plugins.fp8") else "bf16",
+                       tp_overlap=bool(g("model.config.tp_comm_overlap", False)),
+                       dp_overlap=bool(g("trainer.strategy.ddp.overlap_grad_reduce", False)),
+                       overlap_param_gather=bool(g("trainer.strategy.ddp.overlap_param_gather", False)))
+    return job

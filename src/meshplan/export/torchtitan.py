@@ -1,0 +1,223 @@
+"""torchtitan job TOML (the `--job.config_file` format torchtitan read until its February 2026 move to Python config
+registries). Key names: torchtitan/config/job_config.py at pytorch/torchtitan@e347b1e5e6b6941d789d16d340145294d82dc71e
+(the last commit with TOML job configs; data/torchtitan_keys.txt lists every key of that file).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.export.common import (
+    Job,
+    PlanToExport,
+    check_degrees,
+    commented,
+    divide,
+    framework_keys,
+    header_lines,
+    reversed_map,
+)
+from meshplan.train.space import Pins
+
+NAME = "torchtitan"
+PINS = {"zero": 0, "offload": 0.0}  # what a torchtitan job cannot do (REASONS)
+SUFFIX = ".toml"
+# torchtitan model flavours (torchtitan/models/llama3/__init__.py `llama3_configs`) <-> meshplan presets
+FLAVORS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
+# meshplan schedule -> torch.distributed.pipelining schedule name (torch/distributed/pipelining/schedules.py)
+SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb1p": "InterleavedZeroBubble",
+             "dualpipe": "DualPipeV"}
+RECOMPUTE = {"none": "none", "selective": "selective", "full": "full"}
+# selective_ac_option: "op" = the per-op policy, an integer n = every n-th layer fully recomputed; meshplan's
+# "layer" flavour is torchtitan's default of every second layer
+SELECTIVE = {"op": "op", "layer": "2"}
+REASONS = {
+    "zero": "torchtitan shards with FSDP2 (ZeRO-3, data_parallel_shard_degree) only",
+    "offload": "torchtitan has no activation offload",
+    "recompute": "activation_checkpoint.mode is none, selective or full",
+    "selective_flavor": "torchtitan's selective AC is per-op ('op') or every n-th layer, not the attention core",
+    "fp8_weight_cache": "torchao float8 casts the weights on every forward",
+    "fp8_fused_casts": "torchao float8 scales dynamically: an amax pass and a cast per operand",
+    "cp_impl": "torchtitan runs PyTorch's context_parallel",
+    "attention_kernel": "torchtitan attends through PyTorch SDPA",
+    "dp_overlap": "FSDP2 always reduces behind the backward",
+    "tp_overlap": "async TP needs torch.compile (compile.enable)",
+    "moe_node_limit": "torchtitan's router has no node limit",
+    "sequence_parallel": "torchtitan's TP always shards the norms' sequence (SequenceParallel)",
+}
+
+
+def export(plan: PlanToExport) -> str:
+    c, o, p = plan.config, plan.options, plan.problem
+    data = c.dp * c.fsdp
+    pp = c.pp > 1
+    local = p.global_batch // data
+    sched = SCHEDULES["interleaved" if c.vpp > 1 and o.pp_schedule == "1f1b" else o.pp_schedule]
+    components = ["model"] + (["loss"] if o.fused_loss else [])
+    model: dict[str, Any] = {}
+    flavor = next((k for k, v in FLAVORS.items() if v == plan.model_arg), None)
+    if flavor:
+        model.update(name=flavor[0], flavor=flavor[1])
+    if o.compute_dtype == "fp8":
+        model["converters"] = ["quantize.linear.float8"]
+    sections: dict[str, dict[str, Any]] = {
+        "job": {"description": f"meshplan plan: {c.describe()}"},
+        "model": model,
+        "training": {
+            # with pipelining the local batch is split into micro-batches of pipeline_parallel_microbatch_size;
+            # without it, gradient accumulation runs global / (local x data-parallel) micro-steps
+            "local_batch_size": local if pp else c.microbatch,
+            "global_batch_size": p.global_batch,
+            "seq_len": p.seq_len,
+            "mixed_precision_param": "bfloat16",
+        },
+        "parallelism": {
+            "data_parallel_replicate_degree": c.dp,
+            "data_parallel_shard_degree": c.fsdp,
+            "tensor_parallel_degree": c.tp,
+            "enable_async_tensor_parallel": bool(o.tp_overlap and c.tp > 1),
+            "pipeline_parallel_degree": c.pp,
+            "context_parallel_degree": c.cp,
+            "context_parallel_rotate_method": "allgather",
+            "expert_parallel_degree": c.ep,
+        },
+        "activation_checkpoint": {"mode": RECOMPUTE.get(c.recompute, c.recompute)},
+        "compile": {"enable": o.fused_elementwise, "components": components},
+    }
+    if pp:
+        sections["parallelism"].update(pipeline_parallel_schedule=sched, pipeline_parallel_microbatch_size=c.microbatch)
+        if c.vpp > 1:
+            sections["parallelism"]["pipeline_parallel_layers_per_stage"] = -(-p.model.n_layers // (c.pp * c.vpp))
+        if o.pp_schedule == "dualpipe" and p.model.is_moe:
+            sections["parallelism"]["pipeline_parallel_expert_parallel_overlap"] = o.ep_overlap
+    if c.recompute == "selective":
+        sections["activation_checkpoint"]["selective_ac_option"] = SELECTIVE.get(o.selective_flavor, "attention")
+    if o.compute_dtype == "fp8":
+        sections["quantize.linear.float8"] = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
+    return commented(header_lines(plan, NAME)) + "\n" + dumps(sections)
+
+
+def dumps(sections: dict[str, dict[str, Any]]) -> str:
+    """A TOML document of flat sections (the stdlib reads TOML but does not write it)."""
+    out = []
+    for name, body in sections.items():
+        if not body:
+            continue
+        out.append(f"[{name}]")
+        out += [f"{k} = {_value(v)}" for k, v in body.items()]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# keys this importer reads (the rest of torchtitan's keys do not change a step's time or memory)
+USED = {
+    "model.name", "model.flavor", "model.converters", "training.local_batch_size", "training.global_batch_size",
+    "training.seq_len", "training.mixed_precision_param", "training.enable_cpu_offload",
+    "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+    "parallelism.tensor_parallel_degree", "parallelism.enable_async_tensor_parallel",
+    "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_schedule",
+    "parallelism.pipeline_parallel_microbatch_size", "parallelism.pipeline_parallel_layers_per_stage",
+    "parallelism.pipeline_parallel_expert_parallel_overlap", "parallelism.context_parallel_degree",
+    "parallelism.context_parallel_rotate_method", "parallelism.expert_parallel_degree",
+    "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", "compile.enable", "compile.components",
+    "quantize.linear.float8.recipe_name", "quantize.linear.float8.filter_fqns",
+}
+
+
+def load(text: str, chips: int | None = None) -> Job:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MeshplanError(f"not a TOML file: {exc}") from None
+    flat = _flatten(doc)
+    known = framework_keys(NAME)
+    job = Job(NAME, Pins())
+    job.unknown_keys = sorted(k for k in flat if k not in known)
+    job.unmodelled_keys = sorted(k for k in flat if k in known and k not in USED)
+    # defaults are torchtitan's own (job_config.py) where a key is absent
+    par, tr = doc.get("parallelism", {}), doc.get("training", {})
+    dp = par.get("data_parallel_replicate_degree", 1)
+    tp, pp, cp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1), \
+        par.get("context_parallel_degree", 1)
+    ep = par.get("expert_parallel_degree", 1)
+    check_degrees(NAME, data_parallel_replicate_degree=dp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                  context_parallel_degree=cp, expert_parallel_degree=ep)
+    fsdp = par.get("data_parallel_shard_degree", -1)
+    if fsdp == -1:  # -1: every rank left over (torchtitan ParallelDims)
+        if chips is None:
+            raise MeshplanError("the torchtitan file has data_parallel_shard_degree = -1 (all ranks left over): "
+                                "give --chips")
+        fsdp = divide(NAME, "--chips", chips, dp * tp * pp * cp)
+        job.notes.append(f"data_parallel_shard_degree -1 -> {fsdp} (--chips {chips})")
+    check_degrees(NAME, data_parallel_shard_degree=fsdp)
+    job.chips = dp * fsdp * tp * pp * cp
+    job.seq_len = tr.get("seq_len", 2048)
+    local = tr.get("local_batch_size", 8)
+    gb = tr.get("global_batch_size", -1)
+    job.global_batch = gb if gb and gb > 0 else local * dp * fsdp
+    if pp > 1:
+        mb = par.get("pipeline_parallel_microbatch_size", 1)
+        sched = par.get("pipeline_parallel_schedule", "1F1B")
+        back = reversed_map(SCHEDULES)
+        if sched not in back:
+            raise MeshplanError(f"torchtitan pipeline_parallel_schedule '{sched}' is not one meshplan models "
+                                f"(known: {', '.join(SCHEDULES.values())})")
+        schedule = "1f1b" if back[sched] == "interleaved" else back[sched]
+        vpp = 1
+        if back[sched] == "interleaved":  # virtual stages from the layers per stage once the model is known
+            vpp, job.layers_per_stage = None, par.get("pipeline_parallel_layers_per_stage")
+            if job.layers_per_stage is None:
+                vpp = 2
+                job.notes.append("Interleaved1F1B without pipeline_parallel_layers_per_stage: 2 stages per rank")
+        job.options["pp_schedule"] = schedule
+        if schedule == "dualpipe":
+            job.options["ep_overlap"] = bool(par.get("pipeline_parallel_expert_parallel_overlap", True))
+    else:
+        mb, vpp = local, 1
+    ac = doc.get("activation_checkpoint", {})
+    mode = ac.get("mode", "selective")
+    if mode not in RECOMPUTE.values():
+        raise MeshplanError(f"torchtitan activation_checkpoint.mode '{mode}' is not modelled (give --recompute)")
+    if mode == "selective":
+        opt = str(ac.get("selective_ac_option", "2"))
+        job.options["selective_flavor"] = "op" if opt == "op" else "layer"
+        if opt not in ("op", "2"):
+            job.notes.append(f"selective_ac_option {opt} is timed as every second layer (meshplan's 'layer')")
+    comp = doc.get("compile", {})
+    compiled = bool(comp.get("enable", False))
+    converters = doc.get("model", {}).get("converters", [])
+    job.options.update(
+        fused_elementwise=compiled, fused_loss=compiled and "loss" in comp.get("components", ["model", "loss"]),
+        tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
+        compute_dtype="fp8" if any(c in ("float8", "quantize.linear.float8") for c in converters) else "bf16",
+    )
+    if par.get("context_parallel_rotate_method", "allgather") != "allgather":
+        job.notes.append("context_parallel_rotate_method alltoall is timed as the all-gather rotation")
+    job.pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=mb, recompute=mode, zero=0,
+                    offload=0.0, sequence_parallel=True)
+    m = doc.get("model", {})
+    job.model = FLAVORS.get((m.get("name", "llama3"), m.get("flavor")))
+    return job
+
