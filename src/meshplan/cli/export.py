@@ -145,7 +145,8 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
         yours = plan(problem, mine, eff, opts, top=1).plans[0]
     except MeshplanError as exc:
         why = str(exc)
-    best = plan(problem, Pins(), eff, opts, top=top).plans
+    best = runnable(job.framework, problem, opts, plan(problem, export_pins(job.framework, Pins()), eff, opts,
+                                                       top=max(50, top)).plans)[:top]
     report = {"framework": job.framework, "file": str(path), "model": m.name, "chips": n, "seq_len": seq,
               "global_batch": gb, "yours": yours, "yours_error": why, "alternatives": best,
               "unknown_keys": job.unknown_keys, "unmodelled_keys": job.unmodelled_keys, "notes": job.notes,
@@ -154,6 +155,19 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
         print_json(report)
         return
     _show_train(report, opts, problem)
+
+
+def runnable(framework: str, problem: Problem, opts: Options, plans: list[dict]) -> list[dict]:
+    """The plans a framework can express (its exporter accepts them), in their order."""
+    keep = []
+    for pl in plans:
+        pe = PlanToExport(problem, ParallelConfig(**pl["config"]), opts, pl, "", problem.model.name)
+        try:
+            export_train(framework, pe)
+        except MeshplanError:
+            continue
+        keep.append(pl)
+    return keep
 
 
 def difference(yours: dict, other: dict) -> str:

@@ -79,11 +79,12 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset or HF config.json.")],
-    hardware: Annotated[str, typer.Option("--hardware", help="Chip preset or YAML.")],
-    chips: Annotated[int, typer.Option(help="Number of chips in the deployment.")],
-    input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")],
-    output_len: Annotated[int, typer.Option(help="Generated tokens per request.")],
+    # required unless --from FILE states them (checked below)
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Preset or HF config.json.")] = None,
+    hardware: Annotated[str | None, typer.Option("--hardware", help="Chip preset or YAML.")] = None,
+    chips: Annotated[int | None, typer.Option(help="Number of chips in the deployment.")] = None,
+    input_len: Annotated[int | None, typer.Option(help="Prompt tokens per request.")] = None,
+    output_len: Annotated[int | None, typer.Option(help="Generated tokens per request.")] = None,
     batch: Annotated[int | None, typer.Option(help="Sequences in flight per replica (default: best that fits).")] = None,
     tp: Pin = None, ep: Pin = None, pp: Pin = None,
     quant: Annotated[str, typer.Option(help="Weights: bf16 | fp8 | int8 | int4.")] = "bf16",
@@ -105,8 +106,23 @@ def serve(
                                                         "realistic plan; --json key 'book_ideal'.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
+    from_file: Annotated[str | None, typer.Option(
+        "--from", help="Predict a vLLM or SGLang server command line and show the best layout beside it.")] = None,
+    export: Annotated[str | None, typer.Option(help="Write the plan's launch: vllm, sglang or trtllm.")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Folder --export writes to.")] = None,
 ) -> None:
     """Serve a model: layout, batch, TTFT/TPOT, throughput, memory and cost per million tokens."""
+    needed = (("--hardware", hardware), ("--input-len", input_len), ("--output-len", output_len))
+    for flag, v in needed + ((("--model", model), ("--chips", chips)) if from_file is None else ()):
+        if v is None:
+            fail(f"missing option {flag}" + (" (or read a server command line with --from FILE)"
+                                             if from_file is None else ""))
+    if from_file is not None:
+        from meshplan.cli.export import serve_from
+
+        serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
+                   model=model, profile=profile, json_out=json_out)
+        return
     _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
@@ -124,6 +140,10 @@ def serve(
                                      SimSpec(rate, requests, seed, input_dist, output_dist))
     if disaggregate_:
         out["disaggregated"] = disaggregate(m, chip, chips, best.config, best.config, eff, w, batch).as_dict()
+    if export:
+        from meshplan.cli.export import write_serve_export
+
+        write_serve_export(export, out_dir, out, model, batching, chip)
     if plot:
         from meshplan.infer.plots import plot_frontier
 

@@ -107,8 +107,16 @@ def commented(lines: list[str], marker: str = "#") -> str:
     return "".join(f"{marker} {x}\n" if x else f"{marker}\n" for x in lines)
 
 
-def quote_command(argv: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)
+def argv_lines(argv: list[str], lead: int = 1) -> str:
+    """A command line, one flag (and its value) per continued line after the first `lead` words."""
+    argv = [str(a) for a in argv]
+    lines = [" ".join(shlex.quote(a) for a in argv[:lead])]
+    i = lead
+    while i < len(argv):
+        j = i + 1 + (i + 1 < len(argv) and not argv[i + 1].startswith("-"))
+        lines.append("    " + " ".join(shlex.quote(a) for a in argv[i:j]))
+        i = j
+    return " \\\n".join(lines) + "\n"
 
 
 # What each comparable quantity means, for the refusal message.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.export.common import Job, argv_lines, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
 from meshplan.train.space import Pins
 
 NAME = "megatron"
@@ -83,14 +83,8 @@ def export(plan: PlanToExport) -> str:
         flags.append("--overlap-param-gather")
     if o.ep_overlap and m.is_moe:
         flags.append("--overlap-moe-expert-parallel-comm")
-    argv = [str(a) for a in args + flags]
-    lines = ["torchrun --nnodes " + str(nodes) + " --nproc-per-node " + str(gpus) + " pretrain_gpt.py \\"]
-    i = 0
-    while i < len(argv):  # one flag (and its value) per line
-        j = i + 1 + (i + 1 < len(argv) and not argv[i + 1].startswith("--"))
-        lines.append("    " + " ".join(shlex.quote(a) for a in argv[i:j]) + (" \\" if j < len(argv) else ""))
-        i = j
-    return commented(header_lines(plan, NAME)) + "\n".join(lines) + "\n"
+    launch = ["torchrun", "--nnodes", nodes, "--nproc-per-node", gpus, "pretrain_gpt.py"]
+    return commented(header_lines(plan, NAME)) + argv_lines(launch + args + flags, lead=6)
 
 
 _VALUED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from meshplan import __version__
 from meshplan.errors import MeshplanError
-from meshplan.export.common import commented, framework_keys
+from meshplan.export.common import argv_lines, commented, framework_keys
 from meshplan.infer.config import serving_constant
 from meshplan.units import fmt_bytes, fmt_time
 
@@ -141,7 +141,8 @@ def budget_tokens(chip) -> int:
 
 
 def _lines(argv: list[str]) -> str:
-    return " \\\n    ".join(shlex.quote(a) for a in argv) + "\n"
+    lead = next((i for i, a in enumerate(argv) if a.startswith("-") and a != "-m"), len(argv))
+    return argv_lines(argv, lead)
 
 
 def export_engine(framework: str, plan: ServePlan) -> dict[str, str]:
