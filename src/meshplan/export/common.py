@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field, fields, replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from meshplan.units import fmt_bytes, fmt_time
 KEYS_DIR = Path(__file__).resolve().parent / "data"
 
 
-@lru_cache(maxsize=None)
+@cache
 def framework_keys(name: str) -> frozenset[str]:
     """The keys a framework's own config parser accepts, from data/<name>_keys.txt (each file names the source
     file and commit it was read from in its header)."""
@@ -185,6 +185,12 @@ def check_expressible(framework: str, plan: PlanToExport, job: Job, reasons: dic
     raise MeshplanError(f"{framework} cannot express this plan: " + "; ".join(parts)
                         + f". Pin what {framework} can run (e.g. --framework {framework} and the degrees) or "
                           "export to another framework")
+
+
+def refuse(framework: str, name: str, value: Any, reasons: dict[str, str]) -> MeshplanError:
+    """The refusal for a value the framework has no key value for."""
+    why = f" ({reasons[name]})" if name in reasons else ""
+    return MeshplanError(f"{framework} cannot express this plan: {_WORDS.get(name, name)} = {value!r}{why}")
 
 
 def check_degrees(framework: str, **degrees: int) -> None:

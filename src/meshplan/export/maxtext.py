@@ -18,7 +18,16 @@ import yaml
 
 from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.export.common import (
+    Job,
+    PlanToExport,
+    check_degrees,
+    commented,
+    divide,
+    framework_keys,
+    header_lines,
+    refuse,
+)
 from meshplan.train.space import Pins
 
 NAME = "maxtext"
@@ -57,6 +66,8 @@ def _dcn_split(c, slices: int) -> dict[str, int]:
 
 def export(plan: PlanToExport) -> str:
     c, o, p = plan.config, plan.options, plan.problem
+    if c.recompute not in REMAT:
+        raise refuse(NAME, "recompute", c.recompute, REASONS)
     m = p.model
     slices = make_cluster(p.chip, p.chips, p.slice_shape).n_slices
     dcn = _dcn_split(c, slices)

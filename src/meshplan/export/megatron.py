@@ -8,7 +8,17 @@ from __future__ import annotations
 import shlex
 
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, argv_lines, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.export.common import (
+    Job,
+    PlanToExport,
+    argv_lines,
+    check_degrees,
+    commented,
+    divide,
+    framework_keys,
+    header_lines,
+    refuse,
+)
 from meshplan.train.space import Pins
 
 NAME = "megatron"
@@ -34,6 +44,8 @@ LAUNCH = ("torchrun", "--nnodes", "--nproc-per-node", "--nproc_per_node")
 
 def export(plan: PlanToExport) -> str:
     c, o, p = plan.config, plan.options, plan.problem
+    if c.recompute == "gemm-last":
+        raise refuse(NAME, "recompute", c.recompute, REASONS)
     m = p.model
     gpus = min(p.chip.links.nvlink_domain_size or 8, p.chips)
     nodes = divide(NAME, "chips", p.chips, gpus)

@@ -17,6 +17,7 @@ from meshplan.export.common import (
     divide,
     framework_keys,
     header_lines,
+    refuse,
     reversed_map,
 )
 from meshplan.train.space import Pins
@@ -51,6 +52,8 @@ REASONS = {
 
 def export(plan: PlanToExport) -> str:
     c, o, p = plan.config, plan.options, plan.problem
+    if c.recompute not in RECOMPUTE:
+        raise refuse(NAME, "recompute", c.recompute, REASONS)
     data = c.dp * c.fsdp
     pp = c.pp > 1
     local = p.global_batch // data
@@ -199,7 +202,8 @@ def load(text: str, chips: int | None = None) -> Job:
     ac = doc.get("activation_checkpoint", {})
     mode = ac.get("mode", "selective")
     if mode not in RECOMPUTE.values():
-        raise MeshplanError(f"torchtitan activation_checkpoint.mode '{mode}' is not modelled (give --recompute)")
+        raise MeshplanError(f"torchtitan activation_checkpoint.mode '{mode}' is not one meshplan models "
+                            f"({', '.join(RECOMPUTE.values())}): give --recompute")
     if mode == "selective":
         opt = str(ac.get("selective_ac_option", "2"))
         job.options["selective_flavor"] = "op" if opt == "op" else "layer"

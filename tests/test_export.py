@@ -1,0 +1,334 @@
+"""Export to and import from the frameworks people run (issue 16): round trips, refused features, real files.
+
+No framework's own config loader installs on a CPU machine without PyTorch's CUDA wheels (torchtitan, Megatron-Core,
+vLLM, SGLang, TensorRT-LLM) or MaxText's TPU stack, so the exported keys are checked against each framework's
+documented key list in src/meshplan/export/data/ (every list names the source file and commit it was read from).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.export import PRESET, export_train, train_module
+from meshplan.export.common import PlanToExport, framework_keys
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import ParallelConfig
+from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import framework_options
+from meshplan.train.planner import plan
+from meshplan.train.space import Pins, Problem
+
+DATA = Path(__file__).parent / "data" / "frameworks"
+
+
+def _plan(fw: str, model: str, hw: str, chips: int, seq: int, gb: int, slice_shape=None, opts: dict | None = None,
+          **degrees) -> PlanToExport:
+    """One fully pinned layout planned with the framework's behaviour, ready to export."""
+    chip = load_chip(hw)
+    problem = Problem(load_model(model), chip, chips, seq, gb, slice_shape)
+    o = framework_options(PRESET[fw], Options(), opts or {})
+    cfg = ParallelConfig(**degrees)
+    pins = Pins(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
+    pr = plan(problem, pins, default_efficiency(chip), o, top=1).plans[0]
+    assert ParallelConfig(**pr["config"]) == cfg
+    return PlanToExport(problem, cfg, o, pr, "meshplan train (test)", model)
+
+
+# one layout per framework, using the features it expresses: TP with overlap, interleaved pipelines, CP, FP8,
+# ZeRO/FSDP, recompute
+CASES = {
+    "torchtitan": dict(fw="torchtitan", model="llama3-8b", hw="h100-sxm", chips=64, seq=8192, gb=32,
+                       opts=dict(tp_overlap=True, selective_flavor="op"),
+                       dp=2, fsdp=2, tp=4, pp=2, vpp=2, cp=2, microbatch=1, recompute="selective"),
+    "megatron": dict(fw="megatron", model="llama3-70b", hw="h100-sxm", chips=64, seq=8192, gb=64,
+                     opts=dict(tp_overlap=True), dp=2, tp=4, pp=4, vpp=5, cp=2, microbatch=1, recompute="full",
+                     zero=1),
+    "nemo": dict(fw="nemo", model="llama3-70b", hw="h100-sxm", chips=64, seq=8192, gb=64,
+                 dp=4, tp=8, pp=2, vpp=2, microbatch=1, recompute="selective", zero=1),
+    "maxtext": dict(fw="maxtext", model="llama3-8b", hw="tpu-v5p", chips=256, seq=8192, gb=256,
+                    slice_shape=(4, 4, 8), dp=2, fsdp=64, tp=2, microbatch=1, recompute="full"),
+    "deepspeed": dict(fw="deepspeed", model="llama3-8b", hw="h100-sxm", chips=16, seq=4096, gb=64,
+                      dp=16, microbatch=2, recompute="full", zero=2),
+}
+
+
+def _roundtrip(case: dict):
+    pe = _plan(**case)
+    name, text = export_train(case["fw"], pe)
+    job = train_module(case["fw"]).load(text, pe.problem.chips)
+    job.finish(pe.problem.model)
+    return pe, name, text, job
+
+
+@pytest.mark.parametrize("fw", sorted(CASES))
+def test_round_trip_gives_the_same_plan_and_prediction(fw):
+    pe, _, _, job = _roundtrip(CASES[fw])
+    p = pe.problem
+    assert job.chips == p.chips and job.global_batch == p.global_batch
+    assert job.seq_len in (p.seq_len, None)  # a DeepSpeed config does not state it
+    assert ParallelConfig(**{f.name: getattr(job.pins, f.name) for f in fields(ParallelConfig)}) == pe.config
+    opts = job.resolved_options(Options())
+    again = plan(p, job.pins, default_efficiency(p.chip), opts, top=1).plans[0]
+    assert again["config"] == pe.prediction["config"]
+    assert again["step_time_s"] == pe.prediction["step_time_s"]
+    assert again["memory_bytes_per_chip"] == pe.prediction["memory_bytes_per_chip"]
+
+
+def _keys_torchtitan(text):
+    def flat(d, pre=""):
+        for k, v in d.items():
+            yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [pre + k]
+    return set(flat(tomllib.loads(text)))
+
+
+def _keys_megatron(text):
+    argv = shlex.split(text.replace("\\\n", " "), comments=True)
+    return {a for a in argv[argv.index("pretrain_gpt.py") + 1:] if a.startswith("--")}
+
+
+def _keys_nemo(text):
+    def flat(d, pre=""):
+        for k, v in d.items():
+            yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [pre + k]
+    return set(flat(yaml.safe_load(text)))
+
+
+def _keys_maxtext(text):
+    return set(yaml.safe_load(text))
+
+
+def _keys_deepspeed(text):
+    doc = json.loads(text)
+    doc.pop("_meshplan")
+    return {f"{k}.{kk}" for k, v in doc.items() if isinstance(v, dict) for kk in v} | \
+        {k for k, v in doc.items() if not isinstance(v, dict)}
+
+
+@pytest.mark.parametrize("fw", sorted(CASES))
+def test_every_exported_key_is_one_the_framework_documents(fw):
+    _, _, text, _ = _roundtrip(CASES[fw])
+    keys = globals()[f"_keys_{fw}"](text)
+    assert keys and keys <= framework_keys(fw), keys - framework_keys(fw)
+
+
+def test_exported_files_state_version_command_and_prediction():
+    pe, _, text, _ = _roundtrip(CASES["torchtitan"])
+    assert "meshplan 0.1.0" in text and "command: meshplan train (test)" in text
+    assert f"{pe.prediction['step_time_s']:.6g} s" in text and f"MFU {pe.prediction['mfu']:.1%}" in text
+
+
+def test_torchtitan_file_reads_as_torchtitan_means_it():
+    # pipeline_parallel_microbatch_size is the micro-batch; the local batch is global / data-parallel ranks
+    # (torchtitan job_config.py docstrings); 32 sequences / (2 x 2) = 8 local
+    _, _, text, _ = _roundtrip(CASES["torchtitan"])
+    doc = tomllib.loads(text)
+    assert doc["training"]["local_batch_size"] == 8 and doc["parallelism"]["pipeline_parallel_microbatch_size"] == 1
+    assert doc["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert doc["parallelism"]["enable_async_tensor_parallel"] is True and doc["compile"]["enable"] is True
+    assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+
+
+def test_maxtext_file_splits_the_mesh_over_slices():
+    # 256 chips in slices of 4x4x8 = 128: 2 slices; the outermost axis (data, 2) crosses DCN
+    _, _, text, job = _roundtrip(CASES["maxtext"])
+    doc = yaml.safe_load(text)
+    assert doc["num_slices"] == 2 and doc["dcn_data_parallelism"] == 2 and doc["ici_data_parallelism"] == 1
+    assert doc["ici_fsdp_parallelism"] == 64 and doc["ici_tensor_parallelism"] == 2
+    # micro-batch 1 on each of 2 x 64 = 128 data ranks is 128 sequences a micro-step: 2 accumulation steps; MaxText
+    # counts every device, so per_device_batch_size = 256 / (256 devices x 2 steps) = 0.5
+    assert doc["per_device_batch_size"] == 0.5 and doc["gradient_accumulation_steps"] == 2
+    assert doc["remat_policy"] == "full" and job.slices == 2
+
+
+# ---- refused features: one test per feature a framework cannot express -------------------------------------
+
+REFUSED = [
+    ("torchtitan", dict(dp=8, tp=8, microbatch=1, recompute="none", zero=1), {}, "ZeRO stage"),
+    ("torchtitan", dict(fsdp=8, tp=8, microbatch=1, recompute="none", offload=1.0), {}, "activation offload"),
+    ("torchtitan", dict(fsdp=64, microbatch=1, recompute="gemm-last"), {}, "recompute policy"),
+    ("torchtitan", dict(fsdp=64, microbatch=1, recompute="selective"), {"selective_flavor": "attention"},
+     "selective recompute saves"),
+    ("torchtitan", dict(fsdp=32, cp=2, microbatch=1, recompute="none"), {"cp_impl": "ring"}, "context-parallel"),
+    ("torchtitan", dict(fsdp=8, tp=8, microbatch=1, recompute="none"), {"sequence_parallel": False},
+     "sequence parallelism"),
+    ("megatron", dict(dp=8, tp=8, microbatch=1, recompute="none", zero=2), {}, "ZeRO stage"),
+    ("megatron", dict(dp=8, tp=8, microbatch=1, recompute="gemm-last", zero=1), {}, "recompute policy"),
+    ("megatron", dict(dp=8, tp=8, microbatch=1, recompute="none", offload=1.0), {}, "activation offload"),
+    ("megatron", dict(dp=8, tp=2, cp=4, microbatch=1, recompute="full"), {"cp_impl": "torch"}, "context-parallel"),
+    ("megatron", dict(dp=8, pp=8, microbatch=1, recompute="none"), {"pp_schedule": "zb1p"}, "pipeline schedule"),
+    ("megatron", dict(fsdp=8, tp=8, microbatch=1, recompute="none", dp=1), {"attention_kernel": "sdpa"},
+     "attention kernel"),
+    ("maxtext", dict(fsdp=64, microbatch=1, recompute="none"), {}, "recompute policy"),
+    ("maxtext", dict(dp=64, microbatch=1, recompute="full", zero=1), {}, "ZeRO stage"),
+    ("maxtext", dict(fsdp=64, microbatch=1, recompute="full"), {"tp_overlap": False, "dp_overlap": True},
+     "DP gradient reduction"),
+    ("deepspeed", dict(dp=8, tp=8, microbatch=1, recompute="none", zero=1), {}, "tensor parallelism"),
+    ("deepspeed", dict(dp=64, microbatch=1, recompute="selective", zero=1), {}, "recompute policy"),
+    ("nemo", dict(dp=8, tp=8, microbatch=1, recompute="none", zero=2), {}, "ZeRO stage"),
+]
+
+
+@pytest.mark.parametrize("fw,degrees,opts,words", REFUSED, ids=[f"{r[0]}-{r[3]}" for r in REFUSED])
+def test_a_feature_the_framework_cannot_express_is_refused(fw, degrees, opts, words):
+    sp = opts.pop("sequence_parallel", True)
+    hw, chips = ("tpu-v5p", 64) if fw == "maxtext" else ("h100-sxm", 64)
+    pe = _plan(fw, "llama3-8b", hw, chips, 4096, 64, opts=opts, sequence_parallel=sp, **degrees)
+    with pytest.raises(MeshplanError, match=f"{fw} cannot express this plan: .*{words}"):
+        export_train(fw, pe)
+
+
+def test_refusal_through_the_cli_is_one_error_line(capsys, tmp_path):
+    code, out, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len",
+                              "4096", "--global-batch", "64", "--zero", "2", "--dp", "64", "--export", "torchtitan",
+                              "--out", str(tmp_path), "--rank", "1"], capsys)
+    assert code == 2 and err.startswith("error: torchtitan cannot express this plan") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_export_then_from_round_trips(capsys, tmp_path):
+    base = ["--hardware", "h100-sxm", "--top", "2"]
+    code, out, err = run_cli(["train", "--model", "llama3-8b", "--chips", "16", "--seq-len", "4096",
+                              "--global-batch", "32", "--export", "megatron", "--out", str(tmp_path), "--json", *base],
+                             capsys)
+    assert code == 0, err
+    best = json.loads(out)["plans"]
+    written = (tmp_path / "megatron.sh").read_text()
+    code, out, err = run_cli(["train", "--from", str(tmp_path / "megatron.sh"), "--model", "llama3-8b", "--json",
+                              *base], capsys)
+    assert code == 0, err
+    r = json.loads(out)
+    # the file's header names the layout and the step time it was exported with; reading it back gives both
+    assert f"plan: {ParallelConfig(**r['yours']['config']).describe()} on 16" in written
+    assert f"({r['yours']['step_time_s']:.6g} s)" in written and best
+    assert r["unknown_keys"] == [] and r["framework"] == "megatron"
+
+
+# ---- import of real published files ---------------------------------------------------------------------------
+
+
+def test_published_torchtitan_llama3_8b_toml(capsys):
+    # torchtitan's own llama3_8b.toml ("a preset for 64 A100 GPUs"): FSDP over all ranks (-1), local batch 1 at 8192
+    # tokens, per-op selective AC, no torch.compile
+    code, out, err = run_cli(["train", "--from", str(DATA / "torchtitan_llama3_8b.toml"), "--hardware", "a100-80gb",
+                              "--chips", "64", "--json", "--top", "2"], capsys)
+    assert code == 0, err
+    r = json.loads(out)
+    y = r["yours"]["config"]
+    assert (y["fsdp"], y["dp"], y["tp"], y["microbatch"], y["recompute"]) == (64, 1, 1, 1, "selective")
+    assert (r["model"], r["seq_len"], r["global_batch"]) == ("llama3-8b", 8192, 64)
+    assert "optimizer.lr" in r["unmodelled_keys"] and r["unknown_keys"] == []
+    assert len(r["alternatives"]) == 2 and r["differences"]
+
+
+def test_published_torchtitan_without_compile_runs_eager():
+    from meshplan.export import torchtitan
+
+    job = torchtitan.load((DATA / "torchtitan_llama3_8b.toml").read_text(), 64)
+    o = job.resolved_options(Options())
+    assert (o.fused_elementwise, o.fused_loss, o.selective_flavor, o.cp_impl) == (False, False, "op", "torch")
+
+
+def test_unknown_keys_are_listed_not_ignored():
+    from meshplan.export import torchtitan
+
+    text = (DATA / "torchtitan_llama3_8b.toml").read_text().replace("seq_len = 8192", "seq_len = 8192\nseqlen = 9")
+    job = torchtitan.load(text, 64)
+    assert job.unknown_keys == ["training.seqlen"]
+
+
+def test_published_maxtext_gpu_llama3_8b_yml():
+    # MaxText's gpu/models/llama3_8b.yml: 12 sequences per device, 8192 tokens, remat minimal_with_context
+    from meshplan.export import maxtext
+
+    job = maxtext.load((DATA / "maxtext_gpu_llama3_8b.yml").read_text(), 8)
+    assert (job.model, job.seq_len, job.chips, job.global_batch) == ("llama3-8b", 8192, 8, 96)  # 12 x 8 devices
+    assert (job.pins.fsdp, job.pins.microbatch, job.pins.recompute) == (8, 12, "gemm-last")
+    assert "dataset_type" in job.unmodelled_keys
+
+
+def test_a_file_no_framework_wrote_is_an_error(capsys, tmp_path):
+    bad = tmp_path / "job.toml"
+    bad.write_text("[parallelism\n")
+    code, _, err = run_cli(["train", "--from", str(bad), "--hardware", "h100-sxm"], capsys)
+    assert code == 2 and err.startswith("error: not a TOML file")
+    other = tmp_path / "job.txt"
+    other.write_text("hello")
+    code, _, err = run_cli(["train", "--from", str(other), "--hardware", "h100-sxm"], capsys)
+    assert code == 2 and err.startswith("error: cannot tell which framework")
+
+
+def test_megatron_model_shape_must_match_model(capsys, tmp_path):
+    _, _, text, _ = _roundtrip(CASES["megatron"])
+    f = tmp_path / "args.sh"
+    f.write_text(text)
+    code, _, err = run_cli(["train", "--from", str(f), "--hardware", "h100-sxm", "--model", "llama3-8b"], capsys)
+    assert code == 2 and "model shape does not match --model" in err
+
+
+# ---- serving ---------------------------------------------------------------------------------------------------
+
+SERVE = ["--model", "llama3-70b", "--hardware", "h100-sxm", "--chips", "16", "--input-len", "2000",
+         "--output-len", "500"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_serve_export_then_from_round_trips(engine, capsys, tmp_path):
+    code, out, err = run_cli(["serve", *SERVE, "--quant", "fp8", "--kv-quant", "fp8", "--json", "--export", engine,
+                              "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    planned = json.loads(out)
+    f = tmp_path / f"{engine}.sh"
+    argv = shlex.split(f.read_text().replace("\\\n", " "), comments=True)
+    assert {a for a in argv if a.startswith("--")} <= framework_keys(engine)
+    code, out, err = run_cli(["serve", "--from", str(f), "--hardware", "h100-sxm", "--input-len", "2000",
+                              "--output-len", "500", "--json"], capsys)
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["yours"]["config"] == planned["config"] and r["yours"]["batch"] == planned["batch"]
+    assert r["yours"]["tpot_s"] == planned["tpot_s"] and r["yours"]["ttft_s"] == planned["ttft_s"]
+
+
+def test_serve_disaggregated_export_writes_both_pools(capsys, tmp_path):
+    code, _, err = run_cli(["serve", *SERVE, "--disaggregate", "--export", "sglang", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "--disaggregation-mode prefill" in (tmp_path / "sglang_prefill.sh").read_text()
+    assert "--disaggregation-mode decode" in (tmp_path / "sglang_decode.sh").read_text()
+
+
+@pytest.mark.parametrize("engine,flags,words", [
+    ("vllm", ["--kv-quant", "int8"], "int8 KV cache"),
+    ("sglang", ["--kv-quant", "int8"], "int8 KV cache"),
+    ("vllm", ["--quant", "int4"], "int4 weights"),
+    ("trtllm", ["--quant", "fp8"], "fp8 weights"),
+    ("trtllm", ["--disaggregate"], "disaggregated pools"),
+])
+def test_serve_refuses_what_the_engine_cannot_express(engine, flags, words, capsys, tmp_path):
+    code, _, err = run_cli(["serve", *SERVE, *flags, "--export", engine, "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.startswith(f"error: {engine} cannot express this plan") and words in err
+
+
+def test_vllm_expert_parallel_spans_every_tp_rank(capsys, tmp_path):
+    code, _, err = run_cli(["serve", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--chips", "8",
+                            "--input-len", "1000", "--output-len", "200", "--tp", "8", "--ep", "2", "--export", "vllm",
+                            "--out", str(tmp_path)], capsys)
+    assert code == 2 and "expert parallelism 2 inside tp 8" in err
+
+
+def test_trtllm_writes_launch_and_extra_options(capsys, tmp_path):
+    code, _, err = run_cli(["serve", *SERVE, "--kv-quant", "fp8", "--export", "trtllm", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 0, err
+    extra = yaml.safe_load((tmp_path / "trtllm_extra.yml").read_text())
+    assert extra == {"kv_cache_config": {"dtype": "fp8"}, "enable_chunked_prefill": True}
+    assert "--extra_llm_api_options trtllm_extra.yml" in (tmp_path / "trtllm.sh").read_text()
