@@ -20,6 +20,13 @@ from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip, match_chip
 from meshplan.specs.model import ModelConfig, validate_model
 from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import (
+    FRAMEWORKS,
+    attention_kernel_of,
+    options_from_notes,
+    torchtitan_selective_flavor,
+    zero3_fetch_of,
+)
 from meshplan.train.space import Pins, Problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,35 +319,32 @@ def _text(e: dict) -> str:
 
 
 def options_of(e: dict) -> Options:
+    """The run's framework behaviour: what its framework does (src/meshplan/train/frameworks.py presets) and what its
+    notes name (frameworks.options_from_notes and friends, the same knowledge the importers use)."""
     prec = str(e["training"].get("precision") or "").lower()
     text, group, year, titan = _text(e), e["group"], _year(e), _is_torchtitan(e)
     # no FlashAttention before 2023 (Megatron 2020-22, BLOOM, PaLM): the score matrix goes through HBM
     old = group.startswith("megatron") or "bloom" in group or (year is not None and year <= 2022)
-    tp_overlap = any(k in text for k in ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
-                                          "tp-comm-overlap", "userbuffer", "collective matmul"))
+    named = options_from_notes(text)
     tpu = _is_tpu(e)
     # XLA's collective-matmul decomposition on TPU (Wang et al., ASPLOS 2023) postdates the 2022 TPU runs
     tp_default = False if (tpu and year is not None and year <= 2022) else None
-    # NeMo's H100 performance recipes run Transformer Engine's TP communication overlap (userbuffers)
+    # NeMo's H100 performance recipes run Transformer Engine's TP communication overlap (the "nemo" preset)
     if "nemo" in (group + " " + _source_text(e)).lower():
-        tp_default = True
-    ep_overlap = any(k in text for k in ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap",
-                                          "ep overlap", "ep_overlap", "overlap_moe", "moe overlap"))
-    param_gather = any(k in text for k in ("overlap-param-gather", "overlap_param_gather", "overlap param gather"))
-    limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
-    node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
-    # pipeline schedule named in the notes (DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used)
-    schedule = ("dualpipe" if "dualpipe" in text else
-                "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
+        tp_default = FRAMEWORKS["nemo"]["tp_overlap"]
     if _vpp_of(e["parallel"].get("vpp")) != 1:
-        schedule = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
-    return Options(
-        pp_schedule=schedule,
-        ep_overlap=ep_overlap,
-        moe_node_limit=node_limit,
-        overlap_param_gather=param_gather,
+        named["pp_schedule"] = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
+    # torchtitan's own behaviour (its preset): eager fp32 loss, torchao float8 (weights cast every forward, dynamic
+    # scaling), PyTorch's context_parallel, SDPA attention
+    titan_kw = {k: FRAMEWORKS["torchtitan"][k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts",
+                                                          "cp_impl")} if titan else {}
+    return replace(Options(
+        pp_schedule=named["pp_schedule"],
+        ep_overlap=named["ep_overlap"],
+        moe_node_limit=named["moe_node_limit"],
+        overlap_param_gather=named["overlap_param_gather"],
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
-        tp_overlap=True if tp_overlap else tp_default,
+        tp_overlap=named["tp_overlap"] if named["tp_overlap"] else tp_default,
         # MaxText keeps fp32 master weights but casts them to bf16 before use; XLA's SPMD partitioner
         # places the all-gather after the cast, so FSDP gathers move 2 bytes per parameter (the default)
         # GPU recipes before 2023 (Megatron GPT, BLOOM, OPT) trained with dropout 0.1; TPU recipes (PaLM) and the
@@ -348,17 +352,9 @@ def options_of(e: dict) -> Options:
         dropout=old and not tpu,
         flash_attention=not old,
         headroom=0.0,
-        # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         selective_flavor=_selective_flavor(e),
+        # torchtitan rows without torch.compile ran eager PyTorch: one kernel per pointwise op
         fused_elementwise=not (titan and "compile" not in prec),
-        # torchtitan compiles the transformer blocks only: its loss is eager F.cross_entropy on fp32 logits
-        fused_loss=not titan,
-        # torchao float8 (torchtitan) casts the weights on every forward; Transformer Engine caches them per step
-        fp8_weight_cache=not titan,
-        # ...and runs torchao's dynamic scaling (an amax pass and a cast per operand); Transformer Engine fuses them
-        fp8_fused_casts=not titan,
-        # torchtitan's context parallelism is PyTorch's context_parallel with the all-gather rotation
-        cp_impl="torch" if titan else "ring",
         attention_kernel=_attention_kernel(text + " " + _source_text(e).lower(), titan),
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
@@ -366,41 +362,27 @@ def options_of(e: dict) -> Options:
         # DeepSpeed reduces gradients in the model's dtype (its `communication_data_type` default); Megatron and
         # torchtitan reduce in fp32
         grad_reduce_bytes=2.0 if "deepspeed" in text and "fp16" in prec else 4.0,
-    )
+    ), **titan_kw)
 
 
 def _attention_kernel(text: str, titan: bool) -> str:
-    """The attention kernel a run names (in its precision, notes or source): FA3 or cuDNN (the chip's best), PyTorch
-    SDPA, or the flash-attn package's FlashAttention-2; torchtitan attends through SDPA, which picks its bundled FA2
-    first (pytorch/pytorch#142132); nanotron and MosaicML's llm-foundry call the flash-attn package; any other stack
-    gets the chip's best."""
-    if any(k in text for k in ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")):
-        return "fused"
-    if titan or any(k in text for k in ("sdpa", "scaled_dot_product")):
-        return "sdpa"
-    if any(k in text for k in ("fa2", "flashattention-2", "flash-attention-2", "flash attention 2", "flashattention2",
-                               "flash_attention_2", "flash-attn", "flash_attn", "nanotron", "llm-foundry",
-                               "mosaicml")):
-        return "fa2"
-    return "fused"
+    """The attention kernel a run names (in its precision, notes or source); torchtitan's default is SDPA."""
+    return attention_kernel_of(text, FRAMEWORKS["torchtitan"]["attention_kernel"] if titan else "fused")
 
 
 def _zero3_fetch(e: dict) -> str:
-    """DeepSpeed ZeRO-3 before ZeRO-Infinity's bandwidth-centric partitioning (DeepSpeed v0.3.15, April 2021,
-    arXiv:2104.07857 §6.1) fetched parameters by owner broadcast (ZeRO paper §7.2.2); later DeepSpeed and
-    every FSDP all-gather. The era is read from the source's arXiv number (yymm)."""
+    """ZeRO-3's fetch in the run's DeepSpeed era, read from the source's arXiv number (yymm)."""
     p = e["parallel"]
-    if _int(p.get("zero_stage")) != 3 or "deepspeed" not in str(p.get("notes", "")).lower():
+    if _int(p.get("zero_stage")) != 3:
         return "allgather"
     m = re.search(r"arXiv:(\d{4})\.", str((e.get("source") or {}).get("ref", "")))
-    return "broadcast" if m and int(m.group(1)) <= 2104 else "allgather"
+    return zero3_fetch_of("deepspeed" in str(p.get("notes", "")).lower(), int(m.group(1)) if m else None)
 
 
 def _selective_flavor(e: dict) -> str:
-    r = str(e["training"].get("recompute") or "").lower()
     if not _is_torchtitan(e):
         return "attention"
-    return "op" if "(op)" in r else "layer" if "(layer)" in r else "attention"
+    return torchtitan_selective_flavor(str(e["training"].get("recompute") or "").lower())
 
 
 def problem_of(e: dict) -> Problem:

@@ -6,6 +6,7 @@ framework's value, and the framework's value over the `Options` default.
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields, replace
 from typing import Any
 
@@ -51,3 +52,64 @@ def framework_options(name: str | None, base: Options, explicit: dict[str, Any])
     known = {f.name for f in fields(Options)}
     changes.update({k: v for k, v in explicit.items() if v is not None and k in known})
     return replace(base, **changes)
+
+
+# ---- reading a run's description: which behaviour its framework, kernels and notes name ------------------------
+# (the importers read framework files; benchmarks/_measurements.py reads the published runs' free-text notes with
+# these, so the knowledge has one home)
+
+# TP communication overlap: torchtitan AsyncTP, Megatron/TE --tp-comm-overlap (userbuffers), XLA collective matmul
+TP_OVERLAP_WORDS = ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap", "tp-comm-overlap", "userbuffer",
+                    "collective matmul")
+# MoE all-to-all overlap: DeepSeek-V3 DualPipe, Megatron-Core --overlap-moe-expert-parallel-comm
+EP_OVERLAP_WORDS = ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap", "ep overlap", "ep_overlap",
+                    "overlap_moe", "moe overlap")
+PARAM_GATHER_WORDS = ("overlap-param-gather", "overlap_param_gather", "overlap param gather")
+FA3_WORDS = ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")
+SDPA_WORDS = ("sdpa", "scaled_dot_product")
+# the flash-attn package's FlashAttention-2, which nanotron and MosaicML's llm-foundry call
+FA2_WORDS = ("fa2", "flashattention-2", "flash-attention-2", "flash attention 2", "flashattention2",
+             "flash_attention_2", "flash-attn", "flash_attn", "nanotron", "llm-foundry", "mosaicml")
+# DeepSpeed ZeRO-3 fetched parameters by owner broadcast (ZeRO paper §7.2.2) until ZeRO-Infinity's
+# bandwidth-centric partitioning (DeepSpeed v0.3.15, April 2021, arXiv:2104.07857 §6.1): all-gathers since
+DEEPSPEED_ALLGATHER_SINCE_YYMM = 2105
+
+
+def options_from_notes(text: str) -> dict[str, Any]:
+    """Behaviour a run's description names in words (lower-case text): TP and MoE overlap, ZeRO parameter-gather
+    overlap, node-limited routing, the pipeline schedule. Only what the text says; None/False where it is silent."""
+    limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
+    node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
+    # DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used
+    schedule = ("dualpipe" if "dualpipe" in text else
+                "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
+    return dict(tp_overlap=True if any(k in text for k in TP_OVERLAP_WORDS) else None,
+                ep_overlap=any(k in text for k in EP_OVERLAP_WORDS),
+                overlap_param_gather=any(k in text for k in PARAM_GATHER_WORDS),
+                moe_node_limit=node_limit, pp_schedule=schedule)
+
+
+def attention_kernel_of(text: str, default: str = "fused") -> str:
+    """The attention kernel a description names: FA3 or cuDNN (the chip's best), PyTorch SDPA (whose bundled FA2
+    it picks first, pytorch/pytorch#142132), the flash-attn package's FA2; else the framework's `default`
+    (torchtitan: sdpa, FRAMEWORKS)."""
+    if any(k in text for k in FA3_WORDS):
+        return "fused"
+    if default == "sdpa" or any(k in text for k in SDPA_WORDS):
+        return "sdpa"
+    if any(k in text for k in FA2_WORDS):
+        return "fa2"
+    return default
+
+
+def zero3_fetch_of(deepspeed: bool, yymm: int | None) -> str:
+    """How a ZeRO-3 run fetched its weights: owner broadcast for DeepSpeed before ZeRO-Infinity, else all-gather."""
+    if deepspeed and yymm is not None and yymm < DEEPSPEED_ALLGATHER_SINCE_YYMM:
+        return "broadcast"
+    return "allgather"
+
+
+def torchtitan_selective_flavor(recompute_text: str) -> str:
+    """torchtitan's selective AC as printed: '(op)' = the per-op policy, '(layer)' = every n-th layer
+    (selective_ac_option 'op' or an integer; job_config.py)."""
+    return "op" if "(op)" in recompute_text else "layer" if "(layer)" in recompute_text else "attention"
