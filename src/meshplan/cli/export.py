@@ -15,7 +15,7 @@ from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import default_slice_shape
 from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
-from meshplan.export.common import Job, PlanToExport, check_model
+from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, budget_tokens, export_engine, hf_id, load_engine, preset_for
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -147,7 +147,9 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
         why = str(exc)
     best = runnable(job.framework, problem, opts, plan(problem, export_pins(job.framework, Pins()), eff, opts,
                                                        top=max(50, top)).plans)[:top]
+    switches = _switches(job.framework, problem, mine, eff, opts, yours)
     report = {"framework": job.framework, "file": str(path), "model": m.name, "chips": n, "seq_len": seq,
+              "switches": switches,
               "global_batch": gb, "yours": yours, "yours_error": why, "alternatives": best,
               "unknown_keys": job.unknown_keys, "unmodelled_keys": job.unmodelled_keys, "notes": job.notes,
               "differences": [difference(yours, b) for b in best] if yours else []}
@@ -155,6 +157,26 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
         print_json(report)
         return
     _show_train(report, opts, problem)
+
+
+def _switches(framework: str, problem: Problem, pins: Pins, eff, opts: Options, yours: dict | None) -> list[dict]:
+    """Each behaviour the framework's file can switch on that this job leaves off, predicted at the same layout."""
+    if yours is None:
+        return []
+    out = []
+    for changes, keys in getattr(TRAIN[framework], "SWITCHES", {}).values():
+        cfg = ParallelConfig(**yours["config"])
+        if all(getattr(opts, k) == v for k, v in changes.items()) or \
+                not all(relevant(k, cfg, opts, problem) for k in changes):
+            continue
+        try:
+            alt = plan(problem, pins, eff, replace(opts, **changes), top=1).plans[0]
+        except MeshplanError:
+            continue
+        gain = yours["step_time_s"] / alt["step_time_s"] - 1
+        if gain > 0.005:
+            out.append({"set": keys, "step_time_s": alt["step_time_s"], "mfu": alt["mfu"], "gain": gain})
+    return sorted(out, key=lambda x: -x["gain"])
 
 
 def runnable(framework: str, problem: Problem, opts: Options, plans: list[dict]) -> list[dict]:
@@ -201,6 +223,9 @@ def _show_train(r: dict, opts: Options, problem: Problem) -> None:
     else:
         p(f"yours: {ParallelConfig(**y['config']).describe()}: step {fmt_time(y['step_time_s'])}, MFU {y['mfu']:.1%}, "
           f"{y['tokens_per_s_per_chip']:.0f} tok/s/chip; {y['bottleneck']}: {y['explanation']}",
+          markup=False, highlight=False)
+    for sw in r["switches"]:
+        p(f"  set {sw['set']}: step {fmt_time(sw['step_time_s'])}, MFU {sw['mfu']:.1%} ({sw['gain']:+.1%} tokens/s)",
           markup=False, highlight=False)
     p("best layouts with the same framework behaviour:", markup=False)
     for i, b in enumerate(r["alternatives"], 1):

@@ -136,7 +136,7 @@ _WORDS = {
 }
 
 
-def _relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) -> bool:
+def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) -> bool:
     """Whether a quantity changes this plan's prediction (a feature the plan does not use cannot be lost)."""
     moe, fp8, data = problem.model.is_moe, opts.compute_dtype == "fp8", cfg.dp * cfg.fsdp
     return {
@@ -163,7 +163,7 @@ def check_expressible(framework: str, plan: PlanToExport, job: Job, reasons: dic
     back_cfg = job.pins
     for f in fields(ParallelConfig):
         mine, theirs = getattr(cfg, f.name), getattr(back_cfg, f.name)
-        if _relevant(f.name, cfg, opts, p) and theirs != mine:
+        if relevant(f.name, cfg, opts, p) and theirs != mine:
             lost.append((f.name, mine, theirs))
     back_opts = job.resolved_options(replace(Options(), compute_dtype=opts.compute_dtype, headroom=opts.headroom))
     for f in fields(Options):
@@ -173,7 +173,7 @@ def check_expressible(framework: str, plan: PlanToExport, job: Job, reasons: dic
         if f.name in ("tp_overlap", "dp_overlap"):  # None = the chip's default
             i = 0 if f.name == "tp_overlap" else 1
             mine, theirs = opts.overlaps(p.chip.kind)[i], back_opts.overlaps(p.chip.kind)[i]
-        if _relevant(f.name, cfg, opts, p) and theirs != mine:
+        if relevant(f.name, cfg, opts, p) and theirs != mine:
             lost.append((f.name, mine, theirs))
     if not lost:
         return

@@ -16,6 +16,7 @@ from meshplan.train.space import Pins
 NAME = "deepspeed"
 PINS = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}  # a DeepSpeed config is data parallel only
 SUFFIX = ".json"
+SWITCHES = {"dp_overlap": ({"dp_overlap": True}, '"zero_optimization": {"overlap_comm": true}')}
 REASONS = {
     "tp": "a DeepSpeed config has no tensor-parallel degree (Megatron-DeepSpeed sets it in the model script)",
     "pp": "the pipeline engine is built in the model script, not the config", "cp": "no context parallelism",

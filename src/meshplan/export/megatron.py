@@ -24,6 +24,12 @@ from meshplan.train.space import Pins
 NAME = "megatron"
 PINS = {"offload": 0.0}  # what pretrain_gpt.py cannot do (REASONS)
 SUFFIX = ".sh"
+# behaviour pretrain_gpt.py switches on: (Options changes, the flags to add); `--from` predicts each
+SWITCHES = {
+    "tp_overlap": ({"tp_overlap": True}, "--tp-comm-overlap"),
+    "dp_overlap": ({"dp_overlap": True}, "--overlap-grad-reduce"),
+    "param_gather": ({"overlap_param_gather": True}, "--overlap-param-gather (with --use-distributed-optimizer)"),
+}
 REASONS = {
     "zero": "the distributed optimizer shards the optimizer state (ZeRO-1); ZeRO-2 has no flag",
     "offload": "pretrain_gpt.py has no activation-offload flag",

@@ -17,6 +17,11 @@ from meshplan.train.space import Pins
 NAME = "nemo"
 PINS = {"offload": 0.0}  # as Megatron
 SUFFIX = ".yaml"
+SWITCHES = {
+    "tp_overlap": ({"tp_overlap": True}, "model.config.tp_comm_overlap: true"),
+    "dp_overlap": ({"dp_overlap": True}, "trainer.strategy.ddp.overlap_grad_reduce: true"),
+    "param_gather": ({"overlap_param_gather": True}, "trainer.strategy.ddp.overlap_param_gather: true"),
+}
 REASONS = dict(MEGATRON_REASONS, fsdp="meshplan writes NeMo's Megatron DDP (no FSDP)",
                dp="meshplan writes NeMo's Megatron DDP (no FSDP)")
 

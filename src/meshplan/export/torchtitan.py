@@ -25,6 +25,13 @@ from meshplan.train.space import Pins
 NAME = "torchtitan"
 PINS = {"zero": 0, "offload": 0.0}  # what a torchtitan job cannot do (REASONS)
 SUFFIX = ".toml"
+# behaviour a torchtitan file switches on: (Options changes, the keys to set); `--from` predicts each
+SWITCHES = {
+    "compile": ({"fused_elementwise": True, "fused_loss": True},
+                '[compile] enable = true, components = ["model", "loss"]'),
+    "async_tp": ({"fused_elementwise": True, "tp_overlap": True},
+                 "[compile] enable = true and [parallelism] enable_async_tensor_parallel = true"),
+}
 # torchtitan model flavours (torchtitan/models/llama3/__init__.py `llama3_configs`) <-> meshplan presets
 FLAVORS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
 # meshplan schedule -> torch.distributed.pipelining schedule name (torch/distributed/pipelining/schedules.py)
