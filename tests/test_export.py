@@ -332,3 +332,82 @@ def test_trtllm_writes_launch_and_extra_options(capsys, tmp_path):
     extra = yaml.safe_load((tmp_path / "trtllm_extra.yml").read_text())
     assert extra == {"kv_cache_config": {"dtype": "fp8"}, "enable_chunked_prefill": True}
     assert "--extra_llm_api_options trtllm_extra.yml" in (tmp_path / "trtllm.sh").read_text()
+
+
+# ---- bad files: an error line, never a traceback ----------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LOADERS = ["torchtitan", "megatron", "nemo", "maxtext", "deepspeed"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(fw=st.sampled_from(_LOADERS), text=st.text(max_size=200), chips=st.one_of(st.none(), st.integers(-2, 64)))
+def test_any_text_is_read_or_refused_cleanly(fw, text, chips):
+    try:
+        train_module(fw).load(text, chips)
+    except MeshplanError:
+        pass
+
+
+_DEGREE = st.one_of(st.integers(-3, 9), st.sampled_from(["x", 1.5, True, None]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=_DEGREE, pp=_DEGREE, shard=_DEGREE, mb=_DEGREE, seq=_DEGREE)
+def test_odd_values_in_a_torchtitan_file_are_errors_not_crashes(tp, pp, shard, mb, seq):
+    def v(x):
+        return "true" if x is True else '"x"' if x in ("x", None) else repr(x)
+
+    text = (f"[parallelism]\ntensor_parallel_degree = {v(tp)}\npipeline_parallel_degree = {v(pp)}\n"
+            f"data_parallel_shard_degree = {v(shard)}\npipeline_parallel_microbatch_size = {v(mb)}\n"
+            f"[training]\nseq_len = {v(seq)}\nlocal_batch_size = {v(mb)}\n")
+    try:
+        train_module("torchtitan").load(text, 8)
+    except MeshplanError:
+        pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=200))
+def test_any_server_command_is_read_or_refused_cleanly(text):
+    from meshplan.export.serving import load_engine
+
+    for prefix in ("vllm serve m ", "python -m sglang.launch_server "):
+        try:
+            load_engine(prefix + text)
+        except MeshplanError:
+            pass
+
+
+_FIELDS = {
+    "maxtext": ["ici_fsdp_parallelism", "ici_tensor_parallelism", "dcn_data_parallelism", "num_slices",
+                "per_device_batch_size", "gradient_accumulation_steps", "max_target_length", "ici_pipeline_parallelism",
+                "num_pipeline_microbatches", "remat_policy", "quantization", "model_name", "base_emb_dim"],
+    "nemo": ["trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_parallel_size",
+             "data.micro_batch_size", "data.global_batch_size", "model.config.recompute_granularity",
+             "trainer.strategy.virtual_pipeline_model_parallel_size", "data.seq_length"],
+    "deepspeed": ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "zero_optimization.stage", "activation_checkpointing.cpu_checkpointing"],
+}
+_VALUE = st.one_of(st.integers(-3, 300), st.sampled_from(["x", "full", 1.5, 0.5, True, None, [], {}]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(fw=st.sampled_from(sorted(_FIELDS)), data=st.data(), chips=st.one_of(st.none(), st.integers(1, 64)))
+def test_odd_values_in_yaml_and_json_files_are_errors_not_crashes(fw, data, chips):
+    keys = data.draw(st.lists(st.sampled_from(_FIELDS[fw]), unique=True, max_size=8))
+    doc: dict = {}
+    for k in keys:
+        d = doc
+        *parents, leaf = k.split(".")
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = data.draw(_VALUE)
+    text = json.dumps(doc) if fw == "deepspeed" else yaml.safe_dump(doc)
+    try:
+        job = train_module(fw).load(text, chips)
+        job.finish(load_model("llama3-8b"))
+    except MeshplanError:
+        pass

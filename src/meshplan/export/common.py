@@ -107,6 +107,16 @@ def commented(lines: list[str], marker: str = "#") -> str:
     return "".join(f"{marker} {x}\n" if x else f"{marker}\n" for x in lines)
 
 
+def split_command(text: str, what: str) -> list[str]:
+    """A shell command line (backslash continuations, # comments) as words."""
+    lex = shlex.shlex(text.replace("\\\n", " "), posix=True)
+    lex.whitespace_split, lex.commenters = True, "#"
+    try:
+        return list(lex)
+    except ValueError as exc:  # an unclosed quote
+        raise MeshplanError(f"cannot read the {what} command line: {exc}") from None
+
+
 def argv_lines(argv: list[str], lead: int = 1) -> str:
     """A command line, one flag (and its value) per continued line after the first `lead` words."""
     argv = [str(a) for a in argv]
@@ -191,6 +201,16 @@ def refuse(framework: str, name: str, value: Any, reasons: dict[str, str]) -> Me
     """The refusal for a value the framework has no key value for."""
     why = f" ({reasons[name]})" if name in reasons else ""
     return MeshplanError(f"{framework} cannot express this plan: {_WORDS.get(name, name)} = {value!r}{why}")
+
+
+def whole(framework: str, key: str, value: Any, minimum: int | None = 1) -> Any:
+    """An integer setting read from a file (None passes through); a clear error for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        need = "an integer" if minimum is None else f"an integer of at least {minimum}"
+        raise MeshplanError(f"{framework} file: {key} must be {need}, got {value!r}")
+    return value
 
 
 def check_degrees(framework: str, **degrees: int) -> None:

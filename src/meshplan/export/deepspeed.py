@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, PlanToExport, check_degrees, divide, framework_keys, header_lines
+from meshplan.export.common import Job, PlanToExport, check_degrees, divide, framework_keys, header_lines, whole
 from meshplan.train.space import Pins
 
 NAME = "deepspeed"
@@ -60,6 +60,7 @@ def load(text: str, chips: int | None = None) -> Job:
         raise MeshplanError(f"not a JSON file: {exc}") from None
     if not isinstance(doc, dict):
         raise MeshplanError("a DeepSpeed config is a JSON object")
+    doc = {k: v for k, v in doc.items() if v is not None}
     flat = {}
     for k, v in doc.items():
         if isinstance(v, dict):
@@ -70,8 +71,9 @@ def load(text: str, chips: int | None = None) -> Job:
     job = Job(NAME, Pins())
     job.unknown_keys = sorted(k for k in flat if k not in known and k != "_meshplan")
     job.unmodelled_keys = sorted(k for k in flat if k in known and k not in USED)
-    mb, gb = doc.get("train_micro_batch_size_per_gpu"), doc.get("train_batch_size")
-    accum = doc.get("gradient_accumulation_steps", 1)
+    mb = whole(NAME, "train_micro_batch_size_per_gpu", doc.get("train_micro_batch_size_per_gpu"))
+    gb = whole(NAME, "train_batch_size", doc.get("train_batch_size"))
+    accum = whole(NAME, "gradient_accumulation_steps", doc.get("gradient_accumulation_steps", 1))
     if gb is None and chips and mb:
         gb = mb * accum * chips
     if gb is None or mb is None:
@@ -80,9 +82,11 @@ def load(text: str, chips: int | None = None) -> Job:
     check_degrees(NAME, data_parallel_ranks=data, train_micro_batch_size_per_gpu=mb)
     if chips is not None and chips != data:
         raise MeshplanError(f"the DeepSpeed config describes {data} data-parallel ranks, not --chips {chips}")
-    z = doc.get("zero_optimization", {})
+    z = doc.get("zero_optimization") or {}
+    if not isinstance(z, dict):
+        raise MeshplanError("deepspeed file: zero_optimization must be an object")
     stage = z.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise MeshplanError(f"deepspeed zero_optimization.stage must be 0-3, got {stage}")
     ac = doc.get("activation_checkpointing")
     full = isinstance(ac, dict)

@@ -27,6 +27,7 @@ from meshplan.export.common import (
     framework_keys,
     header_lines,
     refuse,
+    whole,
 )
 from meshplan.train.space import Pins
 
@@ -112,6 +113,7 @@ def load(text: str, chips: int | None = None) -> Job:
         raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
     if not isinstance(doc, dict):
         raise MeshplanError("a MaxText config is a YAML mapping of keys")
+    doc = {k: v for k, v in doc.items() if v is not None}  # a null key is an unset one: base.yml's default
     known = framework_keys(NAME)
     used = {"base_config", "hardware", "model_name", "max_target_length", "per_device_batch_size",
             "gradient_accumulation_steps", "remat_policy", "dtype", "quantization", "attention",
@@ -126,12 +128,15 @@ def load(text: str, chips: int | None = None) -> Job:
         for axis in ("data", "fsdp", "tensor", "pipeline", "context", "expert"):
             # base.yml defaults: ici_fsdp_parallelism -1 and dcn_data_parallelism -1 take what is left
             default = -1 if (kind, axis) in (("ici", "fsdp"), ("dcn", "data")) else 1
-            v = doc.get(f"{kind}_{axis}_parallelism", default)
+            key = f"{kind}_{axis}_parallelism"
+            v = whole(NAME, key, doc.get(key, default), minimum=-1)
             if axis == "context":  # the older name of the context axis
-                v *= doc.get(f"{kind}_sequence_parallelism", 1)
+                v *= whole(NAME, f"{kind}_sequence_parallelism", doc.get(f"{kind}_sequence_parallelism", 1))
+            if v == 0:
+                raise MeshplanError(f"maxtext file: {key} must be positive or -1, got 0")
             deg[f"{kind}_{axis}"] = v
-    slices = doc.get("num_slices", -1)
-    slices = slices if isinstance(slices, int) and slices > 0 else None
+    slices = whole(NAME, "num_slices", doc.get("num_slices", -1), minimum=-1)
+    slices = slices if slices > 0 else None
     _fill(deg, "dcn", slices)
     total_dcn = math.prod(v for k, v in deg.items() if k.startswith("dcn"))
     if any(v == -1 for k, v in deg.items() if k.startswith("ici")):
@@ -147,23 +152,29 @@ def load(text: str, chips: int | None = None) -> Job:
     dp, tp, pp, cp, ep = both["data"], both["tensor"], both["pipeline"], both["context"], both["expert"]
     fsdp = both["fsdp"] * ep  # the expert axis shards the batch and the non-expert weights as fsdp does
     check_degrees(NAME, data=dp, fsdp=fsdp, tensor=tp, pipeline=pp, context=cp, expert=ep)
-    accum = doc.get("gradient_accumulation_steps", 1)
-    per_device = float(doc.get("per_device_batch_size", 12.0))
+    accum = whole(NAME, "gradient_accumulation_steps", doc.get("gradient_accumulation_steps", 1))
+    per_device = doc.get("per_device_batch_size", 12.0)
+    if isinstance(per_device, bool) or not isinstance(per_device, int | float) or per_device <= 0:
+        raise MeshplanError(f"maxtext file: per_device_batch_size must be a positive number, got {per_device!r}")
     gb = per_device * job.chips * accum
     if abs(gb - round(gb)) > 1e-9:
         raise MeshplanError(f"maxtext file: per_device_batch_size {per_device} x {job.chips} devices is not a whole "
                             "number of sequences")
-    job.global_batch, job.seq_len = round(gb), doc.get("max_target_length", 2048)
+    job.global_batch = round(gb)
+    job.seq_len = whole(NAME, "max_target_length", doc.get("max_target_length", 2048))
+    if job.global_batch < 1:
+        raise MeshplanError(f"maxtext file: per_device_batch_size {per_device} gives no whole sequence")
     data = dp * fsdp
     if pp > 1:
-        n_micro = doc.get("num_pipeline_microbatches", -1)
+        n_micro = whole(NAME, "num_pipeline_microbatches", doc.get("num_pipeline_microbatches", -1), minimum=-1)
         n_micro = pp if n_micro in (-1, None) else n_micro  # base.yml: by default the number of stages
         mb = divide(NAME, "global batch per data-parallel rank", job.global_batch // data, n_micro)
         # the stages repeat around the pipeline until the layers are used up (num_pipeline_repeats): virtual stages
-        vpp, job.layers_per_stage = None, doc.get("num_layers_per_pipeline_stage", 1)
+        vpp = None
+        job.layers_per_stage = whole(NAME, "num_layers_per_pipeline_stage", doc.get("num_layers_per_pipeline_stage", 1))
     else:
         mb, vpp = divide(NAME, "global batch", job.global_batch, data * accum), 1
-    policy = doc.get("remat_policy", "full")
+    policy = str(doc.get("remat_policy", "full"))
     back = {v: k for k, v in REMAT.items()}
     if policy not in back:
         raise MeshplanError(f"maxtext remat_policy '{policy}' is not one meshplan models ({', '.join(back)}): "
@@ -174,7 +185,8 @@ def load(text: str, chips: int | None = None) -> Job:
     job.options["compute_dtype"] = "fp8" if q.startswith("fp8") or q == "nanoo_fp8" else "bf16"
     if doc.get("attention") == "dot_product":
         job.options["flash_attention"] = False
-    job.model = doc.get("model_name") if doc.get("model_name") not in (None, "default") else None
+    name = doc.get("model_name")
+    job.model = str(name) if name not in (None, "default") else None
     job.model_dims = {v: doc[k] for k, v in MODEL_KEYS.items() if isinstance(doc.get(k), int) and doc[k] > 0
                       and not (k == "num_experts" and doc[k] == 1) and not (k == "num_experts_per_tok" and doc[k] == 1)}
     return job

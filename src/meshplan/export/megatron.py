@@ -5,8 +5,6 @@ The torchrun prefix carries the world size, which Megatron's own arguments do no
 
 from __future__ import annotations
 
-import shlex
-
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
     Job,
@@ -18,6 +16,7 @@ from meshplan.export.common import (
     framework_keys,
     header_lines,
     refuse,
+    split_command,
 )
 from meshplan.train.space import Pins
 
@@ -118,14 +117,8 @@ _SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--use-megatr
              "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
 
 
-def _tokens(text: str) -> list[str]:
-    lex = shlex.shlex(text.replace("\\\n", " "), posix=True, punctuation_chars=False)
-    lex.whitespace_split, lex.commenters = True, "#"
-    return list(lex)
-
-
 def load(text: str, chips: int | None = None) -> Job:
-    toks = _tokens(text)
+    toks = split_command(text, "Megatron")
     job = Job(NAME, Pins())
     values: dict[str, str] = {}
     switches: set[str] = set()

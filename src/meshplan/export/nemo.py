@@ -10,7 +10,16 @@ from __future__ import annotations
 import yaml
 
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, PlanToExport, check_degrees, commented, divide, framework_keys, header_lines
+from meshplan.export.common import (
+    Job,
+    PlanToExport,
+    check_degrees,
+    commented,
+    divide,
+    framework_keys,
+    header_lines,
+    whole,
+)
 from meshplan.export.megatron import REASONS as MEGATRON_REASONS
 from meshplan.train.space import Pins
 
@@ -101,7 +110,12 @@ def load(text: str, chips: int | None = None) -> Job:
     job = Job(NAME, Pins())
     job.unknown_keys = sorted(k for k in flat if k not in known)
     job.unmodelled_keys = sorted(k for k in flat if k in known and k not in USED)
-    g = flat.get
+    def g(key, default=None):
+        v = flat.get(key)
+        v = default if v is None else v
+        ints = ("size", "num_nodes", "devices", "seq_length", "batch_size", "num_layers")
+        return whole(NAME, key, v) if key.endswith(ints) and not key.endswith("sequence_parallel") else v
+
     tp, pp = g("trainer.strategy.tensor_model_parallel_size", 1), g("trainer.strategy.pipeline_model_parallel_size", 1)
     cp, ep = g("trainer.strategy.context_parallel_size", 1), g("trainer.strategy.expert_model_parallel_size", 1)
     check_degrees(NAME, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
@@ -113,7 +127,7 @@ def load(text: str, chips: int | None = None) -> Job:
     if job.chips is None:
         raise MeshplanError("the NeMo file does not say trainer.num_nodes and trainer.devices: give --chips")
     data = divide(NAME, "chips", job.chips, tp * pp * cp)
-    gran = g("model.config.recompute_granularity")
+    gran = flat.get("model.config.recompute_granularity")
     if gran not in (None, "full", "selective"):
         raise MeshplanError(f"nemo model.config.recompute_granularity must be full or selective, got '{gran}'")
     zero3 = g("trainer.strategy.ddp.data_parallel_sharding_strategy") == "optim_grads_params"

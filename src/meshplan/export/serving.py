@@ -15,12 +15,11 @@ ranks (ep divides tp).
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass, field
 
 from meshplan import __version__
 from meshplan.errors import MeshplanError
-from meshplan.export.common import argv_lines, commented, framework_keys
+from meshplan.export.common import argv_lines, commented, framework_keys, split_command
 from meshplan.infer.config import serving_constant
 from meshplan.units import fmt_bytes, fmt_time
 
@@ -208,9 +207,7 @@ def detect_engine(argv: list[str]) -> str | None:
 
 
 def load_engine(text: str) -> ServeJob:
-    lex = shlex.shlex(text.replace("\\\n", " "), posix=True)
-    lex.whitespace_split, lex.commenters = True, "#"
-    argv = list(lex)
+    argv = split_command(text, "server")
     fw = detect_engine(argv)
     if fw is None:
         raise MeshplanError("not a vLLM or SGLang command line (expected 'vllm serve MODEL ...' or "

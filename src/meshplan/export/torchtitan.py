@@ -19,6 +19,7 @@ from meshplan.export.common import (
     header_lines,
     refuse,
     reversed_map,
+    whole,
 )
 from meshplan.train.space import Pins
 
@@ -174,7 +175,7 @@ def load(text: str, chips: int | None = None) -> Job:
     ep = par.get("expert_parallel_degree", 1)
     check_degrees(NAME, data_parallel_replicate_degree=dp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
                   context_parallel_degree=cp, expert_parallel_degree=ep)
-    fsdp = par.get("data_parallel_shard_degree", -1)
+    fsdp = whole(NAME, "parallelism.data_parallel_shard_degree", par.get("data_parallel_shard_degree", -1), minimum=-1)
     if fsdp == -1:  # -1: every rank left over (torchtitan ParallelDims)
         if chips is None:
             raise MeshplanError("the torchtitan file has data_parallel_shard_degree = -1 (all ranks left over): "
@@ -183,12 +184,13 @@ def load(text: str, chips: int | None = None) -> Job:
         job.notes.append(f"data_parallel_shard_degree -1 -> {fsdp} (--chips {chips})")
     check_degrees(NAME, data_parallel_shard_degree=fsdp)
     job.chips = dp * fsdp * tp * pp * cp
-    job.seq_len = tr.get("seq_len", 2048)
-    local = tr.get("local_batch_size", 8)
-    gb = tr.get("global_batch_size", -1)
+    job.seq_len = whole(NAME, "training.seq_len", tr.get("seq_len", 2048))
+    local = whole(NAME, "training.local_batch_size", tr.get("local_batch_size", 8))
+    gb = whole(NAME, "training.global_batch_size", tr.get("global_batch_size", -1), minimum=-1)
     job.global_batch = gb if gb and gb > 0 else local * dp * fsdp
     if pp > 1:
-        mb = par.get("pipeline_parallel_microbatch_size", 1)
+        mb = whole(NAME, "parallelism.pipeline_parallel_microbatch_size",
+                   par.get("pipeline_parallel_microbatch_size", 1))
         sched = par.get("pipeline_parallel_schedule", "1F1B")
         back = reversed_map(SCHEDULES)
         if sched not in back:
