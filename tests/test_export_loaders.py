@@ -2,8 +2,11 @@
 
 CI does not install them: torchtitan, Megatron-LM, vLLM and SGLang all pull PyTorch (its CUDA wheels from the
 registries, several GB), so these tests skip there; test_export.py checks the same files against each framework's
-documented keys instead. On a machine with the framework installed they run as written (the torchtitan one was run
-with torchtitan 0.2.2 and the PyTorch 2.13 CPU wheel, the last torchtitan release that reads TOML job configs).
+documented keys instead. Where the framework is importable they run as written. They were run (and pass) in a
+separate virtual environment with the PyTorch 2.13 CPU wheel and: torchtitan 0.2.2 (`pip install --no-deps
+torchtitan==0.2.2 tyro tokenizers`; the last release that reads TOML job files, and its loader rejects unknown
+keys), Megatron-LM's own source at tag core_v0.15.0 on PYTHONPATH (+ six, regex), SGLang 0.5.23 (`--no-deps` plus
+the few modules server_args imports). The vLLM test has not been run (its wheel carries CUDA kernels).
 """
 
 from __future__ import annotations
