@@ -411,3 +411,10 @@ def test_odd_values_in_yaml_and_json_files_are_errors_not_crashes(fw, data, chip
         job.finish(load_model("llama3-8b"))
     except MeshplanError:
         pass
+
+
+def test_from_does_not_combine_with_outputs_it_would_ignore(capsys, tmp_path):
+    f = DATA / "torchtitan_llama3_8b.toml"
+    code, _, err = run_cli(["train", "--from", str(f), "--hardware", "h100-sxm", "--chips", "64", "--html",
+                            str(tmp_path / "p.html")], capsys)
+    assert code == 2 and "does not combine" in err

@@ -120,6 +120,9 @@ def serve(
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
+        if export or plot or html or ideal or do_simulate or disaggregate_:
+            fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
+                 "--simulate or --disaggregate")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return

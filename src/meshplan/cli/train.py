@@ -126,7 +126,7 @@ def train(
     export: Annotated[str | None, typer.Option(
         help="Write the plan as a framework's config: torchtitan, megatron, nemo, maxtext or deepspeed (plans with "
              "that framework's behaviour).")] = None,
-    out: Annotated[str | None, typer.Option(help="Folder --export writes to.")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Folder --export writes to.")] = None,
     rank: Annotated[int | None, typer.Option(
         help="Which plan --export writes (default: the best the framework can express).")] = None,
 ) -> None:
@@ -140,6 +140,9 @@ def train(
                 fail(f"missing option {flag} (or read a framework's config with --from FILE)")
     elif hardware is None:
         fail("missing option --hardware (a framework's config does not name the chip)")
+    elif export or plot or html or ideal or tokens:
+        fail("--from predicts a framework's file; it does not combine with --export, --plot, --html, --ideal or "
+             "--tokens")
     framework = train_framework(export, framework)
     if from_file is None:
         problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
@@ -176,7 +179,7 @@ def train(
     if export:
         from meshplan.cli.export import write_train_export
 
-        write_train_export(export, out, rank, problem, result, opts, model,
+        write_train_export(export, out_dir, rank, problem, result, opts, model,
                            more=lambda n: plan(problem, pins, eff, opts, top=n))
     if plot:
         from meshplan.report.train_plots import write_train_plots
