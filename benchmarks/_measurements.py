@@ -23,6 +23,7 @@ from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import (
     FRAMEWORKS,
     attention_kernel_of,
+    grad_reduce_bytes_of,
     options_from_notes,
     torchtitan_selective_flavor,
     zero3_fetch_of,
@@ -359,9 +360,7 @@ def options_of(e: dict) -> Options:
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
-        # DeepSpeed reduces gradients in the model's dtype (its `communication_data_type` default); Megatron and
-        # torchtitan reduce in fp32
-        grad_reduce_bytes=2.0 if "deepspeed" in text and "fp16" in prec else 4.0,
+        grad_reduce_bytes=grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **titan_kw)
 
 

@@ -226,19 +226,5 @@ def divide(framework: str, what: str, a: int, b: int) -> int:
     return a // b
 
 
-def pins_from(cfg: ParallelConfig) -> Pins:
-    return Pins(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)})
-
-
 def reversed_map(table: dict[str, str]) -> dict[str, str]:
     return {v: k for k, v in table.items()}
-
-
-def required(framework: str, value: Any, what: str) -> Any:
-    if value is None:
-        raise MeshplanError(f"the {framework} file does not say the {what}")
-    return value
-
-
-def replace_pins(pins: Pins, **changes: Any) -> Pins:
-    return replace(pins, **changes)

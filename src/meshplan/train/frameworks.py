@@ -109,6 +109,13 @@ def zero3_fetch_of(deepspeed: bool, yymm: int | None) -> str:
     return "allgather"
 
 
+def grad_reduce_bytes_of(deepspeed: bool, fp16: bool) -> float:
+    """Bytes per gradient element the data-parallel reduction moves: DeepSpeed reduces in the model's dtype (its
+    `communication_data_type` default) so an fp16 run moves 2; Megatron (main_grad) and torchtitan (FSDP2
+    reduce_dtype) reduce in fp32."""
+    return 2.0 if deepspeed and fp16 else 4.0
+
+
 def torchtitan_selective_flavor(recompute_text: str) -> str:
     """torchtitan's selective AC as printed: '(op)' = the per-op policy, '(layer)' = every n-th layer
     (selective_ac_option 'op' or an integer; job_config.py)."""
