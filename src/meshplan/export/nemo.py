@@ -1,7 +1,7 @@
 """NeMo 2 recipe overrides: a YAML of the recipe attributes to set on a `nemo.collections.llm` pretraining recipe, each
 one a dotted path NeMo-Run's CLI also takes (`nemo llm pretrain --factory llama3_8b trainer.num_nodes=4 ...`).
-Paths: data/nemo_keys.txt (Megatron-Core config fields at core_v0.15.0; NeMo's Trainer, MegatronStrategy,
-MegatronMixedPrecision and data module arguments). NeMo runs Megatron-Core, so the behaviour is Megatron's plus the
+Paths: data/nemo_keys.txt (NeMo's MegatronStrategy, MegatronMixedPrecision and PreTrainingDataModule arguments
+at NVIDIA/NeMo@8cfedd72; Megatron-Core config fields at core_v0.15.0). NeMo runs Megatron-Core, so the behaviour is Megatron's plus the
 TP communication overlap its performance recipes turn on (train/frameworks.py "nemo").
 """
 
