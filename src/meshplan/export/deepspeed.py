@@ -1,8 +1,8 @@
 """DeepSpeed JSON for ZeRO plans (data parallelism only: DeepSpeed's config file carries no tensor, pipeline or
-context degree). Keys: DeepSpeed's configuration docs (deepspeed.ai/docs/config-json) and
-deepspeed/runtime/constants.py / zero/config.py: train_batch_size, train_micro_batch_size_per_gpu,
+context degree). Keys: deepspeed/runtime/constants.py, zero/config.py and activation_checkpointing/config.py at
+deepspeedai/DeepSpeed@edaa7221 (data/deepspeed_keys.txt): train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, bf16.enabled, zero_optimization.{stage, overlap_comm, contiguous_gradients},
-activation_checkpointing.{partition_activations, cpu_checkpointing}. data/deepspeed_keys.txt lists them.
+activation_checkpointing.{partition_activations, cpu_checkpointing}.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def export(plan: PlanToExport) -> str:
     }
     if c.recompute == "full":
         doc["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": c.offload == 1.0}
-    # JSON has no comments: the header rides in the `_meshplan` key, which DeepSpeed's config loader does not read
-    # (it looks up the keys it knows)
+    # JSON has no comments: the header rides in a top-level `_meshplan` key; DeepSpeedConfig looks up the top-level
+    # keys it knows (deepspeed/runtime/config.py), only its sub-configs such as zero_optimization forbid extra keys
     return json.dumps(doc, indent=2) + "\n"
 
 
