@@ -6,7 +6,8 @@ documented keys instead. Where the framework is importable they run as written. 
 separate virtual environment with the PyTorch 2.13 CPU wheel and: torchtitan 0.2.2 (`pip install --no-deps
 torchtitan==0.2.2 tyro tokenizers`; the last release that reads TOML job files, and its loader rejects unknown
 keys), Megatron-LM's own source at tag core_v0.15.0 on PYTHONPATH (+ six, regex), SGLang 0.5.23 (`--no-deps` plus
-the few modules server_args imports). The vLLM test has not been run (its wheel carries CUDA kernels).
+the few modules server_args imports), DeepSpeed's own source at deepspeedai/DeepSpeed@edaa7221 on PYTHONPATH (+ py-cpuinfo,
+hjson, einops, msgpack). The vLLM test has not been run (its wheel carries CUDA kernels).
 """
 
 from __future__ import annotations
@@ -82,3 +83,21 @@ def test_sglang_server_args_parse_the_exported_command():
     args = parser.parse_args(_serve_argv("sglang")[3:])
     assert (args.tp_size, args.pp_size, args.dp_size, args.max_running_requests) == (4, 2, 2, 64)
     assert (args.kv_cache_dtype, args.quantization, args.chunked_prefill_size) == ("fp8_e4m3", "fp8", 8192)
+
+
+def test_deepspeed_config_reads_the_exported_json(tmp_path, monkeypatch):
+    config = pytest.importorskip("deepspeed.runtime.config")
+    # no process group here: rank 0, and the data-parallel world size from the mpu hook below
+    monkeypatch.setattr(config.dist, "get_rank", lambda *a, **k: 0)
+    pe, name, text, _ = _roundtrip(CASES["deepspeed"])
+    f = tmp_path / name
+    f.write_text(text)
+
+    class DataParallel:  # the mpu hook DeepSpeedConfig asks for the data-parallel world size
+        def get_data_parallel_world_size(self):
+            return pe.config.dp * pe.config.fsdp
+
+    ds = config.DeepSpeedConfig(str(f), mpu=DataParallel())
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu) == (pe.problem.global_batch, pe.config.microbatch)
+    assert ds.zero_optimization_stage == pe.config.zero and ds.bfloat16_config.enabled
+    assert ds.zero_config.overlap_comm and ds.gradient_accumulation_steps == 2  # 64 = 2 x 2 x 16 ranks
