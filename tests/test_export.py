@@ -188,6 +188,12 @@ def test_a_feature_the_framework_cannot_express_is_refused(fw, degrees, opts, wo
         export_train(fw, pe)
 
 
+def test_a_gpu_framework_refuses_a_tpu_plan():
+    pe = _plan("maxtext", "llama3-8b", "tpu-v5p", 64, 4096, 64, fsdp=64, microbatch=1, recompute="full")
+    with pytest.raises(MeshplanError, match="megatron cannot express this plan: it runs on GPUs"):
+        export_train("megatron", pe)
+
+
 def test_refusal_through_the_cli_is_one_error_line(capsys, tmp_path):
     code, out, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len",
                               "4096", "--global-batch", "64", "--zero", "2", "--dp", "64", "--export", "torchtitan",

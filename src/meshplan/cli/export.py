@@ -241,7 +241,7 @@ def write_serve_export(export: str, out: str | None, result: dict, model_arg: st
     if export not in SERVE:
         fail(f"--export must be one of {', '.join(SERVE)}, got '{export}'")
     d = _out_dir(out)
-    sp = ServePlan(result, hf_id(model_arg), command_line(), mode, budget_tokens(chip))
+    sp = ServePlan(result, hf_id(model_arg), command_line(), mode, budget_tokens(chip), chip.kind)
     paths = []
     for name, text in export_engine(export, sp).items():
         (d / name).write_text(text)

@@ -29,6 +29,10 @@ def train_module(name: str) -> ModuleType:
 def export_train(name: str, plan: PlanToExport) -> tuple[str, str]:
     """(file name, text) of `plan` in framework `name`; refused when the file would describe another plan."""
     mod = train_module(name)
+    kinds = getattr(mod, "CHIP_KINDS", None)
+    if kinds and plan.problem.chip.kind not in kinds:
+        raise MeshplanError(f"{name} cannot express this plan: it runs on {' or '.join(kinds).upper()}s, not "
+                            f"{plan.problem.chip.name} ({plan.problem.chip.kind})")
     text = mod.export(plan)
     job = mod.load(text, None)  # an exported file states every degree itself
     job.finish(plan.problem.model)

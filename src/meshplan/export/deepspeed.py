@@ -15,6 +15,7 @@ from meshplan.train.space import Pins
 
 NAME = "deepspeed"
 PINS = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}  # a DeepSpeed config is data parallel only
+CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".json"
 SWITCHES = {"dp_overlap": ({"dp_overlap": True}, '"zero_optimization": {"overlap_comm": true}')}
 REASONS = {

@@ -22,6 +22,7 @@ from meshplan.train.space import Pins
 
 NAME = "megatron"
 PINS = {"offload": 0.0}  # what pretrain_gpt.py cannot do (REASONS)
+CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".sh"
 # behaviour pretrain_gpt.py switches on: (Options changes, the flags to add); `--from` predicts each
 SWITCHES = {

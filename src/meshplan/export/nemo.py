@@ -25,6 +25,7 @@ from meshplan.train.space import Pins
 
 NAME = "nemo"
 PINS = {"offload": 0.0}  # as Megatron
+CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".yaml"
 SWITCHES = {
     "tp_overlap": ({"tp_overlap": True}, "model.config.tp_comm_overlap: true"),

@@ -40,6 +40,7 @@ class ServePlan:
     command: str
     mode: str  # continuous | static
     budget_tokens: int  # the step token budget chunked prefill is timed with (cost/data/serving.yaml)
+    chip_kind: str = "gpu"
 
 
 @dataclass
@@ -151,6 +152,8 @@ def export_engine(framework: str, plan: ServePlan) -> dict[str, str]:
     build = {"vllm": _argv_vllm, "sglang": _argv_sglang}.get(framework)
     d = plan.out.get("disaggregated")
     if framework == "trtllm":
+        if plan.chip_kind != "gpu":
+            raise _refuse("trtllm", f"TensorRT-LLM runs on NVIDIA GPUs, not {plan.out['hardware']}")
         if d:
             raise _refuse("trtllm", "disaggregated pools (trtllm-serve disaggregated takes a cluster YAML meshplan "
                                     "does not write); drop --disaggregate or export to vllm or sglang")

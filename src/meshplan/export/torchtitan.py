@@ -25,6 +25,7 @@ from meshplan.train.space import Pins
 
 NAME = "torchtitan"
 PINS = {"zero": 0, "offload": 0.0}  # what a torchtitan job cannot do (REASONS)
+CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".toml"
 # behaviour a torchtitan file switches on: (Options changes, the keys to set); `--from` predicts each
 SWITCHES = {
