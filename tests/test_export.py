@@ -251,6 +251,8 @@ def test_unknown_keys_are_listed_not_ignored():
     text = (DATA / "torchtitan_llama3_8b.toml").read_text().replace("seq_len = 8192", "seq_len = 8192\nseqlen = 9")
     job = torchtitan.load(text, 64)
     assert job.unknown_keys == ["training.seqlen"]
+    offload = torchtitan.load(text.replace("[training]", "[training]\nenable_cpu_offload = true"), 64)
+    assert any("enable_cpu_offload = True" in n and "not modelled" in n for n in offload.notes)
 
 
 def test_published_maxtext_gpu_llama3_8b_yml():

@@ -158,6 +158,15 @@ USED = {
 }
 
 
+# keys that change a step but that meshplan times at torchtitan's default: a file that sets them gets a note
+TIMED_AT_DEFAULT = {
+    "training.enable_cpu_offload": (False, "FSDP2 CPU offload of parameters, gradients and optimizer state"),
+    "training.mixed_precision_param": ("bfloat16", "the dtype FSDP2 gathers and computes parameters in"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "whether FSDP2 frees gathered parameters after forward"),
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": (False, "FSDP all-gathers in float8"),
+}
+
+
 def load(text: str, chips: int | None = None) -> Job:
     try:
         doc = tomllib.loads(text)
@@ -168,6 +177,9 @@ def load(text: str, chips: int | None = None) -> Job:
     job = Job(NAME, Pins())
     job.unknown_keys = sorted(k for k in flat if k not in known)
     job.unmodelled_keys = sorted(k for k in flat if k in known and k not in USED)
+    for key, (default, what) in TIMED_AT_DEFAULT.items():
+        if key in flat and flat[key] != default:
+            job.notes.append(f"{key} = {flat[key]!r} ({what}) is not modelled: timed as {default!r}")
     # defaults are torchtitan's own (job_config.py) where a key is absent
     par, tr = doc.get("parallelism", {}), doc.get("training", {})
     dp = par.get("data_parallel_replicate_degree", 1)
