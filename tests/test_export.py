@@ -265,6 +265,12 @@ def test_published_maxtext_gpu_llama3_8b_yml():
     assert "dataset_type" in job.unmodelled_keys
 
 
+def test_a_gpu_maxtext_file_on_a_tpu_is_an_error(capsys):
+    code, _, err = run_cli(["train", "--from", str(DATA / "maxtext_gpu_llama3_8b.yml"), "--hardware", "tpu-v5p",
+                            "--chips", "8"], capsys)
+    assert code == 2 and "is for GPUs but --hardware tpu-v5p is a tpu" in err
+
+
 def test_a_file_no_framework_wrote_is_an_error(capsys, tmp_path):
     bad = tmp_path / "job.toml"
     bad.write_text("[parallelism\n")

@@ -129,6 +129,8 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
         fail(f"the {job.framework} file does not say the " + ("sequence length: give --seq-len" if seq is None
                                                              else "global batch: give --global-batch"))
     chip = load_chip(hardware)
+    if job.chip_kind and job.chip_kind != chip.kind:
+        fail(f"the {job.framework} file is for {job.chip_kind.upper()}s but --hardware {hardware} is a {chip.kind}")
     n = job.chips or chips
     if slice_shape is None and job.slices and job.slices > 1 and chip.kind == "tpu":
         slice_shape = default_slice_shape(chip, n // job.slices)

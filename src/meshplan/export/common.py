@@ -64,7 +64,8 @@ class Job:
     unmodelled_keys: list[str] = field(default_factory=list)  # real keys that do not change the prediction
     notes: list[str] = field(default_factory=list)
     layers_per_stage: int | None = None
-    slices: int | None = None  # TPU slices joined over DCN  # interleaved pipelines given as layers per virtual stage
+    slices: int | None = None  # TPU slices joined over DCN
+    chip_kind: str | None = None  # "gpu" or "tpu" where the file says which  # interleaved pipelines given as layers per virtual stage
 
     def finish(self, model: ModelConfig) -> None:
         """What needs the model: virtual stages from a layers-per-stage count."""

@@ -185,6 +185,8 @@ def load(text: str, chips: int | None = None) -> Job:
     job.options["compute_dtype"] = "fp8" if q.startswith("fp8") or q == "nanoo_fp8" else "bf16"
     if doc.get("attention") == "dot_product":
         job.options["flash_attention"] = False
+    hw = str(doc.get("hardware", "tpu"))
+    job.chip_kind = "gpu" if hw.startswith("gpu") else "tpu" if hw.startswith("tpu") else None
     name = doc.get("model_name")
     job.model = str(name) if name not in (None, "default") else None
     job.model_dims = {v: doc[k] for k, v in MODEL_KEYS.items() if isinstance(doc.get(k), int) and doc[k] > 0
