@@ -282,6 +282,30 @@ def test_a_file_no_framework_wrote_is_an_error(capsys, tmp_path):
     assert code == 2 and err.startswith("error: cannot tell which framework")
 
 
+def test_a_nemo_run_serialised_recipe_reads_through_its_targets():
+    from meshplan.export import nemo
+
+    text = """
+trainer:
+  _target_: nemo.lightning.Trainer
+  num_nodes: 2
+  devices: 8
+  strategy:
+    _target_: nemo.lightning.MegatronStrategy
+    tensor_model_parallel_size: 4
+    sequence_parallel: true
+data:
+  _target_: nemo.collections.llm.gpt.data.mock.MockDataModule
+  seq_length: 8192
+  global_batch_size: 64
+  micro_batch_size: 1
+"""
+    job = nemo.load(text)
+    # 2 nodes x 8 GPUs = 16 chips; 16 / tp 4 = 4 data-parallel replicas
+    assert (job.chips, job.pins.tp, job.pins.dp, job.seq_len, job.global_batch) == (16, 4, 4, 8192, 64)
+    assert job.unknown_keys == [] and job.pins.sequence_parallel
+
+
 def test_megatron_model_shape_must_match_model(capsys, tmp_path):
     _, _, text, _ = _roundtrip(CASES["megatron"])
     f = tmp_path / "args.sh"

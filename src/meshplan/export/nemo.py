@@ -106,7 +106,8 @@ def load(text: str, chips: int | None = None) -> Job:
         raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
     if not isinstance(doc, dict):
         raise MeshplanError("a NeMo override file is a YAML mapping")
-    flat = _flatten(doc)
+    # a recipe serialised by NeMo-Run (fiddle) names each object's class in `_target_` (and `_partial_`): structure
+    flat = {k: v for k, v in _flatten(doc).items() if k.rsplit(".", 1)[-1] not in ("_target_", "_partial_", "_call_")}
     known = framework_keys(NAME)
     job = Job(NAME, Pins())
     job.unknown_keys = sorted(k for k in flat if k not in known)
