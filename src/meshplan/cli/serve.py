@@ -117,6 +117,8 @@ def serve(
         if v is None:
             fail(f"missing option {flag}" + (" (or read a server command line with --from FILE)"
                                              if from_file is None else ""))
+    if export is None and out_dir is not None:
+        fail("--out goes with --export vllm|sglang|trtllm")
     if from_file is not None:
         from meshplan.cli.export import serve_from
 

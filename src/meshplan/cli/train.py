@@ -144,6 +144,8 @@ def train(
         fail("--from predicts a framework's file; it does not combine with --export, --plot, --html, --ideal or "
              "--tokens")
     framework = train_framework(export, framework)
+    if export is None and (out_dir is not None or rank is not None):
+        fail("--out and --rank go with --export FRAMEWORK")
     if from_file is None:
         problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
     if dtype not in ("bf16", "fp8"):
