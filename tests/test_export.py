@@ -337,6 +337,22 @@ def test_serve_export_then_from_round_trips(engine, capsys, tmp_path):
     assert r["yours"]["tpot_s"] == planned["tpot_s"] and r["yours"]["ttft_s"] == planned["ttft_s"]
 
 
+def test_a_local_model_folder_round_trips(capsys, tmp_path):
+    from meshplan.specs.model import MODELS_DIR
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text((MODELS_DIR / "llama3-8b.json").read_text())
+    code, _, err = run_cli(["serve", "--model", str(folder / "config.json"), "--hardware", "h100-sxm", "--chips", "2",
+                            "--input-len", "500", "--output-len", "100", "--export", "vllm", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 0, err
+    assert f"vllm serve {folder} " in (tmp_path / "vllm.sh").read_text().replace("\\\n", "")
+    code, out, err = run_cli(["serve", "--from", str(tmp_path / "vllm.sh"), "--hardware", "h100-sxm", "--input-len",
+                              "500", "--output-len", "100", "--json"], capsys)
+    assert code == 0, err
+
+
 def test_serve_disaggregated_export_writes_both_pools(capsys, tmp_path):
     code, _, err = run_cli(["serve", *SERVE, "--disaggregate", "--export", "sglang", "--out", str(tmp_path)], capsys)
     assert code == 0, err

@@ -292,7 +292,12 @@ def _presets() -> dict[str, str]:
 
 
 def hf_id(model_arg: str) -> str:
-    """What the engine loads: the Hugging Face id a preset was read from, else what --model was given."""
+    """What the engine loads: the Hugging Face id a preset was read from, the folder of a config.json, else what
+    --model was given."""
+    from pathlib import Path
+
+    if model_arg.endswith(".json"):
+        return str(Path(model_arg).parent)
     return next((k for k, v in _presets().items() if v == model_arg), model_arg)
 
 
@@ -302,8 +307,12 @@ def preset_for(model: str | None) -> str | None:
         return None
     if model in _presets():
         return _presets()[model]
+    from pathlib import Path
+
     from meshplan.specs.model import load_model
 
+    if (Path(model) / "config.json").is_file():  # a local checkpoint folder
+        model = str(Path(model) / "config.json")
     try:
         load_model(model)
     except MeshplanError:
