@@ -24,10 +24,11 @@ import yaml
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import KV_DTYPES, ServeConfig, Workload, check_layout
+from meshplan.infer.config import KV_DTYPES, ServeConfig, Workload, check_layout, engine_token_budget
 from meshplan.infer.frontier import best_point, frontier
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.metrics import evaluate
+from meshplan.infer.simulate import SimSpec, simulate
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -73,7 +74,10 @@ def predict(e: dict, rules: dict) -> dict:
     # a config under benchmarks/data (models/qwen3-235b-a22b.json) or a preset name
     m, chip = load_model(str(DATA / e["model"]) if e["model"].endswith(".json") else e["model"]), load_chip(e["hardware"])
     eff = default_efficiency(chip)
-    cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e))
+    # the engine's step token budget: the one the source's server command sets, else the engine's default
+    budget = e.get("max_num_batched_tokens") or engine_token_budget(e.get("engine") or "default", chip)
+    cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e),
+                      max_num_batched_tokens=budget)
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)
@@ -81,6 +85,8 @@ def predict(e: dict, rules: dict) -> dict:
     if mb < 1:
         raise MeshplanError("model does not fit")
     md = mode(e)
+    if e.get("arrivals"):  # the benchmark's own arrival process, replayed by the simulator
+        return _simulated(e, m, chip, cfg, eff, w, mb, how)
     if e.get("batch"):
         b = min(int(e["batch"]), mb)
         p = evaluate(m, chip, e["chips"], cfg, eff, w, b, md)
@@ -88,6 +94,18 @@ def predict(e: dict, rules: dict) -> dict:
         p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
     return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
             "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype}
+
+
+def _simulated(e: dict, m, chip, cfg: ServeConfig, eff, w: Workload, mb: int, how: str) -> dict:
+    """Mean TTFT and TPOT (the published means) and output tokens/s of the simulated benchmark: `arrivals` gives
+    its request count, rate (requests/s, 'inf' = all at t = 0) and closed-loop concurrency, from the source."""
+    a = e["arrivals"]
+    spec = SimSpec(rate=float(a.get("rate", "inf")), n_requests=int(a["requests"]), concurrency=a.get("concurrency"))
+    limit = min(mb, int(a["max_num_seqs"])) if a.get("max_num_seqs") else mb
+    sim = simulate(m, chip, e["chips"], cfg, eff, w, limit, spec)
+    return {"output_tokens_per_s": sim["throughput_tokens_per_s"], "tpot_s": sim["tpot_s"]["mean"],
+            "ttft_s": sim["ttft_s"]["mean"], "batch": limit, "max_batch": mb, "mode": "simulated", "lengths": how,
+            "kv_dtype": cfg.kv_dtype}
 
 
 def _rel(pred: float, meas: float | None) -> float | None:

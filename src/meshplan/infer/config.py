@@ -48,6 +48,9 @@ class ServeConfig:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     act_dtype: str = "bf16"
+    # the engine's per-step token budget (vLLM max_num_batched_tokens, TensorRT-LLM max_num_tokens, SGLang
+    # chunked_prefill_size); None = the engine preset's / serving.yaml default (step_token_budget)
+    max_num_batched_tokens: int | None = None
 
     @property
     def chips_per_replica(self) -> int:
@@ -75,6 +78,33 @@ class ServeConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+ENGINES = ("default", "vllm", "sglang", "trtllm")
+
+
+def engine_token_budget(engine: str, chip: Chip) -> int:
+    """The engine's default step token budget on this chip (serving.yaml engine_max_num_batched_tokens, sourced
+    from each engine's argument defaults); `default` is serving.yaml's max_num_tokens."""
+    if engine not in ENGINES:
+        raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINES)})")
+    if engine == "default":
+        return int(serving_constant("max_num_tokens", chip))
+    table = _table()["engine_max_num_batched_tokens"][engine]
+    # vLLM picks its larger default only on >= 70 GiB GPUs other than A100 (vllm/engine/arg_utils.py)
+    big = chip.kind == "gpu" and chip.hbm_bytes >= 70 * 2**30 and not chip.name.startswith("a100")
+    hit = table.get(chip.name) or table.get("gpu_large" if big else chip.kind) or table.get(chip.kind)
+    if hit is None:
+        return int(serving_constant("max_num_tokens", chip))
+    return int(hit["value"])
+
+
+def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
+    """Tokens one engine step may carry (decode tokens + prompt chunks): the layout's own budget, else the
+    serving.yaml default."""
+    if cfg.max_num_batched_tokens is not None:
+        return int(cfg.max_num_batched_tokens)
+    return int(serving_constant("max_num_tokens", chip))
 
 
 @dataclass(frozen=True)
@@ -113,6 +143,8 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown weight quantization '{cfg.weight_dtype}' (known: {', '.join(WEIGHT_DTYPES)})")
     if cfg.kv_dtype not in KV_DTYPES:
         raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
+    if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
+        raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
         if v <= 0:
             raise MeshplanError(f"{name} must be positive, got {v}")

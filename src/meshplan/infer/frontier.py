@@ -8,7 +8,7 @@ the model's heads, and every batch on the grid, and keeps the highest output thr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
@@ -70,7 +70,7 @@ def layouts(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, tp: int
             continue
         for p in ([pp] if pp else _divisors(n_chips // t if n_chips % t == 0 else 1)):
             for e in ([ep] if ep else (_divisors(t) if m.is_moe else [1])):
-                cfg = ServeConfig(t, p, e, base.weight_dtype, base.kv_dtype, base.act_dtype)
+                cfg = replace(base, tp=t, pp=p, ep=e)
                 try:
                     check_layout(m, chip, n_chips, cfg)
                 except InfeasibleError:

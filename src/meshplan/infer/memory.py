@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
-from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant
+from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant, step_token_budget
 from meshplan.math.transformer import kv_cache_elements_per_layer, kv_cached_tokens, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -106,9 +106,9 @@ def kv_bytes_per_token_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
 
 
 def activation_bytes_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, batch: int) -> float:
-    """Step workspace: max_num_tokens tokens of live activations (a few D-wide tensors and the 2F/tp MLP
+    """Step workspace: the step token budget (max_num_batched_tokens) of live activations (a few D-wide tensors and the 2F/tp MLP
     hidden) plus fp32 logits for the decode batch (vocab-sharded). vLLM profile_run reserves the same."""
-    tokens = serving_constant("max_num_tokens", chip)
+    tokens = step_token_budget(chip, cfg)
     width = serving_constant("activation_workspace_factor", chip) * m.d_model
     f = m.d_ff * (m.experts_per_token if m.is_moe else 1)
     width += 2 * f / cfg.tp

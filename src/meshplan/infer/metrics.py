@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, serving_constant
+from meshplan.infer.config import ServeConfig, Workload, step_token_budget
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
 from meshplan.infer.step import StepCost, decode_step, prefill_step, step_cost
 from meshplan.specs.hardware import Chip
@@ -81,23 +81,33 @@ class ServePoint:
         }
 
 
+def scheduler_wait_s(busy_step_s: float, others: float) -> float:
+    """Wait of a new request for the engine's next iteration: iteration-level scheduling (Orca, Yu et al. OSDI'22;
+    vLLM/TensorRT-LLM/SGLang schedulers) admits it only at a step boundary, so one arriving at a random moment
+    while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2.
+    An idle engine (no other sequence) starts it at once."""
+    return busy_step_s / 2.0 if others > 0 else 0.0
+
+
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
-                    batch: int) -> float:
-    """A new prompt split into chunks of the step budget (minus the other sequences' decode tokens); each
-    chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill)."""
+                    batch: int, busy_step_s: float = 0.0) -> float:
+    """The wait for the next iteration (scheduler_wait_s of the running batch's step `busy_step_s`), then the
+    prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
+    tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
+    Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget)."""
     others = max(batch - 1, 0)
-    chunk = max(serving_constant("max_num_tokens", chip) - others, 1.0)
+    chunk = max(step_token_budget(chip, cfg) - others, 1.0)
     n_chunks = math.ceil(w.input_len / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(w.input_len, chunk), w.input_len / 2.0,
                   max(batch, 1))
-    return n_chunks * s.time_s
+    return scheduler_wait_s(busy_step_s, others) + n_chunks * s.time_s
 
 
 def _continuous(m, chip, cfg, eff, w, batch):
     prefill = batch * w.input_len / w.output_len  # steady state: B/O requests replaced per step
     mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch)
     pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
-    ttft = ttft_continuous(m, chip, cfg, eff, w, batch)
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s)
     frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
     return ttft, mixed.time_s, batch / mixed.time_s, frac, mixed
 

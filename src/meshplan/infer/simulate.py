@@ -3,19 +3,25 @@
 Each replica runs iteration-level scheduling (Orca, Yu et al. OSDI'22; vLLM): every step admits waiting
 requests FCFS up to the batch limit, decodes one token for each sequence past its prompt and spends the rest of
 the step token budget on prompt chunks (Sarathi-Serve, Agrawal et al. OSDI'24). A step costs `step_cost` of
-its decode and prefill tokens. Requests go to replicas round-robin. Seeded: the same inputs give the same
-percentiles.
+its decode and prefill tokens; the step token budget is the layout's max_num_batched_tokens (step_token_budget).
+Requests go to replicas round-robin. Seeded: the same inputs give the same percentiles.
+
+Arrivals, as serving benchmarks issue them: a Poisson process at `rate` requests/s; `rate = inf` sends every
+request at t = 0 (TensorRT-LLM's "QPS INF", vLLM benchmark_serving's default --request-rate inf); `concurrency`
+C makes the client closed-loop (vLLM --max-concurrency, NIM/GenAI-Perf concurrency): C requests in flight, each
+finished one replaced at once by the next, the first C all sent at t = 0.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, serving_constant
+from meshplan.infer.config import ServeConfig, Workload, step_token_budget
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -30,6 +36,7 @@ class SimSpec:
     seed: int = 0
     input_dist: str = "fixed"
     output_dist: str = "fixed"
+    concurrency: int | None = None  # closed-loop client: at most this many requests outstanding (None = open loop)
 
 
 @dataclass
@@ -58,17 +65,22 @@ def _lengths(rng: np.random.Generator, dist: str, mean: int, n: int) -> np.ndarr
 def make_requests(spec: SimSpec, w: Workload) -> list[_Req]:
     if spec.rate <= 0 or spec.n_requests <= 0:
         raise MeshplanError(f"--rate and --requests must be positive (got {spec.rate}, {spec.n_requests})")
+    if spec.concurrency is not None and spec.concurrency <= 0:
+        raise MeshplanError(f"--concurrency must be positive, got {spec.concurrency}")
     rng = np.random.default_rng(spec.seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / spec.rate, spec.n_requests))  # Poisson process
+    gaps = rng.exponential(1.0 / spec.rate, spec.n_requests) if math.isfinite(spec.rate) else np.zeros(spec.n_requests)
+    arrivals = np.cumsum(gaps)  # Poisson process; all at t = 0 for an infinite rate
     ins = _lengths(rng, spec.input_dist, w.input_len, spec.n_requests)
     outs = _lengths(rng, spec.output_dist, w.output_len, spec.n_requests)
     return [_Req(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
 
 
 class _Replica:
-    def __init__(self, m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, max_batch: int):
+    def __init__(self, m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, max_batch: int,
+                 concurrency: int | None = None):
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
-        self.budget = int(serving_constant("max_num_tokens", chip))
+        self.budget = step_token_budget(chip, cfg)
+        self.concurrency = concurrency
         self._cache: dict[tuple, float] = {}
 
     def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int) -> float:
@@ -79,7 +91,10 @@ class _Replica:
         return self._cache[key]
 
     def run(self, reqs: list[_Req]) -> None:
-        waiting, running, t, i = [], [], 0.0, 0
+        if self.concurrency is not None:  # closed loop: request j >= C is sent when the (j-C)-th one finishes
+            for r in reqs[self.concurrency:]:
+                r.arrival = math.inf
+        waiting, running, t, i, done = [], [], 0.0, 0, 0
         while i < len(reqs) or waiting or running:
             while i < len(reqs) and reqs[i].arrival <= t:
                 waiting.append(reqs[i])
@@ -90,7 +105,12 @@ class _Replica:
                 t = reqs[i].arrival
                 continue
             t = self._step(running, t)
+            finished = sum(r.finish >= 0 for r in running)
             running = [r for r in running if r.finish < 0]
+            if self.concurrency is not None:
+                for j in range(done + self.concurrency, min(done + finished + self.concurrency, len(reqs))):
+                    reqs[j].arrival = t
+                done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
         dec = [r for r in running if r.prefilled >= r.inp]
@@ -133,12 +153,14 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         raise MeshplanError("the simulation needs a batch limit of at least 1 sequence per replica")
     reqs = make_requests(spec, w)
     replicas = n_chips // cfg.chips_per_replica
+    conc = None if spec.concurrency is None else max(spec.concurrency // replicas, 1)
     for k in range(replicas):
-        _Replica(m, chip, cfg, eff, max_batch).run(reqs[k::replicas])
+        _Replica(m, chip, cfg, eff, max_batch, conc).run(reqs[k::replicas])
     ttft = [r.first_token - r.arrival for r in reqs]
     tpot = [(r.finish - r.first_token) / (r.out - 1) for r in reqs if r.out > 1]
     span = max(r.finish for r in reqs) - reqs[0].arrival
     return {"rate_requests_per_s": spec.rate, "requests": spec.n_requests, "seed": spec.seed,
+            "concurrency": spec.concurrency, "max_num_batched_tokens": step_token_budget(chip, cfg),
             "input_dist": spec.input_dist, "output_dist": spec.output_dist, "max_batch_per_replica": max_batch,
             "ttft_s": _pct(ttft), "tpot_s": _pct(tpot),
             "throughput_tokens_per_s": sum(r.out for r in reqs) / span if span > 0 else 0.0}
