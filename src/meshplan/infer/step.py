@@ -3,7 +3,8 @@
 Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and latency terms):
   T_stage = max(T_weights, T_matmul) + max(T_kv, T_attention) + T_collectives + T_kernels
   T_weights   = weight bytes read / (W_hbm * hbm_fraction)          (every weight once per micro-batch)
-  T_matmul    = 2 * tokens * active params / (C * matmul efficiency(tokens))
+  T_matmul    = 2 * tokens * active params / (C * matmul efficiency(tokens)); MoE routed experts at
+                efficiency(tokens * k / E), the rows of each expert's grouped-GEMM problem
   T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2)
   T_attention = 2 * tokens * context * N * (QK + AV widths, 2H; MLA decode: 2*kv_lora + rope) / (C * attention_fwd_fraction)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
@@ -75,6 +76,12 @@ def touched_experts(m: ModelConfig, tokens: float) -> float:
     if not m.is_moe or tokens <= 0:
         return 0.0
     return m.n_experts * (1.0 - (1.0 - m.experts_per_token / m.n_experts) ** tokens)
+
+
+def tokens_per_expert(m: ModelConfig, tokens: float) -> float:
+    """Rows of each routed expert's GEMM when `tokens` tokens each pick k of E experts, balanced routing:
+    tokens * k / E (GShard/Switch load-balanced routing; dropless engines give each expert its share)."""
+    return tokens * m.experts_per_token / m.n_experts if m.is_moe else tokens
 
 
 def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> float:
@@ -150,7 +157,11 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     decode_ctx = kv_cached_tokens(m, decode_ctx)
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
-    mm_flops = 2.0 * tokens * (Ls * lp.active + m.d_model * m.vocab_size / cfg.tp)
+    # routed experts run as a grouped GEMM of one problem per expert with ~tokens*k/E rows each (vLLM fused_moe,
+    # TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
+    routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
+    dense_flops = 2.0 * tokens * (Ls * (lp.active - routed) + m.d_model * m.vocab_size / cfg.tp)
+    expert_flops = 2.0 * tokens * Ls * routed
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
     # its prefill up-projects K and V as training does
@@ -158,7 +169,11 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     attn_flops = 2.0 * Ls * m.n_heads / cfg.tp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
     t_w = weights * cfg.weight_bytes / W
-    t_mm = mm_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens)) if tokens > 0 else 0.0
+    t_mm = 0.0
+    if tokens > 0:
+        t_mm = dense_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens))
+        if expert_flops > 0:
+            t_mm += expert_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens_per_expert(m, tokens)))
     t_kv = kv_bytes / W
     t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
