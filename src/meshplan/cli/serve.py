@@ -9,7 +9,15 @@ from rich.table import Table
 
 from meshplan.cli.app import app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
-from meshplan.infer.config import ServeConfig, Workload, check_layout, check_workload
+from meshplan.infer.config import (
+    ENGINES,
+    ServeConfig,
+    Workload,
+    check_layout,
+    check_workload,
+    engine_token_budget,
+    step_token_budget,
+)
 from meshplan.infer.disagg import disaggregate
 from meshplan.infer.frontier import Targets, frontier, search
 from meshplan.infer.ideal import ideal_serving, print_ideal
@@ -39,7 +47,8 @@ def _pins(tp: int | None, pp: int | None, ep: int | None, do_search: bool) -> tu
 def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_len: int, *, batch: int | None = None,
                  tp: int | None = None, pp: int | None = None, ep: int | None = None, quant: str = "bf16",
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
-                 do_search: bool = False, mode: str = "continuous", profile: str | None = None) -> dict:
+                 do_search: bool = False, mode: str = "continuous", profile: str | None = None,
+                 engine: str = "default", max_num_batched_tokens: int | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections."""
     m, chip = load_model(model), load_chip(hardware)
     w = Workload(input_len, output_len)
@@ -52,10 +61,15 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         if v is not None and v <= 0:
             fail(f"{name} must be positive seconds, got {v}")
     eff = resolve_efficiency(chip, profile)
-    base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant)
+    if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
+        fail(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
+    # the step token budget: the user's, else the engine preset's default (serving.yaml); 'default' keeps None
+    if max_num_batched_tokens is None and engine != "default":
+        max_num_batched_tokens = engine_token_budget(engine, chip)
+    base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if tp and pp and ep:
-        cfg = ServeConfig(tp, pp, ep, quant, kv_quant)
+        cfg = ServeConfig(tp, pp, ep, quant, kv_quant, max_num_batched_tokens=max_num_batched_tokens)
         check_layout(m, chip, chips, cfg)
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
@@ -66,6 +80,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     out.update({
         "model": m.name, "hardware": chip.name, "chips": chips, "input_len": input_len, "output_len": output_len,
         "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
+        "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
         "targets": {"tpot_s": tpot_target, "ttft_s": ttft_target},
         "efficiency": eff.origin,
         "frontier": [p.as_dict() for p in frontier(m, chip, chips, best.config, eff, w, mode)],
@@ -96,6 +111,12 @@ def serve(
     do_simulate: Annotated[bool, typer.Option("--simulate", help="Poisson-arrival simulation.")] = False,
     rate: Annotated[float | None, typer.Option(help="Arrivals per second for --simulate.")] = None,
     requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
+    concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients for --simulate (each finished "
+                                                         "request is replaced at once).")] = None,
+    engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm (sets the "
+                                             "step token budget from the engine's defaults).")] = "default",
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
+                                                                    "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",
     output_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --output-len).")] = "fixed",
@@ -131,6 +152,7 @@ def serve(
     _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
+    _choice("--engine", engine, ENGINES)
     if do_simulate:
         _choice("--input-dist", input_dist, DISTRIBUTIONS)
         _choice("--output-dist", output_dist, DISTRIBUTIONS)
@@ -138,11 +160,12 @@ def serve(
             fail("--simulate needs --rate (requests per second)")
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
-                       do_search=do_search, mode=batching, profile=profile)
+                       do_search=do_search, mode=batching, profile=profile, engine=engine,
+                       max_num_batched_tokens=max_num_batched_tokens)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
-                                     SimSpec(rate, requests, seed, input_dist, output_dist))
+                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency))
     if disaggregate_:
         out["disaggregated"] = disaggregate(m, chip, chips, best.config, best.config, eff, w, batch).as_dict()
     if export:

@@ -1,0 +1,140 @@
+"""Serving scheduler physics of issue #14: step token budget per engine, the wait for the next iteration, chunked
+prefill under a small budget, MoE grouped-GEMM rows per expert, closed-loop and burst arrivals. Hand-derived."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from conftest import run_cli
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.infer.config import ServeConfig, Workload, engine_token_budget, step_token_budget
+from meshplan.infer.memory import activation_bytes_per_chip
+from meshplan.infer.metrics import evaluate, scheduler_wait_s, ttft_continuous
+from meshplan.infer.simulate import SimSpec, _Replica, make_requests, simulate
+from meshplan.infer.step import stage_parts, step_cost, tokens_per_expert
+from meshplan.math.transformer import param_counts
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+M8, H100, A100 = load_model("llama3.1-8b"), load_chip("h100-sxm"), load_chip("a100-80gb")
+EFF = default_efficiency(H100)
+
+
+def test_engine_budgets_follow_the_engines_defaults():
+    # vLLM get_batch_defaults (OPENAI_API_SERVER): 8192 on >= 70 GiB GPUs except A100, else 2048
+    assert engine_token_budget("vllm", H100) == 8192
+    assert engine_token_budget("vllm", load_chip("h200")) == 8192
+    assert engine_token_budget("vllm", A100) == 2048
+    assert engine_token_budget("vllm", load_chip("a100-40gb")) == 2048
+    # SGLang chunked_prefill_size 8192 on 35-160 GB GPUs; TensorRT-LLM max_num_tokens 8192
+    assert engine_token_budget("sglang", H100) == 8192
+    assert engine_token_budget("trtllm", A100) == 8192
+    # no engine entry for TPUs: the serving.yaml default (8192)
+    assert engine_token_budget("vllm", load_chip("tpu-v6e")) == 8192
+    assert step_token_budget(H100, ServeConfig(max_num_batched_tokens=512)) == 512
+    assert step_token_budget(H100, ServeConfig()) == 8192
+
+
+def test_scheduler_wait_is_half_a_busy_step():
+    # Orca iteration-level scheduling: mean residual of a 20 ms step under random arrival = 10 ms
+    assert scheduler_wait_s(0.020, others=3) == pytest.approx(0.010)
+    assert scheduler_wait_s(0.020, others=0) == 0.0  # idle engine: starts at once
+
+
+def test_ttft_chunks_a_prompt_by_the_step_budget():
+    w = Workload(1000, 200)
+    cfg = ServeConfig(max_num_batched_tokens=512)
+    # batch 1: no other sequence -> no wait; chunks of 512: ceil(1000 / 512) = 2 steps of a 512-token chunk
+    one = step_cost(M8, H100, cfg, EFF, 0, w.mean_decode_context, 512, 500.0, 1).time_s
+    assert ttft_continuous(M8, H100, cfg, EFF, w, 1) == pytest.approx(2 * one)
+    # batch 65: 64 decodes take 64 tokens of the budget -> chunks of 448: ceil(1000 / 448) = 3 mixed steps,
+    # after waiting half of the running 30 ms step (15 ms)
+    mixed = step_cost(M8, H100, cfg, EFF, 64, w.mean_decode_context, 448, 500.0, 65).time_s
+    assert ttft_continuous(M8, H100, cfg, EFF, w, 65, busy_step_s=0.030) == pytest.approx(0.015 + 3 * mixed)
+    # the default budget (8192) takes the prompt in one step
+    big = step_cost(M8, H100, ServeConfig(), EFF, 0, w.mean_decode_context, 1000, 500.0, 1).time_s
+    assert ttft_continuous(M8, H100, ServeConfig(), EFF, w, 1) == pytest.approx(big)
+
+
+def test_continuous_ttft_includes_the_wait_for_the_running_step():
+    w, b = Workload(1000, 200), 32
+    p = evaluate(M8, H100, 1, ServeConfig(), EFF, w, b)
+    # steady state: the running step is the mixed step (= TPOT); the new request waits half of it
+    assert p.ttft_s == pytest.approx(p.tpot_s / 2 + ttft_continuous(M8, H100, ServeConfig(), EFF, w, b))
+
+
+def test_activation_workspace_scales_with_the_budget():
+    cfg = ServeConfig()
+    logits = 8 * M8.vocab_size * 4.0  # batch 8, fp32 logits, tp 1
+    full = activation_bytes_per_chip(M8, H100, cfg, 8) - logits
+    small = activation_bytes_per_chip(M8, H100, replace(cfg, max_num_batched_tokens=512), 8) - logits
+    assert small == pytest.approx(full * 512 / 8192)  # workspace = budget tokens x width
+
+
+def test_moe_expert_gemms_run_at_tokens_per_expert_rows():
+    mix = load_model("mixtral-8x7b")
+    assert tokens_per_expert(mix, 1024) == pytest.approx(256.0)  # 1024 tokens x k=2 / E=8
+    assert tokens_per_expert(M8, 1024) == 1024  # dense: every token in one GEMM
+    # prefill-only step of T = 4096 tokens at context 1: compute-bound, attention negligible
+    T, cfg = 4096.0, ServeConfig()
+    parts = stage_parts(mix, H100, cfg, EFF, 0.0, 0.0, T, 1.0)
+    pc = param_counts(mix)
+    expert = 3 * mix.d_model * mix.d_ff  # one gated expert: 3 x 4096 x 14336 = 176,160,768
+    routed = mix.experts_per_token * expert  # k = 2 experts per token
+    dense = pc.per_layer_attention + pc.per_layer_norms + pc.per_layer_router  # per layer, tp = 1
+    peak = H100.peak("bf16") * EFF.matmul_peak_fraction
+    h = EFF.matmul_rows_half  # 128
+    f_all, f_exp = T / (T + h), (T / 4) / (T / 4 + h)  # 4096/(4096+128) and 1024/(1024+128)
+    L = mix.n_layers
+    want = (2 * T * (L * dense + mix.d_model * mix.vocab_size) / (peak * f_all)
+            + 2 * T * L * routed / (peak * f_exp))
+    assert parts["compute"] == pytest.approx(want, rel=1e-9)
+
+
+def test_closed_loop_with_one_client_serves_requests_one_after_another():
+    w, cfg = Workload(200, 20), ServeConfig()
+    spec = SimSpec(rate=math.inf, n_requests=4, concurrency=1)
+    reqs = make_requests(spec, w)
+    _Replica(M8, H100, cfg, EFF, 64, concurrency=1).run(reqs)
+    for prev, nxt in zip(reqs, reqs[1:], strict=False):
+        assert nxt.arrival == pytest.approx(prev.finish)  # sent when the previous one finishes
+    ttfts = [r.first_token - r.arrival for r in reqs]
+    assert max(ttfts) == pytest.approx(min(ttfts))  # each finds an idle engine
+
+
+def test_burst_with_batch_one_queues_every_request_behind_the_previous():
+    w, cfg, n = Workload(200, 20), ServeConfig(), 5
+    sim = simulate(M8, H100, 1, cfg, EFF, w, 1, SimSpec(rate=math.inf, n_requests=n))
+    alone = simulate(M8, H100, 1, cfg, EFF, w, 1, SimSpec(rate=math.inf, n_requests=1))
+    ttft0, e2e = alone["ttft_s"]["mean"], alone["ttft_s"]["mean"] + 19 * alone["tpot_s"]["mean"]
+    # request j (0-based) starts after j whole requests: TTFT_j = j * e2e + ttft0; mean over 5 = 2 * e2e + ttft0
+    assert sim["ttft_s"]["mean"] == pytest.approx(2 * e2e + ttft0)
+
+
+def test_cli_engine_and_budget_flags(capsys):
+    base = ["serve", "--model", "llama3.1-8b", "--hardware", "a100-80gb", "--chips", "1", "--input-len", "1000",
+            "--output-len", "200", "--tp", "1", "--batch", "8", "--json"]
+    code, out, err = run_cli(base + ["--engine", "vllm"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["engine"] == "vllm" and d["step_token_budget"] == 2048 and d["config"]["max_num_batched_tokens"] == 2048
+    code, out, _ = run_cli(base + ["--engine", "vllm", "--max-num-batched-tokens", "512", "--simulate", "--rate",
+                                   "inf", "--requests", "12", "--concurrency", "4"], capsys)
+    d = json.loads(out)
+    assert code == 0 and d["step_token_budget"] == 512 and d["simulation"]["concurrency"] == 4
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--engine", "foo"], "--engine"),
+    (["--max-num-batched-tokens", "0"], "max-num-batched-tokens"),
+    (["--simulate", "--rate", "2", "--concurrency", "0"], "concurrency"),
+])
+def test_cli_scheduler_bad_input(capsys, extra, needle):
+    base = ["serve", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len", "100",
+            "--output-len", "10", "--tp", "1"]
+    code, _, err = run_cli(base + extra, capsys)
+    assert code == 2 and err.startswith("error:") and needle in err
