@@ -93,6 +93,12 @@ def test_moe_expert_gemms_run_at_tokens_per_expert_rows():
     want = (2 * T * (L * dense + mix.d_model * mix.vocab_size) / (peak * f_all)
             + 2 * T * L * routed / (peak * f_exp))
     assert parts["compute"] == pytest.approx(want, rel=1e-9)
+    # expand + finalize: 2 x T x D x (k + 1) bf16 elements per layer = 2 * 4096 * 4096 * 3 * 2 B = 201,326,592 B,
+    # x 32 layers = 6,442,450,944 B at H100's 3.35 TB/s x hbm_fraction
+    assert parts["moe_permute"] == pytest.approx(6_442_450_944 / (3.35e12 * EFF.hbm_fraction), rel=1e-9)
+    # 10 dense kernels + 4 routing kernels per layer (router GEMM, top-k, expand, finalize), 32 layers
+    assert parts["kernel_overhead"] == pytest.approx(32 * 14 * EFF.kernel_overhead_s)
+    assert stage_parts(M8, H100, cfg, EFF, 0.0, 0.0, T, 1.0)["moe_permute"] == 0.0  # dense model
 
 
 def test_closed_loop_with_one_client_serves_requests_one_after_another():

@@ -10,6 +10,7 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
                  with latency terms (small-batch decode is latency-bound, ch.7 App. C)
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
+  T_moe_permute = layers * 2 * tokens * D * (k + 1) * act bytes / (W_hbm * hbm_fraction)  (MoE expand + finalize)
 With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
   T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead.
 """
@@ -177,6 +178,13 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     t_kv = kv_bytes / W
     t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
+    permute = 0.0
+    if m.is_moe:  # routing kernels around the expert GEMMs (serving.yaml moe_routing_kernels_per_layer)
+        kernels += Ls * serving_constant("moe_routing_kernels_per_layer", chip) * eff.kernel_overhead_s
+        # TensorRT-LLM expandInputRows reads each token's D-vector once and writes k copies; finalizeMoeRouting
+        # reads the k expert outputs and writes one: 2 * tokens * D * (k + 1) elements per layer. With TP alone
+        # every chip permutes every token (the TP split is inside each expert's F dimension)
+        permute = Ls * 2.0 * tokens * m.d_model * (m.experts_per_token + 1) * cfg.act_bytes / W
     return {
         "weights": t_w if t_w >= t_mm else 0.0,
         "compute": t_mm if t_mm > t_w else 0.0,
@@ -184,6 +192,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         "attention": t_attn if t_attn > t_kv else 0.0,
         "collectives": Ls * _layer_comm_s(m, chip, cfg, tokens),
         "kernel_overhead": kernels,
+        "moe_permute": permute,
         "pipeline_p2p": _p2p_s(chip, cfg, tokens * m.d_model * cfg.act_bytes),
     }
 
