@@ -23,21 +23,10 @@ TRAINING = _split.load_new_training()
 SERVING = _split.load_new_serving()
 
 # Published layouts meshplan cannot place today, with the reason it gives (issue #14: "every published layout in
-# your data can be planned" is the goal; these are what is left):
-# - GB200 NVL72 jobs on 256 GPUs: the planner requires whole 72-GPU NVLink domains;
-# - Megatron-Core's MoE parallel folding, where EP is carved out of TP x DP (EP 32 > DP 16 with TP 2);
-# - an uneven pipeline (PP 32 x VP 3 = 96 virtual stages for 94 layers; Megatron places the embedding and loss
-#   as stages of their own).
-KNOWN_UNPLANNABLE = {
-    "whole number of 72-GPU NVLink domains": {
-        e["id"] for e in TRAINING
-        if "GB200" in e["hardware"]["chip"] and e["hardware"]["count"] > 72 and e["hardware"]["count"] % 72},
-    "expert parallelism must divide the data-parallel ranks": {
-        "mbridge_26p04p01_qwen3-235b-a22b_h100_256_fp8", "mbridge_26p04_qwen3-235b-a22b_h100_256_fp8",
-        "mbridge_26p02p01_qwen3-235b-a22b_h100_256_fp8", "mbridge_26p02_qwen3-235b-a22b_h100_256_fp8",
-        "mbridge_25p11_qwen3-235b-a22b_h100_256_fp8-cs", "moezoo_qwen3_235b_h100_256_0", "moezoo_qwen3_235b_h100_256_1"},
-    "exceeds the 94 layers": {"moezoo_qwen3_235b_h100_256_3"},
-}
+# your data can be planned" is the goal; these are what is left). Fixed: GB200 NVL72 jobs on 256 GPUs (4 racks x 64
+# GPUs), Megatron-Core's MoE parallel folding (EP 32 > DP 16 with TP 2) and PP 32 x VP 3 = 96 virtual stages for 94
+# layers (embedding and loss stages); tests/test_placement.py plans each of them by hand.
+KNOWN_UNPLANNABLE: dict[str, set[str]] = {}
 
 
 # Published layouts meshplan plans but whose memory model says they do not fit (timed without the memory limit):

@@ -4,7 +4,8 @@ A `Cluster` is a catalog chip times a chip count, arranged as fast domains joine
   * TPU: ICI slices, each a 1D/2D/3D torus (`slice_shape`), joined over DCN. Wraparound per book ch.2:
     v5e/v6e wrap an axis only at its full pod length (16); v4/v5p wrap all axes when every axis is a
     multiple of the 4x4x4 cube; sub-cube slices have none.
-  * GPU: NVLink/NVSwitch domains (8 GPUs, 72 on NVL72) joined by a rail-aligned fat tree (one NIC per GPU).
+  * GPU: NVLink/NVSwitch domains (8 GPUs, 72 on NVL72) joined by a rail-aligned fat tree (one NIC per GPU); a
+    job that is not a whole number of domains uses the same share of each (256 GB200s: 4 racks x 64).
 
 Chips are numbered linearly: the first slice axis varies fastest, then the other slice axes, then the
 slice (or node) index. A communication group is `size` chips spaced `stride` apart in that order; a
@@ -123,7 +124,7 @@ def default_slice_shape(chip: Chip, n: int) -> tuple[int, ...]:
 
 def _default_shape(links: Links, n: int) -> tuple[int, ...]:
     if not links.is_torus:
-        return (min(n, links.nvlink_domain_size),)
+        return (_gpu_domain_share(links, n),)
     return _default_torus(n, tuple(links.max_slice_shape), links.wraparound == "cube_multiple")
 
 
@@ -136,6 +137,20 @@ def _default_torus(n: int, max_shape: tuple[int, ...], cubes: bool) -> tuple[int
         if best:
             return best
     return (1,) * len(max_shape)
+
+
+def _gpu_domain_share(links: Links, n: int) -> int:
+    """GPUs a job of `n` uses in each NVLink domain. The whole domain when `n` is a multiple of it (or smaller);
+    a rack-scale domain of several hosts (NVL72: 18 trays of 4) may be used in part, the same whole trays in
+    every rack: the largest divisor of `n` made of whole hosts that fits one domain. A job of 256 GB200s runs as
+    4 racks x 64 GPUs: NVIDIA's Slurm block-scheduling guidance gives large GB200 NVL72 training jobs (128+
+    GPUs) a segment of 16 compute trays = 64 GPUs per rack ("Unlock exascale performance on NVIDIA GB200 NVL72
+    with Slurm topology-aware job scheduling", NVIDIA technical blog, 2025). An 8-GPU server is used whole."""
+    domain, host = links.nvlink_domain_size, links.chips_per_host
+    if n <= domain or n % domain == 0 or domain <= host:
+        return min(n, domain)
+    shares = [d for d in _divisors(n) if d <= domain and d % host == 0]
+    return max(shares) if shares else domain
 
 
 def _divisors(n: int) -> list[int]:

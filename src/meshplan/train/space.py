@@ -58,6 +58,19 @@ class Problem:
     slice_shape: tuple[int, ...] | None = None
 
 
+# Megatron-Core can count the input embedding and the output layer + loss as one layer each when it splits the
+# layers over (virtual) pipeline stages (`--account-for-embedding-in-pipeline-split`,
+# `--account-for-loss-in-pipeline-split`, megatron/core/transformer/transformer_block.py get_num_layers_to_build):
+# a stage may then hold only the embedding or only the loss, so up to L + 2 (virtual) stages are a valid layout
+# (Qwen3-235B, 94 layers, runs at PP 32 x VP 3 = 96 in the Megatron-MoE-ModelZoo).
+EXTRA_PIPELINE_STAGES = 2
+
+
+def max_pipeline_stages(m: ModelConfig) -> int:
+    """Most (virtual) pipeline stages the layers of `m` can fill: one layer each, plus embedding and loss."""
+    return m.n_layers + EXTRA_PIPELINE_STAGES
+
+
 def validate_pins(p: Problem, pins: Pins) -> None:
     """Reject impossible pins with a message that says why and what would work."""
     m = p.model
@@ -72,10 +85,13 @@ def validate_pins(p: Problem, pins: Pins) -> None:
         ok = [d for d in divisors(m.n_heads) if d <= 64]
         raise MeshplanError(f"--tp {pins.tp} does not divide the {m.n_heads} attention heads of {m.name} "
                             f"(valid: {', '.join(map(str, ok))})")
-    if pins.pp and pins.pp > m.n_layers:
-        raise MeshplanError(f"--pp {pins.pp} exceeds the {m.n_layers} layers of {m.name}")
-    if pins.pp and pins.vpp and pins.pp * pins.vpp > m.n_layers:
-        raise MeshplanError(f"--pp {pins.pp} × --vpp {pins.vpp} exceeds the {m.n_layers} layers of {m.name}")
+    most = max_pipeline_stages(m)
+    if pins.pp and pins.pp > most:
+        raise MeshplanError(f"--pp {pins.pp} exceeds the {m.n_layers} layers of {m.name} (plus embedding and loss "
+                            f"stages: at most {most})")
+    if pins.pp and pins.vpp and pins.pp * pins.vpp > most:
+        raise MeshplanError(f"--pp {pins.pp} × --vpp {pins.vpp} exceeds the {m.n_layers} layers of {m.name} (plus "
+                            f"embedding and loss stages: at most {most})")
     if pins.ep and pins.ep > 1 and (not m.is_moe or m.n_experts % pins.ep):
         raise MeshplanError(f"--ep {pins.ep} needs a MoE model whose expert count it divides "
                             f"({m.name} has {m.n_experts or 'no'} experts)")
@@ -116,7 +132,7 @@ def _mesh_shapes(p: Problem, pins: Pins, reasons: Counter) -> list[tuple[int, in
         if m.n_heads % tp:
             reasons["attention heads not divisible by tp"] += 1
             continue
-        for pp in _choices(pins.pp, [d for d in divisors(n // tp) if d <= m.n_layers]):
+        for pp in _choices(pins.pp, [d for d in divisors(n // tp) if d <= max_pipeline_stages(m)]):
             rest = n // (tp * pp)
             if rest * tp * pp != n:
                 continue
@@ -191,8 +207,14 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, 
         ("global batch not divisible by data-parallel degree × micro-batch", p.global_batch % (data * mb) == 0),
         # an uneven split (126 layers on 16 stages, as Llama 3 405B) is allowed and timed by its busiest stage,
         # which holds ceil(L / (pp·vpp)) layers per virtual stage
-        ("more pipeline stages × virtual stages than layers", pp * vpp <= m.n_layers),
-        ("expert parallelism must divide the data-parallel ranks", data % ep == 0),
+        ("more pipeline stages × virtual stages than layers (+ embedding and loss)",
+         pp * vpp <= max_pipeline_stages(m)),
+        # Megatron-Core's MoE parallel folding: the expert grid (ETP × EP × expert-DP) re-divides the same
+        # TP × CP × DP ranks of a pipeline stage (parallel_state.initialize_model_parallel: world_size must be
+        # divisible by expert_tensor_parallel_size × expert_model_parallel_size × pipeline_model_parallel_size;
+        # Liu et al. 2025, "MoE Parallel Folding"), so EP may exceed DP when the experts are not tensor-split
+        # (ETP = 1): EP must divide tp × cp × dp.
+        ("expert parallelism must divide the tensor × context × data-parallel ranks", (tp * cp * data) % ep == 0),
         # DualPipe pairs the pipeline ranks from both ends (DeepSeek-V3 §3.2.1)
         ("DualPipe needs an even number of pipeline stages", (pp_schedule != "dualpipe") | (pp == 1) | (pp % 2 == 0)),
     ]
