@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,13 @@ class PlanResult:
 def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int]:
     """Enumerate and evaluate; retries with activation offload when nothing fits and offload is free."""
+    ev, reasons, searched, _ = _search(problem, pins, eff, options, cm)
+    return ev, reasons, searched
+
+
+def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
+            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int, CostModel]:
+    """`search`, and the cost model (the TPU slice orientation) its evaluation used."""
     cm = cm or CostModel(problem, eff, _options_for(pins, options))
     layouts, reasons = enumerate_layouts(problem, pins, pp_schedule=cm.opt.pp_schedule)
     ev = evaluate(cm, layouts)
@@ -58,13 +66,38 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
         searched += len(more)
         if ev2.fits.any():
             ev = ev2
+    ev, cm = _best_orientation(problem, eff, cm, ev)
     unmappable = ~np.isfinite(ev.step_time_s)
     if unmappable.any():
         reasons["a parallel group does not map onto the topology"] += int(unmappable.sum())
         ev.fits = ev.fits & ~unmappable
     if (~ev.fits & ~unmappable).any():
         reasons["does not fit in HBM"] += int((~ev.fits & ~unmappable).sum())
-    return ev, reasons, searched
+    return ev, reasons, searched, cm
+
+
+def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Evaluation) -> tuple[Evaluation, CostModel]:
+    """A TPU slice is the same torus whichever of its axes the device mesh walks first: JAX's
+    `mesh_utils.create_device_mesh` assigns each logical mesh axis to physical torus axes of a matching size (a
+    3072-chip v4 slice is 12x16x16 or 16x16x12 alike; PaLM ran 12-way model parallelism on it, Chowdhery et al.
+    2022 §4). When some layouts cannot map onto the slice in its default axis order, each other order is tried
+    and the one with the fastest layout that fits (else the most layouts placed) is kept."""
+    shape = cm.comm.cluster.slice_shape
+    if not problem.chip.links.is_torus or np.isfinite(ev.step_time_s).all():
+        return ev, cm
+    best = (ev, cm)
+    for order in sorted(set(itertools.permutations(shape)) - {shape}):
+        cm2 = CostModel(replace(problem, slice_shape=order), eff, cm.opt)
+        ev2 = evaluate(cm2, ev.layouts)
+        if _orientation_score(ev2) < _orientation_score(best[0]):
+            best = (ev2, cm2)
+    return best
+
+
+def _orientation_score(ev: Evaluation) -> tuple[float, int]:
+    placed = np.isfinite(ev.step_time_s)
+    fitting = ev.step_time_s[placed & ev.fits]
+    return (float(fitting.min()) if fitting.size else np.inf, -int(placed.sum()))
 
 
 def _options_for(pins: Pins, options: Options | None) -> Options:
@@ -78,7 +111,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     """The best `top` feasible layouts, best first, each as the DESIGN.md JSON plan object."""
     t0 = time.perf_counter()
     cm = CostModel(problem, eff, _options_for(pins, options))
-    ev, reasons, searched = search(problem, pins, eff, options, cm)
+    ev, reasons, searched, cm = _search(problem, pins, eff, options, cm)
     if len(ev.step_time_s) == 0:
         why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"
         raise InfeasibleError(f"no layout satisfies the constraints: {why}")
