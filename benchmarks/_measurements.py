@@ -204,6 +204,8 @@ def recompute_of(e: dict) -> str | None:
     ratio says how much of the forward was run again (full recompute: 8/6 = 1.33). Otherwise None: meshplan
     chooses."""
     r = str(e["training"].get("recompute") or "").lower().strip()
+    if _maxtext_custom_offload(r):
+        return "full"
     if "selective" in r or "partial" in r:
         return "selective"
     if "full" in r:
@@ -218,6 +220,15 @@ def recompute_of(e: dict) -> str | None:
     if any(k in r for k in ("remat", "checkpoint")):
         return "full"
     return None
+
+
+def _maxtext_custom_offload(recompute: str) -> bool:
+    """MaxText's `remat_policy: custom` with tensors marked `offload`. Every checkpoint name left unset is
+    rematerialized: MaxText's RematAndOffload config defaults `decoder_layer_input` to 'device' and every other name
+    (context, mlpwi*, mlpwo, query/key/value/out_proj) to 'remat' (src/MaxText/configs/types.py). So offloading
+    decoder_layer_input (+ the q/k/v/out projections) keeps nothing per layer in HBM: full recompute from the layer
+    input, which lives in host memory ("other activations saved" in a row's text is not what the policy does)."""
+    return "custom" in recompute and "offload" in recompute and "decoder_layer_input" in recompute
 
 
 def _vpp_of(vpp) -> int | None:
@@ -270,7 +281,7 @@ def pins_of(e: dict) -> Pins:
         mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
     return Pins(dp=dp, fsdp=fs, tp=tp, pp=pp, cp=cp, ep=_int(p.get("ep")) or 1, vpp=_vpp_of(p.get("vpp")),
                 microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=_sequence_parallel(e, tp),
-                offload=0.0)  # none of the published runs offloads activations
+                offload=1.0 if _maxtext_custom_offload(str(t.get("recompute") or "").lower()) else 0.0)
 
 
 def _sequence_parallel(e: dict, tp: int) -> bool:
@@ -397,7 +408,9 @@ def slice_shape_of(e: dict, chip, count: int) -> tuple[int, ...] | None:
         return None
     hw = e.get("hardware") or {}
     inter, intra = str(hw.get("inter_node") or "").lower(), str(hw.get("intra_node") or "").lower()
-    m = re.search(r"(\d+)\s*slices?\b|(\d+)\s*slice\(s\)|(\d+)\s*x\s*v\d\w*-\d+", inter + " " + intra)
+    # a slice count, not a slice's name: 'v6e-32 slice' is one slice of 32 chips
+    m = re.search(r"(?<![-\w])(\d+)\s*slices?\b|(?<![-\w])(\d+)\s*slice\(s\)|(\d+)\s*x\s*v\d\w*-\d+",
+                  inter + " " + intra)
     n = int(next(g for g in m.groups() if g)) if m else 1
     if n <= 1 or count % n:
         return None
