@@ -80,10 +80,11 @@ def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Eval
     """A TPU slice is the same torus whichever of its axes the device mesh walks first: JAX's
     `mesh_utils.create_device_mesh` assigns each logical mesh axis to physical torus axes of a matching size (a
     3072-chip v4 slice is 12x16x16 or 16x16x12 alike; PaLM ran 12-way model parallelism on it, Chowdhery et al.
-    2022 §4). When some layouts cannot map onto the slice in its default axis order, each other order is tried
-    and the one with the fastest layout that fits (else the most layouts placed) is kept."""
+    2022 §4). When no layout that fits can be placed on the slice in its default axis order, each other order is
+    tried and the one with the fastest layout that fits (else the most layouts placed) is kept. (Only then: a
+    search that already has a placed layout keeps the default order and its speed.)"""
     shape = cm.comm.cluster.slice_shape
-    if not problem.chip.links.is_torus or np.isfinite(ev.step_time_s).all():
+    if not problem.chip.links.is_torus or (np.isfinite(ev.step_time_s) & ev.fits).any():
         return ev, cm
     best = (ev, cm)
     for order in sorted(set(itertools.permutations(shape)) - {shape}):
