@@ -118,6 +118,19 @@ def test_moe_block_and_free_text_fields_are_read() -> None:
     assert pins.recompute is None and pins.vpp == 2 and pins.ep == 8
 
 
+def test_maxtext_custom_offload_policy_is_full_recompute_with_inputs_on_host() -> None:
+    # MaxText's custom remat policy rematerializes every tensor it does not name ('remat' is the default of each
+    # checkpoint name but decoder_layer_input); offloading decoder_layer_input leaves nothing per layer in HBM
+    e = _entry(LLAMA3_70B, 8192, 1, 1, "maxtext_6N_plus_attention", {"step_time_s": 1.0})
+    e["training"]["recompute"] = ("MaxText custom policy: decoder_layer_input, query_proj, key_proj, value_proj "
+                                  "offloaded to host memory; other activations saved")
+    e["parallel"] = {"dp": 1}
+    pins = H.pins_of(e)
+    assert (pins.recompute, pins.offload) == ("full", 1.0)
+    e["training"]["recompute"] = "full"
+    assert (H.recompute_of(e), H.pins_of(e).offload) == ("full", 0.0)
+
+
 def test_recompute_inferred_from_hfu_over_mfu() -> None:
     """PaLM prints MFU 46.2% and HFU 57.8% without naming its rematerialisation: a ratio of 1.25 is close to full
     recompute's 8/6; equal figures mean none."""
@@ -273,6 +286,7 @@ def test_attention_kernel_read_from_the_run(text: str, titan: bool, kernel: str)
     ("DCN between 2x v5p-256", "ICI", 256, (4, 4, 8)),  # no printed shape: meshplan's slice of 128 v5p chips
     ("", "16x16 ICI torus", 256, None),  # one slice: the pod's default
     ("2 slices", "1x64 ICI torus", 128, (8, 8)),  # a printed shape the v5e pod cannot hold: the default slice
+    ("single slice", "v5e-32 slice (4x8 ICI torus)", 32, None),  # a slice's name, not 32 slices of one chip
 ])
 def test_tpu_slices_read_from_the_hardware_text(inter: str, intra: str, count: int, shape) -> None:
     chip = load_chip("tpu-v5p" if "v5p" in inter + intra else "tpu-v5e")
