@@ -8,8 +8,12 @@ T sequence, D d_model, N query heads, K KV heads, H head dim, F MLP width, V voc
 Parallelism (book ch.5; Korthikanti et al. 2022): data (params replicated, batch sharded), FSDP (weights
 sharded on `embed`, gathered before use and again in the backward), tensor with sequence parallelism
 (heads/MLP/vocab over `tensor`, activations between blocks sharded on T), context parallelism (load-balanced
-causal split, all-gather of K/V over `context`), expert parallelism (experts over `expert`, tokens moved by
-all-to-all under shard_map). Pipeline parallelism is not built (Layout.pp must be 1).
+causal split; K/V all-gathered over `context`, or passed round the ring by collective-permute with an online
+softmax: Layout.cp_impl), expert parallelism (experts over `expert`, tokens moved by all-to-all under
+shard_map), ZeRO-1/2 (AdamW state, and for ZeRO-2 the accumulated gradients, sharded over `data`: gradients
+reduce-scattered, updated parameters all-gathered), gradient accumulation over micro-batches, and pipeline
+parallelism (GPipe: `stage` manual under shard_map, layers stacked and split over it, activations passed
+stage to stage by ppermute, n_micro + pp − 1 ticks so the bubble is in the program).
 
 Recompute policies map onto `jax.checkpoint` policies (see `remat_policy`). Communication results
 (all-gathers, sharding constraints) are never saved: FSDP weights and SP/CP gathered activations are
@@ -58,18 +62,42 @@ class Sharder:
 
     mesh: Mesh
     rules: dict[str, tuple[str, ...]]
+    cp_impl: str = "allgather"  # Layout.cp_impl
 
     def spec(self, dims: tuple[str | None, ...]) -> P:
-        return P(*[(self.rules.get(d) or None) if d else None for d in dims])
+        """Inside a shard_map, the axes it made manual are left out (the array is already split over them)."""
+        manual = _manual_axes()
+
+        def entry(d: str | None) -> tuple[str, ...] | None:
+            return tuple(a for a in self.rules.get(d) or () if a not in manual) or None if d else None
+
+        return P(*[entry(d) for d in dims])
 
     def sharding(self, dims: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(dims))
 
     def constrain(self, x: jax.Array, dims: tuple[str | None, ...]) -> jax.Array:
+        if _manual_axes():  # inside a shard_map over some axes: a sharding on the context mesh
+            return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), self.spec(dims)))
         return jax.lax.with_sharding_constraint(x, self.sharding(dims))
 
     def axis_size(self, axis: str) -> int:
         return self.mesh.shape[axis]
+
+    def smap(self, f: Callable, in_specs: Any, out_specs: Any, axes: frozenset[str] | None = None) -> Callable:
+        """shard_map over `axes` (default: every mesh axis not already manual). Nested inside a shard_map that
+        made some axes manual (the pipeline's `stage`, the replicas' `data`), it runs on the context mesh."""
+        manual = _manual_axes()
+        names = axes if axes is not None else frozenset(a for a in self.mesh.axis_names if a not in manual)
+        if not manual and names == frozenset(self.mesh.axis_names):
+            return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        mesh = jax.sharding.get_abstract_mesh() if manual else self.mesh
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names)
+
+
+def _manual_axes() -> set[str]:
+    """Mesh axes made manual by the enclosing shard_maps (empty outside any)."""
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
 
 def make_sharder(layout: Layout, model: ModelConfig, mesh: Mesh) -> Sharder:
@@ -77,17 +105,32 @@ def make_sharder(layout: Layout, model: ModelConfig, mesh: Mesh) -> Sharder:
     rules = logical_rules(layout)
     if model.n_kv_heads % layout.tp:
         rules = {**rules, "kv_heads": (), "act_kv_heads": ()}
-    return Sharder(mesh, rules)
+    return Sharder(mesh, rules, layout.cp_impl)
 
 
 def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> None:
     """Raise MeshplanError for layouts the reference model does not build."""
     if model.is_mla:
         raise MeshplanError(f"{model.name}: multi-head latent attention (MLA) is not in the JAX model yet")
-    if layout.pp > 1:
-        raise MeshplanError("verify: pipeline parallelism is not built into the reference model (use pp=1)")
-    if layout.zero in (1, 2):
-        raise MeshplanError("verify: ZeRO-1/2 are not built; use --fsdp for ZeRO-3 sharding")
+    if layout.vpp > 1:
+        raise MeshplanError("verify: interleaved pipeline stages (vpp > 1) are not built; the reference pipeline "
+                            "(GPipe) holds one contiguous block of layers per stage")
+    if layout.offload > 0:
+        # jax.checkpoint_policies.save_and_offload_only_these_names(..., offload_dst="pinned_host") compiles on
+        # XLA:CPU (jax 0.10) but the lowered program has no host placement and memory_analysis() no host bytes:
+        # the CPU backend drops the offload, so a compiled CPU program cannot show it.
+        raise MeshplanError("verify: host offload of activations is not built: XLA:CPU drops the offload "
+                            "(no device-to-host copies in the program), so a CPU compile cannot check it")
+    if layout.pp > 1 and (layout.cp > 1 or model.is_moe):
+        # the CP attention and the MoE block are shard_maps; nested in the pipeline's, jax 0.10 cannot lower
+        # their saved residuals (sdy.manual_computation verifier: "axis already bound by a parent")
+        raise MeshplanError("verify: pipeline parallelism with cp > 1 or an MoE model is not built (jax 0.10 cannot "
+                            "lower the nested shard_maps of CP attention / MoE inside the pipeline's)")
+    if layout.pp > 1 and model.n_layers % layout.pp:
+        raise MeshplanError(f"verify: pp={layout.pp} must divide the {model.n_layers} layers")
+    if layout.microbatch and global_batch % (layout.batch_shards * layout.microbatch):
+        raise MeshplanError(f"verify: global batch {global_batch} does not split into micro-batches of "
+                            f"{layout.microbatch} per batch shard ({layout.batch_shards} shards)")
     if model.is_moe and (layout.tp > 1 or layout.cp > 1):
         raise MeshplanError("verify: the MoE reference supports dp, fsdp and ep (not tp or cp)")
     if layout.ep > 1 and (not model.is_moe or model.n_experts % layout.ep):
@@ -95,7 +138,7 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
     if model.n_kv_heads % layout.tp:
         raise MeshplanError(f"verify: tp={layout.tp} must divide the KV heads (K={model.n_kv_heads}); the reference "
                             "model fuses Q, K and V per KV group and shards whole groups")
-    checks = {"global batch": (global_batch, layout.batch_shards * layout.microbatch),
+    checks = {"global batch": (global_batch, layout.batch_shards * layout.n_micro(global_batch)),
               "sequence length": (seq_len, 2 * layout.cp * (layout.tp if layout.sp else 1)),
               "query heads": (model.n_heads, layout.tp), "MLP width": (model.d_ff, layout.tp),
               "vocab": (model.vocab_size, layout.tp * layout.fsdp), "d_model": (model.d_model, layout.fsdp)}
@@ -106,8 +149,9 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
 
 # --- parameters ----------------------------------------------------------------------------------
 
-def param_dims(model: ModelConfig) -> Params:
-    """Logical dim names of every weight, in the same pytree structure as the params."""
+def param_dims(model: ModelConfig, stacked: bool = False) -> Params:
+    """Logical dim names of every weight, in the same pytree structure as the params. `stacked` (pipeline
+    parallelism): the layers are one dict of arrays with a leading `layers` dim (split over `stage`)."""
     if model.is_moe:
         mlp = {"router": ("embed", None), "w_gate": ("expert", "embed", "mlp"),
                "w_up": ("expert", "embed", "mlp"), "w_down": ("expert", "mlp", "embed")}
@@ -119,14 +163,15 @@ def param_dims(model: ModelConfig) -> Params:
     # TP shards whole groups over `kv_heads`.
     layer = {"attn_norm": ("embed",), "wqkv": ("embed", "kv_heads", None, "head_dim"),
              "wo": ("heads", "head_dim", "embed"), "mlp_norm": ("embed",), **mlp}
-    dims: Params = {"embed": ("vocab", "embed"), "layers": [dict(layer) for _ in range(model.n_layers)],
-                    "final_norm": ("embed",)}
+    layers: Any = ({k: ("layers", *d) for k, d in layer.items()} if stacked
+                   else [dict(layer) for _ in range(model.n_layers)])
+    dims: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
     if not model.tied_embeddings:
         dims["unembed"] = ("embed", "vocab")
     return dims
 
 
-def param_shapes(model: ModelConfig) -> Params:
+def param_shapes(model: ModelConfig, stacked: bool = False) -> Params:
     """Shapes of every weight (same structure as `param_dims`)."""
     size = {"embed": model.d_model, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
             "head_dim": model.head_dim, "mlp": model.d_ff, "vocab": model.vocab_size, "expert": model.n_experts}
@@ -137,15 +182,22 @@ def param_shapes(model: ModelConfig) -> Params:
             lp["w_gate_up"] = (model.d_model, 2, model.d_ff)
         if "router" in lp:
             lp["router"] = (model.d_model, model.n_experts)
+    if stacked:
+        shapes["layers"] = jax.tree.map(lambda s: (model.n_layers, *s), shapes["layers"][0], is_leaf=_is_dims)
     return shapes
+
+
+def stack_layers(params: Params) -> Params:
+    """The per-layer list of weights as one dict of [L, ...] arrays (for the pipeline; same values)."""
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
 
 
 def _is_dims(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Normal(0, 1/fan_in) weights, ones for norm scales."""
+def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, stacked: bool = False) -> Params:
+    """Normal(0, 1/fan_in) weights, ones for norm scales. `stacked`: the same values, layers stacked."""
     shapes = param_shapes(model)
     leaves, tree = jax.tree.flatten(shapes, is_leaf=_is_dims)
     keys = jax.random.split(key, len(leaves))
@@ -160,11 +212,34 @@ def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) ->
             fan_in = model.d_model
         return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
-    return jax.tree.unflatten(tree, [one(s, k) for s, k in zip(leaves, keys, strict=True)])
+    params = jax.tree.unflatten(tree, [one(s, k) for s, k in zip(leaves, keys, strict=True)])
+    return stack_layers(params) if stacked else params
 
 
-def param_shardings(model: ModelConfig, sh: Sharder) -> Params:
-    return jax.tree.map(sh.sharding, param_dims(model), is_leaf=_is_dims)
+def param_shardings(model: ModelConfig, sh: Sharder, stacked: bool = False) -> Params:
+    return jax.tree.map(sh.sharding, param_dims(model, stacked), is_leaf=_is_dims)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data") -> NamedSharding:
+    """ZeRO-1/2 (Rajbhandari et al. 2020 §5): the same array further split over `axis` on the dim with the most
+    elements per device that divides by the axis size (never the pipeline's `layers` dim). Replicated over
+    `axis` if no dim divides."""
+    mesh = sharding.mesh
+    n = mesh.shape[axis]
+    entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    best, best_local = None, 0
+    for i, (e, size) in enumerate(zip(entries, shape, strict=True)):
+        local = size // math.prod(mesh.shape[a] for a in _axes(e))
+        if "stage" not in _axes(e) and local % n == 0 and local > best_local:
+            best, best_local = i, local
+    if n == 1 or best is None:
+        return sharding
+    entries[best] = _axes(entries[best]) + (axis,)
+    return NamedSharding(mesh, P(*entries))
 
 
 # --- building blocks -----------------------------------------------------------------------------
@@ -209,8 +284,8 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, sh: Sharder) -> jax.Array:
         x = jnp.where(hit[..., None], jnp.take(tab, jnp.clip(idx, 0, rows - 1), axis=0), 0.0)
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True) if sp else jax.lax.psum(x, "tensor")
 
-    fn = jax.shard_map(local, mesh=sh.mesh, in_specs=(sh.spec(("vocab", "embed")), sh.spec(("batch", "seq"))),
-                       out_specs=sh.spec(("batch", "seq_sp", "act_embed")))
+    fn = sh.smap(local, in_specs=(sh.spec(("vocab", "embed")), sh.spec(("batch", "seq"))),
+                 out_specs=sh.spec(("batch", "seq_sp", "act_embed")))
     return fn(table, tokens)
 
 
@@ -268,8 +343,52 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: ja
         pos_all = jax.lax.all_gather(pos, "context", axis=0, tiled=True)
         return core(q, k_all, v_all, pos, pos_all)
 
-    return jax.shard_map(local, mesh=sh.mesh, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
-                         out_specs=q_spec)(q, k, v, pos)
+    return sh.smap(local, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))), out_specs=q_spec)(q, k, v, pos)
+
+
+def ring_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array,
+                        axis: str = "context") -> jax.Array:
+    """Ring attention (Liu et al. 2023) inside a shard_map over `axis`: the local K/V block (and its positions)
+    goes round the ring by ppermute, cp − 1 hops; each block's scores are folded into an online softmax
+    (running max m, normaliser l, output o; Milakov & Gimelshein 2018), so no device holds the whole K/V.
+    Same result as `attention_core` on the gathered K/V."""
+    n = jax.lax.axis_size(axis)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    B, Tq, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, Tq, K, N // K, H)
+    low = jnp.finfo(q.dtype).min
+    m = jnp.full((B, K, N // K, Tq), low, q.dtype)
+    ell = jnp.zeros((B, K, N // K, Tq), q.dtype)
+    o = jnp.zeros((B, K, N // K, Tq, H), q.dtype)
+    for hop in range(n):
+        s = checkpoint_name(jnp.einsum("bqkgh,bskh->bkgqs", qg, k), ATTN_SCORES) * (H ** -0.5)
+        mask = (pos_q[:, None] >= pos_k[None, :])[None, None, None]
+        s = jnp.where(mask, s, low)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        ell = ell * corr + jnp.sum(p, axis=-1)
+        o = o * corr[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p, v)
+        m = m_new
+        if hop < n - 1:
+            k, v, pos_k = (jax.lax.ppermute(t, axis, perm) for t in (k, v, pos_k))
+    o = o / ell[..., None]
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(B, Tq, N, H)
+
+
+def ring_context_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sh: Sharder,
+                           recompute: str) -> jax.Array:
+    """CP in ring form: `ring_attention_core` under shard_map over the mesh (selective recompute reruns it)."""
+    q_spec = sh.spec(("batch", "seq", "act_heads", None))
+    kv_spec = sh.spec(("batch", "seq", "act_kv_heads", None))
+
+    def local(q, k, v, pos):
+        return ring_attention_core(q, k, v, pos, pos)
+
+    if recompute == "selective":
+        local = jax.checkpoint(local, policy=jax.checkpoint_policies.nothing_saveable)
+    return sh.smap(local, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))), out_specs=q_spec)(q, k, v, pos)
 
 
 def load_balanced_order(seq_len: int, cp: int) -> np.ndarray:
@@ -296,7 +415,9 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     core = ATTENTION_CORES[attention]
     if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
         core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-    if sh.axis_size("context") > 1:
+    if sh.axis_size("context") > 1 and sh.cp_impl == "ring":
+        o = ring_context_attention(q, k, v, pos, sh, recompute)
+    elif sh.axis_size("context") > 1:
         o = context_parallel_attention(q, k, v, pos, sh, core)
     else:
         o = core(q, k, v, pos, pos)
@@ -380,7 +501,7 @@ def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
     def local(x, r, g, u, d):
         return _moe_local(x, r, g, u, d, model, C, fsdp, sh.axis_size("expert"))
 
-    fn = jax.shard_map(local, mesh=sh.mesh, in_specs=(x_spec, *w_specs), out_specs=x_spec)
+    fn = sh.smap(local, in_specs=(x_spec, *w_specs), out_specs=x_spec)
     return fn(h, lp["router"], lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
@@ -417,22 +538,105 @@ def decoder_layer(lp: Params, x: jax.Array, pos: jax.Array, model: ModelConfig, 
     return sh.constrain(x + y, ("batch", "seq_sp", "act_embed"))
 
 
-def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
-            recompute: str, attention: str = "materialized") -> jax.Array:
-    """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
-    x = embed_lookup(params["embed"], batch["tokens"], sh)
-    layer = jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
-                           policy=remat_policy(recompute), prevent_cse=True)
-    for lp in params["layers"]:
-        x = layer(lp, x, batch["pos"])
+def embed_tokens(params: Params, tokens: jax.Array, sh: Sharder) -> jax.Array:
+    return embed_lookup(params["embed"], tokens, sh)
+
+
+def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
+    """Final norm, output projection (tied or not) and mean next-token cross-entropy. x [B,T,D]."""
     x = rmsnorm(x, gather_weight(params["final_norm"], ("embed",), sh))
     x = sh.constrain(x, ("batch", "seq", "act_embed"))
     emb = gather_weight(params["embed"], ("vocab", "embed"), sh)
     w_out = emb.T if model.tied_embeddings else gather_weight(params["unembed"], ("embed", "vocab"), sh)
     logits = sh.constrain(x @ w_out, ("batch", "seq", "act_vocab")).astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - target)
+
+
+def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized") -> Callable:
+    return jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
+                          policy=remat_policy(recompute), prevent_cse=True)
+
+
+def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
+            recompute: str, attention: str = "materialized") -> jax.Array:
+    """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
+    x = embed_tokens(params, batch["tokens"], sh)
+    layer = _layer_fn(model, sh, recompute, attention)
+    for lp in params["layers"]:
+        x = layer(lp, x, batch["pos"])
+    return head_loss(params, x, batch["targets"], model, sh)
+
+
+def split_microbatches(x: jax.Array, n_micro: int, shards: int, sh: Sharder, dims: tuple[str | None, ...]) -> jax.Array:
+    """[B, ...] → [n_micro, B/n_micro, ...]: micro-batch i takes the i-th block of every batch shard's rows, so
+    no sequence changes device (the batch dim is split over `shards` devices)."""
+    B = x.shape[0]
+    y = x.reshape(shards, n_micro, B // (shards * n_micro), *x.shape[1:])
+    y = jnp.swapaxes(y, 0, 1).reshape(n_micro, B // n_micro, *x.shape[1:])
+    return sh.constrain(y, (None, *dims))
+
+
+def merge_microbatches(y: jax.Array, shards: int, sh: Sharder, dims: tuple[str | None, ...]) -> jax.Array:
+    """Inverse of `split_microbatches`: [n_micro, B/n_micro, ...] → [B, ...] in the original order."""
+    M, Bm = y.shape[:2]
+    x = y.reshape(M, shards, Bm // shards, *y.shape[2:])
+    x = jnp.swapaxes(x, 0, 1).reshape(M * Bm, *y.shape[2:])
+    return sh.constrain(x, dims)
+
+
+def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelConfig, sh: Sharder,
+                    recompute: str, attention: str = "materialized") -> jax.Array:
+    """GPipe (Huang et al. 2019) over the `stage` axis. layers: [L, ...] arrays split over `stage` (L/pp per
+    stage); xs [M, Bm, T, D] micro-batches. A shard_map makes `stage` manual (the other axes stay with the
+    partitioner); the loop runs M + pp − 1 ticks, unrolled: at tick t stage s runs its layers on micro-batch
+    t − s and passes the result to stage s + 1 by ppermute (M + pp − 2 sends; the backward sends the gradients
+    back, the ppermute's transpose). In the pp − 1 ticks where a stage has no micro-batch it computes on zeros:
+    that is the bubble, (pp − 1)/(M + pp − 1) of each stage's ticks. Returns the last stage's outputs
+    [M, Bm, T, D] on every stage (an all-reduce over `stage`; its transpose sums the input gradients over
+    `stage` in the backward): the embedding and head outside are replicated over `stage`."""
+    pp = sh.axis_size("stage")
+    M = xs.shape[0]
+    per_stage = model.n_layers // pp
+    layer = _layer_fn(model, sh, recompute, attention)
+    act = ("batch", "seq_sp", "act_embed")
+
+    data = sh.axis_size("data") > 1  # replicas manual too: local gradients, one all-reduce (see make_train_step)
+
+    def local(stage_layers, xs, pos):
+        if data:
+            stage_layers = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), stage_layers)
+        first = jax.lax.axis_index("stage") == 0
+        last = jax.lax.axis_index("stage") == pp - 1
+        state = sh.constrain(jnp.zeros_like(xs[0]), act)
+        outs = []
+        for t in range(M + pp - 1):
+            if t < M:  # stage 0 takes the next micro-batch; the others keep what arrived
+                state = jnp.where(first, xs[t], state)
+            for j in range(per_stage):
+                state = layer(jax.tree.map(lambda a, j=j: a[j], stage_layers), state, pos)
+            if t >= pp - 1:
+                outs.append(state)  # micro-batch t − (pp − 1), valid on the last stage
+            if t < M + pp - 2:
+                state = jax.lax.ppermute(state, "stage", [(i, i + 1) for i in range(pp - 1)])
+        return jax.lax.psum(jnp.where(last, jnp.stack(outs), 0.0), "stage")  # the last stage's, to all
+
+    layer_specs = jax.tree.map(lambda _: P("stage"), layers)
+    x_spec = P(None, "data") if data else P()
+    return sh.smap(local, in_specs=(layer_specs, x_spec, P()), out_specs=x_spec,
+                   axes=frozenset({"stage", "data"} if data else {"stage"}))(layers, xs, pos)
+
+
+def pipeline_loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
+                     recompute: str, n_micro: int, shards: int, attention: str = "materialized") -> jax.Array:
+    """Loss with the layers pipelined over `stage`. The embedding and the head run outside the pipeline under
+    the partitioner, replicated over `stage` (every stage computes them)."""
+    act = ("batch", "seq_sp", "act_embed")
+    x = embed_tokens(params, batch["tokens"], sh)
+    xs = split_microbatches(x, n_micro, shards, sh, act)
+    ys = pipeline_layers(params["layers"], xs, batch["pos"], model, sh, recompute, attention)
+    return head_loss(params, merge_microbatches(ys, shards, sh, act), batch["targets"], model, sh)
 
 
 def init_opt_state(params: Params) -> dict[str, Any]:
@@ -454,20 +658,92 @@ def adamw_update(params: Params, grads: Params, opt: dict[str, Any], lr: float =
     return jax.tree.map(upd, params, m, v), {"m": m, "v": v, "step": t}
 
 
-def make_train_step(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized",
-                    compute_dtype: Any = None) -> Callable:
-    """(params, opt, batch) → (params, opt, loss): forward, loss, backward (jax.grad), AdamW. With
-    `compute_dtype` (mixed precision, Micikevicius et al. 2018): the params stay the fp32 master copy, the
-    forward and backward run on a cast copy, and the gradients arrive in the params' dtype."""
+def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batch: int, param_sh: Params,
+                    zero_sh: Params, attention: str = "materialized", compute_dtype: Any = None) -> Callable:
+    """(params, opt, batch) → (params, opt, loss): forward, loss, backward (jax.grad), AdamW. `attention`
+    names the kernel (ATTENTION_CORES). With `compute_dtype` (mixed precision, Micikevicius et al. 2018): the
+    params stay the fp32 master copy, the forward and backward run on a cast copy, and the gradients arrive
+    in the params' dtype.
 
-    def loss_of(params, batch):
+    Micro-batches (layout.n_micro = M > 1): with pp > 1 they flow through the pipeline inside one loss;
+    otherwise the loss is the mean of M forward passes (equal-size micro-batches: the global mean), so the
+    backward accumulates M gradients. With M > 1 on a pure data-parallel mesh (dp, no tp/cp/fsdp/ep) the
+    forward and backward run in a shard_map that makes `data` manual: each replica accumulates its local
+    gradients and they are all-reduced (pmean) over `data` once, as DDP's no_sync accumulation does. With
+    other axes the partitioner accumulates, and reduces the gradients after every micro-batch. (The
+    pipeline makes `data` manual the same way.)
+    ZeRO (zero_sh: the optimizer's sharding over `data`; Rajbhandari et al. 2020): ZeRO-1 reduce-scatters the
+    accumulated gradients once; ZeRO-2 keeps a 1/dp gradient accumulator, reduce-scattering each
+    micro-batch's gradients into it (M passes under the partitioner); both update the 1/dp shard of the
+    parameters and all-gather it."""
+    M, shards = layout.n_micro(global_batch), layout.batch_shards
+    dp = layout.dp
+    zero = layout.zero if dp > 1 else 0
+    # jax 0.10 cannot lower a nested shard_map that shards the batch over other axes (embedding under TP/FSDP,
+    # CP attention, MoE under EP) inside the replicas' one: those layouts accumulate under the partitioner,
+    # which reduces the gradients after every micro-batch.
+    nested = layout.tp * layout.cp * layout.fsdp * layout.ep > 1
+    manual_data = dp > 1 and M > 1 and layout.pp == 1 and zero != 2 and not nested
+
+    def to(tree: Params, shardings: Params) -> Params:
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+    def one_loss(params: Params, batch: dict[str, jax.Array]) -> jax.Array:
         if compute_dtype is not None:
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-        return loss_fn(params, batch, model, sh, recompute, attention)
+        return loss_fn(params, batch, model, sh, layout.recompute, attention)
+
+    def replica_loss(params: Params, batch: dict[str, jax.Array], n: int, shards: int) -> jax.Array:
+        """Loss over the (local) batch: pipelined, or the mean over n micro-batches."""
+        if layout.pp > 1:
+            if compute_dtype is not None:
+                params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+            return pipeline_loss_fn(params, batch, model, sh, layout.recompute, n, shards, attention)
+        if n == 1:
+            return one_loss(params, batch)
+        tok, tgt = (split_microbatches(batch[k], n, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
+        return sum(one_loss(params, {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}) for i in range(n)) / n
+
+    # ZeRO-1: the dim of each gradient that is reduce-scattered over `data` (None: all-reduced, not split)
+    zero_dim = jax.tree.map(lambda z: next((i for i, e in enumerate(z.spec) if "data" in _axes(e)), None), zero_sh,
+                            is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    def reduce_grad(g: jax.Array, d: int | None) -> jax.Array:
+        if zero and d is not None:
+            return jax.lax.psum_scatter(g, "data", scatter_dimension=d, tiled=True) / dp
+        return jax.lax.pmean(g, "data")
+
+    def data_manual_grads(params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
+        def local(params, batch):
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+            loss, grads = jax.value_and_grad(replica_loss)(params, batch, M, shards // dp)
+            return jax.lax.pmean(loss, "data"), jax.tree.map(reduce_grad, grads, zero_dim)
+
+        p_specs = jax.tree.map(lambda _: P(), params)
+        g_specs = jax.tree.map(lambda p, d: P(*[("data" if i == d and zero else None) for i in range(p.ndim)]),
+                               params, zero_dim)
+        b_specs = {"tokens": P("data"), "targets": P("data"), "pos": P()}
+        return sh.smap(local, in_specs=(p_specs, b_specs), out_specs=(P(), g_specs),
+                       axes=frozenset({"data"}))(params, batch)
 
     def step(params, opt, batch):
-        loss, grads = jax.value_and_grad(loss_of)(params, batch)
+        if manual_data:
+            loss, grads = data_manual_grads(params, batch)
+        elif zero == 2 and M > 1 and layout.pp == 1:
+            tok, tgt = (split_microbatches(batch[k], M, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
+            loss, grads = 0.0, None
+            for i in range(M):
+                mb = {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}
+                li, gi = jax.value_and_grad(one_loss)(params, mb)
+                gi = jax.tree.map(lambda g: g / M, to(gi, zero_sh))
+                loss, grads = loss + li / M, gi if grads is None else jax.tree.map(jnp.add, grads, gi)
+        else:
+            loss, grads = jax.value_and_grad(replica_loss)(params, batch, M, shards)
+        if zero:
+            grads, params = to(grads, zero_sh), to(params, zero_sh)
         params, opt = adamw_update(params, grads, opt)
+        if zero:
+            params = to(params, param_sh)
         return params, opt, loss
 
     return step
@@ -480,7 +756,7 @@ class Program:
     """A sharded training step ready to lower: the jitted step, its shardings and abstract inputs."""
 
     model: ModelConfig
-    layout: Layout
+    layout: Layout  # as built (`Layout.resolved()`)
     mesh: Mesh
     sharder: Sharder
     step: Callable  # jitted (params, opt, batch) -> (params, opt, loss)
@@ -488,11 +764,16 @@ class Program:
     opt_shardings: dict[str, Any]
     batch_shardings: dict[str, NamedSharding]
 
+    @property
+    def stacked(self) -> bool:
+        return self.layout.pp > 1
+
 
 def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
                   devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None) -> Program:
     """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet);
     `attention` and `compute_dtype` as in `make_train_step`."""
+    layout = layout.resolved()
     check_supported(model, layout, seq_len, global_batch)
     if attention not in ATTENTION_CORES:
         raise MeshplanError(f"unknown attention kernel '{attention}' (known: {', '.join(ATTENTION_CORES)})")
@@ -501,11 +782,16 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
                             "'materialized'")
     mesh = make_mesh(layout, devices)
     sh = make_sharder(layout, model, mesh)
-    ps = param_shardings(model, sh)
-    os_ = {"m": ps, "v": ps, "step": NamedSharding(mesh, P())}
+    stacked = layout.pp > 1
+    ps = param_shardings(model, sh, stacked)
+    zs = ps
+    if layout.zero in (1, 2):
+        zs = jax.tree.map(zero_sharding, ps, param_shapes(model, stacked), is_leaf=lambda x: isinstance(x, NamedSharding))
+    os_ = {"m": zs, "v": zs, "step": NamedSharding(mesh, P())}
     bs = {"tokens": sh.sharding(("batch", "seq")), "targets": sh.sharding(("batch", "seq")),
           "pos": sh.sharding(("seq",))}
-    step = jax.jit(make_train_step(model, sh, layout.recompute, attention, compute_dtype), in_shardings=(ps, os_, bs),
+    step = jax.jit(make_train_step(model, sh, layout, global_batch, ps, zs, attention, compute_dtype),
+                   in_shardings=(ps, os_, bs),
                    out_shardings=(ps, os_, NamedSharding(mesh, P())), donate_argnums=(0, 1))
     return Program(model, layout, mesh, sh, step, ps, os_, bs)
 
@@ -515,9 +801,10 @@ def abstract_inputs(prog: Program, seq_len: int, global_batch: int, dtype: Any =
     def sds(shape, dt, sharding):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    shapes = param_shapes(prog.model)
+    shapes = param_shapes(prog.model, prog.stacked)
     params = jax.tree.map(lambda s, shd: sds(s, dtype, shd), shapes, prog.param_shardings, is_leaf=_is_dims)
-    moments = jax.tree.map(lambda s, shd: sds(s, jnp.float32, shd), shapes, prog.param_shardings, is_leaf=_is_dims)
+    moments = jax.tree.map(lambda s, shd: sds(s, jnp.float32, shd), shapes, prog.opt_shardings["m"],
+                           is_leaf=_is_dims)
     opt = {"m": moments, "v": moments, "step": sds((), jnp.int32, prog.opt_shardings["step"])}
     bs = prog.batch_shardings
     batch = {"tokens": sds((global_batch, seq_len), jnp.int32, bs["tokens"]),
@@ -542,7 +829,7 @@ def place_batch(prog: Program, batch: dict[str, np.ndarray]) -> dict[str, jax.Ar
 
 def init_state(prog: Program, seed: int = 0, dtype: Any = jnp.float32) -> tuple[Params, dict[str, Any]]:
     """Params and AdamW state created directly in their shardings."""
-    init = jax.jit(lambda k: init_params(prog.model, k, dtype), out_shardings=prog.param_shardings)
+    init = jax.jit(lambda k: init_params(prog.model, k, dtype, prog.stacked), out_shardings=prog.param_shardings)
     params = init(jax.random.key(seed))
     opt = jax.jit(init_opt_state, out_shardings=prog.opt_shardings)(params)
     return params, opt

@@ -4,12 +4,19 @@ mesh shape). Pure Python; importing this module does not import JAX.
 Mesh axes (book ch.5 names in brackets): `data` [X, pure data parallel], `fsdp` [ZeRO-3 / FSDP], `expert`
 [EP; also a batch axis outside the experts], `context` [CP], `tensor` [Megatron TP, with sequence
 parallelism], `stage` [PP]. Devices = dp·fsdp·ep·cp·tp·pp.
+
+`microbatch` is the planner's: sequences per micro-batch per batch shard (dp·fsdp·ep), so a step runs
+n_micro = B / (dp·fsdp·ep·microbatch) micro-batches (train/costmodel.py `n_micro`); 0 means one micro-batch of
+the whole per-shard batch. `zero` 1/2 shard the AdamW state (and, for 2, the accumulated gradients) over
+`data`; `zero` 3 is FSDP over the data ranks (`resolved()` moves dp into fsdp). `cp_impl` picks the CP form:
+"allgather" (K/V all-gathered over `context`) or "ring" (K/V blocks passed round the ring by
+collective-permute).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -21,6 +28,7 @@ _AXIS_OF = {"data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp", "tens
 # Logical dims of weights and activations. Weights use the bare names; activations the `act_` ones, so
 # that FSDP shards a weight's embed dim without sharding the activations' embed dim.
 WEIGHT_DIMS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers")
+CP_IMPLS = ("allgather", "ring")
 CAPACITY_FACTOR = 1.0  # MoE expert slots per routed token (GShard); 1.0 drops overflow
 ACTIVATION_DIMS = ("batch", "seq", "seq_sp", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
 
@@ -35,17 +43,21 @@ class Layout:
     cp: int = 1
     ep: int = 1
     pp: int = 1
-    microbatch: int = 1
+    microbatch: int = 0
     recompute: str = "none"
     sequence_parallel: bool = True
     zero: int = 0
     offload: float = 0.0
+    vpp: int = 1
+    cp_impl: str = "allgather"
 
     def __post_init__(self) -> None:
-        for f in ("dp", "fsdp", "tp", "cp", "ep", "pp", "microbatch"):
+        for f in ("dp", "fsdp", "tp", "cp", "ep", "pp", "microbatch", "vpp"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f == "microbatch" else 1):
                 raise MeshplanError(f"layout: {f} must be a positive integer, got {v!r}")
+        if self.cp_impl not in CP_IMPLS:
+            raise MeshplanError(f"layout: unknown cp_impl '{self.cp_impl}' (known: {', '.join(CP_IMPLS)})")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise MeshplanError(f"layout: unknown recompute policy '{self.recompute}' "
                                 f"(known: {', '.join(RECOMPUTE_POLICIES)})")
@@ -66,6 +78,18 @@ class Layout:
         """Ways the batch is split: every axis but context, tensor and stage carries different sequences."""
         return self.dp * self.fsdp * self.ep
 
+    def n_micro(self, global_batch: int) -> int:
+        """Micro-batches per step: B / (batch shards · microbatch); 1 when microbatch is 0 (whole batch)."""
+        if not self.microbatch:
+            return 1
+        return max(1, global_batch // (self.batch_shards * self.microbatch))
+
+    def resolved(self) -> Layout:
+        """The layout the program builds: ZeRO-3 over the data ranks is FSDP (the data ranks join `fsdp`)."""
+        if self.zero != 3:
+            return self
+        return replace(self, fsdp=self.fsdp * self.dp, dp=1, zero=0)
+
     @property
     def sp(self) -> bool:
         """Sequence parallelism is in effect (it only means something with tp > 1)."""
@@ -76,9 +100,9 @@ class Layout:
 
     @classmethod
     def from_config(cls, obj: Any, devices: int | None = None) -> Layout:
-        """Read a planner config duck-typed (attributes dp, fsdp, tp, pp, cp, ep, microbatch, recompute, zero,
-        offload; `vpp` is ignored). Where the planner counts EP inside the data-parallel ranks (dp·fsdp·tp·cp·pp
-        = devices), `ep` is carved out of dp here, because this mesh gives experts their own axis."""
+        """Read a planner config duck-typed (attributes dp, fsdp, tp, pp, vpp, cp, ep, microbatch, recompute, zero,
+        offload, cp_impl). Where the planner counts EP inside the data-parallel ranks (dp·fsdp·tp·cp·pp =
+        devices), `ep` is carved out of dp here, because this mesh gives experts their own axis."""
         names = {f.name for f in fields(cls)}
         kw = {n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None}
         if isinstance(obj, dict):
@@ -128,6 +152,9 @@ def describe(layout: Layout) -> str:
     """`dp=2 fsdp=4 tp=1 ...` with only the axes in use, e.g. for table titles."""
     parts = [f"{k}={v}" for k, v in (("dp", layout.dp), ("fsdp", layout.fsdp), ("tp", layout.tp),
                                     ("cp", layout.cp), ("ep", layout.ep), ("pp", layout.pp)) if v > 1]
+    parts += [f"zero={layout.zero}"] if layout.zero else []
+    parts += [f"mb={layout.microbatch}"] if layout.microbatch else []
+    parts += ["cp=ring"] if layout.cp > 1 and layout.cp_impl == "ring" else []
     sp = " +SP" if layout.sp else ""
     return (" ".join(parts) or "single device") + sp + f", recompute={layout.recompute}"
 
