@@ -39,6 +39,7 @@ CASES = {
     "zero3_dp8": ("dense", dict(dp=8, zero=3)),
     "pp2_dp4": ("dense", dict(dp=4, pp=2, microbatch=1)),
     "pp2_tp2_dp2": ("dense", dict(dp=2, tp=2, pp=2, microbatch=2)),
+    "pp2_tp2_dp2_full": ("dense", dict(dp=2, tp=2, pp=2, microbatch=2, recompute="full")),
     "pp4_dp2": ("dense4", dict(dp=2, pp=4, microbatch=2)),
     "cp4_tp2_ring": ("dense", dict(cp=4, tp=2, cp_impl="ring")),
     "cp4_tp2_allgather": ("dense", dict(cp=4, tp=2, cp_impl="allgather")),
@@ -187,6 +188,18 @@ def test_pp2_tp2_dp2_four_microbatches(results):
     stage's gradients: a layer's weights / 2 except its norms (590336 − 512) / 2 + 512, the embedding and
     unembedding / 2 and the final norm 256: 4 × (294912 + 512 + 131072 + 256) = 1707008."""
     _pp_checks(results, "pp2_tp2_dp2", 2, 4, 131072, 4 * ((LAYER_ELEMS - 512) // 2 + 512 + 131072 + 256))
+
+
+def test_pp_with_full_recompute(results):
+    """Full recompute inside the pipeline reruns each layer's forward in the backward, less the MLP
+    down-projection (its output only feeds the residual; docs/verify.md, learned 3): per tick a stage's layer
+    redoes 1310720 − 2·D·F = 1048576 FLOPs per token on 2 × 128 tokens, split over tp = 2, for 5 ticks:
+    5 × 256 × 1048576 / 2 = 671088640 more matmul FLOPs, and the same permutes (the sends are outside the
+    layers)."""
+    base, full = (results[c]["measured"]["matmul flops"] for c in ("pp2_tp2_dp2", "pp2_tp2_dp2_full"))
+    assert full - base == 5 * 256 * (1310720 - 2 * 256 * 512) / 2
+    assert (_bytes(results, "pp2_tp2_dp2_full", "collective-permute", "stage")
+            == _bytes(results, "pp2_tp2_dp2", "collective-permute", "stage"))
 
 
 def test_pp4_dp2(results):
