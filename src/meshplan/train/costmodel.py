@@ -18,11 +18,13 @@ from meshplan.cost.efficiency import Efficiency
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
+from meshplan.train.ledger import Ledger
 from meshplan.train.space import Problem
 
 ACT_BYTES = 2.0  # bf16 activations
 PARAM_BYTES = 2.0  # bf16 working copy of the weights
-OPT_BYTES = 12.0  # fp32 master, Adam m and v (ZeRO paper §3.1)
+MASTER_BYTES = 4.0  # fp32 master copy of the weights (ZeRO paper §3.1)
+MOMENT_BYTES = 8.0  # Adam m and v in fp32 (ZeRO paper §3.1: master + m + v = 12 B per parameter)
 FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
 LOSS_BYTES_FUSED = 4.0 + ACT_BYTES  # per logit: fp32 softmax saved + bf16 logits
@@ -55,7 +57,45 @@ KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, r
 # the K/V concatenation 8 = 58.5.
 CP_TORCH_MERGE_FWD_BYTES = 40.5
 CP_TORCH_MERGE_BWD_BYTES = 58.5
-ATTENTION_KERNELS = ("fused", "fa2", "sdpa")  # Options.attention_kernel
+# Options.attention_kernel → the efficiency.yaml (forward, backward) fractions of peak its kernels reach
+ATTENTION_KERNEL_FRACTIONS = {
+    "fused": ("attention_fwd_fraction", "attention_bwd_fraction"),
+    "fa2": ("attention_fa2_fwd_fraction", "attention_fa2_bwd_fraction"),
+    "sdpa": ("attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction"),
+}
+ATTENTION_KERNELS = tuple(ATTENTION_KERNEL_FRACTIONS)
+# What each recompute policy runs again in the backward, as shares of the layer forward's parts (matmuls, attention
+# core, pointwise, fp8 casts). full: the whole layer (Chen et al. 2016; Megatron's checkpointed layer); selective:
+# the attention core (Korthikanti et al. 2022 §5), or torchtitan's per-op policy (every second matmul and the
+# pointwise ops around it) or per-layer policy (every second layer fully); gemm-last: everything but the GEMMs.
+RECOMPUTE_PARTS: dict[str, dict[str, float]] = {
+    "none": {},
+    "full": {"mm": 1.0, "core": 1.0, "elem": 1.0, "cast": 1.0},
+    "gemm-last": {"elem": 1.0, "cast": 1.0},
+    "selective/attention": {"core": 1.0},
+    "selective/op": {"mm": 0.5, "elem": 1.0, "cast": 1.0},
+    "selective/layer": {"mm": 0.5, "core": 0.5, "elem": 0.5, "cast": 0.5},
+}
+SELECTIVE_FLAVORS = tuple(k.split("/")[1] for k in RECOMPUTE_PARTS if k.startswith("selective/"))
+
+
+def _fp8_te_casts(normed, a_in, g_out, w_local):
+    """Transformer Engine: the qkv and gate/up inputs leave the norm in fp8 (their transposes are made for the
+    backward); the output-projection and down-projection inputs, the weights and the output gradients go through
+    fused cast-transposes. (forward, backward) HBM bytes."""
+    return (FP8_TE_CAST_TRANSPOSE_BYTES * (a_in - normed + w_local),
+            FP8_TE_CAST_TRANSPOSE_BYTES * g_out + FP8_TE_TRANSPOSE_BYTES * normed)
+
+
+def _fp8_dynamic_casts(normed, a_in, g_out, w_local):
+    """FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it): every
+    GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B), plus transposed fp8
+    copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2, write 1)."""
+    return FP8_CAST_BYTES * (a_in + w_local), FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)
+
+
+FP8_RECIPES = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
+CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms"}  # Options.cp_impl → CostModel method
 
 
 @dataclass(frozen=True)
@@ -108,6 +148,16 @@ class Options:
     # (nanotron, llm-foundry); "sdpa" = PyTorch's scaled_dot_product_attention, whose bundled FA2 it picks first
     # on every GPU (torchtitan; pytorch/pytorch#142132). On Hopper both FA2s run at about half FA3's rate.
     attention_kernel: str = "fused"
+    # Element sizes of the program (the planner's defaults describe bf16 training with an fp32 master copy; the CPU
+    # program `meshplan verify` compiles is fp32 throughout: 4, 4, 0)
+    act_bytes: float = ACT_BYTES  # activations and the TP/CP/EP/PP collectives that carry them
+    param_bytes: float = PARAM_BYTES  # the working copy of the weights (without FSDP) and the ZeRO-1/2 all-gather
+    master_bytes: float = MASTER_BYTES  # the fp32 master copy in the optimizer state (0: the weights are the master)
+    # JAX/XLA remat recomputes only what the backward reads (dead code elimination of the rematerialised forward):
+    # full recompute skips a dense MLP's down-projection, materialised selective attention reruns QKᵀ and the
+    # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's checkpoint
+    # (Megatron, torchtitan) reruns the whole checkpointed function. On for maxtext/jax (train/frameworks.py).
+    remat_dce: bool = False
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -160,84 +210,133 @@ class CostModel:
         self.tp_overlap, self.dp_overlap = self.opt.overlaps(chip.kind)
 
     # --- compute -------------------------------------------------------------------------------
+    # Each term function returns one layer's (or the loss's) work for one micro-batch: seconds forward (`f_s`)
+    # and backward (`b_s`), FLOPs and HBM bytes; `compute_terms` adds them up and writes the ledger.
     def _matmul_time(self, flops, m_, n_, k_):
         return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
 
-    def compute_terms(self, L: LayoutArrays, g: dict) -> Terms:
-        """Forward/backward/recompute seconds per micro-batch on the busiest pipeline stage."""
-        c, e, S = self.c, self.eff, self.p.seq_len
-        tp, t = g["tp"], g["t_mb"]
-        m = self.p.model
+    def _matmul_term(self, g: dict) -> dict:
+        """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape."""
+        c, m, tp, t = self.c, self.p.model, g["tp"], g["t_mb"]
         T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
         f_mlp = 2 * t * c["mlp_w_active"] / tp
-        mm_f = self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + self._attention_projections(t, tp)
-        qkv_width = self._qkv_width(tp)
+        proj_s, proj_flops = self._attention_projections(t, tp)
+        # a dense MLP's down-projection: its output only feeds the residual sum, which no backward reads
+        down = 0.0 if m.is_moe else 2 * t * c["D"] * c["F"] / tp
+        return dict(f_s=self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + proj_s, flops=f_mlp + proj_flops,
+                    down_s=self._matmul_time(down, T_exp, c["F"] / tp, c["D"]), down_flops=down)
+
+    def _attention_core_term(self, g: dict) -> dict:
+        """QKᵀ, softmax and AV: causal and load-balanced over cp with a fused kernel (ATTENTION_KERNELS), or
+        materialised (no causal saving); PyTorch's CP adds its fp32 merges (CP_TORCH_MERGE_*)."""
+        c, e, S, m = self.c, self.eff, self.p.seq_len, self.p.model
+        t, tp = g["t_mb"], g["tp"]
         # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths); windowed layers attend fewer keys
         f_core = 2.0 * t * tm.mean_attended_keys(m, S) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
-            fwd_frac, bwd_frac = {
-                "fa2": (e.attention_fa2_fwd_fraction, e.attention_fa2_bwd_fraction),
-                "sdpa": (e.attention_sdpa_fwd_fraction, e.attention_sdpa_bwd_fraction),
-            }.get(self.opt.attention_kernel, (e.attention_fwd_fraction, e.attention_bwd_fraction))
-            core_f = f_core / (self.peak_bf16 * fwd_frac)
-            core_b = f_core * e.attention_bwd_flops_ratio / (self.peak_bf16 * bwd_frac)
+            fwd_frac, bwd_frac = (getattr(e, a) for a in ATTENTION_KERNEL_FRACTIONS[self.opt.attention_kernel])
+            bwd_flops = f_core * e.attention_bwd_flops_ratio
+            out = dict(f_s=f_core / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
+                       flops_f=f_core, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
+            out.update(qk_f_s=out["f_s"], qk_flops=f_core, qk_hbm=0.0)  # a fused kernel recomputes as a whole
         else:
-            core_f, core_b = self._materialized_attention(g, f_core)
+            out = self._materialized_attention(g, f_core)
         if self.opt.cp_impl == "torch":
             # fp32 output merges and gradient accumulation of every ring step after the first
             out_elems = t * c["N"] * c["H"] / tp * (g["cp"] - 1)
-            core_f = core_f + CP_TORCH_MERGE_FWD_BYTES * out_elems / self.hbm
-            core_b = core_b + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
+            out["hbm_f"] = out["hbm_f"] + CP_TORCH_MERGE_FWD_BYTES * out_elems
+            out["hbm_b"] = out["hbm_b"] + CP_TORCH_MERGE_BWD_BYTES * out_elems
+            out["f_s"] = out["f_s"] + CP_TORCH_MERGE_FWD_BYTES * out_elems / self.hbm
+            out["b_s"] = out["b_s"] + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
+        return out
+
+    def _pointwise_term(self, g: dict) -> dict:
+        """Norms, residuals, RoPE, activation function (HBM-bound): bytes read and written once per fused kernel,
+        plus the MoE token permutation; the backward mirrors the forward (twice the bytes)."""
+        c, e, t, tp = self.c, self.eff, g["t_mb"], g["tp"]
+        act = self.opt.act_bytes
         sp_div = np.where(g["sp"], tp, 1)
         act_w = c["mult"] * c["F"] * c["k"]
-        elem_bytes = ACT_BYTES * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
+        elem_bytes = act * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
-        if m.is_moe:
-            # token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
-            # gather each token's k copies into expert order (read D, write k·D) and scatter-add them back (read
-            # k·D, write D); forward here, the backward's mirror in 2·elem_f
-            elem_bytes = elem_bytes + ACT_BYTES * t * 2 * (1 + c["k"]) * c["D"]
-        elem_f = elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s
-        cast_f = np.zeros_like(elem_f)  # FP8 casts of the forward's GEMM operands
-        cast_b = np.zeros_like(elem_f)
-        if self.opt.compute_dtype == "fp8":
-            # FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it,
-            # `fp8_fused_casts` off): every GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for
-            # the cast, write 1 B): forward the four linear inputs and the weights, backward the output gradients,
-            # plus transposed fp8 copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2,
-            # write 1)
-            a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
-            g_out = t * (qkv_width + 2 * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
-            # Transformer Engine casts a weight once per step and reuses it over the micro-batches
-            # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
-            w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
-            if self.opt.fp8_fused_casts:
-                # Transformer Engine: the qkv and gate/up inputs leave the norm in fp8 (their transposes are made
-                # for the backward); the output-projection and down-projection inputs, the weights and the output
-                # gradients go through fused cast-transposes
-                normed = t * 2 * c["D"]
-                cast_f = FP8_TE_CAST_TRANSPOSE_BYTES * (a_in - normed + w_local) / self.hbm
-                cast_b = (FP8_TE_CAST_TRANSPOSE_BYTES * g_out + FP8_TE_TRANSPOSE_BYTES * normed) / self.hbm
-            else:
-                cast_f = FP8_CAST_BYTES * (a_in + w_local) / self.hbm
-                cast_b = (FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)) / self.hbm
+        elem_bytes = elem_bytes + self._moe_permute_bytes(g)
+        return dict(f_s=elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s, hbm=elem_bytes)
+
+    def _moe_permute_bytes(self, g: dict):
+        """Token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
+        gather each token's k copies into expert order (read D, write k·D) and scatter-add them back (read k·D,
+        write D); forward here, the backward's mirror in the pointwise backward."""
+        if not self.p.model.is_moe:
+            return 0.0
+        return self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
+
+    def _fp8_cast_term(self, g: dict) -> dict:
+        """FP8 casts of the GEMM operands (FP8_RECIPES, chosen by `fp8_fused_casts`); zero in bf16."""
+        if self.opt.compute_dtype != "fp8":
+            return dict(hbm_f=0.0, hbm_b=0.0, f_s=0.0, b_s=0.0)
+        c, t, tp = self.c, g["t_mb"], g["tp"]
+        # the four linear inputs and the output gradients of the forward's GEMMs
+        a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
+        g_out = t * (self._qkv_width(tp) + 2 * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
+        # Transformer Engine casts a weight once per step and reuses it over the micro-batches
+        # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
+        w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
+        hbm_f, hbm_b = FP8_RECIPES[self.opt.fp8_fused_casts](t * 2 * c["D"], a_in, g_out, w_local)
+        return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
+
+    def _loss_term(self, g: dict) -> dict:
+        """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit)."""
+        c, t, tp = self.c, g["t_mb"], g["tp"]
         f_un = 2 * t * c["D"] * c["V"] / tp
-        un_f = self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + 12.0 * t * c["V"] / tp / self.hbm  # fp32 loss
-        nl = g["layers_stage"]
-        rc = L.recompute
-        # the backward's pointwise work mirrors the forward's (2·elem_f) and casts its own operands (cast_b); a
+        hbm = 12.0 * t * c["V"] / tp
+        return dict(f_s=self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + hbm / self.hbm, flops=f_un, hbm=hbm)
+
+    def _recompute_parts(self, policy: str) -> dict[str, float]:
+        """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
+        if policy == "selective":
+            return RECOMPUTE_PARTS[f"selective/{self.opt.selective_flavor}"]
+        return RECOMPUTE_PARTS[policy]
+
+    def compute_terms(self, L: LayoutArrays, g: dict) -> Terms:
+        """Forward/backward/recompute seconds per micro-batch on the busiest pipeline stage; writes the FLOPs and
+        HBM bytes of the step (n_micro micro-batches of `layers_stage` layers and the loss) into the ledger."""
+        parts = {"mm": self._matmul_term(g), "core": self._attention_core_term(g), "elem": self._pointwise_term(g),
+                 "cast": self._fp8_cast_term(g)}
+        mm, core, elem, cast = parts["mm"], parts["core"], parts["elem"], parts["cast"]
+        loss = self._loss_term(g)
+        # the backward's pointwise work mirrors the forward's (2·elem) and casts its own operands (cast b_s); a
         # recomputed forward casts its GEMM inputs again
-        full = mm_f + core_f + elem_f + cast_f
-        selective = {"attention": core_f, "op": 0.5 * mm_f + elem_f + cast_f,
-                     "layer": 0.5 * full}[self.opt.selective_flavor]
-        recompute = np.select([rc == 2, rc == 1, rc == 3], [full, selective, elem_f + cast_f], 0.0)
+        full = mm["f_s"] + core["f_s"] + elem["f_s"] + cast["f_s"]
+        layer_bwd = 2 * mm["f_s"] + core["b_s"] + 2 * elem["f_s"] + cast["b_s"]
+        rc_s, rc_mm, rc_core, rc_hbm = [], [], [], []
+        for policy in tm.RECOMPUTE_POLICIES:
+            w = self._recompute_parts(policy)
+            mm_s, mm_flops, wc = w.get("mm", 0) * mm["f_s"], w.get("mm", 0) * mm["flops"], w.get("core", 0)
+            core_s, core_flops, core_hbm = wc * core["f_s"], wc * core["flops_f"], wc * core["hbm_f"]
+            if self.opt.remat_dce and policy == "full":
+                # JAX/XLA remat recomputes only what the backward reads: the dense MLP's down-projection is dropped
+                mm_s, mm_flops = mm_s - mm["down_s"], mm_flops - mm["down_flops"]
+            if self.opt.remat_dce and wc == 1 and policy == "selective":
+                # ... and of the attention core only QKᵀ and the softmax (the backward never reads AV's output)
+                core_s, core_flops, core_hbm = core["qk_f_s"], core["qk_flops"], core["qk_hbm"]
+            rc_s.append(mm_s + core_s + w.get("elem", 0) * elem["f_s"] + w.get("cast", 0) * cast["f_s"])
+            rc_mm.append(mm_flops)
+            rc_core.append(core_flops)
+            rc_hbm.append(core_hbm + w.get("elem", 0) * elem["hbm"] + w.get("cast", 0) * cast["hbm_f"])
+        pick = [L.recompute == i for i in range(len(tm.RECOMPUTE_POLICIES))]
+        recompute = np.select(pick, rc_s, 0.0)
+        nl, nm, led = g["layers_stage"], g["n_micro"], g["ledger"]
+        led.flops("matmul", nm * (nl * (3 * mm["flops"] + np.select(pick, rc_mm, 0.0)) + 3 * loss["flops"]))
+        led.flops("attention", nm * nl * (core["flops_f"] + core["flops_b"] + np.select(pick, rc_core, 0.0)))
+        led.flops("other", 0.0)  # pointwise work is costed by its HBM bytes, not its FLOPs
+        led.add("hbm", nm * (nl * (3 * elem["hbm"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
+                                   + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
         return Terms(
-            layer_fwd=full, layer_bwd=2 * mm_f + core_b + 2 * elem_f + cast_b,
-            layer_recompute=recompute,
-            layer_matmul_fwd=mm_f, layer_core_fwd=core_f, layer_core_bwd=core_b,
-            fwd=nl * full + un_f,
-            bwd=nl * (2 * mm_f + core_b + 2 * elem_f + cast_b + recompute) + 2 * un_f,
+            layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
+            layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
+            fwd=nl * full + loss["f_s"],
+            bwd=nl * (layer_bwd + recompute) + 2 * loss["f_s"],
         )
 
     def _qkv_width(self, tp):
@@ -249,54 +348,71 @@ class CostModel:
         return (c["N"] / tp + 2 * np.maximum(c["K"] / tp, 1.0)) * c["H"]
 
     def _attention_projections(self, t, tp):
-        """Seconds of one layer's attention projections, each GEMM timed at its own shape."""
+        """(seconds, FLOPs) of one layer's attention projections, each GEMM timed at its own shape."""
         c, m = self.c, self.p.model
         if not m.is_mla:
             qkv_width = self._qkv_width(tp)
             f_qkv = 2 * t * c["D"] * qkv_width
             f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
             return (self._matmul_time(f_qkv, t, qkv_width, c["D"])
-                    + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp))
+                    + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)), f_qkv + f_o
         # MLA (DeepSeek-V2 §2.1): the latent down-projections are computed whole on every TP rank; the per-head
         # up-projections and the output projection split over the heads
         w, N = m.mla_weights(), m.n_heads
         q_in = m.q_lora_rank or c["D"]
         t_s = self._matmul_time(2 * t * w["kv_down"], t, m.kv_lora_rank + m.qk_rope_head_dim, c["D"])
+        flops = 2 * t * w["kv_down"] + 2 * t * (w["q_up"] + w["kv_up"] + w["o"]) / tp
         if m.q_lora_rank:
             t_s = t_s + self._matmul_time(2 * t * w["q_down"], t, m.q_lora_rank, c["D"])
+            flops = flops + 2 * t * w["q_down"]
         t_s = t_s + self._matmul_time(2 * t * w["q_up"] / tp, t, N * m.qk_head_dim / tp, q_in)
         t_s = t_s + self._matmul_time(2 * t * w["kv_up"] / tp, t, N * (m.head_dim + m.v_dim) / tp, m.kv_lora_rank)
-        return t_s + self._matmul_time(2 * t * w["o"] / tp, t, c["D"], N * m.v_dim / tp)
+        return t_s + self._matmul_time(2 * t * w["o"] / tp, t, c["D"], N * m.v_dim / tp), flops
 
-    def _materialized_attention(self, g: dict, f_core):
-        """Attention without a flash kernel (Megatron 2020-21, BLOOM): QKᵀ and AV as batched matmuls of
-        inner dimension H, plus softmax (and dropout) over the N·s² score matrix in HBM; no causal saving
-        (Korthikanti et al. 2022 §4.1 counts the 5as²b bytes these tensors take)."""
+    def _materialized_attention(self, g: dict, f_core) -> dict:
+        """Attention without a flash kernel (Megatron 2020-21, BLOOM, the JAX reference of `verify`): QKᵀ and AV as
+        batched matmuls of inner dimension H, plus softmax (and dropout) over the N·s² score matrix in HBM; no
+        causal saving (Korthikanti et al. 2022 §4.1 counts the 5as²b bytes these tensors take)."""
         S, c = self.p.seq_len, self.c
         flops = 2 * f_core  # the full score matrix is computed
         mm = flops / (self.mm_peak * self.eff.matmul(S, S, c["H"]))
         scores = c["N"] / g["tp"] * g["mb"] * S * (S / g["cp"])
-        per_elem = ACT_BYTES * 2 + (ACT_BYTES * 2 + 1 if self.opt.dropout else 0)  # softmax r/w, dropout r/w + mask
-        ew = scores * per_elem / self.hbm
-        return mm + ew, 2 * mm + 2 * ew
+        act = self.opt.act_bytes
+        per_elem = act * 2 + (act * 2 + 1 if self.opt.dropout else 0)  # softmax r/w, dropout r/w + mask
+        ew_bytes = scores * per_elem
+        ew = ew_bytes / self.hbm
+        # recomputing for the backward needs only QKᵀ (half the matmul FLOPs) and the softmax (`remat_dce`)
+        return dict(f_s=mm + ew, b_s=2 * mm + 2 * ew, flops_f=flops, flops_b=2 * flops, hbm_f=ew_bytes,
+                    hbm_b=2 * ew_bytes, qk_f_s=0.5 * mm + ew, qk_flops=0.5 * flops, qk_hbm=ew_bytes)
 
     # --- communication -------------------------------------------------------------------------
+    # Each collective family records its bytes per device per step in the ledger (kind/mesh axes, the byte
+    # convention of train/ledger.py) and turns the same bytes into seconds through the CommModel.
     def comm_terms(self, L: LayoutArrays, g: dict, ct: Terms) -> Terms:
         """Exposed communication seconds: per micro-batch (`*_mb`) and once per step (`*_step`)."""
-        c, comm, m = self.c, self.comm, self.p.model
-        tp, cp, fs, dp, ep, pp, t = g["tp"], g["cp"], g["fsdp"], g["dp"], g["ep"], g["pp"], g["t_mb"]
-        nl = g["layers_stage"]
         out = Terms()
-        # TP (Megatron-SP): per layer 2 all-gathers + 2 reduce-scatters of [t, D] forward and again backward
-        # (Korthikanti et al. 2022 §4.2.2); without SP, 2 all-reduces each way.
-        # An MoE layer under SP gathers the k routed copies of its tokens over TP after the expert all-to-all
-        # and reduce-scatters them before the return trip (Megatron-Core's alltoall dispatcher: A2A(EP) → AG(TP),
-        # RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one.
-        v_tp = ACT_BYTES * t * c["D"]
+        self._tp_terms(L, g, ct, out)
+        self._cp_terms(L, g, ct, out)
+        self._ep_terms(L, g, ct, out)
+        self._pp_terms(L, g, out)
+        self._data_parallel_terms(L, g, ct, out)
+        self._shared_link_slowdown(g, ct, out)
+        return out
+
+    def _tp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
+        """TP (Megatron-SP): per layer 2 all-gathers + 2 reduce-scatters of [t, D] forward and again backward
+        (Korthikanti et al. 2022 §4.2.2); without SP, 2 all-reduces each way.
+        An MoE layer under SP gathers the k routed copies of its tokens over TP after the expert all-to-all
+        and reduce-scatters them before the return trip (Megatron-Core's alltoall dispatcher: A2A(EP) → AG(TP),
+        RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one."""
+        c, comm, led = self.c, self.comm, g["ledger"]
+        tp, nl, nm, sp = g["tp"], g["layers_stage"], g["n_micro"], g["sp"]
+        v_tp = self.opt.act_bytes * g["t_mb"] * c["D"]
         ag = comm.time("allgather", v_tp, tp, 1)
         rs = comm.time("reducescatter", v_tp, tp, 1)
         ar = comm.time("allreduce", v_tp, tp, 1)
-        tp_layer = np.where(g["sp"], (1 + c["k"]) * (ag + rs), 2 * ar)
+        pairs = 1 + c["k"]  # collective pairs per layer pass
+        tp_layer = np.where(sp, pairs * (ag + rs), 2 * ar)
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
         # the tp steps cannot overlap.
         hidden_f = np.maximum(tp_layer - ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
@@ -304,55 +420,45 @@ class CostModel:
         tp_exp = (np.where(self.tp_overlap, hidden_f, tp_layer) + np.where(self.tp_overlap, hidden_b, tp_layer))
         out["tp_mb"] = nl * tp_exp * (tp > 1)
         out["tp_link_mb"] = nl * 2 * tp_layer
-        # CP ring attention: cp-1 KV block passes forward, KV and dKV backward, each overlapped with the
-        # attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes.
-        if m.is_mla:  # the up-projected keys and values travel (N·(H+R) and N·V per token)
+        axes = [("tensor", tp)]
+        led.collective("all_gather", axes, np.where(sp, nm * nl * 2 * pairs * v_tp, 0.0))
+        led.collective("reduce_scatter", axes, np.where(sp, nm * nl * 2 * pairs * v_tp, 0.0))
+        led.collective("all_reduce", axes, np.where(sp, 0.0, nm * nl * 4 * v_tp))
+
+    def _kv_bytes(self, g: dict):
+        """Bytes of one micro-batch's local K and V on one TP rank (GQA-sized; MHA-sized when PyTorch's CP repeats
+        them; under MLA the up-projected keys and values, N·(H+R) and N·V per token)."""
+        c, m, tp = self.c, self.p.model, g["tp"]
+        if m.is_mla:
             kv_per_rank = m.n_heads * tm.attention_pair_width(m) / 2 / tp
         elif self.opt.cp_impl == "torch":  # K/V repeated to every query head before SDPA
             kv_per_rank = c["N"] / tp * c["H"]
         else:
             kv_per_rank = c["H"] * np.maximum(c["K"] / tp, 1.0)
-        kv_bytes = 2 * ACT_BYTES * t * kv_per_rank
-        if self.opt.cp_impl == "torch":
-            out["cp_mb"], out["cp_link_mb"] = self._torch_cp_terms(L, kv_bytes, ct, cp, tp, nl)
-        else:
-            perm = comm.time("permute", kv_bytes, cp, tp)
-            cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
-            out["cp_mb"] = nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0)
-                                 + np.maximum(cp_b - ct["layer_core_bwd"], 0))
-            out["cp_link_mb"] = nl * (cp_f + cp_b)
-        # EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped.
-        if m.is_moe:
-            # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
-            # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
-            copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
-            # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows, above)
-            t_rank = t / np.where(g["sp"], tp, 1)
-            a2a = comm.time("alltoall", ep * ACT_BYTES * t_rank * copies * c["D"], ep, tp * cp)
-            out["ep_link_mb"] = nl * 4 * a2a
-            if self.opt.ep_overlap:
-                # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
-                # micro-batch's dispatch/combine beside another's layer compute: only the excess shows
-                layer = ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"]
-                out["ep_mb"] = nl * np.maximum(4 * a2a - layer, 0)
-            else:
-                out["ep_mb"] = out["ep_link_mb"]
-        else:
-            out["ep_mb"] = np.zeros_like(t)
-            out["ep_link_mb"] = np.zeros_like(t)
-        # PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p).
-        p2p = comm.time("permute", ACT_BYTES * t * c["D"] / np.where(g["sp"], tp, 1), pp, tp * cp * fs * dp)
-        out["pp_mb"] = 2 * g["vpp"] * p2p
-        self._data_parallel_terms(L, g, ct, out)
-        self._shared_link_slowdown(g, ct, out)
-        return out
+        return 2 * self.opt.act_bytes * g["t_mb"] * kv_per_rank
 
-    def _torch_cp_terms(self, L: LayoutArrays, kv_bytes, ct: Terms, cp, tp, nl):
+    def _cp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
+        """Context parallelism by the implementation `cp_impl` names (CP_IMPLS)."""
+        exposed, link = getattr(self, CP_IMPLS[self.opt.cp_impl])(L, g, ct, self._kv_bytes(g))
+        out["cp_mb"], out["cp_link_mb"] = exposed, link
+
+    def _ring_cp_terms(self, L: LayoutArrays, g: dict, ct: Terms, kv_bytes):
+        """CP ring attention: cp-1 KV block passes forward, KV and dKV backward, each overlapped with the
+        attention block it feeds (Liu et al. 2023, Ring Attention). GQA shrinks the KV bytes."""
+        cp, nl = g["cp"], g["layers_stage"]
+        perm = self.comm.time("permute", kv_bytes, cp, g["tp"])
+        cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
+        g["ledger"].collective("permute", [("context", cp)], g["n_micro"] * nl * 3 * (cp - 1) * kv_bytes)
+        return (nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0)),
+                nl * (cp_f + cp_b))
+
+    def _torch_cp_terms(self, L: LayoutArrays, g: dict, ct: Terms, kv_bytes):
         """(exposed, link) seconds per micro-batch of PyTorch's all-gather context parallelism (`cp_impl`): each
         layer pass all-gathers the ring's K/V behind the first (diagonal) block only, 1/cp of the rank's attention;
         the backward gathers again and passes fp32 dK/dV on to the next rank after every block, each hidden behind
         the next block except the last. A recomputed forward (full recompute, or selective of the attention core)
         runs the ring again."""
+        cp, tp, nl = g["cp"], g["tp"], g["layers_stage"]
         ag = self.comm.time("allgather", cp * kv_bytes, cp, tp)
         dkv = self.comm.time("permute", 2 * kv_bytes, cp, tp)  # fp32 gradients: twice the bf16 bytes
         block_f, block_b = ct["layer_core_fwd"] / cp, ct["layer_core_bwd"] / cp
@@ -360,7 +466,43 @@ class CostModel:
         exp_f = passes_f * np.maximum(ag - block_f, 0)
         exp_b = np.maximum(ag - block_b, 0) + np.maximum(cp - 2, 0) * np.maximum(dkv - block_b, 0) + dkv
         link = passes_f * ag + ag + (cp - 1) * dkv
-        return nl * np.where(cp > 1, exp_f + exp_b, 0.0), nl * np.where(cp > 1, link, 0.0)
+        on, axes, nm = cp > 1, [("context", cp)], g["n_micro"]
+        g["ledger"].collective("all_gather", axes, np.where(on, nm * nl * (passes_f + 1) * cp * kv_bytes, 0.0))
+        g["ledger"].collective("permute", axes, np.where(on, nm * nl * (cp - 1) * 2 * kv_bytes, 0.0))
+        return nl * np.where(on, exp_f + exp_b, 0.0), nl * np.where(on, link, 0.0)
+
+    def _ep_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
+        """EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped."""
+        c, m, t, tp, ep, nl = self.c, self.p.model, g["t_mb"], g["tp"], g["ep"], g["layers_stage"]
+        if not m.is_moe:
+            out["ep_mb"] = np.zeros_like(t)
+            out["ep_link_mb"] = np.zeros_like(t)
+            return
+        # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
+        # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
+        copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
+        # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows, above)
+        t_rank = t / np.where(g["sp"], tp, 1)
+        sent = self.opt.act_bytes * t_rank * copies * c["D"]  # one device's tokens (the all-to-all's operand)
+        a2a = self.comm.time("alltoall", ep * sent, ep, tp * g["cp"])  # the CommModel takes the group's array
+        n_a2a = 4
+        g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * n_a2a * sent)
+        out["ep_link_mb"] = nl * n_a2a * a2a
+        if self.opt.ep_overlap:
+            # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
+            # micro-batch's dispatch/combine beside another's layer compute: only the excess shows
+            layer = ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"]
+            out["ep_mb"] = nl * np.maximum(n_a2a * a2a - layer, 0)
+        else:
+            out["ep_mb"] = out["ep_link_mb"]
+
+    def _pp_terms(self, L: LayoutArrays, g: dict, out: Terms) -> None:
+        """PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p)."""
+        pp, tp = g["pp"], g["tp"]
+        nbytes = self.opt.act_bytes * g["t_mb"] * self.c["D"] / np.where(g["sp"], tp, 1)
+        p2p = self.comm.time("permute", nbytes, pp, tp * g["cp"] * g["fsdp"] * g["dp"])
+        out["pp_mb"] = 2 * g["vpp"] * p2p
+        g["ledger"].collective("permute", [("stage", pp)], g["n_micro"] * 2 * g["vpp"] * nbytes)
 
     def _torch_cp_buffer(self, g: dict):
         """Bytes PyTorch's all-gather context parallelism holds during one layer's attention backward (`cp_impl`):
@@ -370,7 +512,7 @@ class CostModel:
             return 0.0
         c, cp = self.c, g["cp"]
         width = g["t_mb"] * c["N"] * c["H"] / g["tp"]  # local elements of Q, and of each repeated K and V
-        return np.where(cp > 1, cp * 2 * ACT_BYTES * width + 3 * 4.0 * width, 0.0)
+        return np.where(cp > 1, cp * 2 * self.opt.act_bytes * width + 3 * 4.0 * width, 0.0)
 
     def _shared_link_slowdown(self, g: dict, ct: Terms, out: Terms) -> None:
         """Collectives that share a link slow each other: on a GPU, an FSDP group whose members sit in the
@@ -439,6 +581,15 @@ class CostModel:
             copy_out = copy_in = np.zeros_like(w_layer)
         out["fsdp_copy_mb"] = np.where(per_mb, 2 * copy_out + copy_in, 0.0)
         out["fsdp_copy_step"] = np.where(once, copy_out + copy_in, 0.0)
+        led, nm = g["ledger"], g["n_micro"]
+        led.add("hbm", np.where(per_mb, nm * (2 * copy_out + copy_in), np.where(once, copy_out + copy_in, 0.0))
+                * self.hbm)
+        # the shard group in mesh axes: fsdp, and the context ranks that join it
+        shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"], 1)), ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
+        gathers = np.where(per_mb, nm * (2 * nl * w_layer + 2 * emb), np.where(once, nl * w_layer + emb, 0.0))
+        scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w_layer + emb)
+        led.collective("all_gather", shard_axes, o.fsdp_param_bytes * gathers)
+        led.collective("reduce_scatter", shard_axes, o.grad_reduce_bytes * scatters)
         # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
         # distributed optimizer), bucketed and overlapped with the last micro-batch's backward. Without FSDP the
         # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
@@ -446,7 +597,7 @@ class CostModel:
         stride_rep = np.where(sh > 1, tp * sh, tp)
         ar = comm.time("allreduce", o.grad_reduce_bytes * grads, rep, stride_rep)
         rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, rep, stride_rep)
-        ag_dp = comm.time("allgather", PARAM_BYTES * grads, rep, stride_rep)
+        ag_dp = comm.time("allgather", o.param_bytes * grads, rep, stride_rep)
         # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA can hoist the all-reduce
         # of gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on
         # TPU (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
@@ -456,6 +607,20 @@ class CostModel:
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, np.maximum(reduce - window, 0) + gather, 0.0)
         out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
+        # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
+        # does); the experts' own gradients are reduced only over the replicas that hold the same experts
+        ep = g["ep"]
+        carved = (g["dp"] % ep == 0) & (ep > 1)
+        data = np.where(carved, g["dp"] / ep, g["dp"])
+        ctx = ("context", np.where(sh > 1, 1, g["cp"]))
+        m = self.p.model
+        expert = g["layers_stage"] * self.c["expert_w"] / (tp * ep) / sh if m.is_moe else 0.0
+        expert = np.where(carved, expert, 0.0)
+        for part, axes in ((grads - expert, [("data", data), ("expert", np.where(carved, ep, 1)), ctx]),
+                           (expert, [("data", data), ctx])):
+            led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
+            led.collective("reduce_scatter", axes, np.where(zero >= 1, o.grad_reduce_bytes * part, 0.0))
+            led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
 
     # --- geometry, memory, totals --------------------------------------------------------------
     def geometry(self, L: LayoutArrays) -> dict:
@@ -480,6 +645,7 @@ class CostModel:
         embed_stage = np.where(g["pp"] > 1, max(pc.embedding + pc.position, pc.unembedding or pc.embedding), embed)
         g["params_embed_local"] = embed_stage / g["tp"]
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
+        g["ledger"] = Ledger()
         return g
 
     def activation_per_layer(self, L: LayoutArrays, g: dict, policy_codes: np.ndarray) -> np.ndarray:
@@ -539,12 +705,12 @@ class CostModel:
             gathered = 2 * np.maximum(c["D"] * m.q_dim, c["D"] * c["F"] * experts_local) / g["tp"]
         else:
             gathered = g["params_layer_local"]
-        fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + ACT_BYTES) * gathered, 0.0)
+        fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + self.opt.act_bytes) * gathered, 0.0)
         other = self.eff.memory_reserved_bytes + fsdp_buf + self._torch_cp_buffer(g)
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
-        p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, PARAM_BYTES)
-        o_bytes = np.where(fs > 1, OPT_BYTES - FSDP_PARAM_STATE_BYTES, OPT_BYTES)
+        p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)
+        o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
         params = p_bytes * P / fs + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
         # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
@@ -554,4 +720,15 @@ class CostModel:
         t["offloaded"] = saved * L.offload
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight
+        led = g["ledger"]
+        for k in ("params", "grads", "optimizer", "activations", "total"):
+            led.add(f"memory/{k}", t[k])
+        led.add("memory/temp", t["other"])  # transient buffers: gathered weights, CP buffers, the runtime's reserve
         return t
+
+    def optimizer_terms(self, L: LayoutArrays, g: dict):
+        """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound)."""
+        local = g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1))
+        nbytes = ADAM_UPDATE_BYTES * local
+        g["ledger"].add("hbm", nbytes)
+        return nbytes / self.hbm

@@ -8,7 +8,8 @@ import numpy as np
 
 from meshplan.math import transformer as tm
 from meshplan.train.config import LayoutArrays
-from meshplan.train.costmodel import ADAM_UPDATE_BYTES, CostModel, Terms
+from meshplan.train.costmodel import CostModel, Terms
+from meshplan.train.ledger import Ledger
 
 COMM_KINDS = ("tp", "cp", "ep", "pp", "fsdp", "dp")
 
@@ -28,6 +29,7 @@ class Evaluation:
     link_time: Terms  # time each kind of traffic occupies its links per step (hidden or not)
     n_micro: np.ndarray
     hbm_budget_bytes: float
+    ledger: Ledger  # per device per step: FLOPs, collective bytes, HBM bytes, memory (train/ledger.py)
 
 
 def _bubble(cm: CostModel, g: dict, ct, per_mb):
@@ -68,7 +70,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
     bubble = _bubble(cm, g, ct, per_mb)
-    opt_update = ADAM_UPDATE_BYTES * g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1)) / cm.hbm
+    opt_update = cm.optimizer_terms(L, g)
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
@@ -100,4 +102,4 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
                   dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
     return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
-                      hw_flops / denom, tokens / step, links, m, budget)
+                      hw_flops / denom, tokens / step, links, m, budget, g["ledger"])

@@ -183,6 +183,7 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
         "bottleneck": bottleneck,
         "explanation": explanation,
         "mesh": mesh_description(cm, cfg),
+        "ledger": ev.ledger.plan(i),
     }
     if tokens:
         days = tokens / out["tokens_per_s"] / 86400
