@@ -1,9 +1,9 @@
 """`meshplan verify`: compile a layout as a sharded JAX training step and compare XLA with the prediction.
 
 Two sides, kept apart:
-- `predict_verify_quantities` derives per-device FLOPs, collective bytes per kind and memory from meshplan's
-  own math (meshplan.math.transformer; book ch.4–5; Korthikanti et al. 2022) and the layout — never from
-  the compiled program.
+- `plan_ledger` asks the planner's cost model (the one `meshplan train` ranks by) for its ledger of the program
+  compiled: per-device FLOPs by kind, collective bytes by kind and mesh axes, memory — never from the compiled
+  program. There is no second predictor.
 - `measure_compiled` reads the compiled program: `cost_analysis()` FLOPs, the FLOPs of every dot in the
   optimized HLO, `memory_analysis()`, and every collective in the HLO text (see meshplan.measure.hlo).
 
@@ -17,15 +17,20 @@ import re
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.math import transformer as tm
 from meshplan.measure.hlo import COLLECTIVES, Collective, dot_flops, parse_collectives
-from meshplan.measure.layout import Layout, moe_capacity
+from meshplan.measure.layout import Layout
 from meshplan.specs.model import ModelConfig
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import framework_options
+from meshplan.train.ledger import HLO_KIND, collective_totals
+from meshplan.train.space import Problem
 
-BYTES_PER_ELEMENT = 4.0  # the CPU reference model runs in float32 (params, activations and collectives)
+BYTES_PER_ELEMENT = 4.0  # the CPU reference model runs in float32 (program_options says so to the cost model)
 JAX_MISSING = "meshplan verify needs the jax extra: pip install 'meshplan[jax]'"
 
 
@@ -81,172 +86,53 @@ def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int =
         n_experts=experts, experts_per_token=min(m.experts_per_token, experts) if experts else 0)
 
 
-# --- the prediction (formulas only) --------------------------------------------------------------
+# --- the planner's ledger of the compiled program ------------------------------------------------
 
-def _weight_bytes(m: ModelConfig, layout: Layout, b: float) -> dict[str, float]:
-    """Bytes of each weight group on one device after TP/EP sharding (before FSDP), from param_counts."""
-    pc = tm.param_counts(m)
-    tp, ep = layout.tp, layout.ep
-    kv_tp = tp if m.n_kv_heads % tp == 0 else 1
-    D = m.d_model
-    attn = (2 * D * m.q_dim) / tp + (2 * D * m.kv_dim) / kv_tp
-    experts = m.n_experts * (3 if m.gated else 2) * D * m.d_ff if m.is_moe else 0
-    mlp = experts / ep + pc.per_layer_router if m.is_moe else pc.per_layer_mlp / tp
-    norms = pc.per_layer_norms
-    return {"layers": b * m.n_layers * (attn + mlp + norms), "embedding": b * pc.embedding / tp,
-            "unembedding": b * pc.unembedding / tp, "final_norm": b * pc.final_norm,
-            "norms": b * (m.n_layers * norms + pc.final_norm),
-            "experts": b * m.n_layers * experts / ep}
+VERIFY_HARDWARE = "tpu-v5p"  # the chip the ledger is costed on: an XLA target (bytes and FLOPs do not depend on it)
 
 
-def predict_flops(m: ModelConfig, layout: Layout, devices: int, seq_len: int, global_batch: int) -> float:
-    """Per-device FLOPs of one step: 3 × forward (2·matmul params + attention) per token, plus recompute.
-
-    Attention is counted over the full S×S score matrix, because the reference program materialises masked
-    softmax attention and XLA executes (and counts) every masked entry: the causal halving in
-    meshplan.math.transformer applies to kernels that skip masked blocks, not to this program. MoE experts
-    run C = capacity-factor·T·k/E slots each, so expert FLOPs scale by the capacity factor."""
-    tf = tm.flops_per_token(m, seq_len, causal=False)
-    matmul = tf.forward_matmul
-    if m.is_moe:
-        per_expert = 2.0 * (3 if m.gated else 2) * m.d_model * m.d_ff
-        slots = moe_capacity(m, seq_len) * m.n_experts / seq_len  # ≈ CAPACITY_FACTOR · k
-        matmul += m.n_layers * per_expert * (slots - m.experts_per_token)
-    per_token = 3.0 * (matmul + tf.forward_attention) + _recompute_flops_per_token(m, seq_len, layout.recompute)
-    return per_token * global_batch * seq_len / devices
+def program_options(base: Options | None = None) -> Options:
+    """The cost model's Options that describe the compiled reference program (train/frameworks.py "jax"): fp32,
+    materialised attention, XLA remat, all-gather context parallelism. `base` keeps a plan's other choices."""
+    return framework_options("jax", base or Options(), {})
 
 
-def _recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str) -> float:
-    """Extra forward FLOPs in the backward.
-
-    full: the layers' forward again (tm.recompute_flops_per_token, full attention) minus each dense layer's
-    MLP down-projection (2·D·F per token): a JAX remat recomputes only what the backward needs, and that
-    matmul's output only feeds the residual sum, which the backward never reads. (Megatron's checkpointed
-    layer reruns the whole forward, so tm's term is right for it; for MoE the expert outputs are needed to
-    weight the combine, so nothing is dropped.)
-    selective: QKᵀ again, half of the full attention forward (a policy-based remat keeps AV's output and
-    rebuilds only the softmax input; tm's selective term reruns the whole core, as Megatron's module does).
-    gemm-last and none: no matmuls."""
-    if recompute == "full":
-        down = 0.0 if m.is_moe else 2.0 * m.d_model * m.d_ff * m.n_layers
-        return tm.recompute_flops_per_token(m, seq_len, "full", causal=False) - down
-    if recompute == "selective":
-        return tm.attention_flops_per_token(m, seq_len, causal=False) / 2.0
-    return 0.0
+def program_config(layout: Layout, global_batch: int) -> ParallelConfig:
+    """The planner's config of the program compiled for `layout`: the planner counts EP inside the data ranks
+    (dp·fsdp·tp·pp·cp = chips) where the mesh gives experts their own axis; the program runs the local batch as one
+    micro-batch (it has no accumulation loop)."""
+    return ParallelConfig(dp=layout.dp * layout.ep, fsdp=layout.fsdp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                          ep=layout.ep, microbatch=max(1, global_batch // layout.batch_shards),
+                          recompute=layout.recompute, zero=layout.zero, offload=layout.offload,
+                          sequence_parallel=layout.sequence_parallel)
 
 
-def _activation_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> float:
-    """A = B_loc·(T/cp)·D·bytes: one [B, T, D] activation of this device's sequences (book ch.5)."""
-    return global_batch / layout.batch_shards * seq_len / layout.cp * m.d_model * b
+def plan_ledger(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                options: Options | None = None, hardware: str = VERIFY_HARDWARE) -> dict[str, Any]:
+    """The planner's ledger (train/ledger.py) of exactly the program compiled: the same Problem, config and
+    cost model `meshplan train` evaluates. Needs no JAX."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.specs.hardware import load_chip
+    from meshplan.train.costmodel import CostModel
+    from meshplan.train.evaluate import evaluate
+
+    chip = load_chip(hardware)
+    problem = Problem(model, chip, layout.devices, seq_len, global_batch)
+    cm = CostModel(problem, default_efficiency(chip), options or program_options())
+    ev = evaluate(cm, LayoutArrays.from_configs([program_config(layout, global_batch)]))
+    return ev.ledger.plan(0)
 
 
-def _tp_bytes(m: ModelConfig, layout: Layout, A: float, b: float, tokens: float) -> dict[str, float]:
-    """Megatron TP (Korthikanti et al. 2022 §4.2.2). With SP, per layer: forward all-gathers the attention and
-    MLP inputs and reduce-scatters both outputs (2 AG + 2 RS of A); the backward re-gathers both inputs,
-    gathers both output gradients and reduce-scatters both input gradients (4 AG + 2 RS); full recompute
-    reruns the attention output's reduce-scatter (+1 RS). Outside the layers: the vocab-parallel embedding
-    reduce-scatters its rows (fwd) and gathers their gradient (bwd); the final norm output is gathered
-    (fwd) and its gradient reduce-scattered (bwd). Without SP every pair becomes one all-reduce.
-    Vocab-parallel cross-entropy all-reduces 3 numbers per token (max, Σexp, target logit); under SP the
-    replicated norm scales' gradients are all-reduced ((2L+1)·D)."""
-    L = m.n_layers
-    if layout.tp == 1:
-        return {}
-    ce = 3 * tokens * b
-    if not layout.sp:
-        return {"all-reduce": (4 * L + 2) * A + ce}
-    full = L * A if layout.recompute == "full" else 0.0
-    return {"all-gather": (6 * L + 2) * A, "reduce-scatter": (4 * L + 2) * A + full,
-            "all-reduce": ce + (2 * L + 1) * m.d_model * b}
-
-
-def _cp_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> dict[str, float]:
-    """CP with all-gathered K/V: per layer the forward gathers K and V over `context` (2·B_loc·T·K·H/tp),
-    the backward reduce-scatters their gradients; full recompute gathers them again. Positions (int32) are
-    gathered once per step."""
-    if layout.cp == 1:
-        return {}
-    kv_tp = layout.tp if m.n_kv_heads % layout.tp == 0 else 1
-    kv = 2 * global_batch / layout.batch_shards * seq_len * m.kv_dim / kv_tp * b
-    gathers = 2 if layout.recompute == "full" else 1
-    return {"all-gather": m.n_layers * gathers * kv + seq_len * 4, "reduce-scatter": m.n_layers * kv}
-
-
-def _ep_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, b: float) -> dict[str, float]:
-    """EP: every MoE layer sends each sequence's E·C expert slots (≈ k·T tokens) to the experts and back in
-    the forward (2 all-to-alls) and again in the backward; full and gemm-last recompute redo both."""
-    if layout.ep == 1:
-        return {}
-    slots = global_batch / layout.batch_shards * m.n_experts * moe_capacity(m, seq_len) * m.d_model * b
-    n = 6 if layout.recompute in ("full", "gemm-last") else 4
-    return {"all-to-all": m.n_layers * n * slots}
-
-
-def _grad_bytes(m: ModelConfig, layout: Layout, W: dict[str, float]) -> dict[str, float]:
-    """Gradient reduction (book ch.5). FSDP: reduce-scatter every weight over `fsdp`. Then an all-reduce of
-    each device's shard over the other axes that hold different tokens: data, context and, for the
-    non-expert weights, expert. The loss mean adds one 4-byte all-reduce."""
-    total = W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"]
-    out = {"reduce-scatter": total if layout.fsdp > 1 else 0.0}
-    shard = 1.0 / layout.fsdp
-    dense = (total - W["experts"]) * shard if layout.dp * layout.cp * layout.ep > 1 else 0.0
-    experts = W["experts"] * shard if layout.dp * layout.cp > 1 else 0.0
-    loss = 4.0 if layout.devices > 1 else 0.0
-    out["all-reduce"] = dense + experts + loss
-    return out
-
-
-def _fsdp_gather_bytes(layout: Layout, W: dict[str, float]) -> float:
-    """FSDP / ZeRO-3: every weight is gathered for the forward; the layers' weights again for the backward
-    (the embedding, final norm and unembedding are gathered once and kept)."""
-    if layout.fsdp == 1:
-        return 0.0
-    return 2 * W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"]
-
-
-def predict_collective_bytes(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                             b: float = BYTES_PER_ELEMENT) -> dict[str, float]:
-    """Per-device bytes (full array size X, the `meshplan collective` convention) of each collective kind
-    in one training step, summed over the parallelisms in a fixed order: FSDP, TP, CP, EP, gradients."""
-    W = _weight_bytes(m, layout, b)
-    A = _activation_bytes(m, layout, seq_len, global_batch, b)
-    tokens = global_batch / layout.batch_shards * seq_len / layout.cp
-    out = {k: 0.0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
-    parts = [{"all-gather": _fsdp_gather_bytes(layout, W)}, _tp_bytes(m, layout, A, b, tokens),
-             _cp_bytes(m, layout, seq_len, global_batch, b), _ep_bytes(m, layout, seq_len, global_batch, b),
-             _grad_bytes(m, layout, W)]
-    for part in parts:
-        for kind, v in part.items():
-            out[kind] += v
-    return out
-
-
-def predict_memory(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                   b: float = BYTES_PER_ELEMENT) -> dict[str, float]:
-    """Arguments: params (b bytes) and AdamW m, v (fp32) in their shardings, plus the int32 batch.
-    Temp: gradients (b bytes, before their reduce-scatter) plus the saved activations of every layer
-    (tm.activation_bytes_per_layer, materialised attention) plus the logits and their gradient."""
-    W = _weight_bytes(m, layout, b)
-    params = (W["layers"] + W["embedding"] + W["unembedding"] + W["final_norm"])
-    tokens = global_batch / layout.batch_shards * seq_len / layout.cp
-    args = params / layout.fsdp * (1 + 8 / b) + 2 * tokens * 4 + seq_len / layout.cp * 4 + 4
-    act = tm.activation_bytes_per_layer(m, seq_len, int(global_batch / layout.batch_shards), layout.recompute,
-                                        tp=layout.tp, sequence_parallel=layout.sp, cp=layout.cp,
-                                        flash_attention=False, act_bytes=b)["total"]
-    temp = params + m.n_layers * act + 2 * tokens * m.vocab_size / layout.tp * 4
-    return {"memory: arguments": args, "memory: temp": temp, "memory": args + temp}
-
-
-def predict_verify_quantities(model: ModelConfig, layout: Layout, devices: int, seq_len: int,
-                              global_batch: int, bytes_per_element: float = BYTES_PER_ELEMENT) -> dict[str, float]:
-    """The planner-side prediction of every compared quantity, per device per step, from formulas only."""
-    if devices != layout.devices:
-        raise MeshplanError(f"layout uses {layout.devices} devices, not {devices}")
-    flops = predict_flops(model, layout, devices, seq_len, global_batch)
-    out = {"flops": flops, "matmul flops": flops}
-    out.update({f"{k} bytes": v for k, v in
-                predict_collective_bytes(model, layout, seq_len, global_batch, bytes_per_element).items()})
-    out.update(predict_memory(model, layout, seq_len, global_batch, bytes_per_element))
+def ledger_quantities(ledger: dict[str, Any]) -> dict[str, float]:
+    """The verify rows' predicted column, read from a plan ledger: FLOPs (all; and the matmuls, attention's QKᵀ
+    and AV included, as XLA's dots are), bytes per collective kind and per kind and mesh axes, memory."""
+    fl, mem = ledger["flops"], ledger["memory_bytes"]
+    out = {"flops": sum(fl.values()), "matmul flops": fl["matmul"] + fl["attention"]}
+    out.update({f"{k} bytes": v for k, v in collective_totals(ledger).items()})
+    out.update({f"{k} bytes": v for k, v in ledger["collective_bytes"].items()})
+    out["memory: arguments"] = mem["params"] + mem["optimizer"]
+    out["memory: temp"] = mem["grads"] + mem["activations"] + mem["temp"]
+    out["memory"] = mem["total"]
     return out
 
 # --- the compiled side ---------------------------------------------------------------------------
@@ -285,6 +171,10 @@ def measure_compiled(prog: Any, compiled: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"flops": float(_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(text)}
     for kind in COLLECTIVES:
         out[f"{kind} bytes"] = float(sum(c.bytes for c in colls if c.kind == kind))
+    ledger_kind = {v: k for k, v in HLO_KIND.items()}
+    for c in colls:  # per kind and mesh axes, keyed as the ledger keys them (`all_gather/tensor bytes`)
+        key = f"{ledger_kind[c.kind]}/{'+'.join(c.axes) or '-'} bytes"
+        out[key] = out.get(key, 0.0) + c.bytes
     out["memory: arguments"] = float(mem.argument_size_in_bytes)
     out["memory: temp"] = float(mem.temp_size_in_bytes)
     out["memory"] = float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -347,9 +237,16 @@ def _rel(pred: float, got: float) -> float | None:
 
 
 def compare(predicted: dict[str, float], measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per quantity: predicted, compiled, relative error (compiled − predicted) / predicted."""
-    return [{"quantity": q, "predicted": p, "compiled": measured[q], "rel_error": _rel(p, measured[q])}
-            for q, p in predicted.items() if q in measured]
+    """One row per quantity: predicted, compiled, relative error (compiled − predicted) / predicted. A collective
+    (kind/axes) on one side only gets a row with 0 on the other."""
+    per_axis = [q for q in measured if "/" in q and q.endswith(" bytes") and q not in predicted]
+    predicted = {**predicted, **{q: 0.0 for q in per_axis}}
+    rows = []
+    for q, p in predicted.items():
+        if q in measured or "/" in q:
+            got = float(measured.get(q, 0.0))
+            rows.append({"quantity": q, "predicted": p, "compiled": got, "rel_error": _rel(p, got)})
+    return rows
 
 
 def _dtype_note(colls: list[Collective], b: float) -> dict[str, Any]:
@@ -363,18 +260,24 @@ def _dtype_note(colls: list[Collective], b: float) -> dict[str, Any]:
 
 def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
                loss_model: ModelConfig | None = None, loss_seq_len: int = 128, loss_batch: int = 16,
-               steps: int = 3, reference: list[float] | None = None) -> dict[str, Any]:
-    """Compile `model` under `layout`, compare with the prediction, and (unless loss_model is None) check
-    the sharded loss of `loss_model` against one device. The `meshplan verify --json` object."""
+               steps: int = 3, reference: list[float] | None = None, options: Options | None = None,
+               hardware: str = VERIFY_HARDWARE, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Compile `model` under `layout`, compare with the planner's ledger of that program, and (unless loss_model
+    is None) check the sharded loss of `loss_model` against one device. The `meshplan verify --json` object.
+    `options`: the cost model's Options of the program (default `program_options()`); `progress`: called with a
+    line before each slow phase."""
+    say = progress or (lambda _msg: None)
+    ledger = plan_ledger(model, layout, seq_len, global_batch, options, hardware)
+    say(f"compiling {model.name} (L={model.n_layers}, D={model.d_model}) on {layout.devices} CPU devices ...")
     t0 = time.perf_counter()
     prog, compiled = compile_step(model, layout, seq_len, global_batch)
     compile_s = time.perf_counter() - t0
+    say(f"compiled in {compile_s:.1f} s; reading the HLO ...")
     measured = measure_compiled(prog, compiled)
-    predicted = predict_verify_quantities(model, layout, layout.devices, seq_len, global_batch)
     colls = measured["collectives"]
     out: dict[str, Any] = {
         "model": model.as_dict(), "layout": layout.as_dict(), "devices": layout.devices, "seq_len": seq_len,
-        "global_batch": global_batch, "rows": compare(predicted, measured),
+        "global_batch": global_batch, "rows": compare(ledger_quantities(ledger), measured), "ledger": ledger,
         "collectives": summarize_collectives(colls),
         "reduce_scatters_from_all_reduce": sum(1 for c in colls if c.note),
         "dtypes": _dtype_note(colls, BYTES_PER_ELEMENT), "compile_s": compile_s,
@@ -384,6 +287,7 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                                     "contiguous": causal_balance(seq_len, layout.cp, load_balanced=False)}
     out["loss_matches_unsharded"] = None
     if loss_model is not None:
+        say(f"running {steps} steps sharded and on one device to compare the losses ...")
         same = loss_model == model and (loss_seq_len, loss_batch) == (seq_len, global_batch)
         check = loss_check(loss_model, layout, loss_seq_len, loss_batch, steps,
                            compiled=(prog, compiled) if same else None, reference=reference)

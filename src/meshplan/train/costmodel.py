@@ -158,6 +158,7 @@ class Options:
     # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's checkpoint
     # (Megatron, torchtitan) reruns the whole checkpointed function. On for maxtext/jax (train/frameworks.py).
     remat_dce: bool = False
+    runtime_reserve: bool = True  # HBM the runtime keeps (CUDA context, XLA's reserve; efficiency.yaml); none on CPU
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -706,7 +707,8 @@ class CostModel:
         else:
             gathered = g["params_layer_local"]
         fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + self.opt.act_bytes) * gathered, 0.0)
-        other = self.eff.memory_reserved_bytes + fsdp_buf + self._torch_cp_buffer(g)
+        reserve = self.eff.memory_reserved_bytes if self.opt.runtime_reserve else 0.0
+        other = reserve + fsdp_buf + self._torch_cp_buffer(g)
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)

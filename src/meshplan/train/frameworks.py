@@ -34,12 +34,19 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
                        fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward
-    "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False),
+    "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True),
     # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
     # per pointwise op, an eager loss on fp32 logits, attention through PyTorch SDPA (transformers' default
     # attn_implementation); `overlap_comm` (zero_optimization) buckets the gradient reduction behind the backward
     "deepspeed": dict(fused_elementwise=False, fused_loss=False, attention_kernel="sdpa", dp_overlap=True),
 }
+# The JAX reference program `meshplan verify` compiles (measure/jaxmodel.py): MaxText's XLA behaviour, with the
+# program's own facts: fp32 weights, activations, gradients and collectives (its CPU twin; AdamW moments fp32 and
+# no separate master copy), attention materialised (softmax over the full score matrix, no flash kernel), no runtime
+# reserve on the CPU.
+FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **dict(
+    act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0, grad_reduce_bytes=4.0,
+    flash_attention=False, runtime_reserve=False)}
 
 
 def framework_options(name: str | None, base: Options, explicit: dict[str, Any]) -> Options:
