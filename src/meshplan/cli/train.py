@@ -14,7 +14,7 @@ from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
-from meshplan.train.costmodel import ATTENTION_KERNELS, Options
+from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, Options
 from meshplan.train.frameworks import framework_options
 from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
@@ -103,7 +103,8 @@ def train(
     cp_impl: Annotated[str | None, typer.Option(
         help="How context parallelism runs attention: ring (default: Ring Attention passing GQA-sized K/V blocks, "
              "Megatron-Core/Transformer Engine) or torch (PyTorch's context_parallel as torchtitan runs it: K/V "
-             "repeated to every head, all-gathered per layer, fp32 merges).")] = None,
+             "repeated to every head, all-gathered per layer, fp32 merges) or allgather (GQA-sized K/V all-gathered "
+             "per layer, gradients reduce-scattered: the JAX program of meshplan verify).")] = None,
     attention_kernel: Annotated[str | None, typer.Option(
         help="Fused attention kernel: fused (default: the chip's best, FA3/cuDNN on Hopper as Megatron-Core and "
              "MaxText run it), fa2 (the flash-attn package's FlashAttention-2: nanotron, llm-foundry) or sdpa "
@@ -162,7 +163,7 @@ def train(
     if moe_node_limit is not None and moe_node_limit < 1:
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
-    _check_choice("--cp-impl", cp_impl, ("ring", "torch"))
+    _check_choice("--cp-impl", cp_impl, tuple(CP_IMPLS))
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     explicit = dict(
@@ -230,8 +231,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
              "fused pointwise" if opts.fused_elementwise else "eager pointwise",
              "fused loss" if opts.fused_loss else "eager fp32 loss",
              f"ZeRO-3 fetch by {opts.zero3_fetch}"]
-    parts.append("CP by PyTorch all-gather (repeated K/V, fp32 merges)" if opts.cp_impl == "torch"
-                 else "CP by Ring Attention")
+    parts.append({"torch": "CP by PyTorch all-gather (repeated K/V, fp32 merges)", "ring": "CP by Ring Attention",
+                  "allgather": "CP by all-gathered K/V"}[opts.cp_impl])
     if opts.attention_kernel != "fused":
         parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)"}[opts.attention_kernel])
     if opts.pp_schedule != "1f1b":

@@ -95,7 +95,7 @@ def _fp8_dynamic_casts(normed, a_in, g_out, w_local):
 
 
 FP8_RECIPES = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
-CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms"}  # Options.cp_impl → CostModel method
+CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,8 @@ class Options:
     # the KV that travels is MHA-sized; it is all-gathered once per layer pass, hidden only behind the first
     # (diagonal) block; gradients of K/V travel block by block in fp32 with the last one exposed; outputs and
     # gradients are merged in fp32 (CP_TORCH_MERGE_*).
+    # "allgather": each layer all-gathers the sequence's GQA-sized K/V and reduce-scatters their gradients (the JAX
+    # program `meshplan verify` compiles; Llama 3 §3.3.2).
     cp_impl: str = "ring"
     # Pipeline schedule (DeepSeek-V3 report, Table 2, compares the three): "1f1b" (Narayanan et al. 2021; interleaved
     # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
@@ -401,8 +403,15 @@ class CostModel:
         return out
 
     def _tp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
-        """TP (Megatron-SP): per layer 2 all-gathers + 2 reduce-scatters of [t, D] forward and again backward
-        (Korthikanti et al. 2022 §4.2.2); without SP, 2 all-reduces each way.
+        """TP (Megatron-SP, Korthikanti et al. 2022 §4.2.2), per layer: the forward all-gathers the attention and
+        MLP inputs and reduce-scatters both outputs; the backward reduce-scatters the input gradients, all-gathers
+        the output gradients and gathers both inputs again for the weight gradients (Megatron-LM's
+        `LinearWithGradAccumulationAndAsyncCommunication.backward` launches that re-gather asynchronously beside
+        the input-gradient GEMM; XLA re-gathers because no remat policy saves a sharding constraint's result). Without
+        SP, 2 all-reduces each way. Outside the layers: the vocab-parallel embedding reduce-scatters its output
+        onto the sequence (an all-reduce without SP) and the final norm's output is gathered for the logits, each
+        mirrored in the backward; the vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token (max,
+        Σexp, target logit); under SP the replicated norm scales' gradients are all-reduced once a step.
         An MoE layer under SP gathers the k routed copies of its tokens over TP after the expert all-to-all
         and reduce-scatters them before the return trip (Megatron-Core's alltoall dispatcher: A2A(EP) → AG(TP),
         RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one."""
@@ -419,12 +428,27 @@ class CostModel:
         hidden_f = np.maximum(tp_layer - ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
         hidden_b = np.maximum(tp_layer - 2 * ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
         tp_exp = (np.where(self.tp_overlap, hidden_f, tp_layer) + np.where(self.tp_overlap, hidden_b, tp_layer))
-        out["tp_mb"] = nl * tp_exp * (tp > 1)
-        out["tp_link_mb"] = nl * 2 * tp_layer
+        # the backward's re-gather of the inputs runs beside the input-gradient GEMMs (the forward GEMMs' FLOPs)
+        regather = np.where(sp, pairs * ag, 0.0)
+        # JAX remat (`remat_dce`) under full recompute reruns the attention output's reduce-scatter (it feeds the
+        # recomputed MLP norm); its gathers are the backward's re-gathers, and the MLP output only feeds the residual
+        rc_rs = np.where(sp & (L.recompute == 2) & self.opt.remat_dce, rs, 0.0)
+        # the embedding and the logits' input: a reduce-scatter and an all-gather each way (an all-reduce without SP)
+        outside = np.where(sp, 2 * (ag + rs), 2 * ar)
+        ce = 3 * comm.time("allreduce", 4.0 * g["t_mb"], tp, 1)
+        norms = (2 * nl + 1) * c["D"] * self.opt.grad_reduce_bytes  # per step, replicated under SP
+        norm_ar = np.where(sp, comm.time("allreduce", norms, tp, 1), 0.0)
+        on = tp > 1
+        out["tp_mb"] = on * (nl * (tp_exp + np.maximum(regather - ct["layer_matmul_fwd"], 0) + rc_rs) + outside + ce
+                             + norm_ar / nm)
+        out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs) + outside + ce + norm_ar / nm)
         axes = [("tensor", tp)]
-        led.collective("all_gather", axes, np.where(sp, nm * nl * 2 * pairs * v_tp, 0.0))
-        led.collective("reduce_scatter", axes, np.where(sp, nm * nl * 2 * pairs * v_tp, 0.0))
-        led.collective("all_reduce", axes, np.where(sp, 0.0, nm * nl * 4 * v_tp))
+        n_ag = nl * 3 * pairs + 2
+        n_rs = nl * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
+        led.collective("all_gather", axes, np.where(sp, nm * n_ag * v_tp, 0.0))
+        led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
+        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nl * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"])
+                       + np.where(sp, norms, 0.0))
 
     def _kv_bytes(self, g: dict):
         """Bytes of one micro-batch's local K and V on one TP rank (GQA-sized; MHA-sized when PyTorch's CP repeats
@@ -472,6 +496,22 @@ class CostModel:
         g["ledger"].collective("permute", axes, np.where(on, nm * nl * (cp - 1) * 2 * kv_bytes, 0.0))
         return nl * np.where(on, exp_f + exp_b, 0.0), nl * np.where(on, link, 0.0)
 
+    def _allgather_cp_terms(self, L: LayoutArrays, g: dict, ct: Terms, kv_bytes):
+        """(exposed, link) seconds per micro-batch of all-gather context parallelism (`cp_impl` "allgather", the JAX
+        program `meshplan verify` compiles; Llama 3 §3.3.2 gathers K/V the same way): each layer all-gathers the
+        whole sequence's K and V (GQA-sized) before its attention and reduce-scatters their gradients after the
+        attention backward; a fully recomputed layer gathers again (otherwise the gathered K/V are saved). Both
+        wait on or feed the attention: exposed."""
+        cp, nl, on = g["cp"], g["layers_stage"], g["cp"] > 1
+        ag = self.comm.time("allgather", cp * kv_bytes, cp, g["tp"])
+        rs = self.comm.time("reducescatter", cp * kv_bytes, cp, g["tp"])
+        passes_f = 1 + (L.recompute == 2)
+        axes, nm = [("context", cp)], g["n_micro"]
+        g["ledger"].collective("all_gather", axes, np.where(on, nm * nl * passes_f * cp * kv_bytes, 0.0))
+        g["ledger"].collective("reduce_scatter", axes, np.where(on, nm * nl * cp * kv_bytes, 0.0))
+        link = nl * np.where(on, passes_f * ag + rs, 0.0)
+        return link, link
+
     def _ep_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped."""
         c, m, t, tp, ep, nl = self.c, self.p.model, g["t_mb"], g["tp"], g["ep"], g["layers_stage"]
@@ -486,7 +526,8 @@ class CostModel:
         t_rank = t / np.where(g["sp"], tp, 1)
         sent = self.opt.act_bytes * t_rank * copies * c["D"]  # one device's tokens (the all-to-all's operand)
         a2a = self.comm.time("alltoall", ep * sent, ep, tp * g["cp"])  # the CommModel takes the group's array
-        n_a2a = 4
+        # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
+        n_a2a = 4 + 2 * (L.recompute == 2)
         g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * n_a2a * sent)
         out["ep_link_mb"] = nl * n_a2a * a2a
         if self.opt.ep_overlap:
@@ -544,7 +585,7 @@ class CostModel:
             ag_emb = comm.time("permute", o.fsdp_param_bytes * emb, sh, tp)
             rs_emb = comm.time("permute", o.grad_reduce_bytes * emb, sh, tp)
             fs_f = nl * ag + ag_emb
-            fs_b = nl * (ag + rs) + ag_emb + rs_emb
+            fs_b = nl * (ag + rs) + rs_emb
             once_f, once_b = fs_f, nl * rs + rs_emb
         else:
             ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, sh, tp)
@@ -554,11 +595,13 @@ class CostModel:
             # ZeRO-3 / FSDP (Rajbhandari et al. 2020; torchtitan FSDP2): gather before each layer's forward and
             # again before its backward (reshard after forward), reduce-scatter its gradients; the next layer's
             # gather is prefetched behind the current layer's compute, so only the excess and the first bucket
-            # show.
+            # show. The embedding, final norm and output layer are gathered once and kept for the backward: FSDP2
+            # does not reshard the root module after its forward (`fully_shard`, reshard_after_forward: "the root
+            # FSDP state has its value specially set to False"), and XLA keeps the gathered table (verify: FSDP8).
             comp_f = nl * ct["layer_fwd"]
             comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
             fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
-            fs_b = np.maximum(nl * (ag + rs) + ag_emb + rs_emb - comp_b, 0) + rs
+            fs_b = np.maximum(nl * (ag + rs) + rs_emb - comp_b, 0) + rs
             once_f = fs_f
             once_b = np.maximum(nl * rs + rs_emb - comp_b, 0) + rs
         # With pipelining the stage stays gathered across its micro-batches: one gather per step (hidden behind
@@ -568,7 +611,7 @@ class CostModel:
         once = (sh > 1) & (g["pp"] > 1)
         per_mb = (sh > 1) & ~once
         out["fsdp_mb"] = np.where(per_mb, fs_f + fs_b, 0.0)
-        out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + 2 * ag_emb + rs_emb, 0.0)
+        out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + ag_emb + rs_emb, 0.0)
         out["fsdp_step"] = np.where(once, once_f + once_b, 0.0)
         out["fsdp_link_step"] = np.where(once, nl * (ag + rs) + ag_emb + rs_emb, 0.0)
         # GPU FSDP's copies, kernel time the compute stream waits for: the copy-out of every gathered layer
@@ -587,7 +630,7 @@ class CostModel:
                 * self.hbm)
         # the shard group in mesh axes: fsdp, and the context ranks that join it
         shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"], 1)), ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
-        gathers = np.where(per_mb, nm * (2 * nl * w_layer + 2 * emb), np.where(once, nl * w_layer + emb, 0.0))
+        gathers = np.where(per_mb, nm * (2 * nl * w_layer + emb), np.where(once, nl * w_layer + emb, 0.0))
         scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w_layer + emb)
         led.collective("all_gather", shard_axes, o.fsdp_param_bytes * gathers)
         led.collective("reduce_scatter", shard_axes, o.grad_reduce_bytes * scatters)
@@ -607,7 +650,11 @@ class CostModel:
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, np.maximum(reduce - window, 0) + gather, 0.0)
-        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
+        # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens
+        batch = g["dp"] * g["fsdp"] * g["cp"]
+        loss_ar = comm.time("allreduce", 4.0, batch, tp)
+        out["dp_step"] = out["dp_step"] + loss_ar
+        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0) + loss_ar
         # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
         # does); the experts' own gradients are reduced only over the replicas that hold the same experts
         ep = g["ep"]
@@ -622,6 +669,8 @@ class CostModel:
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
             led.collective("reduce_scatter", axes, np.where(zero >= 1, o.grad_reduce_bytes * part, 0.0))
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
+        led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
+                                      ("context", g["cp"])], 4.0)
 
     # --- geometry, memory, totals --------------------------------------------------------------
     def geometry(self, L: LayoutArrays) -> dict:
