@@ -201,7 +201,9 @@ def train(
         for p in out["plans"]:
             p["book_ideal"] = ideal_training(p, chips, problem.chip.peak("bf16"))
     if json_out:
-        print_json(out)
+        # what was planned, so that `meshplan verify --plan` can rebuild the same problem
+        print_json({**out, "problem": {"model": model, "hardware": hardware, "chips": chips, "seq_len": seq_len,
+                                       "global_batch": global_batch, "framework": framework}})
         return
     show(problem, result, opts)
     if ideal and out["plans"]:

@@ -1,14 +1,17 @@
-"""`meshplan verify`: compile a layout as a sharded JAX step on simulated CPU devices and check the plan."""
+"""`meshplan verify`: compile a layout as a sharded JAX step on simulated CPU devices and check the plan's ledger."""
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cli.app import app, console, err_console, fail, print_json
 from meshplan.measure.layout import Layout, describe
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_flops
@@ -24,7 +27,7 @@ def _print_table(report: dict) -> None:
     m = report["model"]
     t = Table(title=f"verify {m['name']} (L={m['n_layers']} D={m['d_model']}) on {report['devices']} CPU devices: "
                     f"{describe(Layout(**report['layout']))}")
-    for col in ("quantity", "predicted", "compiled", "rel. error"):
+    for col in ("quantity", "planner ledger", "compiled", "rel. error"):
         t.add_column(col, justify="left" if col == "quantity" else "right")
     for r in report["rows"]:
         err = "—" if r["rel_error"] is None else f"{r['rel_error']:+.1%}"
@@ -44,9 +47,36 @@ def _print_table(report: dict) -> None:
                       f"{'match' if lc['matches'] else 'MISMATCH'} (max rel. diff {lc['max_rel_diff']:.1e})")
 
 
+def read_plan(source: str, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(problem, config) of plan `rank` (1 = best) of a `meshplan train --json` object in a file or on stdin (-)."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as exc:
+        fail(f"--plan: cannot read {source}: {exc.strerror}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"--plan: not a `meshplan train --json` object ({exc.msg} at line {exc.lineno})")
+    plans = data.get("plans") if isinstance(data, dict) else None
+    if not isinstance(plans, list) or not plans:
+        fail("--plan: no \"plans\" list in the JSON (expected the output of `meshplan train --json`)")
+    if not 1 <= rank <= len(plans):
+        fail(f"--rank {rank} is outside the {len(plans)} plan(s) in the JSON")
+    problem = data.get("problem")
+    if not isinstance(problem, dict) or "model" not in problem:
+        fail("--plan: the JSON has no \"problem\" (model, chips); rerun `meshplan train --json` with this version")
+    config = plans[rank - 1].get("config")
+    if not isinstance(config, dict):
+        fail(f"--plan: plan {rank} has no \"config\"")
+    return problem, config
+
+
 @app.command()
 def verify(
-    model_name: Annotated[str, typer.Option("--model", "-m", help="Preset name or HF config.json path.")],
+    model_name: Annotated[str | None, typer.Option("--model", "-m", help="Preset name or HF config.json path.")] = None,
+    plan_file: Annotated[str | None, typer.Option("--plan", help="A `meshplan train --json` file, or - for stdin: "
+                                                                 "verify its plan --rank (model, chips, layout).")] = None,
+    rank: Annotated[int, typer.Option(help="With --plan: which plan (1 = the best).")] = 1,
     devices: Annotated[int, typer.Option(help="Simulated CPU devices (= dp·fsdp·tp·cp·ep·pp).")] = 8,
     seq_len: Annotated[int, typer.Option(help="Sequence length T.")] = 128,
     global_batch: Annotated[int, typer.Option(help="Global batch B in sequences.")] = 16,
@@ -54,33 +84,51 @@ def verify(
     fsdp: Annotated[int, typer.Option(help="FSDP (ZeRO-3) degree.")] = 1,
     tp: Annotated[int, typer.Option(help="Tensor parallel degree (with sequence parallelism).")] = 1,
     cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = 1,
-    ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models).")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline stages (not built in the reference model: must be 1).")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
     microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences).")] = 1,
     recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
-    zero: Annotated[int, typer.Option(help="ZeRO stage (3 = use --fsdp).")] = 0,
+    zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis (3 = use --fsdp).")] = 0,
+    framework: Annotated[str, typer.Option(
+        help="Whose schedule the planner's ledger assumes: jax (default; = maxtext, the one XLA's program follows), "
+             "or megatron / nemo / torchtitan to see where theirs differs from the compiled program.")] = "jax",
     tiny: Annotated[bool, typer.Option("--tiny/--no-tiny", help="Shrink the model for a CPU (L=2, D=256, V=512).")] = True,
     layers: Annotated[int | None, typer.Option(help="With --no-tiny: keep the real widths, use this many layers.")] = None,
     no_loss: Annotated[bool, typer.Option("--no-loss-check", help="Skip running steps (compile only).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
-    """Compile the layout as a sharded JAX training step and compare FLOPs, collectives and memory with the plan."""
+    """Compile the layout as a sharded JAX training step and compare its FLOPs, collectives and memory with the
+    planner's ledger (the numbers `meshplan train` ranks by)."""
     if importlib.util.find_spec("jax") is None:
         fail("meshplan verify needs the jax extra: pip install 'meshplan[jax]'")
     from meshplan.measure import verify as mv
 
-    m = load_model(model_name)
-    rest = fsdp * tp * cp * ep * pp
-    if devices <= 0 or devices % rest:
-        fail(f"--devices {devices} is not a multiple of fsdp·tp·cp·ep·pp = {rest}")
-    layout = Layout(dp=dp or devices // rest, fsdp=fsdp, tp=tp, cp=cp, ep=ep, pp=pp, microbatch=microbatch,
-                    recompute=recompute, zero=zero)
+    if plan_file is not None:
+        problem, config = read_plan(plan_file, rank)
+        model_name, devices = str(problem["model"]), int(problem.get("chips", devices))
+        layout = Layout.from_config(config, devices=devices)
+    else:
+        if model_name is None:
+            fail("verify needs --model (with layout flags) or --plan FILE|- (a `meshplan train --json`)")
+        rest = fsdp * tp * cp * ep * pp
+        if devices <= 0 or devices % rest:
+            fail(f"--devices {devices} is not a multiple of fsdp·tp·cp·ep·pp = {rest}")
+        layout = Layout(dp=dp or devices // rest, fsdp=fsdp, tp=tp, cp=cp, ep=ep, pp=pp, microbatch=microbatch,
+                        recompute=recompute, zero=zero)
     if layout.devices != devices:
-        fail(f"the layout uses {layout.devices} devices, not --devices {devices}")
-    small = mv.tiny_model(m, min_kv_heads=tp)
+        fail(f"the layout uses {layout.devices} devices, not {devices}")
+    if layout.zero == 3:
+        if layout.fsdp == 1:
+            fail("verify: --zero 3 is FSDP here: give the shard group as --fsdp (the data axis would run plain DP)")
+        layout = Layout(**{**layout.as_dict(), "zero": 0})
+    m = load_model(model_name)
+    small = mv.tiny_model(m, min_kv_heads=layout.tp)
     big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))
     report = mv.run_verify(big, layout, seq_len, global_batch, loss_model=None if no_loss else small,
-                           loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16)
+                           loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16,
+                           options=mv.program_options(framework),
+                           progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
+    report["framework"] = framework
     if json_out:
         print_json(report)
     else:

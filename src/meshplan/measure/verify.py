@@ -18,6 +18,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -26,7 +27,7 @@ from meshplan.measure.layout import Layout
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import LayoutArrays, ParallelConfig
 from meshplan.train.costmodel import Options
-from meshplan.train.frameworks import framework_options
+from meshplan.train.frameworks import PROGRAM_FACTS, framework_options
 from meshplan.train.ledger import HLO_KIND, collective_totals
 from meshplan.train.space import Problem
 
@@ -91,10 +92,12 @@ def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int =
 VERIFY_HARDWARE = "tpu-v5p"  # the chip the ledger is costed on: an XLA target (bytes and FLOPs do not depend on it)
 
 
-def program_options(base: Options | None = None) -> Options:
-    """The cost model's Options that describe the compiled reference program (train/frameworks.py "jax"): fp32,
-    materialised attention, XLA remat, all-gather context parallelism. `base` keeps a plan's other choices."""
-    return framework_options("jax", base or Options(), {})
+def program_options(framework: str = "jax") -> Options:
+    """The cost model's Options that describe the compiled reference program: a framework's schedule
+    (train/frameworks.py; "jax" = MaxText's, the one XLA's program follows) with the program's own facts
+    (PROGRAM_FACTS: fp32, materialised attention, all-gathered CP, no runtime reserve). Another framework shows
+    where its schedule differs from the compiled one."""
+    return replace(framework_options(framework, Options(), {}), **PROGRAM_FACTS)
 
 
 def program_config(layout: Layout, global_batch: int) -> ParallelConfig:

@@ -44,9 +44,10 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 # program's own facts: fp32 weights, activations, gradients and collectives (its CPU twin; AdamW moments fp32 and
 # no separate master copy), attention materialised (softmax over the full score matrix, no flash kernel), context
 # parallelism by all-gathered K/V, no runtime reserve on the CPU.
-FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **dict(
-    act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0, grad_reduce_bytes=4.0,
-    flash_attention=False, runtime_reserve=False, cp_impl="allgather")}
+PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
+                                     grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
+                                     cp_impl="allgather")
+FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
 
 def framework_options(name: str | None, base: Options, explicit: dict[str, Any]) -> Options:
