@@ -32,6 +32,10 @@ from meshplan.train.ledger import HLO_KIND, collective_totals
 from meshplan.train.space import Problem
 
 BYTES_PER_ELEMENT = 4.0  # the CPU reference model runs in float32 (program_options says so to the cost model)
+# XLA's CPU backend schedules for concurrency by default, keeping more buffers live than a GPU/TPU program's
+# memory-aware schedule; verify asks for its memory-minimising schedule, so that `memory_analysis()` temp bytes
+# are a peak-memory figure the planner's rules can be held to (docs/verify.md, "Memory")
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 JAX_MISSING = "meshplan verify needs the jax extra: pip install 'meshplan[jax]'"
 
 
@@ -47,6 +51,8 @@ def ensure_host_devices(n: int) -> None:
                                 f"(set XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax)")
         return
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        flags = f"{flags} {CPU_SCHEDULER_FLAG}"
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
 
 

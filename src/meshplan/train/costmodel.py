@@ -27,8 +27,7 @@ MASTER_BYTES = 4.0  # fp32 master copy of the weights (ZeRO paper §3.1)
 MOMENT_BYTES = 8.0  # Adam m and v in fp32 (ZeRO paper §3.1: master + m + v = 12 B per parameter)
 FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
-LOSS_BYTES_FUSED = 4.0 + ACT_BYTES  # per logit: fp32 softmax saved + bf16 logits
-LOSS_BYTES_EAGER = 2 * (4.0 + ACT_BYTES)  # ... + fp32 gradient + its bf16 cast
+LOSS_SOFTMAX_BYTES = 4.0  # per logit: the fp32 softmax a cross-entropy saves (beside the logits, act_bytes each)
 # PyTorch FSDP2 (torch.distributed._composable.fsdp._fsdp_collectives) copies each all-gathered parameter out of the
 # flat all-gather buffer into the unsharded parameter on the compute stream (`foreach_all_gather_copy_out`): read +
 # write bf16 per parameter per gather; before each reduce-scatter it concatenates the bf16 gradients into the
@@ -709,7 +708,8 @@ class CostModel:
             tm.activation_bytes_per_layer(
                 self.p.model, self.p.seq_len, mb, tm.RECOMPUTE_POLICIES[rc], tp=tp,
                 sequence_parallel=L.sequence_parallel and tp > 1, cp=cp,
-                flash_attention=self.opt.flash_attention, dropout=self.opt.dropout)["total"]
+                flash_attention=self.opt.flash_attention, dropout=self.opt.dropout,
+                act_bytes=self.opt.act_bytes)["total"]
             for tp, cp, mb, rc in combos])
         return vals[inv.ravel()]
 
@@ -739,7 +739,7 @@ class CostModel:
         # kernel, XLA) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
         # log-softmax and its bf16 cast (2 + 4 + 4 + 2 = 12 B)
-        loss_bytes = LOSS_BYTES_FUSED if self.opt.fused_loss else LOSS_BYTES_EAGER
+        loss_bytes = (LOSS_SOFTMAX_BYTES + self.opt.act_bytes) * (1 if self.opt.fused_loss else 2)
         logits = loss_bytes * g["t_mb"] * self.c["V"] / g["tp"]
         saved = acts
         acts = acts * (1 - L.offload) + logits
