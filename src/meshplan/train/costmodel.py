@@ -690,8 +690,10 @@ class CostModel:
         g["layers_stage"] = np.ceil(m.n_layers / (g["pp"] * g["vpp"])) * g["vpp"]
         dense_layer = pc.per_layer - (c["expert_w"] if m.is_moe else 0)
         g["params_layer_local"] = dense_layer / g["tp"] + c["expert_w"] / (g["tp"] * g["ep"])
-        embed = pc.embedding + pc.position + pc.unembedding
-        embed_stage = np.where(g["pp"] > 1, max(pc.embedding + pc.position, pc.unembedding or pc.embedding), embed)
+        # outside the layers: embeddings, output layer and the final norm (which sits with the output layer)
+        embed = pc.embedding + pc.position + pc.unembedding + pc.final_norm
+        last = (pc.unembedding or pc.embedding) + pc.final_norm
+        embed_stage = np.where(g["pp"] > 1, max(pc.embedding + pc.position, last), embed)
         g["params_embed_local"] = embed_stage / g["tp"]
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
         g["ledger"] = Ledger()

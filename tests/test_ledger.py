@@ -1,0 +1,155 @@
+"""The planner's ledger (train/ledger.py): per device per step FLOPs, collective bytes by kind and mesh axes, memory.
+
+Every expected number is worked out by hand below from the tiny model's shapes (no meshplan formula is called to get
+it). Tiny LLaMA: L=2, D=256, N=8 query heads, K=4 KV heads, H=32, F=512 (SwiGLU), V=512, untied embeddings.
+  per layer: attention D·N·H + 2·D·K·H + N·H·D = 65536 + 65536 + 65536 = 196608; MLP 3·D·F = 393216; norms 2·D = 512
+  → 590336 per layer; outside the layers: embedding V·D = 131072, unembedding 131072, final norm 256 → 262400;
+  total 2·590336 + 262400 = 1443072 parameters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.measure.layout import MESH_AXES
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import ModelConfig
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.evaluate import evaluate
+from meshplan.train.frameworks import framework_options
+from meshplan.train.ledger import AXIS_ORDER
+from meshplan.train.space import Problem
+
+BASE = dict(n_layers=2, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=512, vocab_size=512)
+TINY = ModelConfig(name="tiny", **BASE)
+TINY_MOE = ModelConfig(name="tiny-moe", n_experts=8, experts_per_token=2, **BASE)
+PARAMS = 1443072
+CHIP = load_chip("tpu-v5p")
+
+
+def ledger(cfg: ParallelConfig, model: ModelConfig = TINY, options: Options | None = None,
+           seq_len: int = 128, batch: int = 16) -> dict:
+    p = Problem(model, CHIP, cfg.chips, seq_len, batch)
+    ev = evaluate(CostModel(p, default_efficiency(CHIP), options or Options()), LayoutArrays.from_configs([cfg]))
+    return ev.ledger.plan(0)
+
+
+def test_axis_names_are_the_meshes():
+    """Ledger keys name the JAX mesh's axes, so verify can match them with the HLO parser's."""
+    assert AXIS_ORDER == MESH_AXES
+
+
+def test_dp_all_reduces_the_fp32_gradients():
+    """DP8: every parameter's fp32 gradient all-reduced over `data` (4 · 1443072 = 5772288 B) + the 4-byte loss."""
+    c = ledger(ParallelConfig(dp=8, microbatch=2))["collective_bytes"]
+    assert c == {"all_reduce/data": 4 * PARAMS + 4}
+
+
+def test_zero1_reduce_scatters_and_gathers_on_the_data_axis():
+    """ZeRO-1 over 8: fp32 gradients reduce-scattered (4 B × 1443072) and bf16 parameters all-gathered (2 B ×)."""
+    c = ledger(ParallelConfig(dp=8, microbatch=2, zero=1))["collective_bytes"]
+    assert c["reduce_scatter/data"] == 4 * PARAMS
+    assert c["all_gather/data"] == 2 * PARAMS
+    assert c["all_reduce/data"] == 4  # the loss only
+
+
+def test_fsdp_gathers_layers_twice_and_the_rest_once():
+    """FSDP8, one micro-batch (16 / (8·2)): bf16 gathers of both layers for the forward and again for the backward
+    and of the 262400 outside parameters once: 2 · (2·2·590336 + 262400) = 5247488 B; fp32 gradients reduce-scattered
+    once: 4 · 1443072."""
+    c = ledger(ParallelConfig(fsdp=8, microbatch=2))["collective_bytes"]
+    assert c["all_gather/fsdp"] == 2 * (2 * 2 * 590336 + 262400)
+    assert c["reduce_scatter/fsdp"] == 4 * PARAMS
+
+
+def test_tp_sequence_parallel_bytes():
+    """TP8 + SP, the whole batch in one micro-batch: t = 16·128 = 2048 tokens, one [t, D] bf16 activation
+    v = 2·2048·256 = 1048576 B. Per layer 2 AG + 2 RS forward, 2 RS + 4 AG backward (with the re-gather); outside
+    the layers 2 AG + 2 RS (embedding, logits): AG 14 v, RS 10 v (XLA compiled 14 and 10 fp32 activations for
+    this layout: docs/verify.md). All-reduce: 3 fp32 cross-entropy numbers per token (24576 B) + the 5 replicated
+    norm scales' fp32 gradients (5·256·4 = 5120 B)."""
+    c = ledger(ParallelConfig(tp=8, microbatch=16))["collective_bytes"]
+    v = 2 * 2048 * 256
+    assert c == {"all_gather/tensor": 14 * v, "reduce_scatter/tensor": 10 * v, "all_reduce/tensor": 24576 + 5120}
+
+
+def test_full_recompute_under_jax_reruns_one_reduce_scatter_per_layer():
+    """XLA's remat reruns the attention output's reduce-scatter (it feeds the recomputed MLP norm): 10 v + 2 v."""
+    opts = framework_options("maxtext", Options(), {})
+    c = ledger(ParallelConfig(tp=8, microbatch=16, recompute="full"), options=opts)["collective_bytes"]
+    assert c["reduce_scatter/tensor"] == 12 * 2 * 2048 * 256
+
+
+def test_expert_parallel_carved_out_of_data():
+    """Mixtral-style DP2×EP4 (the planner's dp=8 holds ep=4), micro-batch 2 (t = 256 tokens, one micro-batch):
+    dispatch + combine forward and backward, 4 all-to-alls of t·k·D bf16 = 2·256·2·256 = 262144 B per layer;
+    the experts' fp32 gradients (3·D·F·E/ep = 786432 per layer) reduced over `data` only, the dense ones
+    (attention 196608, router D·E = 2048, norms 512 per layer; 262400 outside) over data+expert."""
+    c = ledger(ParallelConfig(dp=8, ep=4, microbatch=2), model=TINY_MOE)["collective_bytes"]
+    assert c["all_to_all/expert"] == 2 * 4 * 262144
+    assert c["all_reduce/data"] == 4 * 2 * 786432
+    assert c["all_reduce/data+expert"] == 4 * (2 * (196608 + 2048 + 512) + 262400) + 4
+
+
+def test_pipeline_sends_per_micro_batch():
+    """PP2 × DP4, micro-batch 1: 4 micro-batches, each sends its bf16 activation (2·128·256 B) forward and its
+    gradient backward."""
+    c = ledger(ParallelConfig(pp=2, dp=4, microbatch=1))["collective_bytes"]
+    assert c["permute/stage"] == 4 * 2 * 2 * 128 * 256
+
+
+def test_context_parallel_allgather_form():
+    """CP2 all-gather form (cp_impl allgather), DP4, micro-batch 2: 16 / (4·2) = 2 micro-batches; per layer per
+    micro-batch the whole sequences' K and V, 2 · (2·128 tokens) · K·H = 2·256·128 elements (bf16: 131072 B),
+    gathered in the forward and their gradients reduce-scattered in the backward: 2 · 2 layers · 131072."""
+    opts = Options(cp_impl="allgather")
+    c = ledger(ParallelConfig(dp=4, cp=2, microbatch=2), options=opts)["collective_bytes"]
+    assert c["all_gather/context"] == 2 * 2 * 131072
+    assert c["reduce_scatter/context"] == 2 * 2 * 131072
+    assert c["all_reduce/data+context"] == 4 * PARAMS + 4
+
+
+def test_matmul_flops_and_jax_full_recompute():
+    """DP8, 256 tokens per device: 6 · 256 · (2 · 589824 layer matmul weights + 131072 unembedding) =
+    2013265920 matmul FLOPs; materialised non-causal attention (the JAX program) 2·2·t·S·N·H per layer forward
+    = 2·2·256·128·8·32 = 33554432, ×3 with the backward, ×2 layers. JAX full recompute adds each layer's forward
+    matmuls but the MLP down-projection: 2·256·(589824 − 131072) · 2 layers = 469762048."""
+    opts = framework_options("jax", Options(), {})
+    fl = ledger(ParallelConfig(dp=8, microbatch=2), options=opts)["flops"]
+    assert fl["matmul"] == pytest.approx(2013265920, rel=1e-12)
+    assert fl["attention"] == pytest.approx(3 * 2 * 33554432, rel=1e-12)
+    full = ledger(ParallelConfig(dp=8, microbatch=2, recompute="full"), options=opts)["flops"]
+    assert full["matmul"] - fl["matmul"] == pytest.approx(469762048, rel=1e-12)
+    assert full["attention"] - fl["attention"] == pytest.approx(2 * 33554432, rel=1e-12)
+
+
+def test_memory_is_the_ledgers():
+    """The memory the planner fits against HBM is the ledger's: total = params + grads + optimizer + activations
+    + temp; DP8 with bf16 weights (2 B), fp32 gradients (4 B) and master + Adam (12 B) per parameter."""
+    mem = ledger(ParallelConfig(dp=8, microbatch=2))["memory_bytes"]
+    assert mem["params"] == 2 * PARAMS and mem["grads"] == 4 * PARAMS and mem["optimizer"] == 12 * PARAMS
+    parts = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["temp"]
+    assert mem["total"] == pytest.approx(parts, rel=1e-12)
+
+
+def test_train_json_carries_the_ledger(capsys):
+    code, out, _ = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "16",
+                            "--seq-len", "4096", "--global-batch", "32", "--top", "2", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["problem"]["model"] == "llama3-8b" and data["problem"]["chips"] == 16
+    for plan in data["plans"]:
+        led = plan["ledger"]
+        assert set(led) == {"flops", "collective_bytes", "hbm_bytes", "memory_bytes"}
+        assert set(led["flops"]) == {"matmul", "attention", "other"}
+        assert set(led["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "temp", "total"}
+        assert led["memory_bytes"]["total"] == pytest.approx(plan["memory_bytes_per_chip"]["total"])
+        for key in led["collective_bytes"]:
+            kind, axes = key.split("/")
+            assert kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
+            assert set(axes.split("+")) <= set(MESH_AXES)
