@@ -49,11 +49,11 @@ MEMORY_RESIDUALS = {"fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selec
 _SCRIPT = r"""
 import json, sys
 from meshplan.measure import verify as v
+v.ensure_host_devices(8)  # before JAX starts: device count and the memory-minimising CPU schedule
+import jax
 from meshplan.measure import jaxmodel as jm
 from meshplan.measure.layout import Layout
 from meshplan.specs.model import load_model
-v.ensure_host_devices(8)
-import jax
 cases = json.loads(sys.argv[1])
 S, B, STEPS = 128, 16, 2
 refs = {}

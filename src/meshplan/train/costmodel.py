@@ -688,13 +688,15 @@ class CostModel:
         g["replicas"] = np.where(fsdp_mode, g["dp"], g["dp"] * g["cp"])  # gradient reduction across replicas
         # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage)
         g["layers_stage"] = np.ceil(m.n_layers / (g["pp"] * g["vpp"])) * g["vpp"]
-        dense_layer = pc.per_layer - (c["expert_w"] if m.is_moe else 0)
-        g["params_layer_local"] = dense_layer / g["tp"] + c["expert_w"] / (g["tp"] * g["ep"])
+        # norm scales are replicated over TP (Megatron-SP, and the JAX program: verify's TP8 arguments showed it)
+        dense_layer = pc.per_layer - pc.per_layer_norms - (c["expert_w"] if m.is_moe else 0)
+        g["params_layer_local"] = (dense_layer / g["tp"] + pc.per_layer_norms
+                                   + c["expert_w"] / (g["tp"] * g["ep"]))
         # outside the layers: embeddings, output layer and the final norm (which sits with the output layer)
-        embed = pc.embedding + pc.position + pc.unembedding + pc.final_norm
-        last = (pc.unembedding or pc.embedding) + pc.final_norm
-        embed_stage = np.where(g["pp"] > 1, max(pc.embedding + pc.position, last), embed)
-        g["params_embed_local"] = embed_stage / g["tp"]
+        embed = (pc.embedding + pc.position + pc.unembedding) / g["tp"] + pc.final_norm
+        last = (pc.unembedding or pc.embedding) / g["tp"] + pc.final_norm
+        g["params_embed_local"] = np.where(g["pp"] > 1, np.maximum((pc.embedding + pc.position) / g["tp"], last),
+                                           embed)
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
         g["ledger"] = Ledger()
         return g
