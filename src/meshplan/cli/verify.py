@@ -117,10 +117,8 @@ def verify(
                         recompute=recompute, zero=zero)
     if layout.devices != devices:
         fail(f"the layout uses {layout.devices} devices, not {devices}")
-    if layout.zero == 3:
-        if layout.fsdp == 1:
-            fail("verify: --zero 3 is FSDP here: give the shard group as --fsdp (the data axis would run plain DP)")
-        layout = Layout(**{**layout.as_dict(), "zero": 0})
+    if layout.zero == 3:  # ZeRO-3 = FSDP over every data rank (it used to run plain DP silently)
+        layout = Layout(**{**layout.as_dict(), "dp": 1, "fsdp": layout.dp * layout.fsdp, "zero": 0})
     m = load_model(model_name)
     small = mv.tiny_model(m, min_kv_heads=layout.tp)
     big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))

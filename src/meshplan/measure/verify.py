@@ -106,14 +106,23 @@ def program_options(framework: str = "jax") -> Options:
     return replace(framework_options(framework, Options(), {}), **PROGRAM_FACTS)
 
 
+# Whether measure/jaxmodel.py loops over micro-batches (gradient accumulation, pipeline micro-batches) when
+# Layout.microbatch is below the local batch. The program on this branch runs the local batch as one micro-batch.
+PROGRAM_ACCUMULATES = False
+
+
 def program_config(layout: Layout, global_batch: int) -> ParallelConfig:
-    """The planner's config of the program compiled for `layout`: the planner counts EP inside the data ranks
-    (dp·fsdp·tp·pp·cp = chips) where the mesh gives experts their own axis; the program runs the local batch as one
-    micro-batch (it has no accumulation loop)."""
-    return ParallelConfig(dp=layout.dp * layout.ep, fsdp=layout.fsdp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                          ep=layout.ep, microbatch=max(1, global_batch // layout.batch_shards),
-                          recompute=layout.recompute, zero=layout.zero, offload=layout.offload,
-                          sequence_parallel=layout.sequence_parallel)
+    """The planner's config of the program compiled for `layout` — the one conversion between the two: the planner
+    counts EP inside the data ranks (dp·fsdp·tp·pp·cp = chips) where the mesh gives experts their own axis; ZeRO-3
+    over the data ranks is the planner's FSDP; the micro-batch is the program's (PROGRAM_ACCUMULATES)."""
+    local = max(1, global_batch // layout.batch_shards)
+    mb = layout.microbatch if PROGRAM_ACCUMULATES and 0 < layout.microbatch < local else local
+    dp, fsdp, zero = layout.dp * layout.ep, layout.fsdp, layout.zero
+    if zero == 3:  # ZeRO-3 shards over every data rank: the planner's FSDP group
+        dp, fsdp, zero = layout.ep, layout.dp * layout.fsdp, 0
+    return ParallelConfig(dp=dp, fsdp=fsdp, tp=layout.tp, pp=layout.pp, vpp=getattr(layout, "vpp", 1), cp=layout.cp,
+                          ep=layout.ep, microbatch=mb, recompute=layout.recompute, zero=zero,
+                          offload=layout.offload, sequence_parallel=layout.sequence_parallel)
 
 
 def plan_ledger(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
@@ -127,7 +136,10 @@ def plan_ledger(model: ModelConfig, layout: Layout, seq_len: int, global_batch: 
 
     chip = load_chip(hardware)
     problem = Problem(model, chip, layout.devices, seq_len, global_batch)
-    cm = CostModel(problem, default_efficiency(chip), options or program_options())
+    options = options or program_options()
+    if getattr(layout, "cp_impl", None):  # the CP form the program was built with
+        options = replace(options, cp_impl=layout.cp_impl)
+    cm = CostModel(problem, default_efficiency(chip), options)
     ev = evaluate(cm, LayoutArrays.from_configs([program_config(layout, global_batch)]))
     return ev.ledger.plan(0)
 
@@ -277,6 +289,11 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     line before each slow phase."""
     say = progress or (lambda _msg: None)
     ledger = plan_ledger(model, layout, seq_len, global_batch, options, hardware)
+    ensure_host_devices(layout.devices)
+    import_jax()
+    from meshplan.measure import jaxmodel as jm
+
+    jm.check_supported(model, layout, seq_len, global_batch)  # a layout the program cannot build: refused first
     say(f"compiling {model.name} (L={model.n_layers}, D={model.d_model}) on {layout.devices} CPU devices ...")
     t0 = time.perf_counter()
     prog, compiled = compile_step(model, layout, seq_len, global_batch)
