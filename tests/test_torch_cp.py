@@ -110,8 +110,8 @@ def test_cli_cp_impl_flag(capsys) -> None:
 
     base = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "131072",
             "--global-batch", "2", "--cp", "4", "--tp", "1", "--top", "1"]
-    rc, out, err = run_cli([*base, "--cp-impl", "allgather"], capsys)
-    assert rc == 2 and "--cp-impl must be ring or torch" in err
+    rc, out, err = run_cli([*base, "--cp-impl", "ulysses"], capsys)
+    assert rc == 2 and "--cp-impl must be one of ring, torch, allgather" in err
     steps = {}
     for impl in ("ring", "torch"):
         rc, out, _ = run_cli([*base, "--cp-impl", impl, "--json"], capsys)

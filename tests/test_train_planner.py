@@ -267,7 +267,8 @@ def test_fsdp_under_pipelining_gathers_once_per_step() -> None:
 
     m = load_model("llama3-8b")
     pc = param_counts(m)
-    p_stage = 16 * pc.per_layer + max(pc.embedding, pc.unembedding)  # 32 layers on 2 stages
+    # 32 layers on 2 stages; the final norm sits with the output layer on the last stage
+    p_stage = 16 * pc.per_layer + max(pc.embedding, pc.unembedding + pc.final_norm)
     links = load_chip("a100-80gb").links
     w = links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9)
     hand = 3 / 4 * (2 + 4) * p_stage / w  # ring all-gather + reduce-scatter over 4 ranks (book ch.3)
@@ -399,9 +400,15 @@ def test_moe_under_sequence_parallelism_dispatches_the_tp_slice_and_gathers_k_co
     out = cm.comm_terms(L, g, cm.compute_terms(L, g))
     layers = 32
     a2a = ep * 2 * (t / tp) * k * d / bw  # the full array of one all-to-all: ep ranks × their slice's k copies
-    assert float(out["ep_link_mb"][0]) == pytest.approx(layers * 4 * a2a, rel=1e-9)
+    # dispatch + combine forward and backward, and again in the fully recomputed forward: 6 per layer
+    assert float(out["ep_link_mb"][0]) == pytest.approx(layers * 6 * a2a, rel=1e-9)
     ag = 2 * t * d / bw  # one [t, D] bf16 gather or scatter
-    assert float(out["tp_link_mb"][0]) == pytest.approx(layers * 2 * (1 + k) * 2 * ag, rel=1e-9)
+    # per layer (1 + k) AG + RS pairs forward and backward, and the backward's re-gather of the (1 + k) inputs;
+    # outside the layers the embedding's and the logits' AG + RS pair each way; the cross-entropy's 3 fp32
+    # all-reduces per token; the 2·32 + 1 replicated norm scales' fp32 gradients once a step (2 micro-batches)
+    outside = 4 * ag + 3 * 4 * t / bw + (2 * layers + 1) * d * 4 / bw / 2
+    assert float(out["tp_link_mb"][0]) == pytest.approx(layers * (2 * (1 + k) * 2 + (1 + k)) * ag + outside,
+                                                        rel=1e-9)
 
 
 def test_fit_uses_the_memory_the_driver_exposes() -> None:
@@ -510,8 +517,10 @@ def test_explanations_name_a_known_bottleneck() -> None:
         (problem("llama3-8b", "h100-sxm", 4, 4096, 8), full_pins(pp=4, recompute="full"), "bubble"),
         # 16-way TP spans two 8-GPU nodes: activations cross InfiniBand every layer (book ch.12)
         (problem("llama3-8b", "h100-sxm", 16, 1024, 16), full_pins(tp=16), "comm/tp"),
-        # FSDP across 8 nodes with 1024 tokens per GPU, far under C / W_ib ≈ 19,800 (book ch.5 rule, ch.12 W)
-        (problem("llama3.2-1b", "h100-sxm", 64, 1024, 64), full_pins(fsdp=64), "comm/fsdp"),
+        # FSDP across 8 nodes with 1024 tokens per GPU, far under C / W_ib ≈ 19,800 (book ch.5 rule, ch.12 W);
+        # (llama3.2-1b sat at the edge with the per-step overhead once its large tied embedding was gathered once
+        # per step, as FSDP2's root module is: a larger model keeps the case clear)
+        (problem("llama3-8b", "h100-sxm", 64, 1024, 64), full_pins(fsdp=64), "comm/fsdp"),
         (problem("llama3.2-1b", "h100-sxm", 64, 1024, 64), full_pins(dp=64, zero=1), None),
         (problem("llama3-70b", "tpu-v5p", 256, 8192, 256), Pins(), None),
     ]
@@ -598,7 +607,7 @@ def test_gpu_fsdp_pays_the_copy_out_of_every_gathered_layer() -> None:
     (bf16 read + write) per parameter per gather, a forward and a backward gather per micro-batch; and the compute
     stream waits for the gradients' copy into the fp32 reduce-scatter input (2 + 4 bytes). Llama 3 8B,
     FSDP 8 on one H100 node: 32 layers of 218,112,000 parameters plus 2 x 128,256 x 4,096 embedding/unembedding
-    per gather. TPUs (XLA) and DeepSpeed's owner broadcast have no such copy."""
+    per gather, and the 4,096 final-norm scales. TPUs (XLA) and DeepSpeed's owner broadcast have no such copy."""
     from meshplan.train.config import LayoutArrays, ParallelConfig
     from meshplan.train.costmodel import CostModel
 
@@ -608,7 +617,7 @@ def test_gpu_fsdp_pays_the_copy_out_of_every_gathered_layer() -> None:
     cm = CostModel(prob, eff, Options())
     g = cm.geometry(L)
     cc = cm.comm_terms(L, g, cm.compute_terms(L, g))
-    per_gather = 32 * 218_112_000 + 2 * 128_256 * 4096
+    per_gather = 32 * 218_112_000 + 2 * 128_256 * 4096 + 4096
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     # two gathers' copy-out (4 B each) and the gradients' copy-in to fp32 for the reduce-scatter (2 + 4 B)
     assert float(cc["fsdp_copy_mb"][0]) == pytest.approx((2 * 4 + 6) * per_gather / hbm, rel=1e-9)

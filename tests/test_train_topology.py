@@ -69,10 +69,12 @@ def test_framework_presets_and_explicit_flags():
     assert framework_options(None, base, {"fused_loss": None}) == base
     assert framework_options("nemo", base, {}).tp_overlap is True
     assert framework_options("maxtext", base, {}).dp_overlap is False
-    assert set(FRAMEWORKS) == {"megatron", "nemo", "torchtitan", "maxtext", "deepspeed"}
+    assert set(FRAMEWORKS) == {"megatron", "nemo", "torchtitan", "maxtext", "deepspeed", "jax"}
     # DeepSpeed runs eager PyTorch modules: unfused pointwise ops and loss, SDPA attention
     ds = framework_options("deepspeed", base, {})
     assert (ds.fused_elementwise, ds.fused_loss, ds.attention_kernel) == (False, False, "sdpa")
+    # "jax": the reference program of `meshplan verify`, MaxText's schedule with that program's fp32 facts
+    assert framework_options("jax", base, {}).act_bytes == 4.0 and framework_options("jax", base, {}).remat_dce
 
 
 def test_framework_flag_through_the_cli(capsys):

@@ -584,8 +584,9 @@ class CostModel:
             ag_emb = comm.time("permute", o.fsdp_param_bytes * emb, sh, tp)
             rs_emb = comm.time("permute", o.grad_reduce_bytes * emb, sh, tp)
             fs_f = nl * ag + ag_emb
-            fs_b = nl * (ag + rs) + rs_emb
+            fs_b = nl * (ag + rs) + ag_emb + rs_emb  # DeepSpeed fetches every parameter again for the backward
             once_f, once_b = fs_f, nl * rs + rs_emb
+            emb_gathers = 2
         else:
             ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, sh, tp)
             rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, sh, tp)
@@ -603,6 +604,7 @@ class CostModel:
             fs_b = np.maximum(nl * (ag + rs) + rs_emb - comp_b, 0) + rs
             once_f = fs_f
             once_b = np.maximum(nl * rs + rs_emb - comp_b, 0) + rs
+            emb_gathers = 1
         # With pipelining the stage stays gathered across its micro-batches: one gather per step (hidden behind
         # the first micro-batch's forward), no re-gather for the backward, and one reduce-scatter of the
         # accumulated gradients behind the last backward (torch.distributed.pipelining keeps FSDP2 unsharded
@@ -610,7 +612,7 @@ class CostModel:
         once = (sh > 1) & (g["pp"] > 1)
         per_mb = (sh > 1) & ~once
         out["fsdp_mb"] = np.where(per_mb, fs_f + fs_b, 0.0)
-        out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + ag_emb + rs_emb, 0.0)
+        out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + emb_gathers * ag_emb + rs_emb, 0.0)
         out["fsdp_step"] = np.where(once, once_f + once_b, 0.0)
         out["fsdp_link_step"] = np.where(once, nl * (ag + rs) + ag_emb + rs_emb, 0.0)
         # GPU FSDP's copies, kernel time the compute stream waits for: the copy-out of every gathered layer
@@ -629,7 +631,7 @@ class CostModel:
                 * self.hbm)
         # the shard group in mesh axes: fsdp, and the context ranks that join it
         shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"], 1)), ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
-        gathers = np.where(per_mb, nm * (2 * nl * w_layer + emb), np.where(once, nl * w_layer + emb, 0.0))
+        gathers = np.where(per_mb, nm * (2 * nl * w_layer + emb_gathers * emb), np.where(once, nl * w_layer + emb, 0.0))
         scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w_layer + emb)
         led.collective("all_gather", shard_axes, o.fsdp_param_bytes * gathers)
         led.collective("reduce_scatter", shard_axes, o.grad_reduce_bytes * scatters)
@@ -649,11 +651,7 @@ class CostModel:
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, np.maximum(reduce - window, 0) + gather, 0.0)
-        # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens
-        batch = g["dp"] * g["fsdp"] * g["cp"]
-        loss_ar = comm.time("allreduce", 4.0, batch, tp)
-        out["dp_step"] = out["dp_step"] + loss_ar
-        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0) + loss_ar
+        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
         # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
         # does); the experts' own gradients are reduced only over the replicas that hold the same experts
         ep = g["ep"]
@@ -668,6 +666,8 @@ class CostModel:
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
             led.collective("reduce_scatter", axes, np.where(zero >= 1, o.grad_reduce_bytes * part, 0.0))
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
+        # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens; it is issued
+        # after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
                                       ("context", g["cp"])], 4.0)
 
