@@ -98,7 +98,7 @@ def test_api_serve_is_serve_json_and_get_works(port):
     ("train", {"model": "llama3-8bx"}, "model"),
     ("train", {"hardware": "h100"}, "hardware"),
     ("train", {"dtype": "fp4"}, "dtype"),
-    ("train", {"framework": "jax"}, "framework"),
+    ("train", {"framework": "paxml"}, "framework"),
     ("serve", {"quant": "int3"}, "quant"),
     ("serve", {"output_len": "-1"}, "output_len"),
 ])
