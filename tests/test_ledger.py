@@ -153,3 +153,24 @@ def test_train_json_carries_the_ledger(capsys):
             kind, axes = key.split("/")
             assert kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
             assert set(axes.split("+")) <= set(MESH_AXES)
+
+
+def test_zero2_reduce_scatters_every_micro_batch():
+    """ZeRO-2 keeps only its gradient shard, so each of the 16 / (8·1) = 2 micro-batches' fp32 gradients is
+    reduce-scattered (2 · 4 · 1443072 B); ZeRO-1 accumulates and reduce-scatters once (4 · 1443072 B)."""
+    z2 = ledger(ParallelConfig(dp=8, microbatch=1, zero=2))["collective_bytes"]
+    z1 = ledger(ParallelConfig(dp=8, microbatch=1, zero=1))["collective_bytes"]
+    assert z2["reduce_scatter/data"] == 2 * 4 * PARAMS and z1["reduce_scatter/data"] == 4 * PARAMS
+    assert z2["all_gather/data"] == z1["all_gather/data"] == 2 * PARAMS
+
+
+def test_cp_tp_norm_gradients_reduce_over_context_and_tensor():
+    """CP4×TP2 with SP: the 5 norm scales (2 per layer + final, 5 · 256 = 1280 fp32 gradients = 5120 B) are reduced
+    over context+tensor at once; the other 1443072 − 1280 parameters' gradients over `context` (XLA's program:
+    5120 B over context+tensor, docs/verify.md); the cross-entropy's 3 fp32 numbers per local token over `tensor`
+    (16 sequences × 128 / 4 = 512 tokens: 6144 B)."""
+    c = ledger(ParallelConfig(cp=4, tp=2, microbatch=16), options=Options(cp_impl="allgather"))["collective_bytes"]
+    assert c["all_reduce/context+tensor"] == 5120
+    assert c["all_reduce/tensor"] == 6144
+    params_local = (2 * (590336 - 512) + 262144) / 2 + 2 * 512 + 256  # TP2 halves all but the norm scales
+    assert c["all_reduce/context"] == 4 * (params_local - 1280) + 4

@@ -446,8 +446,14 @@ class CostModel:
         n_rs = nl * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
         led.collective("all_gather", axes, np.where(sp, nm * n_ag * v_tp, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
-        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nl * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"])
-                       + np.where(sp, norms, 0.0))
+        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nl * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
+        # the norm scales' gradients are partial sums over the tokens' shards on `tensor` and, with context
+        # parallelism (no FSDP), on `context`: one all-reduce over both (XLA's program for CP×TP; verify)
+        led.collective("all_reduce", [("context", self._norm_context(g)), ("tensor", tp)], np.where(sp, norms, 0.0))
+
+    def _norm_context(self, g: dict):
+        """Size of the context group the norm gradients are reduced over together with `tensor` (1 = not)."""
+        return np.where(g["sp"] & (g["shard"] <= 1), g["cp"], 1.0)
 
     def _kv_bytes(self, g: dict):
         """Bytes of one micro-batch's local K and V on one TP rank (GQA-sized; MHA-sized when PyTorch's CP repeats
@@ -648,10 +654,14 @@ class CostModel:
         # TPU (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
         window = nl * (ct["layer_bwd"] + ct["layer_recompute"]) * (1.0 if self.dp_overlap else 0.0)
         zero = L.zero
+        # ZeRO-2 keeps only its shard of the gradients, so every micro-batch's gradients are reduce-scattered
+        # (DeepSpeed reduces at each micro-step; the JAX program with accumulation does too); ZeRO-0/1 accumulate
+        # locally and reduce once a step
+        n_reduce = np.where(zero == 2, g["n_micro"], 1.0)
         reduce = np.where(zero >= 1, rs_dp, ar)
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
-        out["dp_step"] = np.where(rep > 1, np.maximum(reduce - window, 0) + gather, 0.0)
-        out["dp_link_step"] = np.where(rep > 1, reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
+        out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
+        out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
         # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
         # does); the experts' own gradients are reduced only over the replicas that hold the same experts
         ep = g["ep"]
@@ -661,10 +671,15 @@ class CostModel:
         m = self.p.model
         expert = g["layers_stage"] * self.c["expert_w"] / (tp * ep) / sh if m.is_moe else 0.0
         expert = np.where(carved, expert, 0.0)
-        for part, axes in ((grads - expert, [("data", data), ("expert", np.where(carved, ep, 1)), ctx]),
-                           (expert, [("data", data), ctx])):
+        # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only
+        pc = self.pc
+        norms = np.where((self._norm_context(g) > 1) & (zero == 0),
+                         g["layers_stage"] * pc.per_layer_norms + pc.final_norm, 0.0)
+        expert_ax = ("expert", np.where(carved, ep, 1))
+        for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
+                           (expert, [("data", data), ctx]), (norms, [("data", data), expert_ax])):
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
-            led.collective("reduce_scatter", axes, np.where(zero >= 1, o.grad_reduce_bytes * part, 0.0))
+            led.collective("reduce_scatter", axes, np.where(zero >= 1, n_reduce * o.grad_reduce_bytes * part, 0.0))
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
         # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens; it is issued
         # after the forward and read only for logging, so it runs behind the backward (no seconds)
