@@ -261,7 +261,7 @@ def test_verify_takes_the_top_plan_of_train():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--plan", "-"], "not a `meshplan train --json` object"),
-    (["--model", "llama3-8b", "--zero", "1"], "ZeRO-1/2 are not built"),
+    (["--model", "llama3-8b", "--pp", "2", "--cp", "2"], "pipeline parallelism with cp > 1"),
     ([], "verify needs --model"),
 ])
 def test_verify_bad_input_is_one_line(args, message):

@@ -86,7 +86,7 @@ def verify(
     cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = 1,
     ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
-    microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences).")] = 1,
+    microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences; 0 = the whole local batch at once).")] = 0,
     recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis (3 = use --fsdp).")] = 0,
     framework: Annotated[str, typer.Option(
@@ -107,6 +107,8 @@ def verify(
         problem, config = read_plan(plan_file, rank)
         model_name, devices = str(problem["model"]), int(problem.get("chips", devices))
         layout = Layout.from_config(config, devices=devices)
+        if layout.microbatch * layout.batch_shards >= global_batch:  # the CPU batch is one micro-batch per rank
+            layout = Layout(**{**layout.as_dict(), "microbatch": 0})
     else:
         if model_name is None:
             fail("verify needs --model (with layout flags) or --plan FILE|- (a `meshplan train --json`)")

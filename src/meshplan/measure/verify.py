@@ -107,8 +107,8 @@ def program_options(framework: str = "jax") -> Options:
 
 
 # Whether measure/jaxmodel.py loops over micro-batches (gradient accumulation, pipeline micro-batches) when
-# Layout.microbatch is below the local batch. The program on this branch runs the local batch as one micro-batch.
-PROGRAM_ACCUMULATES = False
+# Layout.microbatch is below the local batch (it does: Layout.microbatch 0 = the whole local batch at once)
+PROGRAM_ACCUMULATES = True
 
 
 def program_config(layout: Layout, global_batch: int) -> ParallelConfig:
