@@ -33,18 +33,33 @@ CASES = {
     "fsdp4_tp2_selective": ("llama3-8b", dict(fsdp=4, tp=2, recompute="selective"), False),
     "fsdp4_tp2_full": ("llama3-8b", dict(fsdp=4, tp=2, recompute="full"), True),
     "fsdp4_tp2_gemm_last": ("llama3-8b", dict(fsdp=4, tp=2, recompute="gemm-last"), False),
+    # the layouts of issue 13 item 3 (their losses are checked in tests/test_verify_layouts.py)
+    "zero1_dp8": ("llama3-8b", dict(dp=8, zero=1), False),
+    "zero2_dp8_2mb": ("llama3-8b", dict(dp=8, zero=2, microbatch=1), False),
+    "cp4_tp2_allgather": ("llama3-8b", dict(cp=4, tp=2, cp_impl="allgather"), False),
+    "pp2_dp4": ("llama3-8b", dict(dp=4, pp=2, microbatch=1), False),
+    "pp2_tp2_dp2": ("llama3-8b", dict(dp=2, tp=2, pp=2, microbatch=2), False),
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 # Known residuals (docs/verify.md), each a strict xfail so that a fix shows up as a failure to update:
 # DP×CP gradients: XLA all-reduces the layers' gradients over `context` and then again over `data` (two full-size
 # steps); the planner's ledger has one all-reduce over data+context, the optimal schedule Megatron runs.
-COLLECTIVE_RESIDUALS = {("dp2_tp2_cp2", "all-reduce")}
+COLLECTIVE_RESIDUALS = {("dp2_tp2_cp2", "all-reduce"),
+                        # the program all-reduces the 4-byte loss once per micro-batch under ZeRO-2 (8 B, ledger 4)
+                        ("zero2_dp8_2mb", "all-reduce"),
+                        # the SPMD pipeline replicates the embedding and head on every stage: their gradients join the
+                        # data all-reduce, the last stage's output is all-reduced over `stage`, and under TP their
+                        # collectives run on every stage (docs/verify.md "Layouts built in the JAX program")
+                        ("pp2_dp4", "all-reduce"), ("pp2_tp2_dp2", "all-reduce"), ("pp2_tp2_dp2", "all-gather"),
+                        ("pp2_tp2_dp2", "reduce-scatter")}
+# the SPMD pipeline computes in its bubble ticks: matmul FLOPs × (M + pp − 1)/M of the ledger's useful FLOPs
+FLOP_RESIDUALS = {"pp2_dp4", "pp2_tp2_dp2"}
 # Temp memory the planner's peak rules do not hold (docs/verify.md "Memory"): the CPU backend's reduce-scatters are
 # all-reduce + dynamic-slice, so full-size [t, D] sums stay live under SP; the score gradients of materialised
 # attention; recomputation the CPU schedule hoists ahead of the backward.
 MEMORY_RESIDUALS = {"fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
-                    "fsdp4_tp2_gemm_last"}
+                    "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "pp2_dp4", "pp2_tp2_dp2"}
 
 _SCRIPT = r"""
 import json, sys
@@ -59,7 +74,7 @@ S, B, STEPS = 128, 16, 2
 refs = {}
 out = {}
 for name, (model, kw, loss) in cases.items():
-    lay = Layout(**kw)
+    lay = Layout(**kw).resolved()
     m = v.tiny_model(load_model(model), min_kv_heads=lay.tp)
     if loss and m not in refs:  # one-device losses, no recompute: every layout and policy must reproduce them
         refs[m] = jm.run_steps(jm.build_program(m, Layout(), S, B, jax.devices()), S, B, STEPS)
@@ -88,7 +103,9 @@ def _row(res: dict, case: str, quantity: str) -> dict:
     return next(r for r in res[case]["rows"] if r["quantity"] == quantity)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(
+    strict=True, reason="the SPMD pipeline computes in its bubble ticks")] if c in FLOP_RESIDUALS else [])
+    for c in CASES])
 def test_matmul_flops_within_2_percent(results, case):
     r = _row(results, case, "matmul flops")
     assert abs(r["rel_error"]) <= 0.02, (case, r)
@@ -123,7 +140,9 @@ def test_sharded_loss_equals_unsharded(results, case):
     assert lc["sharded"] == pytest.approx(lc["unsharded"], rel=1e-4)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(
+    strict=True, reason="the SPMD pipeline replicates the embedding and head on every stage")]
+    if c in FLOP_RESIDUALS else []) for c in CASES])
 def test_argument_memory_within_1_percent(results, case):
     """Parameters and AdamW moments in their shardings (the ledger's params + optimizer) against XLA's arguments
     (which also hold the int32 batch)."""
