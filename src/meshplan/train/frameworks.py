@@ -138,6 +138,20 @@ def attention_kernel_of(text: str, default: str = "fused") -> str:
     return default
 
 
+# FP8 scaling recipes as publications name them, most specific first (cost/data/fp8_recipes.yaml): TE DelayedScaling,
+# torchao/torchtitan rowwise, DeepSeek-V3 blocks and MXFP8 (Megatron-Bridge "fp8 blockwise (MXFP8 ...)"), TE
+# Float8CurrentScaling ("current scaling") and torchao tensorwise
+FP8_RECIPE_WORDS = (("delayed", ("delayed",)), ("rowwise", ("rowwise", "row-wise", "axiswise")),
+                    ("blockwise", ("blockwise", "block-wise", "mxfp8", "128x128", "1x128")),
+                    ("tensorwise", ("tensorwise", "tensor-wise", "current scaling", "per-tensor")))
+
+
+def fp8_recipe_of(text: str) -> str | None:
+    """The FP8 scaling recipe a description names (lower-case text), or None when it names none (the framework's
+    preset then decides)."""
+    return next((recipe for recipe, words in FP8_RECIPE_WORDS if any(w in text for w in words)), None)
+
+
 def zero3_fetch_of(deepspeed: bool, yymm: int | None) -> str:
     """How a ZeRO-3 run fetched its weights: owner broadcast for DeepSpeed before ZeRO-Infinity, else all-gather."""
     if deepspeed and yymm is not None and yymm < DEEPSPEED_ALLGATHER_SINCE_YYMM:
