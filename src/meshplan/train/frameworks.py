@@ -60,9 +60,10 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # NeMo 24.07's performance recipes ran Transformer Engine's DelayedScaling (amax history; the NeMo 24.07
     # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then
     "nemo": {"24.07": dict(fp8_recipe="delayed"), "26.06": {}},
-    # torchtitan's June 2025 benchmarks (docs/benchmarks, torchao 0.11): torchao float8 tensorwise by default,
-    # rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset
-    "torchtitan": {"2025.06": {}},
+    # torchtitan's December 2024 performance runs (docs/performance.md): torchao float8 tensorwise, its only recipe
+    # then (rowwise came with pytorch/ao#1629, January 2025); June 2025 (docs/benchmarks, torchao 0.11): tensorwise
+    # by default, rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset. No option differs.
+    "torchtitan": {"2024.12": {}, "2025.06": {}},
 }
 
 
