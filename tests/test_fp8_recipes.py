@@ -179,7 +179,6 @@ def test_rowwise_against_torchaos_published_llama3_8b_runs() -> None:
     """torchao float8 README (pytorch/ao#1793): Llama 3 8B on 8 H100, FSDP2, seq 8192, torch.compile, per-op SAC:
     bf16 6019, tensorwise 7190, rowwise 6649 tokens/s. Neither constant was chosen on these runs; the ratios check
     the recipes' physics end to end: rowwise/tensorwise = 6649/7190 = 0.925, tensorwise/bf16 = 7190/6019 = 1.195."""
-    from meshplan.train.frameworks import framework_options
     from meshplan.train.planner import plan
     from meshplan.train.space import Pins
 
