@@ -191,3 +191,27 @@ def test_rowwise_against_torchaos_published_llama3_8b_runs() -> None:
         step[name] = plan(prob, pins, default_efficiency(prob.chip), opts, top=1).plans[0]["step_time_s"]
     assert step["tensorwise"] / step["rowwise"] == pytest.approx(6649 / 7190, abs=0.03)
     assert step["bf16"] / step["tensorwise"] == pytest.approx(7190 / 6019, abs=0.06)
+
+
+@pytest.mark.parametrize(("framework", "hardware", "recipe", "written"), [
+    ("torchtitan", "h100-sxm", "rowwise", 'recipe_name = "rowwise"'),  # torchao Float8LinearRecipeName
+    ("megatron", "h100-sxm", "tensorwise", "--fp8-recipe tensorwise"),  # Megatron-LM --fp8-recipe choices
+    ("megatron", "b200", "blockwise", "--fp8-recipe mxfp8"),  # Blackwell's block recipe is MXFP8
+    ("nemo", "h100-sxm", "delayed", "fp8_recipe: delayed"),
+])
+def test_export_writes_the_plans_recipe(capsys, tmp_path, framework, hardware, recipe, written) -> None:
+    args = ["train", "--model", "llama3-8b", "--hardware", hardware, "--chips", "8", "--seq-len", "8192",
+            "--global-batch", "16", "--dtype", "fp8", "--fp8-recipe", recipe, "--export", framework,
+            "--out", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    text = " ".join(f.read_text() for f in tmp_path.iterdir())
+    assert written in " ".join(text.replace("\\\n", " ").split())
+
+
+def test_export_refuses_a_recipe_the_framework_lacks(capsys, tmp_path) -> None:
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "8192",
+            "--global-batch", "16", "--dtype", "fp8", "--fp8-recipe", "blockwise", "--export", "torchtitan",
+            "--out", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and err.startswith("error: torchtitan has no 'blockwise' FP8 recipe")
