@@ -68,7 +68,8 @@ def train(
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
     framework: Annotated[str | None, typer.Option(
         help="Apply a framework's behaviour: megatron, nemo, torchtitan or maxtext (src/meshplan/train/"
-             "frameworks.py); explicit flags win.")] = None,
+             "frameworks.py), or NAME@VERSION for a release that behaved differently (e.g. nemo@24.07: TE delayed "
+             "scaling); explicit flags win.")] = None,
     fused: Annotated[bool | None, typer.Option("--fused/--no-fused",
                                                help="Pointwise ops fused (torch.compile, XLA; default); --no-fused "
                                                     "for eager PyTorch.")] = None,
