@@ -215,3 +215,8 @@ def test_export_refuses_a_recipe_the_framework_lacks(capsys, tmp_path) -> None:
             "--out", str(tmp_path)]
     code, _, err = run_cli(args, capsys)
     assert code == 2 and err.startswith("error: torchtitan has no 'blockwise' FP8 recipe")
+
+
+def test_an_unknown_recipe_in_options_is_a_clear_error() -> None:
+    with pytest.raises(MeshplanError, match="unknown FP8 recipe 'row-wise' \\(did you mean: rowwise"):
+        _cast_seconds("h100-sxm", Options(compute_dtype="fp8", fp8_recipe="row-wise"))

@@ -18,6 +18,7 @@ import numpy as np
 import yaml
 
 from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
@@ -101,6 +102,8 @@ def fp8_recipes() -> dict[str, dict]:
 
 def fp8_gemm_fraction(recipe: str, chip_name: str, chip_kind: str) -> float:
     """A recipe's FP8 GEMM throughput relative to the per-tensor-scaled GEMM, for a chip (by name, then kind)."""
+    if recipe not in fp8_recipes():
+        raise unknown_name_error("FP8 recipe", recipe, fp8_recipes())
     table = fp8_recipes()[recipe]["gemm_fraction"]
     return float((table.get(chip_name) or table[chip_kind])["value"])
 
