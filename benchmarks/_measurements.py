@@ -23,6 +23,7 @@ from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import (
     FRAMEWORKS,
     attention_kernel_of,
+    fp8_recipe_of,
     grad_reduce_bytes_of,
     options_from_notes,
     torchtitan_selective_flavor,
@@ -348,8 +349,12 @@ def options_of(e: dict) -> Options:
         named["pp_schedule"] = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
     # torchtitan's own behaviour (its preset): eager fp32 loss, torchao float8 (weights cast every forward, dynamic
     # scaling), PyTorch's context_parallel, SDPA attention
-    titan_kw = {k: FRAMEWORKS["torchtitan"][k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts",
-                                                          "cp_impl")} if titan else {}
+    framework_kw = {k: FRAMEWORKS["torchtitan"][k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts",
+                                                          "fp8_recipe", "cp_impl")} if titan else {}
+    # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
+    recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
+    if recipe is not None:
+        framework_kw["fp8_recipe"] = recipe
     return replace(Options(
         pp_schedule=named["pp_schedule"],
         ep_overlap=named["ep_overlap"],
@@ -372,7 +377,7 @@ def options_of(e: dict) -> Options:
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
         grad_reduce_bytes=grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
-    ), **titan_kw)
+    ), **framework_kw)
 
 
 def _attention_kernel(text: str, titan: bool) -> str:

@@ -38,7 +38,7 @@ def train_framework(export: str | None, framework: str | None) -> str | None:
     if export not in TRAIN:
         fail(f"--export must be one of {', '.join(TRAIN)}, got '{export}'")
     preset = PRESET[export]
-    if framework is not None and framework != preset and not (export == "nemo" and framework == "megatron"):
+    if framework is not None and framework.partition("@")[0] not in (preset, "megatron" if export == "nemo" else preset):
         fail(f"--export {export} plans with {preset}'s behaviour: drop --framework {framework}")
     return framework or preset
 

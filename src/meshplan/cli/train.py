@@ -14,7 +14,7 @@ from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
-from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, Options
+from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, Options, fp8_recipes
 from meshplan.train.frameworks import framework_options
 from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
@@ -68,7 +68,8 @@ def train(
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
     framework: Annotated[str | None, typer.Option(
         help="Apply a framework's behaviour: megatron, nemo, torchtitan or maxtext (src/meshplan/train/"
-             "frameworks.py); explicit flags win.")] = None,
+             "frameworks.py), or NAME@VERSION for a release that behaved differently (e.g. nemo@24.07: TE delayed "
+             "scaling); explicit flags win.")] = None,
     fused: Annotated[bool | None, typer.Option("--fused/--no-fused",
                                                help="Pointwise ops fused (torch.compile, XLA; default); --no-fused "
                                                     "for eager PyTorch.")] = None,
@@ -85,6 +86,11 @@ def train(
         help="With --dtype fp8: casts fused as Transformer Engine fuses them (norms emit fp8, fused "
              "cast-transpose, delayed scaling; default); --no-fp8-fused-casts for torchao's dynamic scaling, an "
              "amax pass and a cast per operand (torchtitan).")] = None,
+    fp8_recipe: Annotated[str | None, typer.Option(
+        help="With --dtype fp8: the scaling recipe (src/meshplan/cost/data/fp8_recipes.yaml): tensorwise (dynamic "
+             "per-tensor: torchao's default, TE current scaling), rowwise (torchao rowwise: slower GEMMs, operands "
+             "requantised for the backward), blockwise (DeepSeek-V3 1x128/128x128 tiles; MXFP8 on Blackwell) or "
+             "delayed (TE amax history). Default: delayed with fused casts, tensorwise without.")] = None,
     dp_overlap: Annotated[bool | None, typer.Option(
         "--dp-overlap/--no-dp-overlap",
         help="Data-parallel gradient reduction hidden behind the backward (default: yes on GPU, bucketed DDP; no "
@@ -166,11 +172,12 @@ def train(
     _check_choice("--cp-impl", cp_impl, tuple(CP_IMPLS))
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
+    _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
     explicit = dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
-        attention_kernel=attention_kernel)
+        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -227,7 +234,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
     fp8 = opts.compute_dtype == "fp8"
     parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if fp8 and opts.fp8_weight_cache
                                                 else "") + (", fused fp8 casts (TE)" if fp8 and opts.fp8_fused_casts
-                                                            else ", fp8 casts by dynamic scaling" if fp8 else ""),
+                                                            else ", unfused fp8 casts (torchao)" if fp8 else "")
+             + (f", {opts.fp8_scaling} fp8 scaling" if fp8 else ""),
              "TP collectives overlapped" if tp else "TP collectives exposed",
              "DP reduction behind the backward" if dp else "DP reduction after the backward",
              "fused pointwise" if opts.fused_elementwise else "eager pointwise",

@@ -26,6 +26,33 @@ from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
 
 KEYS_DIR = Path(__file__).resolve().parent / "data"
+# How each framework's file names an FP8 recipe (`--fp8-recipe`): Megatron-LM `--fp8-recipe` and NeMo
+# `trainer.plugins.fp8_recipe` (tensorwise, delayed, blockwise on Hopper, mxfp8 on Blackwell: Transformer Engine's
+# recipes), torchtitan `quantize.linear.float8.recipe_name` (torchao's tensorwise and rowwise)
+FP8_RECIPE_NAMES: dict[str, dict[str, str]] = {
+    "te": {"tensorwise": "tensorwise", "delayed": "delayed", "blockwise": "blockwise"},
+    "torchtitan": {"tensorwise": "tensorwise", "rowwise": "rowwise"},
+}
+BLACKWELL_CHIPS = ("b200", "gb200-nvl72")  # where meshplan's blockwise is MXFP8 (fp8_recipes.yaml)
+
+
+def fp8_recipe_name(kind: str, opts: Options, chip_name: str) -> str:
+    """The framework's word for the plan's FP8 recipe (FP8_RECIPE_NAMES); a MeshplanError if it has none."""
+    recipe = opts.fp8_scaling
+    if kind == "te" and recipe == "blockwise" and chip_name in BLACKWELL_CHIPS:
+        return "mxfp8"
+    names = FP8_RECIPE_NAMES[kind]
+    if recipe not in names:
+        who = "Transformer Engine (Megatron, NeMo)" if kind == "te" else kind
+        raise MeshplanError(f"{who} has no '{recipe}' FP8 recipe; plan with --fp8-recipe {' or '.join(names)}")
+    return names[recipe]
+
+
+def fp8_recipe_from_name(kind: str, name: str | None) -> str | None:
+    """The inverse of fp8_recipe_name (None when the file names none or one meshplan does not know)."""
+    if name == "mxfp8":
+        return "blockwise"
+    return next((r for r, n in FP8_RECIPE_NAMES[kind].items() if n == name), None)
 
 
 @cache
@@ -140,7 +167,7 @@ _WORDS = {
     "tp_overlap": "TP communication overlap", "dp_overlap": "DP gradient reduction behind the backward",
     "overlap_param_gather": "ZeRO parameter all-gather overlapped", "fused_elementwise": "fused pointwise kernels",
     "fused_loss": "fused cross-entropy", "fp8_weight_cache": "FP8 weights cast once per step",
-    "fp8_fused_casts": "fused FP8 casts (Transformer Engine)", "ep_overlap": "MoE all-to-all overlap",
+    "fp8_fused_casts": "fused FP8 casts (Transformer Engine)", "fp8_recipe": "FP8 scaling recipe", "ep_overlap": "MoE all-to-all overlap",
     "moe_node_limit": "node-limited MoE routing", "selective_flavor": "what selective recompute saves",
     "fsdp_over_cp": "FSDP over the CP ranks", "zero3_fetch": "ZeRO-3 fetch", "cp_impl": "context-parallel attention",
     "pp_schedule": "pipeline schedule", "attention_kernel": "attention kernel",
@@ -155,7 +182,7 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "zero": cfg.dp * (cfg.cp if cfg.fsdp == 1 else 1) > 1,
         "tp_overlap": cfg.tp > 1, "dp_overlap": data * cfg.cp > 1,
         "overlap_param_gather": cfg.zero >= 1 and cfg.dp > 1,
-        "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "ep_overlap": moe and cfg.ep > 1,
+        "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "fp8_recipe": fp8, "ep_overlap": moe and cfg.ep > 1,
         "moe_node_limit": moe and cfg.ep > 1, "selective_flavor": cfg.recompute == "selective",
         "fsdp_over_cp": cfg.cp > 1, "zero3_fetch": cfg.fsdp > 1 or cfg.zero == 3 or opts.fsdp_over_cp and cfg.cp > 1,
         "cp_impl": cfg.cp > 1, "pp_schedule": cfg.pp > 1,
@@ -184,6 +211,8 @@ def check_expressible(framework: str, plan: PlanToExport, job: Job, reasons: dic
         if f.name in ("tp_overlap", "dp_overlap"):  # None = the chip's default
             i = 0 if f.name == "tp_overlap" else 1
             mine, theirs = opts.overlaps(p.chip.kind)[i], back_opts.overlaps(p.chip.kind)[i]
+        if f.name == "fp8_recipe":  # None = the cast implementation's default
+            mine, theirs = opts.fp8_scaling, back_opts.fp8_scaling
         if relevant(f.name, cfg, opts, p) and theirs != mine:
             lost.append((f.name, mine, theirs))
     if not lost:

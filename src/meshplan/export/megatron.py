@@ -13,6 +13,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    fp8_recipe_from_name,
+    fp8_recipe_name,
     framework_keys,
     header_lines,
     refuse,
@@ -90,8 +92,8 @@ def export(plan: PlanToExport) -> str:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif c.recompute == "selective":
         args += ["--recompute-granularity", "selective"]
-    if o.compute_dtype == "fp8":  # Transformer Engine delayed scaling: casts fused, weights cached per step
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    if o.compute_dtype == "fp8":  # Transformer Engine: casts fused, weights cached per step
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe_name("te", o, p.chip.name)]
     tp_ov, dp_ov = o.overlaps(p.chip.kind)
     if tp_ov and c.tp > 1:
         flags.append("--tp-comm-overlap")
@@ -187,6 +189,7 @@ def load(text: str, chips: int | None = None) -> Job:
         job.global_batch = job.pins.microbatch * data
     job.options.update(
         compute_dtype="fp8" if "--fp8-format" in values else "bf16",
+        fp8_recipe=fp8_recipe_from_name("te", values.get("--fp8-recipe", "delayed")),
         tp_overlap="--tp-comm-overlap" in switches, dp_overlap="--overlap-grad-reduce" in switches,
         overlap_param_gather="--overlap-param-gather" in switches,
         ep_overlap="--overlap-moe-expert-parallel-comm" in switches, pp_schedule="1f1b",

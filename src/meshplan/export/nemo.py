@@ -16,6 +16,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    fp8_recipe_from_name,
+    fp8_recipe_name,
     framework_keys,
     header_lines,
     whole,
@@ -74,7 +76,7 @@ def export(plan: PlanToExport) -> str:
         "model.config.recompute_granularity": None if c.recompute == "none" else c.recompute,
         "data.seq_length": p.seq_len, "data.micro_batch_size": c.microbatch, "data.global_batch_size": p.global_batch,
         "trainer.plugins.fp8": "hybrid" if o.compute_dtype == "fp8" else None,
-        "trainer.plugins.fp8_recipe": "delayed" if o.compute_dtype == "fp8" else None,
+        "trainer.plugins.fp8_recipe": fp8_recipe_name("te", o, p.chip.name) if o.compute_dtype == "fp8" else None,
     }
     if c.recompute == "full":
         flat.update({"model.config.recompute_method": "uniform", "model.config.recompute_num_layers": 1})
@@ -141,6 +143,7 @@ def load(text: str, chips: int | None = None) -> Job:
                     sequence_parallel=bool(g("trainer.strategy.sequence_parallel", False)))
     job.seq_len, job.global_batch = g("data.seq_length"), g("data.global_batch_size")
     job.options.update(compute_dtype="fp8" if g("trainer.plugins.fp8") else "bf16",
+                       fp8_recipe=fp8_recipe_from_name("te", g("trainer.plugins.fp8_recipe", "delayed")),
                        tp_overlap=bool(g("model.config.tp_comm_overlap", False)),
                        dp_overlap=bool(g("trainer.strategy.ddp.overlap_grad_reduce", False)),
                        overlap_param_gather=bool(g("trainer.strategy.ddp.overlap_param_gather", False)))

@@ -15,6 +15,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    fp8_recipe_from_name,
+    fp8_recipe_name,
     framework_keys,
     header_lines,
     refuse,
@@ -107,7 +109,8 @@ def export(plan: PlanToExport) -> str:
     if c.recompute == "selective":
         sections["activation_checkpoint"]["selective_ac_option"] = SELECTIVE.get(o.selective_flavor, "attention")
     if o.compute_dtype == "fp8":
-        sections["quantize.linear.float8"] = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
+        sections["quantize.linear.float8"] = {"recipe_name": fp8_recipe_name("torchtitan", o, p.chip.name),
+                                              "filter_fqns": ["output"]}
     return commented(header_lines(plan, NAME)) + "\n" + dumps(sections)
 
 
@@ -238,6 +241,8 @@ def load(text: str, chips: int | None = None) -> Job:
         fused_elementwise=compiled, fused_loss=compiled and "loss" in comp.get("components", ["model", "loss"]),
         tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
         compute_dtype="fp8" if any(c in ("float8", "quantize.linear.float8") for c in converters) else "bf16",
+        fp8_recipe=fp8_recipe_from_name("torchtitan", doc.get("quantize", {}).get("linear", {}).get("float8", {})
+                                        .get("recipe_name", "tensorwise")),
     )
     if par.get("context_parallel_rotate_method", "allgather") != "allgather":
         job.notes.append("context_parallel_rotate_method alltoall is timed as the all-gather rotation")

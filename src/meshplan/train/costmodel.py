@@ -11,10 +11,14 @@ at each term, and only the excess is exposed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
@@ -36,14 +40,6 @@ LOSS_SOFTMAX_BYTES = 4.0  # per logit: the fp32 softmax a cross-entropy saves (b
 # reduce dtype. XLA on TPU gathers and reduces in place.
 FSDP_COPY_OUT_BYTES = 2.0 * 2.0
 FSDP_COPY_IN_READ_BYTES = 2.0
-FP8_CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) + fp8 write (1)
-FP8_TRANSPOSE_BYTES = 3.0  # per element: read bf16 (2) + write the transposed fp8 copy (1)
-# Transformer Engine (delayed scaling: the scale comes from the amax history, the amax of this pass is recorded
-# by the same kernel): a fused cast-transpose reads bf16 once and writes the fp8 copy and its transpose
-# (`fp8_cast_transpose_fused`); the norm in LayerNormLinear writes its output in fp8 itself, so those inputs pay
-# only an fp8 transpose for the weight gradient (read 1, write 1).
-FP8_TE_CAST_TRANSPOSE_BYTES = 2.0 + 1.0 + 1.0
-FP8_TE_TRANSPOSE_BYTES = 1.0 + 1.0
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 # PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
 # it) merges each ring step's attention output into an fp32 running output and accumulates gradients in fp32
@@ -78,22 +74,40 @@ RECOMPUTE_PARTS: dict[str, dict[str, float]] = {
 SELECTIVE_FLAVORS = tuple(k.split("/")[1] for k in RECOMPUTE_PARTS if k.startswith("selective/"))
 
 
-def _fp8_te_casts(normed, a_in, g_out, w_local):
-    """Transformer Engine: the qkv and gate/up inputs leave the norm in fp8 (their transposes are made for the
-    backward); the output-projection and down-projection inputs, the weights and the output gradients go through
-    fused cast-transposes. (forward, backward) HBM bytes."""
-    return (FP8_TE_CAST_TRANSPOSE_BYTES * (a_in - normed + w_local),
-            FP8_TE_CAST_TRANSPOSE_BYTES * g_out + FP8_TE_TRANSPOSE_BYTES * normed)
+def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local):
+    """Transformer Engine: one fused cast-transpose per operand writes the fp8 copy and its transpose
+    (`fp8_cast_transpose_fused`); the qkv and gate/up inputs leave the norm (`normed` of `a_in`), which emits fp8
+    itself under delayed scaling. Bytes per element from fp8_recipes.yaml. (forward, backward) HBM bytes."""
+    return (r["fused_cast_transpose_bytes"] * (a_in - normed + w_local),
+            r["fused_cast_transpose_bytes"] * g_out + r["fused_normed_bytes"] * normed)
 
 
-def _fp8_dynamic_casts(normed, a_in, g_out, w_local):
-    """FP8 with dynamic per-tensor scaling (Micikevicius et al. 2022; torchao float8 as torchtitan uses it): every
-    GEMM operand is amax-reduced and cast (read 2 B for the amax, 2 B for the cast, write 1 B), plus transposed fp8
-    copies of the inputs and weights for the weight- and input-gradient GEMMs (read 2, write 1)."""
-    return FP8_CAST_BYTES * (a_in + w_local), FP8_CAST_BYTES * g_out + FP8_TRANSPOSE_BYTES * (a_in + w_local)
+def _fp8_dynamic_casts(r: dict, normed, a_in, g_out, w_local):
+    """One kernel per cast (torchao float8 as torchtitan uses it): every GEMM operand is cast for the forward, the
+    inputs and weights get a transposed copy for the backward's GEMMs, and row- or block-scaled output gradients a
+    second quantisation along the token axis. Bytes per element from fp8_recipes.yaml."""
+    return (r["cast_bytes"] * (a_in + w_local),
+            (r["cast_bytes"] + r["grad_requant_bytes"]) * g_out + r["transpose_bytes"] * (a_in + w_local))
 
 
-FP8_RECIPES = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
+FP8_CASTS = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
+FP8_RECIPES_FILE = Path(__file__).resolve().parent.parent / "cost" / "data" / "fp8_recipes.yaml"
+
+
+@lru_cache(maxsize=1)
+def fp8_recipes() -> dict[str, dict]:
+    """The FP8 scaling recipes' cast bytes and GEMM fractions (cost/data/fp8_recipes.yaml, sources there)."""
+    return yaml.safe_load(FP8_RECIPES_FILE.read_text())
+
+
+def fp8_gemm_fraction(recipe: str, chip_name: str, chip_kind: str) -> float:
+    """A recipe's FP8 GEMM throughput relative to the per-tensor-scaled GEMM, for a chip (by name, then kind)."""
+    if recipe not in fp8_recipes():
+        raise unknown_name_error("FP8 recipe", recipe, fp8_recipes())
+    table = fp8_recipes()[recipe]["gemm_fraction"]
+    return float((table.get(chip_name) or table[chip_kind])["value"])
+
+
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -116,6 +130,9 @@ class Options:
     # FP8 casts fused as Transformer Engine fuses them (norm kernels emit fp8, fused cast-transpose, delayed
     # scaling); False = torchao's dynamic scaling, a separate amax pass and cast per operand (torchtitan)
     fp8_fused_casts: bool = True
+    # FP8 scaling recipe (fp8_recipes.yaml): tensorwise | rowwise | blockwise | delayed; None = delayed when the casts
+    # are fused (Transformer Engine's default), tensorwise when not (torchao's default)
+    fp8_recipe: str | None = None
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
@@ -169,6 +186,13 @@ class Options:
         return (self.tp_overlap if self.tp_overlap is not None else tpu,
                 self.dp_overlap if self.dp_overlap is not None else not tpu)
 
+    @property
+    def fp8_scaling(self) -> str:
+        """The FP8 recipe in force: `fp8_recipe`, or the default of the cast implementation."""
+        if self.fp8_recipe is not None:
+            return self.fp8_recipe
+        return "delayed" if self.fp8_fused_casts else "tensorwise"
+
 
 class Terms(dict):
     """name -> array over layouts; a dict so parts can be listed and summed."""
@@ -205,7 +229,8 @@ class CostModel:
         chip = problem.chip
         self.peak_bf16 = chip.peak("bf16")
         if self.opt.compute_dtype == "fp8":
-            self.mm_peak = chip.peak("fp8") * eff.fp8_peak_fraction / eff.matmul_peak_fraction
+            self.mm_peak = (chip.peak("fp8") * eff.fp8_peak_fraction / eff.matmul_peak_fraction
+                            * fp8_gemm_fraction(self.opt.fp8_scaling, chip.name, chip.kind))
         else:
             self.mm_peak = self.peak_bf16
         self.hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
@@ -274,7 +299,7 @@ class CostModel:
         return self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
 
     def _fp8_cast_term(self, g: dict) -> dict:
-        """FP8 casts of the GEMM operands (FP8_RECIPES, chosen by `fp8_fused_casts`); zero in bf16."""
+        """FP8 casts of the GEMM operands (FP8_CASTS by `fp8_fused_casts`, bytes by `fp8_recipe`); zero in bf16."""
         if self.opt.compute_dtype != "fp8":
             return dict(hbm_f=0.0, hbm_b=0.0, f_s=0.0, b_s=0.0)
         c, t, tp = self.c, g["t_mb"], g["tp"]
@@ -284,7 +309,8 @@ class CostModel:
         # Transformer Engine casts a weight once per step and reuses it over the micro-batches
         # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
         w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
-        hbm_f, hbm_b = FP8_RECIPES[self.opt.fp8_fused_casts](t * 2 * c["D"], a_in, g_out, w_local)
+        recipe = fp8_recipes()[self.opt.fp8_scaling]
+        hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, t * 2 * c["D"], a_in, g_out, w_local)
         return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
 
     def _loss_term(self, g: dict) -> dict:

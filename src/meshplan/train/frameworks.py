@@ -1,7 +1,8 @@
 """What each training framework does that changes the cost model, as `Options` overrides (`--framework`).
 
 Each entry names the behaviour and where it is documented; an explicit flag on the command line wins over the
-framework's value, and the framework's value over the `Options` default.
+framework's value, and the framework's value over the `Options` default. A name alone is the framework's current
+behaviour; `name@version` (VERSIONS) is an older release where its behaviour changed.
 """
 
 from __future__ import annotations
@@ -10,28 +11,32 @@ import re
 from dataclasses import fields, replace
 from typing import Any
 
-from meshplan.errors import unknown_name_error
+from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.train.costmodel import Options
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
     # Megatron-LM / Megatron-Core with Transformer Engine: fused kernels and vocab-parallel cross-entropy, FP8
     # weights cast once per step (TE `is_first_microbatch`), bucketed gradient reduction and parameter all-gather
-    # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README)
+    # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README); FP8 by delayed
+    # scaling (megatron/training/arguments.py `--fp8-recipe`, default "delayed")
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                      overlap_param_gather=True),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
-    # communication overlap (userbuffers; NeMo docs, "Communication overlap")
+    # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
+    # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
+    # current amax, Transformer Engine's Float8CurrentScaling
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                 overlap_param_gather=True, tp_overlap=True),
+                 overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise"),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
-    # weights cast on every forward); AsyncTP is opt-in;
+    # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
+    # Float8LinearRecipeName, TENSORWISE the default); AsyncTP is opt-in;
     # context parallelism through PyTorch's context_parallel with its "allgather" rotation (torchtitan
     # config_manager `context_parallel_rotate_method`, default "allgather"; the Llama model repeats K/V heads
     # before SDPA); attention by PyTorch SDPA, whose backend priority puts its bundled FlashAttention-2 first,
     # also on Hopper (pytorch/pytorch#142132)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
-                       fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
+                       fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True),
@@ -49,14 +54,38 @@ PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_byte
                                      cp_impl="allgather")
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
+# Releases whose behaviour differs from the current preset (`--framework name@version`): each the changes on top of
+# FRAMEWORKS[name], with its source; the newest listed version is the current behaviour (no changes).
+VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
+    # NeMo 24.07's performance recipes ran Transformer Engine's DelayedScaling (amax history; the NeMo 24.07
+    # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then
+    "nemo": {"24.07": dict(fp8_recipe="delayed"), "26.06": {}},
+    # torchtitan's December 2024 performance runs (docs/performance.md): torchao float8 tensorwise, its only recipe
+    # then (rowwise came with pytorch/ao#1629, January 2025); June 2025 (docs/benchmarks, torchao 0.11): tensorwise
+    # by default, rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset. No option differs.
+    "torchtitan": {"2024.12": {}, "2025.06": {}},
+}
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The option overrides of `name` or `name@version` (a MeshplanError naming the known ones otherwise)."""
+    base, _, version = name.partition("@")
+    if base not in FRAMEWORKS:
+        raise unknown_name_error("framework", base, FRAMEWORKS)
+    if not version:
+        return dict(FRAMEWORKS[base])
+    known = VERSIONS.get(base, {})
+    if version not in known:
+        listed = ", ".join(known) if known else "none: use the plain name"
+        raise MeshplanError(f"unknown version '{version}' of framework '{base}' (known versions: {listed})")
+    return {**FRAMEWORKS[base], **known[version]}
+
 
 def framework_options(name: str | None, base: Options, explicit: dict[str, Any]) -> Options:
     """`base` with the framework's behaviour applied, then every flag the user gave (`None` = not given)."""
     changes: dict[str, Any] = {}
     if name is not None:
-        if name not in FRAMEWORKS:
-            raise unknown_name_error("framework", name, FRAMEWORKS)
-        changes.update(FRAMEWORKS[name])
+        changes.update(preset(name))
     known = {f.name for f in fields(Options)}
     changes.update({k: v for k, v in explicit.items() if v is not None and k in known})
     return replace(base, **changes)
@@ -108,6 +137,20 @@ def attention_kernel_of(text: str, default: str = "fused") -> str:
     if any(k in text for k in FA2_WORDS):
         return "fa2"
     return default
+
+
+# FP8 scaling recipes as publications name them, most specific first (cost/data/fp8_recipes.yaml): TE DelayedScaling,
+# torchao/torchtitan rowwise, DeepSeek-V3 blocks and MXFP8 (Megatron-Bridge "fp8 blockwise (MXFP8 ...)"), TE
+# Float8CurrentScaling ("current scaling") and torchao tensorwise
+FP8_RECIPE_WORDS = (("delayed", ("delayed",)), ("rowwise", ("rowwise", "row-wise", "axiswise")),
+                    ("blockwise", ("blockwise", "block-wise", "mxfp8", "128x128", "1x128")),
+                    ("tensorwise", ("tensorwise", "tensor-wise", "current scaling", "per-tensor")))
+
+
+def fp8_recipe_of(text: str) -> str | None:
+    """The FP8 scaling recipe a description names (lower-case text), or None when it names none (the framework's
+    preset then decides)."""
+    return next((recipe for recipe, words in FP8_RECIPE_WORDS if any(w in text for w in words)), None)
 
 
 def zero3_fetch_of(deepspeed: bool, yymm: int | None) -> str:
