@@ -21,6 +21,7 @@ from meshplan.specs.hardware import Chip
 
 EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.yaml"
 PROFILE_SCHEMA = "meshplan-profile/1"
+MOE_OVERLAP_FILE = Path(__file__).parent / "data" / "moe_overlap.yaml"
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,24 @@ _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_p
 @lru_cache(maxsize=1)
 def _table() -> dict[str, Any]:
     return yaml.safe_load(EFFICIENCY_FILE.read_text())
+
+
+@lru_cache(maxsize=1)
+def _moe_overlap_table() -> dict[str, Any]:
+    return yaml.safe_load(MOE_OVERLAP_FILE.read_text())
+
+
+def moe_constant(name: str) -> float:
+    """A fine-grained-MoE constant from `data/moe_overlap.yaml` (routing kernels, load imbalance, grouped GEMM)."""
+    return float(_moe_overlap_table()["moe"][name]["value"])
+
+
+def overlap_constant(name: str, chip: Chip) -> float:
+    """A compute/communication-overlap constant from `data/moe_overlap.yaml`, by chip name then kind ('gpu');
+    None of them apply to TPUs (ICI transfers run on DMA engines, not on compute cores): 0 there."""
+    table = _moe_overlap_table()["overlap"][name]
+    entry = table.get(chip.name) or table.get(chip.kind)
+    return 0.0 if entry is None else float(entry["value"])
 
 
 def default_efficiency(chip: Chip) -> Efficiency:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshplan.cost.efficiency import Efficiency
+from meshplan.cost.efficiency import Efficiency, moe_constant
 from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
@@ -205,6 +205,7 @@ def _shape_constants(m) -> dict[str, float]:
     shared_F = m.n_shared_experts * (m.shared_expert_d_ff or F)
     mlp_w_active = mult * D * (F * k + shared_F) + (D * m.n_experts if m.is_moe else 0)
     expert_w = mult * D * F * m.n_experts if m.is_moe else 0.0
+    moe_share = 1.0 if m.is_moe else 0.0
     if m.first_dense_layers:
         # DeepSeek's leading dense layers: the layout is timed with the mean layer (their share of the weights)
         moe_share = 1 - m.first_dense_layers / m.n_layers
@@ -213,6 +214,8 @@ def _shape_constants(m) -> dict[str, float]:
     return dict(
         D=D, F=F, V=m.vocab_size, N=m.n_heads, K=m.n_kv_heads, H=m.head_dim, k=k, mult=mult,
         attn_w=tm.attention_matmul_weights(m), mlp_w_active=mlp_w_active, expert_w=expert_w,
+        # the routed experts' weights one token passes through (the grouped GEMM), in the mean layer
+        routed_w_active=moe_share * mult * D * F * k if m.is_moe else 0.0, moe_share=moe_share,
     )
 
 
@@ -243,15 +246,42 @@ class CostModel:
         return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
 
     def _matmul_term(self, g: dict) -> dict:
-        """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape."""
+        """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape: the
+        routed experts as a grouped GEMM (`_grouped_gemm_s`), the rest (dense MLP, shared experts, router gate) at
+        the micro-batch's rows."""
         c, m, tp, t = self.c, self.p.model, g["tp"], g["t_mb"]
-        T_exp = t * c["k"] * g["ep"] / m.n_experts if m.is_moe else t
         f_mlp = 2 * t * c["mlp_w_active"] / tp
+        f_routed = 2 * t * c["routed_w_active"] / tp
         proj_s, proj_flops = self._attention_projections(t, tp)
         # a dense MLP's down-projection: its output only feeds the residual sum, which no backward reads
         down = 0.0 if m.is_moe else 2 * t * c["D"] * c["F"] / tp
-        return dict(f_s=self._matmul_time(f_mlp, T_exp, c["F"] / tp, c["D"]) + proj_s, flops=f_mlp + proj_flops,
-                    down_s=self._matmul_time(down, T_exp, c["F"] / tp, c["D"]), down_flops=down)
+        mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + self._grouped_gemm_s(g, f_routed)
+        return dict(f_s=mlp_s + proj_s, flops=f_mlp + proj_flops,
+                    down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down)
+
+    def _expert_load_ratio(self, g: dict):
+        """Tokens on the busiest EP rank over the mean under dropless routing: the rank holding the busiest expert
+        (max/mean load 1 + MaxVio, moe_overlap.yaml: a published measurement) with its other E/ep - 1 experts at the
+        mean, 1 + MaxVio·ep/E (a lower bound: other hot experts may share the rank). The multinomial tail of
+        i.i.d. uniform routing alone is negligible at training batch sizes (a rank's load is Binomial(ep·t·k, 1/ep):
+        relative spread √((1 - 1/ep)/(t·k)), 0.3% at t·k = 131072), so skew of the learned router is what counts."""
+        m = self.p.model
+        if not m.is_moe:
+            return 1.0
+        return 1.0 + moe_constant("expert_load_max_violation") * g["ep"] / m.n_experts
+
+    def _grouped_gemm_s(self, g: dict, f_routed):
+        """Routed-expert GEMMs of one layer forward as a grouped GEMM (MegaBlocks, Gale et al. 2023; Transformer
+        Engine GroupedLinear): each local expert's GEMM has rows = tokens·k·ep/E and is timed at that shape by the
+        efficiency model (`Efficiency.matmul`); the busiest EP rank's tokens set the time (`_expert_load_ratio`);
+        each local expert's GEMMs are separate launches (moe_overlap.yaml grouped_gemm_gemms_per_expert_fwd)."""
+        c, m, tp = self.c, self.p.model, g["tp"]
+        if not m.is_moe:
+            return 0.0
+        rows = g["t_mb"] * c["k"] * g["ep"] / m.n_experts
+        launches = c["moe_share"] * m.n_experts / g["ep"] * moe_constant("grouped_gemm_gemms_per_expert_fwd")
+        return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / tp, c["D"])
+                + launches * self.eff.kernel_overhead_s)
 
     def _attention_core_term(self, g: dict) -> dict:
         """QKᵀ, softmax and AV: causal and load-balanced over cp with a fused kernel (ATTENTION_KERNELS), or
@@ -287,8 +317,20 @@ class CostModel:
         elem_bytes = act * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
-        elem_bytes = elem_bytes + self._moe_permute_bytes(g)
-        return dict(f_s=elem_bytes / self.hbm + KERNELS_PER_LAYER_FWD * e.kernel_overhead_s, hbm=elem_bytes)
+        router_bytes, router_kernels = self._moe_router_work(g)
+        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + router_bytes
+        kernels = KERNELS_PER_LAYER_FWD + router_kernels
+        return dict(f_s=elem_bytes / self.hbm + kernels * e.kernel_overhead_s, hbm=elem_bytes)
+
+    def _moe_router_work(self, g: dict):
+        """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores
+        (tokens × experts, 4 B) passed `router_score_passes` times through HBM (score function, top-k, aux loss),
+        and `router_kernels_fwd` small kernels (top-k, scatter, aux-loss reductions, dispatcher bookkeeping)."""
+        m, c = self.p.model, self.c
+        if not m.is_moe:
+            return 0.0, 0.0
+        score_bytes = moe_constant("router_score_passes") * 4.0 * g["t_mb"] * m.n_experts
+        return c["moe_share"] * score_bytes, c["moe_share"] * moe_constant("router_kernels_fwd")
 
     def _moe_permute_bytes(self, g: dict):
         """Token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
@@ -557,6 +599,8 @@ class CostModel:
         t_rank = t / np.where(g["sp"], tp, 1)
         sent = self.opt.act_bytes * t_rank * copies * c["D"]  # one device's tokens (the all-to-all's operand)
         a2a = self.comm.time("alltoall", ep * sent, ep, tp * g["cp"])  # the CommModel takes the group's array
+        # dropless routing: the busiest rank receives (and returns) the most tokens and the others wait for it
+        a2a = a2a * self._expert_load_ratio(g)
         # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
         n_a2a = 4 + 2 * (L.recompute == 2)
         g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * n_a2a * sent)
