@@ -102,7 +102,33 @@ def default_efficiency(chip: Chip) -> Efficiency:
             raise MeshplanError(f"no default efficiency '{f}' for {chip.name} ({chip.kind}); give --profile")
         values[f] = float(entry["value"])
         sources[f] = entry["source"]
+    sm_slowdown = nccl_sm_slowdown(chip)
+    if sm_slowdown is not None:
+        values["comm_compute_interference"] = sm_slowdown
+        sources["comm_compute_interference"] = ("NCCL channels' SMs: nccl_channels / (sm_count - nccl_channels), "
+                                                "moe_overlap.yaml and the chip's sm_count")
     return Efficiency(**values, origin="defaults", sources=sources)
+
+
+def nccl_sm_slowdown(chip: Chip) -> float | None:
+    """Fractional slow-down of a GPU's compute while an NCCL collective runs beside it: NCCL runs one CTA per
+    channel, each on an SM of its own (NVIDIA/nccl#689), so the compute keeps sm_count - channels SMs and takes
+    sm_count / (sm_count - channels) times as long: a slow-down of channels / (sm_count - channels).
+    E.g. H100: 16 channels of 132 SMs -> 16 / 116 = 0.138. None where the chip has no SM count (TPUs)."""
+    sms = chip.on_chip_memory.get("sm_count")
+    channels = overlap_constant("nccl_channels", chip)
+    if chip.kind != "gpu" or not sms or not channels:
+        return None
+    return channels / (sms - channels)
+
+
+def comm_hbm_share(chip: Chip) -> float:
+    """Fraction of a GPU's HBM bandwidth an NVLink collective running at full link speed takes: it stores what
+    arrives, reads it back and reads/writes the user buffers, `hbm_bytes_per_link_byte` (moe_overlap.yaml) HBM
+    bytes per link byte. E.g. H100: 3 x 450 GB/s / 3.35 TB/s = 0.403. 0 on TPUs (ICI DMA; no entry)."""
+    factor = overlap_constant("hbm_bytes_per_link_byte", chip)
+    link = chip.links.nvlink_bandwidth_bytes_per_s
+    return min(factor * link / chip.hbm_bandwidth_bytes_per_s, 1.0) if chip.kind == "gpu" else 0.0
 
 
 def load_profile(path: str | Path, chip: Chip) -> Efficiency:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.cost.efficiency import comm_hbm_share
 from meshplan.math import transformer as tm
 from meshplan.train.config import LayoutArrays
 from meshplan.train.costmodel import CostModel, Terms
@@ -78,7 +79,15 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
         + cc["dp_link_step"] + cc["fsdp_link_step"]
     exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
-    contention = e.comm_compute_interference * np.minimum(hidden, compute)
+    # SMs: the NCCL channels' SMs are missing from every kernel beside them (comm_compute_interference, derived from
+    # the channel count on GPUs: efficiency.nccl_sm_slowdown). HBM: the collective's memory traffic takes a share
+    # of HBM bandwidth (efficiency.comm_hbm_share) from the HBM-bound part of the layer (the pointwise kernels, what
+    # is neither GEMM nor attention core), which runs that much slower (NVIDIA/nccl#1428).
+    layer = np.maximum(ct["layer_fwd"], 1e-30)
+    hbm_bound = np.clip(1 - (ct["layer_matmul_fwd"] + ct["layer_core_fwd"]) / layer, 0, 1)
+    share = comm_hbm_share(p.chip)
+    interference = e.comm_compute_interference + hbm_bound * share / (1 - min(share, 0.9))
+    contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
