@@ -71,3 +71,28 @@ def test_collective_hbm_share() -> None:
     assert comm_hbm_share(load_chip("h100-sxm")) == pytest.approx(0.40299, rel=1e-4)
     assert comm_hbm_share(load_chip("a100-80gb")) == pytest.approx(0.44139, rel=1e-4)
     assert comm_hbm_share(load_chip("tpu-v5p")) == 0.0
+
+
+def test_hidden_collectives_slow_compute_by_sms_and_hbm(monkeypatch) -> None:
+    """Llama 3 8B on 16 H100 with DP16 (gradient reduction hidden behind the backward): the contention added to
+    the compute is the SM part 16/116 plus the HBM part hbm_bound·s/(1 - s), s = 0.40299, both over the same
+    hidden seconds; so the HBM part over the SM part is hbm_bound·(0.40299/0.59701)/(16/116), with hbm_bound the
+    share of the layer forward that is neither GEMM nor attention core."""
+    from dataclasses import replace
+
+    import meshplan.train.evaluate as ev
+
+    prob = Problem(load_model("llama3-8b"), load_chip("h100-sxm"), 16, 4096, 64)
+    L = LayoutArrays.from_configs([ParallelConfig(dp=16, microbatch=1, recompute="none")])
+    eff = default_efficiency(prob.chip)
+    compute = {}
+    for name, interference, share in (("none", 0.0, 0.0), ("sm", eff.comm_compute_interference, 0.0),
+                                      ("both", eff.comm_compute_interference, 0.40299)):
+        monkeypatch.setattr(ev, "comm_hbm_share", lambda chip, s=share: s)
+        cm = CostModel(prob, replace(eff, comm_compute_interference=interference), Options())
+        compute[name] = float(ev.evaluate(cm, L).time["compute"][0])
+    ct = cm.compute_terms(L, cm.geometry(L))
+    hbm_bound = float((1 - (ct["layer_matmul_fwd"] + ct["layer_core_fwd"]) / ct["layer_fwd"])[0])
+    sm_part, hbm_part = compute["sm"] - compute["none"], compute["both"] - compute["sm"]
+    assert sm_part > 0
+    assert hbm_part / sm_part == pytest.approx(hbm_bound * (0.40299 / 0.59701) / (16 / 116), rel=1e-6)
