@@ -86,7 +86,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     layer = np.maximum(ct["layer_fwd"], 1e-30)
     hbm_bound = np.clip(1 - (ct["layer_matmul_fwd"] + ct["layer_core_fwd"]) / layer, 0, 1)
     share = comm_hbm_share(p.chip)
-    interference = e.comm_compute_interference + hbm_bound * share / (1 - min(share, 0.9))
+    interference = e.comm_compute_interference + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
     contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
