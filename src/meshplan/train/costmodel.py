@@ -338,7 +338,8 @@ class CostModel:
         write D); forward here, the backward's mirror in the pointwise backward."""
         if not self.p.model.is_moe:
             return 0.0
-        return self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
+        # in the mean layer: DeepSeek's leading dense layers permute nothing (moe_share)
+        return self.c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
 
     def _fp8_cast_term(self, g: dict) -> dict:
         """FP8 casts of the GEMM operands (FP8_CASTS by `fp8_fused_casts`, bytes by `fp8_recipe`); zero in bf16."""
