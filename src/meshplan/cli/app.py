@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         args = ["--help"]
     ARGV[:] = args
     try:
-        result = app(args=args, standalone_mode=False)
+        command = typer.main.get_command(app)
+        _validate_before_running(command)
+        result = command.main(args=args, prog_name="meshplan", standalone_mode=False)
     except MeshplanError as exc:
         err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return _exit(2)
@@ -112,7 +114,29 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(2)
     except typer.Exit as exc:
         return _exit(exc.exit_code)
+    except OSError as exc:  # the user's file system refused a path they gave (unwritable, too long, missing)
+        where = f" '{exc.filename}'" if getattr(exc, "filename", None) else ""
+        err_console.print(f"error: cannot use{where}: {exc.strerror or exc}", markup=False, highlight=False,
+                          soft_wrap=True)
+        return _exit(2)
     return _exit(result if isinstance(result, int) else 0)
+
+
+def _validate_before_running(group: Any) -> None:
+    """Route every command through meshplan.validate.check_cli_params: one boundary check for every flag."""
+    from meshplan.validate import check_cli_params
+
+    for command_name, sub in getattr(group, "commands", {}).items():
+        callback = sub.callback
+        if callback is None or getattr(callback, "_validated", False):
+            continue
+
+        def checked(*a: Any, _run: Any = callback, _name: str = command_name, **params: Any) -> Any:
+            check_cli_params(params, _name)
+            return _run(*a, **params)
+
+        checked._validated = True  # type: ignore[attr-defined]
+        sub.callback = checked
 
 
 def _exit(code: int) -> int:

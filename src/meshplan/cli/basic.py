@@ -15,6 +15,7 @@ from meshplan.specs.hardware import Chip, load_chip, preset_chips
 from meshplan.specs.model import load_model
 from meshplan.specs.pod import superpod
 from meshplan.units import fmt_bytes, fmt_count, fmt_flops, fmt_rate, fmt_time
+from meshplan.validate import DIM
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
 
@@ -154,6 +155,7 @@ def _parse_op(text: str) -> rf.Op:
         fail(f"unknown op kind '{kind}' (known: {', '.join(want)})")
     if len(dims) != want[kind]:
         fail(f"op '{kind}' takes {want[kind]} sizes, got {len(dims)} in '{text}'")
+    dims = [DIM.check(d, f"op '{text}': size {i + 1}") for i, d in enumerate(dims)]
     if kind == "matmul":
         return rf.matmul(*dims, lhs_dtype=dtype, rhs_dtype=dtype, name=body)
     if kind == "attention":

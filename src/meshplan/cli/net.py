@@ -16,6 +16,7 @@ from meshplan.cost.sharded_matmul import collective_matmul_time, mesh_size, shar
 from meshplan.cost.topology import MeshMapping, make_cluster, map_mesh
 from meshplan.specs.hardware import load_chip
 from meshplan.units import fmt_bytes, fmt_time
+from meshplan.validate import DIM, NBYTES
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", "-h", help="Chip preset or YAML path.")]
@@ -38,7 +39,7 @@ def parse_bytes(text: str) -> float:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not math.isfinite(value) or value <= 0:
         fail(f"byte count must be positive, got '{text}'")
-    return value
+    return NBYTES.check(value, "byte count")
 
 
 def _check_negative(text: str) -> None:
@@ -52,12 +53,12 @@ def parse_sizes(text: str) -> dict[str, int]:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         name, eq, val = part.partition("=")
         try:
-            n = int(float(val)) if eq else 0
+            n = float(val) if eq else 0.0
         except ValueError:
-            n = 0
+            n = 0.0
         if n <= 0 or not name.strip().isidentifier():
             fail(f"bad size '{part}' in '{text}' (write e.g. B=8192,D=8192,F=28672 with positive integers)")
-        sizes[name.strip()] = n
+        sizes[name.strip()] = DIM.check(n, f"size {name.strip()}")
     return sizes
 
 

@@ -20,6 +20,7 @@ from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
 from meshplan.train.space import PP_SCHEDULES, Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
+from meshplan.validate import TRAIN_TOKENS
 
 Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
 
@@ -42,9 +43,7 @@ def parse_tokens(text: str | None) -> float | None:
         v = float(text.replace("_", ""))
     except ValueError:
         fail(f"--tokens must be a number such as 15e12, got '{text}'")
-    if v <= 0:
-        fail(f"--tokens must be positive, got {text}")
-    return v
+    return TRAIN_TOKENS.check(v, "--tokens")
 
 
 @app.command()

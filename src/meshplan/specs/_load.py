@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,10 @@ def unwrap(node: Any) -> tuple[Any, str | None]:
 class FieldReader:
     """Reads typed fields from a nested mapping; errors name the file and the dotted field."""
 
-    def __init__(self, data: dict[str, Any], origin: str):
+    def __init__(self, data: dict[str, Any], origin: str, rules: Callable[[str], Any] | None = None):
         self.data = data
         self.origin = origin
+        self.rules = rules  # dotted field -> meshplan.validate.Rule (bounds) or None
         self.sources: dict[str, str] = {}
 
     def _get(self, dotted: str, required: bool) -> Any:
@@ -82,6 +84,9 @@ class FieldReader:
             raise MeshplanError(f"{self.origin}: field '{dotted}' must be finite, got {value!r}")
         if positive and value <= 0:
             raise MeshplanError(f"{self.origin}: field '{dotted}' must be positive, got {value!r}")
+        rule = self.rules(dotted) if self.rules else None
+        if rule is not None:
+            rule.check(value, f"{self.origin}: field '{dotted}'")
         return value
 
     def integer(self, dotted: str, *, required: bool = True, default: int | None = None) -> int | None:

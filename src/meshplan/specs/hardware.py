@@ -13,6 +13,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.specs._load import DATA_DIR, FieldReader, read_mapping
+from meshplan.validate import check_name, hardware_rule
 
 HARDWARE_DIR = DATA_DIR / "hardware"
 DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
@@ -162,7 +163,7 @@ def _optional_numbers(r: FieldReader, data: dict[str, Any], section: str, keys: 
 
 def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
     """Validate a hardware mapping; every problem names its field."""
-    r = FieldReader(data, origin)
+    r = FieldReader(data, origin, rules=hardware_rule)
     name = r.string("name")
     kind = r.string("kind", choices=("gpu", "tpu"))
     peaks_node = data.get("peak_flops_per_s")
@@ -234,7 +235,7 @@ def load_chip(name_or_path: str) -> Chip:
     """A preset name (`h100-sxm`) or a path to a YAML file of the same schema."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise MeshplanError("hardware name is empty")
-    key = name_or_path.strip()
+    key = check_name(name_or_path.strip(), "hardware")
     preset = HARDWARE_DIR / f"{key.lower()}.yaml"
     if preset.is_file():
         return _load_path(str(preset))

@@ -17,6 +17,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.specs._load import DATA_DIR, read_mapping
+from meshplan.validate import MAX_PARAMS, check_name
 
 MODELS_DIR = DATA_DIR / "models"
 MLP_ACTS = ("swiglu", "geglu", "gelu", "relu", "silu")
@@ -166,6 +167,14 @@ def validate_model(m: ModelConfig) -> None:
         # beyond 2**53 a size is no longer exact as a float and FLOP/byte products overflow float range
         if isinstance(getattr(m, f), int) and getattr(m, f) > _MAX_SIZE:
             raise MeshplanError(f"model '{m.name}': {f} is implausibly large (more than 2**53)")
+    # each weight matrix family (embedding, attention, MLP/experts) bounded: products stay exact and in int64
+    sizes = {"vocab_size x d_model": m.vocab_size * m.d_model,
+             "n_layers x d_model x n_heads x head_dim": m.n_layers * m.d_model * m.n_heads * m.head_dim,
+             "n_layers x d_model x d_ff x experts": m.n_layers * m.d_model * m.d_ff * max(1, m.n_experts)}
+    for what, n in sizes.items():
+        if n > MAX_PARAMS:
+            raise MeshplanError(f"model '{m.name}': {what} = {n:.3g} parameters, more than {MAX_PARAMS:.0e} "
+                                f"(500x the largest published model)")
     if m.n_heads % m.n_kv_heads:
         raise MeshplanError(f"model '{m.name}': {m.n_heads} query heads are not divisible by {m.n_kv_heads} KV heads")
     if m.mlp_act not in MLP_ACTS:
@@ -496,7 +505,7 @@ def load_model(name_or_path: str) -> ModelConfig:
     """A preset name or a path to a Hugging Face style config.json."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise MeshplanError("model name is empty")
-    key = name_or_path.strip()
+    key = check_name(name_or_path.strip(), "model")
     preset = MODELS_DIR / f"{key.lower()}.json"
     if preset.is_file():
         return _load_path(str(preset), key.lower())
