@@ -40,7 +40,11 @@ def test_gpu_cluster_nodes():
     c = make_cluster(H100, 64)
     assert (c.domain_size, c.n_domains, c.node_egress_bytes_per_s) == (8, 8, 8 * 50e9)
     with pytest.raises(MeshplanError, match="NVLink domains"):
-        make_cluster(H100, 12)
+        make_cluster(H100, 12, (8,))  # a pinned 8-GPU node cannot tile 12 GPUs
+    # unpinned, 12 GPUs span nodes with gcd(12, 8) = 4 GPUs each (issue #18: 12 and 24 GPUs are deployable)
+    c12 = make_cluster(H100, 12)
+    assert (c12.domain_size, c12.n_domains) == (4, 3)
+    assert make_cluster(H100, 24).domain_size == 8  # 24 = 3 whole nodes of 8
 
 
 def test_default_order_puts_tensor_innermost_and_describes():

@@ -195,7 +195,7 @@ def test_cli_table(capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--output-len", "0"], "output length"),
+    (["--output-len", "0"], "--output-len"),
     (["--tp", "8", "--batch", "100000"], "needs"),
     (["--tp", "8", "--tpot-target", "0.0001"], "best reachable"),
     (["--tp", "3"], "tp=3"),

@@ -87,6 +87,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "layouts": [{"config": p.as_dict()["config"], "batch": p.batch, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
                      "throughput_tokens_per_s": p.throughput_tokens_per_s} for p in res.ranked[:10]],
         "searched": res.searched,
+        "skipped_layouts": res.skipped,  # layouts that cannot be placed on this cluster: reason -> count
     })
     out["_objects"] = (m, chip, eff, w, best)
     return out
@@ -210,6 +211,9 @@ def _print_table(o: dict) -> None:
                                 f"{fmt_bytes(o['memory_bytes_per_chip']['budget'])}"),
             ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f}"),
             ("decode step bound by", o["decode_step"]["bound"])]
+    if o.get("skipped_layouts"):
+        rows.append(("layouts skipped (cannot be placed)", f"{sum(o['skipped_layouts'].values())}: "
+                     + next(iter(o["skipped_layouts"]))))
     for k, v in rows:
         t.add_row(k, v)
     if "simulation" in o:

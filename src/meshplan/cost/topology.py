@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip, Links
 
 # Mesh-axis names by how much they communicate (most first); used to put heavy axes on fast links.
@@ -132,7 +133,7 @@ def _default_shape(links: Links, n: int) -> tuple[int, ...]:
 def _default_torus(n: int, max_shape: tuple[int, ...], cubes: bool) -> tuple[int, ...]:
     """The largest slice that divides n and fits the pod, as balanced as possible (smallest axis first);
     on v4/v5p a shape made of whole 4x4x4 cubes (which wraps around) is preferred."""
-    for d in sorted(_divisors(n), reverse=True):
+    for d in sorted(divisors(n), reverse=True):
         best = _balanced_fit(d, max_shape, cubes)
         if best:
             return best
@@ -145,23 +146,23 @@ def _gpu_domain_share(links: Links, n: int) -> int:
     every rack: the largest divisor of `n` made of whole hosts that fits one domain. A job of 256 GB200s runs as
     4 racks x 64 GPUs: NVIDIA's Slurm block-scheduling guidance gives large GB200 NVL72 training jobs (128+
     GPUs) a segment of 16 compute trays = 64 GPUs per rack ("Unlock exascale performance on NVIDIA GB200 NVL72
-    with Slurm topology-aware job scheduling", NVIDIA technical blog, 2025). An 8-GPU server is used whole."""
+    with Slurm topology-aware job scheduling", NVIDIA technical blog, 2025). An 8-GPU server is used whole.
+    Any other count (12 or 24 H100s, a pipeline of 11) spans gcd(n, D) GPUs per domain: a group crossing domains
+    is paced by its slowest (scale-out) hop either way, so a deployment that runs is costed, not refused (#18)."""
     domain, host = links.nvlink_domain_size, links.chips_per_host
-    if n <= domain or n % domain == 0 or domain <= host:
+    if n <= domain or n % domain == 0:
         return min(n, domain)
-    shares = [d for d in _divisors(n) if d <= domain and d % host == 0]
-    return max(shares) if shares else domain
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    if domain > host:
+        shares = [d for d in divisors(n) if d <= domain and d % host == 0]
+        if shares:
+            return max(shares)
+    return math.gcd(n, domain)
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     if k == 1:
         return [(n,)]
-    return [(d, *rest) for d in _divisors(n) for rest in _factorizations(n // d, k - 1)]
+    return [(d, *rest) for d in divisors(n) for rest in _factorizations(n // d, k - 1)]
 
 
 def _balanced_fit(n: int, max_shape: tuple[int, ...], cubes: bool) -> tuple[int, ...] | None:
@@ -175,12 +176,12 @@ def _check_shape(links: Links, n: int, shape: tuple[int, ...]) -> tuple[int, ...
     if not links.is_torus:
         return _check_gpu_domain(links, n, shape)
     if n % math.prod(shape):
-        raise MeshplanError(f"slice shape {_shape(shape)} ({math.prod(shape)} chips) does not divide {n} chips")
+        raise InfeasibleError(f"slice shape {_shape(shape)} ({math.prod(shape)} chips) does not divide {n} chips")
     if len(shape) > links.torus_dims:
         raise MeshplanError(f"slice shape {_shape(shape)} has more axes than the {links.torus_dims}D torus")
     shape = shape + (1,) * (links.torus_dims - len(shape))
     if any(a > b for a, b in zip(sorted(shape), sorted(links.max_slice_shape), strict=True)):
-        raise MeshplanError(f"slice shape {_shape(shape)} does not fit the pod {_shape(links.max_slice_shape)}")
+        raise InfeasibleError(f"slice shape {_shape(shape)} does not fit the pod {_shape(links.max_slice_shape)}")
     return shape
 
 
@@ -189,7 +190,7 @@ def _check_gpu_domain(links: Links, n: int, shape: tuple[int, ...]) -> tuple[int
         raise MeshplanError(f"GPU slice shape must be one number <= the NVLink domain size "
                             f"{links.nvlink_domain_size}, got {_shape(shape)}")
     if n % shape[0]:
-        raise MeshplanError(f"{n} GPUs is not a whole number of {shape[0]}-GPU NVLink domains")
+        raise InfeasibleError(f"{n} GPUs is not a whole number of {shape[0]}-GPU NVLink domains")
     return shape
 
 
@@ -285,18 +286,18 @@ def _spans_of(dims: tuple[int, ...], size: int, stride: int) -> list[tuple[int, 
             break
         if r >= s:
             if r % s:
-                raise MeshplanError(f"stride {stride} does not line up with a physical axis of {s}")
+                raise InfeasibleError(f"stride {stride} does not line up with a physical axis of {s}")
             r //= s
             continue
         if s % r:
-            raise MeshplanError(f"stride {r} does not divide a physical axis of {s}")
+            raise InfeasibleError(f"stride {r} does not divide a physical axis of {s}")
         m = min(n, s // r)
         if n % m or s % (m * r):
-            raise MeshplanError(f"a group of {size} (stride {stride}) does not tile a physical axis of {s}")
+            raise InfeasibleError(f"a group of {size} (stride {stride}) does not tile a physical axis of {s}")
         out.append((d, m, r))
         n, r = n // m, 1
     if n > 1:
-        raise MeshplanError(f"a group of {size} chips with stride {stride} exceeds the cluster")
+        raise InfeasibleError(f"a group of {size} chips with stride {stride} exceeds the cluster")
     return out
 
 
@@ -324,7 +325,7 @@ def place_group(cluster: Cluster, size: int, stride: int) -> GroupPlacement:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise MeshplanError(f"{name} must be a positive integer, got {v}")
     if size * stride > cluster.n_chips:
-        raise MeshplanError(f"a group of {size} chips with stride {stride} needs {size * stride} chips; "
+        raise InfeasibleError(f"a group of {size} chips with stride {stride} needs {size * stride} chips; "
                             f"the cluster has {cluster.n_chips}")
     return _place(cluster, ((size, stride),)) if size > 1 else _place(cluster, ())
 

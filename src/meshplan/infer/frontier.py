@@ -7,14 +7,16 @@ the model's heads, and every batch on the grid, and keeps the highest output thr
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.infer.config import ServeConfig, Workload, check_layout
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.metrics import ServePoint, evaluate
+from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -56,8 +58,6 @@ def best_point(points: Iterable[ServePoint], targets: Targets = Targets()) -> Se
     return max(ok, key=lambda p: (p.throughput_tokens_per_s, -p.tpot_s)) if ok else None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layouts(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, tp: int | None = None,
@@ -65,11 +65,11 @@ def layouts(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, tp: int
     """Every valid layout; pinned degrees stay fixed. TP stays inside one fast domain on GPUs (NVLink)."""
     out = []
     fast = chip.links.fast_domain_size
-    for t in ([tp] if tp else _divisors(n_chips)):
+    for t in ([tp] if tp else divisors(n_chips)):
         if tp is None and t > fast:
             continue
-        for p in ([pp] if pp else _divisors(n_chips // t if n_chips % t == 0 else 1)):
-            for e in ([ep] if ep else (_divisors(t) if m.is_moe else [1])):
+        for p in ([pp] if pp else divisors(n_chips // t if n_chips % t == 0 else 1)):
+            for e in ([ep] if ep else (divisors(t) if m.is_moe else [1])):
                 cfg = replace(base, tp=t, pp=p, ep=e)
                 try:
                     check_layout(m, chip, n_chips, cfg)
@@ -84,6 +84,7 @@ class SearchResult:
     best: ServePoint
     ranked: list[ServePoint]  # best point of each layout, best first
     searched: int
+    skipped: dict[str, int] = field(default_factory=dict)  # layouts that cannot run here: reason -> count
 
 
 def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
@@ -94,8 +95,13 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
     if not cands:
         raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees")
     ranked, fastest, searched = [], [], 0
+    skipped: Counter[str] = Counter()
     for cfg in cands:
-        pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None)
+        try:
+            pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None)
+        except InfeasibleError as exc:  # this layout cannot be placed here; another may be fine
+            skipped[f"tp={cfg.tp} pp={cfg.pp}: {exc}"] += 1
+            continue
         searched += len(pts)
         if pts:
             fastest.append(min(pts, key=lambda p: p.tpot_s))
@@ -103,9 +109,17 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
         if b is not None:
             ranked.append(b)
     if not ranked:
-        raise _no_layout_error(m, chip, n_chips, w, targets, fastest, batch)
+        if skipped and not fastest:
+            reason, _ = skipped.most_common(1)[0]
+            raise InfeasibleError(f"no layout of {m.name} can be placed on {n_chips} x {chip.name} "
+                                  f"({sum(skipped.values())} skipped; e.g. {reason})")
+        err = _no_layout_error(m, chip, n_chips, w, targets, fastest, batch)
+        if not fastest and not batch and tp is None and pp is None and ep is None:
+            why = _why_no_layout(m, chip, n_chips, base, eff, w, cands)
+            err = InfeasibleError(str(err).replace("; add chips", why + "; add chips", 1))
+        raise err
     ranked.sort(key=lambda p: (-p.throughput_tokens_per_s, p.tpot_s))
-    return SearchResult(ranked[0], ranked, searched)
+    return SearchResult(ranked[0], ranked, searched, dict(skipped))
 
 
 def _no_layout_error(m, chip, n_chips, w, targets, fastest, batch) -> MeshplanError:
@@ -119,3 +133,15 @@ def _no_layout_error(m, chip, n_chips, w, targets, fastest, batch) -> MeshplanEr
         f"no layout meets {targets.describe()}: the best reachable TPOT is {t.tpot_s * 1e3:.3g} ms "
         f"(tp={t.config.tp} pp={t.config.pp} ep={t.config.ep}, batch {t.batch}) and the best TTFT is "
         f"{f.ttft_s * 1e3:.3g} ms (tp={f.config.tp} pp={f.config.pp}, batch {f.batch})")
+
+
+def _why_no_layout(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
+                   tried: list[ServeConfig]) -> str:
+    """Which layouts divide this chip count, and the nearest smaller count (idle chips left over) that serves."""
+    shown = ", ".join(f"tp={c.tp} pp={c.pp}" for c in tried[:3]) + (" ..." if len(tried) > 3 else "")
+    why = f": the layouts that divide {n_chips} chips ({shown or 'none'}) cannot hold a replica"
+    for k in range(n_chips - 1, max(0, n_chips - 64), -1):  # bounded: at most 63 smaller counts
+        for cfg in layouts(m, chip, k, base):
+            if max_batch_per_replica(m, chip, cfg, eff, w) >= 1:
+                return f"{why}; {k} of them would serve it (tp={cfg.tp} pp={cfg.pp})"
+    return why

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
+from meshplan.errors import InfeasibleError
 from meshplan.infer.config import ServeConfig, serving_constant
 from meshplan.infer.memory import (
     attention_params_per_chip,
@@ -125,7 +126,15 @@ def _p2p_s(chip: Chip, cfg: ServeConfig, nbytes: float) -> float:
     from meshplan.cost.topology import make_cluster
 
     n = cfg.tp * cfg.pp
-    return group_collective("permute", nbytes / cfg.tp, make_cluster(chip, n), cfg.pp, cfg.tp).time_s
+    try:
+        return group_collective("permute", nbytes / cfg.tp, make_cluster(chip, n), cfg.pp, cfg.tp).time_s
+    except InfeasibleError:
+        if not chip.links.is_torus:
+            raise
+    # the default slice does not line the stages up (12 v5e chips as 3x4, stride 4): allocate the replica as a
+    # tp x pp rectangle, TP along one torus axis and the stages along the next
+    cluster = make_cluster(chip, n, (cfg.tp, cfg.pp))
+    return group_collective("permute", nbytes / cfg.tp, cluster, cfg.pp, cfg.tp).time_s
 
 
 def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> float:

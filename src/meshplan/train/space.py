@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import RECOMPUTE_CODES, LayoutArrays, check_recompute
@@ -21,9 +22,6 @@ from meshplan.train.config import RECOMPUTE_CODES, LayoutArrays, check_recompute
 PP_SCHEDULES = ("1f1b", "zb1p", "dualpipe")
 
 
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 @dataclass
