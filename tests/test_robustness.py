@@ -1,0 +1,140 @@
+"""Issue #18: bad input never ends in a traceback or a hang; valid deployments are planned, not refused.
+
+Each reproduction from the issue is one case: one `error:` line on stderr, exit 2 (or a correct answer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli
+
+from meshplan.errors import MeshplanError
+from meshplan.math.integers import divisors
+from meshplan.specs.hardware import HARDWARE_DIR
+from meshplan.specs.model import MODELS_DIR
+
+TRAIN = ["train", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+         "--global-batch", "8"]
+SERVE = ["serve", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--input-len", "512",
+         "--output-len", "128"]
+
+
+def _hardware_file(tmp_path: Path, **changes) -> str:
+    data = yaml.safe_load((HARDWARE_DIR / "h100-sxm.yaml").read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = {"value": value, "source": "test"}
+    p = tmp_path / "hw.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def _model_file(tmp_path: Path, **changes) -> str:
+    cfg = json.loads((MODELS_DIR / "llama3-8b.json").read_text())
+    cfg.update(changes)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+def assert_one_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert needle in lines[0], lines[0]
+
+
+A300 = "a" * 300
+
+REPRODUCTIONS = [
+    (["hardware", A300], "too long"),
+    (["model", A300], "too long"),
+    (["matmul", "-h", "h100-sxm", "-n", "8", "--mesh", "data=8", "--lhs", "B:data,D", "--rhs", "D,F",
+      "--sizes", "B=inf,D=1,F=1"], "size B"),
+    (["roofline", "-h", "h100-sxm", "--op", "attention:1,1,1,inf,1,1"], "size 4"),
+    (["roofline", "-h", "h100-sxm", "--op", "attention:1,1,1,nan,1,1"], "size 4"),
+    (["roofline", "-h", "h100-sxm", "--op", "matmul:nan,1,1"], "size 1"),
+    (["roofline", "-h", "h100-sxm", "--op", "attention:1,1,1,1.5,1,1"], "integer"),  # 1.5 heads
+    (["roofline", "-h", "h100-sxm", "-m", "llama3-8b", "--seq-len", "0"], "--seq-len"),
+    (TRAIN[:-1] + ["9223372036854775808"], "--global-batch"),
+    (TRAIN + ["--tokens", "inf"], "--tokens"),
+    (SERVE + ["--simulate", "--rate", "1", "--seed", "-1"], "--seed"),
+    (SERVE + ["--simulate", "--rate", "nan"], "--rate"),
+    (SERVE[:6] + ["2147483648"] + SERVE[7:], "--chips"),
+    (["collective", "allgather", "--hardware", "tpu-v5e", "--chips", "1" + "0" * 29, "--mesh", "a=4", "--axes", "a",
+      "--bytes", "1e9"], "--chips"),
+    (TRAIN + ["--plot", "/proc/x/y"], "cannot use"),
+]
+
+
+@pytest.mark.parametrize("args, needle", REPRODUCTIONS, ids=[" ".join(a)[:60] for a, _ in REPRODUCTIONS])
+def test_issue_reproductions_give_one_error_line(capsys, args, needle):
+    assert_one_error(*run_cli(args, capsys)[::2], needle)
+
+
+def test_chip_count_bound_is_stated(capsys):
+    code, _, err = run_cli(SERVE[:6] + ["2147483648"] + SERVE[7:], capsys)
+    assert "1048576" in err and "more accelerators than any system has" in err
+
+
+def test_hardware_yaml_tiny_peak_and_negative_usable_hbm(tmp_path, capsys):
+    hw = _hardware_file(tmp_path, peak_flops_per_s__bf16=1e-300)
+    assert_one_error(*run_cli(["serve", "-m", "llama3-8b", "--hardware", hw, "--chips", "8", "--input-len", "512",
+                               "--output-len", "128"], capsys)[::2], "peak_flops_per_s.bf16")
+    hw = _hardware_file(tmp_path, hbm_usable_bytes=-1)
+    assert_one_error(*run_cli(["hardware", hw], capsys)[::2], "hbm_usable_bytes")
+
+
+def test_config_json_whose_embedding_overflows_int64(tmp_path, capsys):
+    # vocab 2**40 x d_model 2**30 = 2**70 parameters: beyond int64 (2**63) in the embedding alone
+    cfg = _model_file(tmp_path, vocab_size=2**40, hidden_size=2**30, num_attention_heads=2**23, head_dim=128)
+    assert_one_error(*run_cli(["model", cfg], capsys)[::2], "vocab_size x d_model")
+    assert_one_error(*run_cli(["train", "-m", cfg] + TRAIN[3:], capsys)[::2], "vocab_size x d_model")
+
+
+def test_divisors_bounded_and_exact():
+    assert divisors(12) == (1, 2, 3, 4, 6, 12)
+    assert divisors(1) == (1,)
+    assert divisors(2**40) == tuple(2**k for k in range(41))
+    assert divisors(1_099_511_627_689) == (1, 1_099_511_627_689)  # the largest prime below 2**40, fast
+    with pytest.raises(MeshplanError, match="too large"):
+        divisors(2**41)
+
+
+@pytest.mark.parametrize("hardware", ["h100-sxm", "tpu-v5e"])
+def test_unpinned_serve_plans_every_chip_count_to_256(hardware):
+    """Every count from 1 to 256 is planned, or refused in one line saying why and which count would serve."""
+    from meshplan.cli.serve import plan_serving
+
+    refused = {}
+    for n in range(1, 257):
+        try:
+            out = plan_serving("llama3-8b", hardware, n, 1024, 256)
+            c = out["config"]
+            assert c["tp"] * c["pp"] * c["replicas"] == n and c["chips"] == n
+        except MeshplanError as exc:
+            refused[n] = str(exc)
+    for n, msg in refused.items():
+        # Llama-3-8B in bf16 is 16.1 GB: a v5e holds 16 GB, so tp=1 cannot hold it; only prime counts
+        # (no tp=2/4/8 divides them) or counts whose stages exceed the 32 layers are refused.
+        assert hardware == "tpu-v5e", (n, msg)
+        assert "cannot hold a replica" in msg and "\n" not in msg, msg
+        assert n == 1 or "would serve it" in msg, msg
+    # the issue's examples all plan
+    for n in (12, 24, 48):
+        assert n not in refused
+    assert len(refused) < 60
+
+
+@pytest.mark.parametrize("n", [24, 40, 48, 80, 96, 192])
+def test_whole_h100_nodes_plan_unpinned(n):
+    from meshplan.cli.serve import plan_serving
+
+    assert plan_serving("llama3-70b", "h100-sxm", n, 1024, 256)["config"]["tp"] >= 1
