@@ -1,0 +1,305 @@
+"""Fuzz every meshplan command as a hostile user would, in-process, and count tracebacks and hangs (issue #18).
+
+    PYTHONPATH=src python benchmarks/fuzz.py [--n 5000] [--seed 0] [--timeout 20] [--json]
+
+Each invocation starts from a valid command line and mutates it: a flag's value replaced by an odd one (0, -1, nan,
+inf, 1e400, 2**63, 1.5, a 300-character name, unicode, ...), a required flag dropped, an unknown flag added, or a
+file argument replaced by a generated hardware YAML / model config.json / profile JSON (a preset with one field
+set to an odd value or removed, or random bytes). The contract checked: exit 0, or exit 2 with exactly one stderr
+line starting `error:`; no exception escapes `main()`; nothing runs past `--timeout` seconds (SIGALRM).
+`verify`, `calibrate` and `measure` compile or run JAX programs when their input is valid; for them only mutations
+that are invalid by construction are drawn, so a long valid run is not mistaken for a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from meshplan.cli.app import main  # noqa: E402
+from meshplan.specs.hardware import HARDWARE_DIR  # noqa: E402
+from meshplan.specs.model import MODELS_DIR  # noqa: E402
+
+MODELS = ["llama3-8b", "llama3.2-1b", "mixtral-8x7b", "llama3-70b", "gpt3-175b", "deepseek-v3"]
+CHIPS = ["h100-sxm", "tpu-v5e", "a100-80gb", "tpu-v5p", "b200"]
+ODD_INTS = ["0", "-1", "-5", "2147483648", "9223372036854775808", "1" + "0" * 30, "1.5", "nan", "inf", "", "abc",
+            "1e3", "0x10", "١٢"]
+ODD_FLOATS = ["0", "-1", "nan", "inf", "-inf", "1e-300", "1e400", "1e308", "", "abc", "1,5", "5e-324"]
+ODD_TEXT = ["", " ", "a" * 300, "../../etc/passwd", "/proc/x/y", "\u00e9\u00e9", "nul\x01", "x.yaml", "x.json",
+            "/dev/null", "-", "llama3-7b"]
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(_sig: int, _frame: Any) -> None:
+    raise Hang()
+
+
+# --- valid templates: (command args, {flag: kind}) ----------------------------------------------------------
+
+def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
+    m, h = rng.choice(MODELS[:4]), rng.choice(CHIPS)
+    n = str(rng.choice([1, 2, 4, 8, 12, 16, 24, 64, 256]))
+    train = ["train", "-m", m, "--hardware", h, "--chips", n, "--seq-len", rng.choice(["2048", "4096"]),
+             "--global-batch", rng.choice(["8", "64", "256"])]
+    serve = ["serve", "-m", m, "--hardware", h, "--chips", n, "--input-len", "1024", "--output-len", "128"]
+    return [
+        (["model", m, "--json"], {"model": "name", "--seq-len": "int"}),
+        (["hardware", h, "--json"], {"hardware": "hwname"}),
+        (["hardware"], {}),
+        (["roofline", "-h", h, "--op", "matmul:4096,8192,8192", "--json"], {"-h": "hwname", "--op": "op"}),
+        (["roofline", "-h", h, "-m", m, "--tokens-per-chip", "4096"],
+         {"-h": "hwname", "-m": "name", "--tokens-per-chip": "int", "--seq-len": "int", "--dtype": "text"}),
+        (["collective", rng.choice(["allgather", "allreduce", "alltoall", "reducescatter", "permute"]),
+          "--hardware", h, "--chips", "64", "--mesh", "a=8,b=8", "--axes", "a", "--bytes", "1GiB", "--json"],
+         {"--hardware": "hwname", "--chips": "int", "--mesh": "mesh", "--axes": "text", "--bytes": "float",
+          "--slice": "text"}),
+        (["matmul", "-h", h, "-n", "8", "--mesh", "data=8", "--lhs", "B:data,D", "--rhs", "D,F",
+          "--sizes", "B=8192,D=8192,F=28672", "--json"],
+         {"-h": "hwname", "-n": "int", "--mesh": "mesh", "--sizes": "sizes", "--lhs": "text", "--rhs": "text"}),
+        (train + ["--json"],
+         {"-m": "name", "--hardware": "hwname", "--chips": "int", "--seq-len": "int", "--global-batch": "int",
+          "--tokens": "float", "--dp": "int", "--tp": "int", "--pp": "int", "--fsdp": "int", "--zero": "int",
+          "--offload": "float", "--headroom": "float", "--microbatch": "int", "--recompute": "text", "--top": "int",
+          "--profile": "profile", "--slice": "text", "--vpp": "int", "--cp": "int", "--ep": "int"}),
+        (serve + ["--json"],
+         {"-m": "name", "--hardware": "hwname", "--chips": "int", "--input-len": "int", "--output-len": "int",
+          "--batch": "int", "--tp": "int", "--pp": "int", "--ep": "int", "--quant": "text",
+          "--tpot-target": "float", "--ttft-target": "float", "--batching": "text", "--profile": "profile"}),
+        (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
+         {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int"}),
+    ]
+
+
+# verify/calibrate/measure: invalid-only mutations (a valid call compiles or runs JAX for minutes)
+SLOW = [
+    (["verify", "-m", "llama3-8b", "--devices", "8", "--tp", "2"], ["--devices", "--tp", "--seq-len", "--global-batch",
+                                                                    "--microbatch", "--zero", "--layers"]),
+    (["measure", "-m", "llama3.2-1b", "--steps", "1"], ["--seq-len", "--steps", "--layers", "--global-batch"]),
+    (["calibrate", "--quick"], ["--bench"]),
+]
+SLOW_BAD = ["0", "-1", "nan", "9223372036854775808", "1" + "0" * 30, "abc", ""]
+SLOW_BAD_BENCH = ["nan", "abc", "matmul,nope", ","]
+
+
+class Files:
+    """Generated input files: mutated presets and random bytes."""
+
+    def __init__(self, root: Path, rng: random.Random):
+        self.root, self.rng, self.count = root, rng, 0
+
+    def _path(self, suffix: str) -> Path:
+        self.count += 1
+        return self.root / f"f{self.count}{suffix}"
+
+    def hardware(self) -> str:
+        data = yaml.safe_load((HARDWARE_DIR / f"{self.rng.choice(CHIPS)}.yaml").read_text())
+        p = self._path(".yaml")
+        if self.rng.random() < 0.1:
+            p.write_bytes(self.rng.randbytes(self.rng.randint(0, 200)))
+            return str(p)
+        node, keys = data, []
+        while isinstance(node, dict) and node and "value" not in node:
+            k = self.rng.choice(list(node))
+            keys.append(k)
+            if not isinstance(node[k], dict) or "value" in node[k] or self.rng.random() < 0.3:
+                break
+            node = node[k]
+        if self.rng.random() < 0.2:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = {"value": self.rng.choice([0, -1, 1e-300, 1e300, float("nan"), float("inf"), "x", None,
+                                                         True, [], 2**70, 0.5, 3])}
+        p.write_text(yaml.safe_dump(data))
+        return str(p)
+
+    def model(self) -> str:
+        cfg = json.loads((MODELS_DIR / f"{self.rng.choice(MODELS)}.json").read_text())
+        p = self._path(".json")
+        if self.rng.random() < 0.1:
+            p.write_bytes(self.rng.randbytes(self.rng.randint(0, 200)))
+            return str(p)
+        for _ in range(self.rng.randint(1, 3)):
+            key = self.rng.choice(list(cfg) + ["vocab_size", "hidden_size", "num_attention_heads"])
+            cfg[key] = self.rng.choice([0, -3, 1, 2**40, 2**62, 10**30, 1.5, "x", None, [], {}, True, 7])
+        p.write_text(json.dumps(cfg, default=str))
+        return str(p)
+
+    def profile(self) -> str:
+        p = self._path(".json")
+        p.write_text(json.dumps(self.rng.choice([{}, [], {"chip": "h100-sxm"}, {"efficiency": {"matmul": -1}},
+                                                 {"cpu_only": True, "chip": "h100-sxm"}, "x"])))
+        return str(p)
+
+
+def value_for(kind: str, rng: random.Random, files: Files) -> str:
+    odd = rng.random() < 0.7
+    if kind == "int":
+        return rng.choice(ODD_INTS) if odd else str(rng.choice([1, 2, 3, 4, 8, 16, 64, 1024, 4096]))
+    if kind == "float":
+        return rng.choice(ODD_FLOATS) if odd else rng.choice(["0.5", "1", "15e12", "0.01", "100"])
+    if kind == "name":
+        return rng.choice(ODD_TEXT + [files.model()] * 3) if odd else rng.choice(MODELS)
+    if kind == "hwname":
+        return rng.choice(ODD_TEXT + [files.hardware()] * 3) if odd else rng.choice(CHIPS)
+    if kind == "profile":
+        return rng.choice([files.profile(), "/nonexistent.json", ""])
+    if kind == "op":
+        k = rng.choice(["matmul:{},{},{}", "attention:{},{},{},{},{},{}", "elementwise:{}", "dot:{}", "conv:{}"])
+        vals = [rng.choice(["1", "4096", "0", "-1", "nan", "inf", "1.5", "1e30", "x"]) for _ in range(6)]
+        return k.format(*vals) + rng.choice(["", "@fp8", "@int4", "@xx"])
+    if kind == "mesh":
+        return rng.choice(["a=8,b=8", "a=0", "a=-1", "a=1e9", "a=nan", "=", "a=8,a=8", "", "a=99999999999999999999"])
+    if kind == "sizes":
+        return rng.choice(["B=1,D=1,F=1", "B=inf,D=1,F=1", "B=0", "B=nan,D=1,F=1", "B=1e400,D=1,F=1", "X", ""])
+    return rng.choice(ODD_TEXT + ["none", "full", "fp8", "bf16", "static", "uniform", "16x16", "8", "0x0", "3x3x3x3"])
+
+
+def mutate(args: list[str], kinds: dict[str, str], rng: random.Random, files: Files) -> list[str]:
+    args = list(args)
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        op = rng.random()
+        flags = list(kinds)
+        if op < 0.75 and flags:
+            f = rng.choice(flags)
+            v = value_for(kinds[f], rng, files)
+            if f in ("model", "hardware"):  # positional
+                if len(args) > 1:
+                    args[1] = v
+                else:
+                    args.append(v)
+            elif f in args:
+                args[args.index(f) + 1] = v
+            else:
+                args += [f, v]
+        elif op < 0.88:
+            opts = [i for i, a in enumerate(args) if a.startswith("-") and i + 1 < len(args)
+                    and not args[i + 1].startswith("--")]
+            if opts:
+                i = rng.choice(opts)
+                del args[i:i + 2]
+        else:
+            args.append(rng.choice(["--bogus", "--json", "--help", "-x", "--chips"]))
+    return args
+
+
+def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
+    rng = random.Random(seed)
+    files = Files(root, rng)
+    out: list[list[str]] = []
+    while len(out) < n:
+        if rng.random() < 0.06:
+            base, flags = rng.choice(SLOW)
+            args = list(base)
+            f = rng.choice(flags)
+            bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD[1:] if f == "--zero" else SLOW_BAD)
+            if f in args:
+                args[args.index(f) + 1] = bad
+            else:
+                args += [f, bad]
+            out.append(args)
+            continue
+        base, kinds = rng.choice(templates(rng))
+        out.append(mutate(base, kinds, rng, files) if rng.random() < 0.9 else base)
+    return out
+
+
+def run_one(args: list[str], timeout_s: float) -> tuple[str, str]:
+    """('ok'|'error'|'bad_error'|'traceback'|'hang'|'exit<N>', detail)."""
+    out, err = io.StringIO(), io.StringIO()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    code: Any = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(args)
+            except SystemExit as exc:
+                code = exc.code
+    except Hang:
+        return "hang", " ".join(args)[:200]
+    except BaseException as exc:  # noqa: BLE001 - the point is to catch whatever escapes
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+        return "traceback", f"{type(exc).__name__} at {where}: {' '.join(args)[:160]}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    code = 0 if code is None else code
+    e = err.getvalue()
+    if code == 0:
+        # `--help` prints usage on stdout; success leaves stderr empty apart from progress lines
+        return ("ok", "") if "Traceback" not in e else ("traceback", " ".join(args)[:160])
+    if code == 2:
+        lines = e.strip().splitlines()
+        if len(lines) == 1 and lines[0].startswith("error:"):
+            return "error", ""
+        return "bad_error", f"{e.strip()[:200]!r}: {' '.join(args)[:120]}"
+    return f"exit{code}", " ".join(args)[:160]
+
+
+def fuzz(n: int = 5000, seed: int = 0, timeout_s: float = 20.0, progress: bool = False) -> dict[str, Any]:
+    counts: Counter[str] = Counter()
+    details: dict[str, Counter[str]] = {}
+    per_command: Counter[str] = Counter()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        calls = invocations(n, seed, Path(tmp))
+        for i, args in enumerate(calls):
+            kind, detail = run_one(args, timeout_s)
+            counts[kind] += 1
+            per_command[args[0]] += 1
+            if kind not in ("ok", "error"):
+                details.setdefault(kind, Counter())[detail.split(": ")[0] if kind == "traceback" else detail] += 1
+            if progress and (i + 1) % 250 == 0:
+                print(f"  {i + 1}/{n}: {dict(counts)}", file=sys.__stderr__, flush=True)
+    return {"invocations": n, "seed": seed, "timeout_s": timeout_s, "wall_s": round(time.perf_counter() - t0, 1),
+            "counts": dict(counts), "per_command": dict(per_command),
+            "problems": {k: dict(v.most_common(20)) for k, v in details.items()}}
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    res = fuzz(a.n, a.seed, a.timeout, progress=not a.json)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    c = res["counts"]
+    print(f"{res['invocations']} invocations in {res['wall_s']} s (seed {res['seed']}, timeout {res['timeout_s']} s)")
+    print(f"  exit 0: {c.get('ok', 0)}   exit 2 with one error line: {c.get('error', 0)}")
+    print(f"  tracebacks: {c.get('traceback', 0)}   hangs: {c.get('hang', 0)}   "
+          f"malformed errors: {c.get('bad_error', 0)}   other exits: "
+          f"{sum(v for k, v in c.items() if k.startswith('exit'))}")
+    print(f"  per command: {res['per_command']}")
+    for kind, d in res["problems"].items():
+        print(f"  {kind}:")
+        for k, v in d.items():
+            print(f"    {v:4d}  {k}")
+
+
+if __name__ == "__main__":
+    cli()
