@@ -6,11 +6,14 @@ Each reproduction from the issue is one case: one `error:` line on stderr, exit 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import run_cli
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from meshplan.errors import MeshplanError
 from meshplan.math.integers import divisors
@@ -138,3 +141,122 @@ def test_whole_h100_nodes_plan_unpinned(n):
     from meshplan.cli.serve import plan_serving
 
     assert plan_serving("llama3-70b", "h100-sxm", n, 1024, 256)["config"]["tp"] >= 1
+
+
+# --- fuzz (bounded) and properties ---------------------------------------------------------------------------
+
+def test_fuzz_bounded_part_no_tracebacks_no_hangs():
+    """A bounded slice of benchmarks/fuzz.py (the full 5,000-invocation run is in benchmarks/README.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz.py")
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    res = fuzz.fuzz(n=120, seed=18, timeout_s=30)
+    c = res["counts"]
+    assert c.get("traceback", 0) == 0 and c.get("hang", 0) == 0 and c.get("bad_error", 0) == 0, res["problems"]
+    assert not any(k.startswith("exit") for k in c), res["problems"]
+    assert c.get("ok", 0) > 0 and c.get("error", 0) > 0  # both paths exercised
+    assert len(res["per_command"]) >= 8
+
+
+PROPS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+train_cases = st.tuples(st.sampled_from(["llama3.2-1b", "llama3-8b"]), st.sampled_from(["h100-sxm", "tpu-v5e"]),
+                        st.sampled_from([8, 16, 32]), st.sampled_from([2048, 4096]), st.sampled_from([32, 64, 128]))
+
+
+def _best(model: str, chip, chips: int, seq: int, batch: int) -> dict:
+    """The best plan; a case where nothing fits (Llama-3-8B's 128 GB of Adam state on 8 v5e) is skipped."""
+    from meshplan.cost.efficiency import resolve_efficiency
+    from meshplan.errors import InfeasibleError
+    from meshplan.specs.model import load_model
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins, Problem
+
+    try:
+        return plan(Problem(load_model(model), chip, chips, seq, batch), Pins(), resolve_efficiency(chip, None),
+                    top=1).plans[0]
+    except InfeasibleError:
+        assume(False)
+
+
+@PROPS
+@given(train_cases, st.sampled_from(["hbm", "fast_link", "scale_out"]))
+def test_more_hbm_or_faster_link_never_slower(case, what):
+    from meshplan.specs.hardware import load_chip
+
+    model, hw, chips, seq, batch = case
+    chip = load_chip(hw)
+    links = chip.links
+    better = {
+        "hbm": chip.with_overrides(hbm_bytes=chip.hbm_bytes * 2, hbm_usable_bytes=chip.usable_hbm_bytes * 2),
+        "fast_link": chip.with_overrides(links=replace(
+            links, nvlink_bandwidth_bytes_per_s=links.nvlink_bandwidth_bytes_per_s * 2,
+            ici_bandwidth_per_link_bytes_per_s=links.ici_bandwidth_per_link_bytes_per_s * 2)),
+        "scale_out": chip.with_overrides(links=replace(
+            links, scale_out_bandwidth_bytes_per_s=links.scale_out_bandwidth_bytes_per_s * 2)),
+    }[what]
+    base = _best(model, chip, chips, seq, batch)["step_time_s"]
+    assert _best(model, better, chips, seq, batch)["step_time_s"] <= base * (1 + 1e-9)
+
+
+@PROPS
+@given(train_cases)
+def test_doubling_global_batch_keeps_tokens_per_chip(case):
+    from meshplan.specs.hardware import load_chip
+
+    model, hw, chips, seq, batch = case
+    chip = load_chip(hw)
+    one = _best(model, chip, chips, seq, batch)["tokens_per_s_per_chip"]
+    two = _best(model, chip, chips, seq, 2 * batch)["tokens_per_s_per_chip"]
+    assert two >= 0.98 * one, (one, two)
+
+
+serve_cases = st.tuples(st.sampled_from(["llama3-8b", "mixtral-8x7b"]), st.sampled_from(["h100-sxm", "tpu-v5e"]),
+                        st.sampled_from([8, 16]), st.sampled_from([128, 1024, 4096]), st.sampled_from([1, 16, 256]))
+
+
+@PROPS
+@given(serve_cases, st.sampled_from(["continuous", "static"]))
+def test_serving_tpot_rises_with_batch_ttft_with_input_and_costs_are_finite(case, mode):
+    import math
+
+    from meshplan.cli.serve import plan_serving
+    from meshplan.infer.config import Workload
+    from meshplan.infer.frontier import frontier
+
+    model, hw, chips, inp, outp = case
+    out = plan_serving(model, hw, chips, inp, outp, mode=mode)
+    m, chip, eff, w, best = out.pop("_objects")
+    pts = frontier(m, chip, chips, best.config, eff, w, mode)
+    tpots = [p.tpot_s for p in pts]
+    assert tpots == sorted(tpots), tpots
+    longer = frontier(m, chip, chips, best.config, eff, Workload(inp * 2, outp), mode, [1])
+    assert not longer or longer[0].ttft_s >= pts[0].ttft_s
+    for v in out["cost_per_million_tokens"].values():
+        assert isinstance(v, float) and math.isfinite(v) and v > 0, out["cost_per_million_tokens"]
+
+
+@pytest.mark.parametrize("args", [TRAIN + ["--json"], SERVE + ["--json"], ["model", "deepseek-v3", "--json"]])
+def test_identical_inputs_identical_json(capsys, args):
+    runs = []
+    for _ in range(2):
+        code, out, _ = run_cli(args, capsys)
+        assert code == 0
+        d = json.loads(out)
+        d.pop("search_time_s", None)
+        runs.append(d)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("mode", ["static", "continuous"])
+def test_output_len_one(mode):
+    """Issue #18: `--output-len 1 --batching static` gave $0.00 per million output tokens, and continuous batching a
+    16 s TPOT beside a 0.16 s end-to-end latency. TPOT is now a decode step at that batch: no longer than the
+    TPOT of the same deployment at --output-len 2 (whose mixed step also prefills)."""
+    from meshplan.cli.serve import plan_serving
+
+    one = plan_serving("llama3-8b", "h100-sxm", 8, 2048, 1, tp=8, batch=64, mode=mode)
+    two = plan_serving("llama3-8b", "h100-sxm", 8, 2048, 2, tp=8, batch=64, mode=mode)
+    assert one["cost_per_million_tokens"]["output"] > 0
+    assert one["tpot_s"] <= two["tpot_s"] * (1 + 1e-9)

@@ -109,14 +109,20 @@ def _continuous(m, chip, cfg, eff, w, batch):
     pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s)
     frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
-    return ttft, mixed.time_s, batch / mixed.time_s, frac, mixed
+    # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
+    # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
+    tpot = mixed.time_s if w.output_len > 1 else pure.time_s
+    return ttft, tpot, batch / mixed.time_s, frac, mixed
 
 
 def _static(m, chip, cfg, eff, w, batch):
     pre = prefill_step(m, chip, cfg, eff, batch, w.input_len)
     dec = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     e2e = pre.time_s + (w.output_len - 1) * dec.time_s
-    return pre.time_s, dec.time_s, batch * w.output_len / e2e, pre.time_s / e2e, dec
+    # the cost split charges generation at least one decode step: with --output-len 1 the one output token (its LM
+    # head and sampling) is not free (issue #18: $0.00 per million output tokens)
+    frac = pre.time_s / (pre.time_s + max(w.output_len - 1, 1) * dec.time_s)
+    return pre.time_s, dec.time_s, batch * w.output_len / e2e, frac, dec
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
