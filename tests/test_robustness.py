@@ -260,3 +260,33 @@ def test_output_len_one(mode):
     two = plan_serving("llama3-8b", "h100-sxm", 8, 2048, 2, tp=8, batch=64, mode=mode)
     assert one["cost_per_million_tokens"]["output"] > 0
     assert one["tpot_s"] <= two["tpot_s"] * (1 + 1e-9)
+
+
+def test_offload_is_searched_and_host_memory_bounds_it():
+    """Issue #18: on 1,024 v5e (Llama-3-70B, seq 8192, batch 1024) the search reported 27.0 s while --offload 1 found
+    23.8 s. Offload is now a searched dimension, so the unpinned search finds that plan when host memory is not
+    limited. That plan keeps 121 GB of activations per chip in host memory, but a v5e host VM has 384 GB for 8
+    chips = 48 GB per chip (catalog, Google Cloud TPU v5e VM types): with the capacity checked it is rejected, and the
+    search says so."""
+    from meshplan.cost.efficiency import resolve_efficiency
+    from meshplan.specs.hardware import load_chip
+    from meshplan.specs.model import load_model
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins, Problem
+
+    v5e = load_chip("tpu-v5e")
+    unlimited = v5e.with_overrides(host_memory_bytes=0.0)  # 0 = no host-memory figure, no limit
+    eff = resolve_efficiency(v5e, None)
+
+    def best(chip, pins):
+        r = plan(Problem(load_model("llama3-70b"), chip, 1024, 8192, 1024), pins, eff, top=1)
+        return r, r.plans[0]
+
+    _, no_offload = best(unlimited, Pins(offload=0.0))
+    _, searched = best(unlimited, Pins())
+    assert no_offload["step_time_s"] == pytest.approx(27.0, abs=0.05)  # the issue's figure
+    assert searched["step_time_s"] == pytest.approx(23.8, abs=0.05) and searched["config"]["offload"] > 0
+    r, capped = best(v5e, Pins())
+    assert r.infeasible.get("offloaded activations exceed host memory", 0) > 0
+    i = r.plans.index(capped)
+    assert i == 0 and no_offload["step_time_s"] > capped["step_time_s"] > searched["step_time_s"]

@@ -31,6 +31,8 @@ class Evaluation:
     n_micro: np.ndarray
     hbm_budget_bytes: float
     ledger: Ledger  # per device per step: FLOPs, collective bytes, HBM bytes, memory (train/ledger.py)
+    hbm_fits: np.ndarray | None = None  # fits in HBM (fits = this and host_fits)
+    host_fits: np.ndarray | None = None  # offloaded activations fit in the chip's share of host memory
 
 
 def _bubble(cm: CostModel, g: dict, ct, per_mb):
@@ -110,5 +112,10 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
                   dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
-    return Evaluation(L, step, time, mem, mem["total"] <= budget, model_flops, hw_flops, model_flops / denom,
-                      hw_flops / denom, tokens / step, links, m, budget, g["ledger"])
+    hbm_fits = mem["total"] <= budget
+    # offloaded activations live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
+    # catalog) bounds them; a chip without that figure is not limited here
+    host_cap = p.chip.host_memory_bytes or np.inf
+    host_fits = mem["offloaded"] <= host_cap
+    return Evaluation(L, step, time, mem, hbm_fits & host_fits, model_flops, hw_flops, model_flops / denom,
+                      hw_flops / denom, tokens / step, links, m, budget, g["ledger"], hbm_fits, host_fits)
