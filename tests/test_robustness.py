@@ -290,3 +290,44 @@ def test_offload_is_searched_and_host_memory_bounds_it():
     assert r.infeasible.get("offloaded activations exceed host memory", 0) > 0
     i = r.plans.index(capped)
     assert i == 0 and no_offload["step_time_s"] > capped["step_time_s"] > searched["step_time_s"]
+
+
+def test_dp_with_zero3_is_fsdp_over_those_ranks(capsys):
+    code, out, err = run_cli(["train", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len", "4096",
+                              "--global-batch", "64", "--dp", "32", "--zero", "3", "--json"], capsys)
+    assert code == 0, err
+    for p in json.loads(out)["plans"]:
+        assert (p["config"]["fsdp"], p["config"]["dp"]) == (32, 1)
+
+
+def test_dp_advice_respects_the_plans_zero_stage():
+    from meshplan.cost.efficiency import resolve_efficiency
+    from meshplan.specs.hardware import load_chip
+    from meshplan.specs.model import load_model
+    from meshplan.train.config import ParallelConfig
+    from meshplan.train.costmodel import CostModel, Options
+    from meshplan.train.planner import SUGGEST, _advice_for_plan
+    from meshplan.train.space import Problem
+
+    chip = load_chip("h100-sxm")
+    p = Problem(load_model("llama3-8b"), chip, 64, 4096, 64)
+    cm = CostModel(p, resolve_efficiency(chip, None), Options())
+    at_zero2 = _advice_for_plan("dp", p, cm, ParallelConfig(dp=64, zero=2))
+    assert "--zero 1/2" in SUGGEST["dp"] and "--zero" not in at_zero2 and "--fsdp" in at_zero2
+    assert "--dp-overlap" not in at_zero2  # GPUs overlap the DP reduction by default
+    assert "--zero 1/2" in _advice_for_plan("dp", p, cm, ParallelConfig(dp=64, zero=0))
+
+
+def test_equal_step_time_ranks_less_memory_first():
+    from meshplan.cost.efficiency import resolve_efficiency
+    from meshplan.specs.hardware import load_chip
+    from meshplan.specs.model import load_model
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins, Problem
+
+    chip = load_chip("h100-sxm")
+    r = plan(Problem(load_model("llama3.2-1b"), chip, 8, 2048, 64), Pins(), resolve_efficiency(chip, None), top=50)
+    for a, b in zip(r.plans, r.plans[1:], strict=False):
+        if round(a["step_time_s"], 9) == round(b["step_time_s"], 9):
+            assert a["memory_bytes_per_chip"]["total"] <= b["memory_bytes_per_chip"]["total"]
+        assert a["step_time_s"] <= b["step_time_s"] + 1e-9

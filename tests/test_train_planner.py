@@ -600,6 +600,9 @@ def test_random_pins_never_crash(dp, fsdp, tp, pp, cp, vpp, microbatch, recomput
                 assert p["config"]["zero"] == 0
             elif k == "dp" and pins.zero == 3 and pins.dp is None and pins.fsdp is None:
                 assert p["config"]["dp"] == 1
+            elif k in ("dp", "fsdp") and pins.zero == 3 and pins.dp is not None and pins.fsdp is None:
+                # `--dp N --zero 3` is ZeRO-3 over the N data ranks: fsdp=N, dp=1 (issue #18)
+                assert (p["config"]["fsdp"], p["config"]["dp"]) == (pins.dp, 1)
             elif getattr(pins, k) is not None:
                 assert p["config"][k] == getattr(pins, k), k
 

@@ -58,7 +58,7 @@ def train(
     dp: Pin = None, fsdp: Pin = None, tp: Pin = None, pp: Pin = None, vpp: Pin = None, cp: Pin = None,
     ep: Pin = None, microbatch: Pin = None,
     recompute: Annotated[str | None, typer.Option(help="none | selective | full | gemm-last")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2 (3 = use --fsdp).")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2, or 3 (= FSDP over those ranks: --dp 32 --zero 3 is --fsdp 32).")] = None,
     offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",

@@ -237,7 +237,7 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
     names = {"fsdp": "FSDP all-gathers/reduce-scatters", "dp": "data-parallel gradient reduction",
              "tp": "tensor-parallel collectives", "cp": "context-parallel KV passes",
              "ep": "expert all-to-alls", "pp": "pipeline sends"}
-    advice = SUGGEST[worst]
+    advice = _advice_for_plan(worst, p, cm, ev.layouts.config(i)) or SUGGEST[worst]
     if worst == "fsdp" and cm.opt.zero3_fetch == "broadcast":
         advice = ("an owner-broadcast fetch passes each layer through one link and blocks on it: an all-gather "
                   "ZeRO-3/FSDP (--zero3-fetch allgather) spreads it over every link and hides it behind compute")
@@ -252,3 +252,23 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
 def _link_of(cm: CostModel, ev: Evaluation, i: int, kind: str) -> str:
     size, stride = _axis_groups(ev.layouts.config(i))[kind]
     return _link(cm, size, stride)
+
+
+def _advice_for_plan(kind: str, p: Problem, cm: CostModel, cfg) -> str | None:
+    """SUGGEST, without the steps this plan already takes (issue #18: `--zero 1/2` advised to a plan at zero=2)."""
+    tp_overlap, dp_overlap = cm.opt.overlaps(p.chip.kind)
+    if kind == "dp":
+        steps = []
+        if cfg.zero < 1 and cfg.fsdp == 1:
+            steps.append("shard the optimizer (--zero 1/2)")
+        elif cfg.zero < 3 and cfg.fsdp == 1:
+            steps.append("shard the weights too (FSDP, --fsdp) so each rank reduce-scatters a shard")
+        if not dp_overlap:
+            steps.append("overlap the gradient reduction with the backward (--dp-overlap)")
+        steps.append("grow the batch per replica")
+        return ", or ".join(steps)
+    if kind == "tp" and tp_overlap:
+        return "lower the tensor-parallel degree (use FSDP or pipeline stages instead): it is already overlapped"
+    if kind == "bubble" and cfg.vpp > 1:
+        return "use more micro-batches per step (smaller micro-batch or larger global batch) or more virtual stages"
+    return None

@@ -156,8 +156,13 @@ def _data_splits(data: int, pins: Pins, tp: int, pp: int, cp: int) -> list[tuple
 
 
 def normalize_pins(pins: Pins) -> Pins:
-    """ZeRO-3 over the data-parallel ranks is FSDP: every data rank shards unless --dp keeps replicas."""
+    """ZeRO-3 over the data-parallel ranks is FSDP: every data rank shards unless --dp keeps replicas.
+
+    `--dp N --zero 3` (DeepSpeed's reading: ZeRO-3 partitions over the N data-parallel ranks) is fsdp=N, dp=1; with
+    --fsdp also given, --dp counts replicas of the sharded group (HSDP)."""
     if pins.zero == 3:
+        if pins.dp is not None and pins.fsdp is None:
+            return replace(pins, zero=0, fsdp=pins.dp, dp=1)
         return replace(pins, zero=0, dp=1 if pins.dp is None and pins.fsdp is None else pins.dp)
     return pins
 
