@@ -90,11 +90,15 @@ def test_show_prints_achieved_vs_peak(cpu_profile, capsys):
 
 @pytest.mark.jax
 @needs_jax
-def test_profile_for_another_chip_is_refused(cpu_profile, capsys):
+def test_profile_for_another_chip_is_refused(cpu_profile, capsys, monkeypatch):
     args = ["train", "--model", "llama3-8b", "--chips", "8", "--seq-len", "4096", "--global-batch", "32",
             "--profile", str(cpu_profile)]
     code, _, err = run_cli([*args, "--hardware", "a100-80gb"], capsys)
     assert code == 2 and err.startswith("error:") and "measured on 'h100-sxm'" in err
+    # a CPU-measured profile is refused for planning (issue #18), unless explicitly allowed
+    code, _, err = run_cli([*args, "--hardware", "h100-sxm", "--json"], capsys)
+    assert code == 2 and "cpu_only" in err
+    monkeypatch.setenv("MESHPLAN_ALLOW_CPU_PROFILE", "1")
     code, _, _ = run_cli([*args, "--hardware", "h100-sxm", "--json"], capsys)
     assert code == 0
 

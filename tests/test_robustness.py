@@ -331,3 +331,13 @@ def test_equal_step_time_ranks_less_memory_first():
         if round(a["step_time_s"], 9) == round(b["step_time_s"], 9):
             assert a["memory_bytes_per_chip"]["total"] <= b["memory_bytes_per_chip"]["total"]
         assert a["step_time_s"] <= b["step_time_s"] + 1e-9
+
+
+def test_cpu_only_profile_refused_for_planning(tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "cpu.json"
+    prof.write_text(json.dumps({"schema": "meshplan-profile/1", "chip": "h100-sxm", "device_kind": "cpu",
+                                "cpu_only": True, "efficiency": {"matmul_peak_fraction": 0.0001}}))
+    for cmd in (TRAIN, SERVE):
+        assert_one_error(*run_cli(cmd + ["--profile", str(prof)], capsys)[::2], "measured on a CPU")
+    monkeypatch.setenv("MESHPLAN_ALLOW_CPU_PROFILE", "1")
+    assert run_cli(TRAIN + ["--profile", str(prof), "--json"], capsys)[0] == 0

@@ -8,6 +8,7 @@ Every function here is numpy-vectorised so the layout search can call it on arra
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -159,5 +160,24 @@ def load_profile(path: str | Path, chip: Chip) -> Efficiency:
     return replace(base, **changes, origin=f"profile {p.name}")
 
 
+ALLOW_CPU_PROFILE_ENV = "MESHPLAN_ALLOW_CPU_PROFILE"
+
+
 def resolve_efficiency(chip: Chip, profile: str | None) -> Efficiency:
-    return load_profile(profile, chip) if profile else default_efficiency(chip)
+    """The efficiency a plan uses: a calibrated profile, else the chip's defaults. A profile measured on a CPU
+    (`cpu_only`, written by `calibrate --hardware H` on a machine without H) is refused for planning: its
+    efficiencies are a CPU's fraction of the chip's peak (issue #18: the best plan went from 1.4 s to 8,523 s at 0.0%
+    MFU). Setting MESHPLAN_ALLOW_CPU_PROFILE=1 overrides this (pipeline tests that need some profile)."""
+    if not profile:
+        return default_efficiency(chip)
+    eff = load_profile(profile, chip)
+    if os.environ.get(ALLOW_CPU_PROFILE_ENV) != "1" and _is_cpu_only(profile):
+        raise MeshplanError(f"profile '{profile}' was measured on a CPU (cpu_only): its efficiencies are a CPU's "
+                            f"fraction of the {chip.name}'s peak and would make every plan hundreds of times slower; "
+                            f"calibrate on a {chip.name} or set {ALLOW_CPU_PROFILE_ENV}=1 to use it anyway")
+    return eff
+
+
+def _is_cpu_only(path: str | Path) -> bool:
+    data = json.loads(Path(path).read_text())  # load_profile has read and checked it
+    return bool(data.get("cpu_only")) or data.get("device_kind") == "cpu"
