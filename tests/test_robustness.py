@@ -341,3 +341,23 @@ def test_cpu_only_profile_refused_for_planning(tmp_path, capsys, monkeypatch):
         assert_one_error(*run_cli(cmd + ["--profile", str(prof)], capsys)[::2], "measured on a CPU")
     monkeypatch.setenv("MESHPLAN_ALLOW_CPU_PROFILE", "1")
     assert run_cli(TRAIN + ["--profile", str(prof), "--json"], capsys)[0] == 0
+
+
+def test_measure_checks_memory_before_compiling(monkeypatch):
+    """Issue #18: `measure --model llama3.2-1b` on a CPU ran 2.5 minutes, then died in XLA out of memory. The
+    check runs before building anything: Llama-3.2-1B's 1.236e9 parameters x 4 copies (weights, gradients, AdamW
+    m and v) x 4 B (fp32 on the CPU) = 19.8e9 B, more than a host with 8 GiB available."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from meshplan.measure import steps as st
+    from meshplan.measure.layout import Layout
+    from meshplan.specs.model import load_model
+
+    m = load_model("llama3.2-1b")
+    layout = Layout(dp=1, fsdp=1, tp=1, microbatch=1, recompute="none")
+    need = st.memory_lower_bound_bytes(m, layout, 2048, jnp.float32)
+    assert need == pytest.approx(16 * 1_235_814_400 + 32 * 2048**2 * 4, rel=0.01)
+    monkeypatch.setattr(st, "available_memory_bytes", lambda platform: (8 * 2**30, "available host RAM"))
+    with pytest.raises(MeshplanError, match="needs at least 18.9 GiB"):
+        st.check_memory(m, layout, 2048, jnp.float32)

@@ -240,7 +240,9 @@ def measure(
         batch = global_batch or summary["devices"]
         layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, batch)
         run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]),
-                              attention=attention)
+                              attention=attention,
+                              progress=lambda msg: err_console.print(f"measure: {msg}", markup=False,
+                                                                     highlight=False))
         result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary, attention)
     if not is_main(summary):
         return

@@ -89,33 +89,107 @@ def _peak_memory(compiled: Any) -> tuple[float, str]:
     return float(total), "XLA compiled estimate (arguments + outputs − aliased + temporaries)"
 
 
+def memory_lower_bound_bytes(model: ModelConfig, layout: Layout, seq_len: int, param_dtype: Any,
+                             attention: str = "materialized") -> float:
+    """Bytes one device must hold at least: weights, gradients and AdamW's two moments in the parameter dtype
+    (4 copies of the parameters, sharded over fsdp×tp), plus, with materialised attention, one layer's fp32
+    attention scores: micro-batch × heads/tp × T² × 4 B."""
+    params = tm.param_counts(model).total
+    state = 4 * params * jnp.dtype(param_dtype).itemsize / (layout.fsdp * layout.tp)
+    scores = layout.microbatch * model.n_heads / layout.tp * float(seq_len) ** 2 * 4
+    return state + (scores if attention == "materialized" else 0.0)
+
+
+def available_memory_bytes(platform: str) -> tuple[float, str]:
+    """Memory the run can use: the host's available RAM on the CPU (all simulated devices share it), else the
+    smallest device's allocator limit; (inf, 'unknown') when neither is reported."""
+    if platform == "cpu":
+        try:
+            for line in open("/proc/meminfo").read().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024, "available host RAM (/proc/meminfo)"
+        except OSError:
+            pass
+        return float("inf"), "unknown"
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    if limits and all(limits):
+        return float(min(limits)), "device memory limit (memory_stats)"
+    return float("inf"), "unknown"
+
+
+def check_memory(model: ModelConfig, layout: Layout, seq_len: int, param_dtype: Any,
+                 attention: str = "materialized") -> None:
+    """Refuse a run that cannot fit before compiling it (issue #18: 2.5 minutes, then an XLA out-of-memory)."""
+    platform = jax.devices()[0].platform
+    per_device = memory_lower_bound_bytes(model, layout, seq_len, param_dtype, attention)
+    need = per_device * (layout.devices if platform == "cpu" else 1)
+    have, what = available_memory_bytes(platform)
+    if need > have:
+        raise MeshplanError(
+            f"{model.name} needs at least {need / 2**30:.1f} GiB ({'all devices' if platform == 'cpu' else 'per device'}"
+            f": weights, gradients and AdamW state in {jnp.dtype(param_dtype).name}, and one layer's attention "
+            f"scores) but the {what} is {have / 2**30:.1f} GiB; use --layers N, a shorter --seq-len or a smaller model")
+
+
+def _check_compiled_memory(model: ModelConfig, compiled: Any, layout: Layout) -> None:
+    """XLA's own estimate of the compiled step (arguments + outputs − aliased + temporaries) against what the
+    machine has, before the first step runs."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return
+    platform = jax.devices()[0].platform
+    per_device = float(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+                       + ma.temp_size_in_bytes)
+    need = per_device * (layout.devices if platform == "cpu" else 1)
+    have, what = available_memory_bytes(platform)
+    if need > have:
+        raise MeshplanError(f"{model.name}'s compiled step needs {need / 2**30:.1f} GiB (XLA's memory analysis) but "
+                            f"the {what} is {have / 2**30:.1f} GiB; use --layers N, a shorter --seq-len or a smaller "
+                            "model")
+
+
 def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int,
                  param_dtype: Any = jnp.bfloat16, attention: str = "materialized",
-                 compute_dtype: Any = None) -> StepRun:
+                 compute_dtype: Any = None, progress: Any = None) -> StepRun:
     """Compile, warm up once, then time `steps` steps, each on a fresh random batch placed beforehand.
     `attention` and `compute_dtype` go to `jaxmodel.build_program` (e.g. "cudnn" and bf16 compute over fp32
-    params: the mixed precision the planner's memory model assumes)."""
+    params: the mixed precision the planner's memory model assumes). `progress(message)` is called before each long
+    stage (compile, warm-up, every timed step)."""
+    say = progress or (lambda _msg: None)
     if steps < 1:
         raise MeshplanError(f"--steps must be at least 1, got {steps}")
     n = jax.device_count()
     if layout.devices > n or (jax.process_count() > 1 and layout.devices != n):
         raise MeshplanError(f"the layout uses {layout.devices} devices but JAX has {n}")
+    check_memory(model, layout, seq_len, param_dtype, attention)
+    say(f"building {model.name} on {layout.devices} device(s)")
     prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices()[: layout.devices], attention,
                             compute_dtype)
     params, opt = jm.init_state(prog, seed=0, dtype=param_dtype)
     batches = [jm.place_batch(prog, jm.synthetic_batch(model, seq_len, global_batch, seed=i))
                for i in range(steps + 1)]
+    say("compiling the training step")
     t0 = time.perf_counter()
     compiled = prog.step.lower(params, opt, batches[0]).compile()
     compile_s = time.perf_counter() - t0
-    params, opt, loss = jax.block_until_ready(compiled(params, opt, batches[0]))
+    _check_compiled_memory(model, compiled, layout)
+    say(f"compiled in {compile_s:.1f} s; warm-up step")
+    try:
+        params, opt, loss = jax.block_until_ready(compiled(params, opt, batches[0]))
+    except jax.errors.JaxRuntimeError as exc:  # the allocator refused what XLA's estimate allowed
+        if "RESOURCE_EXHAUSTED" not in str(exc):
+            raise
+        raise MeshplanError(f"{model.name} ran out of device memory in its first step "
+                            f"({str(exc).splitlines()[0][:120]}); use --layers N, a shorter --seq-len or a smaller "
+                            "model") from None
     times, losses = [], [float(loss)]
-    for batch in batches[1:]:
+    for i, batch in enumerate(batches[1:], 1):
         jax.block_until_ready(batch)
         t0 = time.perf_counter()
         params, opt, loss = jax.block_until_ready(compiled(params, opt, batch))
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        say(f"step {i}/{steps}: {times[-1]:.3f} s")
     mem, source = _peak_memory(compiled)
     return StepRun(times, compile_s, mem, source, losses, model_flops_per_step(model, seq_len, global_batch),
                    layout.devices)
