@@ -361,3 +361,23 @@ def test_measure_checks_memory_before_compiling(monkeypatch):
     monkeypatch.setattr(st, "available_memory_bytes", lambda platform: (8 * 2**30, "available host RAM"))
     with pytest.raises(MeshplanError, match="needs at least 18.9 GiB"):
         st.check_memory(m, layout, 2048, jnp.float32)
+
+
+def test_price_basis_everywhere_and_price_override(capsys):
+    from meshplan.specs.hardware import load_chip, preset_chips
+
+    for name in preset_chips():  # every catalog chip states what its price is
+        assert load_chip(name).price_basis not in ("", "catalog price")
+    code, out, _ = run_cli(SERVE + ["--json"], capsys)
+    base = json.loads(out)
+    assert base["price"] == {"per_chip_hour": 11.06, "basis": "GCP on-demand list price, us-central1, 2025"}
+    code, out, _ = run_cli(SERVE + ["--json", "--price", "5.53"], capsys)
+    half = json.loads(out)
+    assert half["price"]["basis"] == "--price override"
+    # cost is linear in the price: half the price, half the cost per token
+    assert half["cost_per_million_tokens"]["output"] == pytest.approx(base["cost_per_million_tokens"]["output"] / 2)
+    code, out, _ = run_cli(TRAIN + ["--tokens", "1e12"], capsys)
+    assert "at $11.06/chip-hour, GCP on-demand list price" in out
+    code, out, _ = run_cli(SERVE, capsys)
+    assert "(at $11.06/chip-hour, GCP on-demand list price" in out
+    assert_one_error(*run_cli(SERVE + ["--price", "-1"], capsys)[::2], "--price")

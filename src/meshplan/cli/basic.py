@@ -94,8 +94,9 @@ def hardware(
         print_json(_chip_json(chips[0]) if name else [_chip_json(c) for c in chips])
         return
     t = Table(title="hardware")
-    for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h"):
-        t.add_column(col, justify="right" if col != "chip" else "left")
+    for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h",
+                "price basis"):
+        t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left")
     for c in chips:
         p = c.peak_flops_per_s
         t.add_row(c.name, *(fmt_rate(p[d], "FLOP") if d in p else "—" for d in ("bf16", "fp8", "int8")),
@@ -103,7 +104,8 @@ def hardware(
                   fmt_rate(c.links.fast_bandwidth_bytes_per_s, "B"),
                   ("x".join(map(str, c.links.max_slice_shape)) + " torus") if c.links.is_torus
                   else f"{c.links.nvlink_domain_size} NVLink",
-                  fmt_rate(c.links.scale_out_bandwidth_bytes_per_s, "B"), f"{c.price_per_chip_hour:.2f}")
+                  fmt_rate(c.links.scale_out_bandwidth_bytes_per_s, "B"), f"{c.price_per_chip_hour:.2f}",
+                  c.price_basis)
     console.print(t)
     if name:
         _print_on_chip_and_fabric(chips[0])

@@ -24,7 +24,7 @@ from meshplan.infer.ideal import ideal_serving, print_ideal
 from meshplan.infer.memory import max_batch_per_replica, require_fit
 from meshplan.infer.metrics import MODES
 from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, simulate
-from meshplan.specs.hardware import load_chip
+from meshplan.specs.hardware import load_chip, with_price
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_time
 
@@ -48,9 +48,10 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  tp: int | None = None, pp: int | None = None, ep: int | None = None, quant: str = "bf16",
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
-                 engine: str = "default", max_num_batched_tokens: int | None = None) -> dict:
+                 engine: str = "default", max_num_batched_tokens: int | None = None,
+                 price: float | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections."""
-    m, chip = load_model(model), load_chip(hardware)
+    m, chip = load_model(model), with_price(load_chip(hardware), price)
     w = Workload(input_len, output_len)
     check_workload(w)
     if chips <= 0:
@@ -83,6 +84,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
         "targets": {"tpot_s": tpot_target, "ttft_s": ttft_target},
         "efficiency": eff.origin,
+        "price": {"per_chip_hour": chip.price_per_chip_hour, "basis": chip.price_basis},
         "frontier": [p.as_dict() for p in frontier(m, chip, chips, best.config, eff, w, mode)],
         "layouts": [{"config": p.as_dict()["config"], "batch": p.batch, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
                      "throughput_tokens_per_s": p.throughput_tokens_per_s} for p in res.ranked[:10]],
@@ -126,6 +128,8 @@ def serve(
     plot: Annotated[str | None, typer.Option(help="Write the latency-throughput frontier to this PNG.")] = None,
     ideal: Annotated[bool, typer.Option("--ideal", help="Also the book's ideal answers (ch.7, ch.8) beside the "
                                                         "realistic plan; --json key 'book_ideal'.")] = False,
+    price: Annotated[float | None, typer.Option(help="Dollars per chip-hour (default: the catalog's, with its "
+                                                     "basis).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
     from_file: Annotated[str | None, typer.Option(
@@ -162,7 +166,7 @@ def serve(
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens, price=price)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
@@ -209,7 +213,8 @@ def _print_table(o: dict) -> None:
             ("output tokens/s per chip", f"{o['throughput_tokens_per_s_per_chip']:,.1f}"),
             ("memory per chip", f"{fmt_bytes(o['memory_bytes_per_chip']['total'])} of "
                                 f"{fmt_bytes(o['memory_bytes_per_chip']['budget'])}"),
-            ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f}"),
+            ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f} (at "
+                                              f"${o['price']['per_chip_hour']:g}/chip-hour, {o['price']['basis']})"),
             ("decode step bound by", o["decode_step"]["bound"])]
     if o.get("skipped_layouts"):
         rows.append(("layouts skipped (cannot be placed)", f"{sum(o['skipped_layouts'].values())}: "

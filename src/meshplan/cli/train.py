@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -12,7 +13,7 @@ from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
-from meshplan.specs.hardware import load_chip
+from meshplan.specs.hardware import load_chip, price_label, with_price
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, Options, fp8_recipes
 from meshplan.train.frameworks import framework_options
@@ -121,6 +122,8 @@ def train(
     slice_shape: SliceOpt = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
+    price: Annotated[float | None, typer.Option(help="Dollars per chip-hour (default: the catalog's, with its "
+                                                     "basis; `meshplan hardware H`).")] = None,
     plot: Annotated[str | None, typer.Option(help="Write PNGs (memory, schedule, MFU vs chips) to this folder.")] = None,
     ideal: Annotated[bool, typer.Option("--ideal", help="Also the book's ideal step (peak FLOPs, comms hidden, no "
                                                         "bubble) beside each plan; --json key 'book_ideal'.")] = False,
@@ -154,6 +157,7 @@ def train(
         fail("--out and --rank go with --export FRAMEWORK")
     if from_file is None:
         problem = build_problem(model, hardware, chips, seq_len, global_batch, slice_shape)
+        problem = replace(problem, chip=with_price(problem.chip, price))
     if dtype not in ("bf16", "fp8"):
         fail(f"--dtype must be bf16 or fp8, got '{dtype}'")
     if not 0 <= headroom < 1:
@@ -276,7 +280,7 @@ def show(problem: Problem, result, opts: Options | None = None) -> None:
     if "training" in best:
         tr = best["training"]
         console.print(f"{tr['tokens']:.3g} tokens: {tr['days']:.1f} days, ${tr['cost_usd']:,.0f} "
-                      f"({tr['chip_hours']:,.0f} chip-hours at ${problem.chip.price_per_chip_hour}/h)")
+                      f"({tr['chip_hours']:,.0f} chip-hours at {price_label(problem.chip)})")
     if result.infeasible:
         reason, count = next(iter(result.infeasible.items()))
         console.print(f"[dim]rejected layouts: most often '{reason}' ({count})[/dim]")

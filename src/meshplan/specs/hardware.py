@@ -96,6 +96,9 @@ class Chip:
     # what the driver exposes (nvidia-smi memory.total): marketed "80 GB" HBM is 80 GiB less ECC/driver reserve;
     # 0 = same as hbm_bytes. Fit decisions use it; the marketed capacity stays for reports and the book's sums.
     hbm_usable_bytes: float = 0.0
+    # the kind of price (provider, on-demand list or assumed, region, date): printed beside every $ figure, since
+    # prices from different bases do not compare
+    price_basis: str = "catalog price"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     # on-chip memories (book ch.2 VMEM, ch.12 SMEM/L2/registers/TMEM): keys in ON_CHIP_KEYS; optional
     on_chip_memory: dict[str, float] = field(default_factory=dict, compare=False)
@@ -139,6 +142,7 @@ class Chip:
             "price_per_chip_hour": self.price_per_chip_hour,
             "on_chip_memory": dict(self.on_chip_memory),
             "superpod": dict(self.superpod),
+            "price_basis": self.price_basis,
             "sources": dict(self.sources),
         }
 
@@ -217,6 +221,7 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         price_per_chip_hour=r.number("price_per_chip_hour"),
         on_chip_memory=_optional_numbers(r, data, "on_chip_memory", ON_CHIP_KEYS),
         superpod=_optional_numbers(r, data, "superpod", SUPERPOD_KEYS),
+        price_basis=r.string("price_basis", required=False, default="catalog price"),
         sources=r.sources,
     )
 
@@ -287,3 +292,15 @@ def match_chip(description: str) -> str:
         if all(w in squashed for w in words):
             return preset
     raise unknown_name_error("chip", text, preset_chips())
+
+
+def price_label(chip: Chip) -> str:
+    """`$11.06/chip-hour, GCP on-demand list price, us-central1, 2025`: the basis of every $ figure."""
+    return f"${chip.price_per_chip_hour:g}/chip-hour, {chip.price_basis}"
+
+
+def with_price(chip: Chip, price_per_chip_hour: float | None) -> Chip:
+    """The chip at the user's `--price` (dollars per chip-hour), labelled as such; unchanged when None."""
+    if price_per_chip_hour is None:
+        return chip
+    return chip.with_overrides(price_per_chip_hour=float(price_per_chip_hour), price_basis="--price override")

@@ -12,6 +12,7 @@ import numpy as np
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
+from meshplan.specs.hardware import price_label
 from meshplan.train.costmodel import CostModel, Options
 from meshplan.train.evaluate import Evaluation, evaluate
 from meshplan.train.space import Pins, Problem, enumerate_layouts
@@ -193,6 +194,7 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
         days = tokens / out["tokens_per_s"] / 86400
         out["training"] = {"tokens": tokens, "days": days,
                            "cost_usd": days * 24 * p.chips * p.chip.price_per_chip_hour,
+                           "price": price_label(p.chip),
                            "chip_hours": days * 24 * p.chips}
     return out
 
