@@ -381,3 +381,21 @@ def test_price_basis_everywhere_and_price_override(capsys):
     code, out, _ = run_cli(SERVE, capsys)
     assert "(at $11.06/chip-hour, GCP on-demand list price" in out
     assert_one_error(*run_cli(SERVE + ["--price", "-1"], capsys)[::2], "--price")
+
+
+def test_moe_roofline_counts_shared_experts():
+    """DeepSeek-V3 (config.json: hidden 7168, moe_intermediate 2048, 8 routed of 256 + 1 shared expert, SwiGLU): the
+    MLP matmuls of one token are 2 FLOPs x 3 matrices x 7168 x 2048 x (8 routed + 1 shared) = 792,723,456 FLOPs."""
+    from meshplan.cost import roofline as rf
+    from meshplan.specs.model import load_model
+
+    ops = rf.layer_ops(load_model("deepseek-v3"), 4096, 4096)
+    mlp = sum(o.flops for o in ops if o.name.startswith("mlp/") and "act" not in o.name)
+    assert mlp / 4096 == pytest.approx(2 * 3 * 7168 * 2048 * 9)
+    assert any(o.name == "mlp/shared_up" for o in ops)
+
+
+def test_hardware_table_shows_usable_hbm(capsys):
+    # H100 SXM 80GB: nvidia-smi reports 81,559 MiB = 79.65 GiB usable (catalog), beside the marketed 80 GB = 74.51 GiB
+    code, out, _ = run_cli(["hardware", "h100-sxm"], capsys)
+    assert code == 0 and "74.51 GiB (79.65 GiB usable)" in out

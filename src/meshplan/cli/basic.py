@@ -96,11 +96,11 @@ def hardware(
     t = Table(title="hardware")
     for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h",
                 "price basis"):
-        t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left")
+        t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left", no_wrap=col == "HBM")
     for c in chips:
         p = c.peak_flops_per_s
         t.add_row(c.name, *(fmt_rate(p[d], "FLOP") if d in p else "—" for d in ("bf16", "fp8", "int8")),
-                  fmt_bytes(c.hbm_bytes), fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
+                  f"{fmt_bytes(c.hbm_bytes)} ({fmt_bytes(c.usable_hbm_bytes)} usable)", fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
                   fmt_rate(c.links.fast_bandwidth_bytes_per_s, "B"),
                   ("x".join(map(str, c.links.max_slice_shape)) + " torus") if c.links.is_torus
                   else f"{c.links.nvlink_domain_size} NVLink",
