@@ -399,3 +399,13 @@ def test_hardware_table_shows_usable_hbm(capsys):
     # H100 SXM 80GB: nvidia-smi reports 81,559 MiB = 79.65 GiB usable (catalog), beside the marketed 80 GB = 74.51 GiB
     code, out, _ = run_cli(["hardware", "h100-sxm"], capsys)
     assert code == 0 and "74.51 GiB (79.65 GiB usable)" in out
+
+
+def test_fsdp_under_pp_memory_is_explained(capsys):
+    code, out, err = run_cli(["train", "-m", "llama3-70b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len",
+                              "4096", "--global-batch", "64", "--fsdp", "4", "--pp", "4", "--zero", "1", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)["plans"][0]
+    assert any("reshard_after_forward=False" in n for n in plan["notes"])
+    code, out, _ = run_cli(TRAIN + ["--json"], capsys)  # no FSDP x PP, no note
+    assert all("notes" not in p or not any("reshard" in n for n in p["notes"]) for p in json.loads(out)["plans"])

@@ -275,6 +275,8 @@ def show(problem: Problem, result, opts: Options | None = None) -> None:
     console.print("memory per chip (best): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
     console.print(f"mesh: {best['mesh']}")
     console.print(f"bottleneck: {best['bottleneck']} — {best['explanation']}")
+    for note in best.get("notes", []):
+        console.print(f"note: {note}")
     if opts is not None:
         console.print(f"[dim]assumes: {assumptions(problem, opts)} (flags: meshplan train --help)[/dim]")
     if "training" in best:

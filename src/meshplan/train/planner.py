@@ -190,6 +190,9 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
         "mesh": mesh_description(cm, cfg),
         "ledger": ev.ledger.plan(i),
     }
+    notes = plan_notes(cfg)
+    if notes:
+        out["notes"] = notes
     if tokens:
         days = tokens / out["tokens_per_s"] / 86400
         out["training"] = {"tokens": tokens, "days": days,
@@ -197,6 +200,18 @@ def plan_dict(p: Problem, cm: CostModel, ev: Evaluation, i: int, tokens: float |
                            "price": price_label(p.chip),
                            "chip_hours": days * 24 * p.chips}
     return out
+
+
+def plan_notes(cfg) -> list[str]:
+    """What a plan's memory assumes where it surprises (issue #18)."""
+    notes = []
+    if cfg.fsdp > 1 and cfg.pp > 1:
+        notes.append("FSDP under pipeline parallelism keeps each stage's weights gathered and its gradients "
+                     "unsharded from the first micro-batch to the last (torchtitan sets reshard_after_forward=False "
+                     "with PP so the weights are not gathered again for every micro-batch), so more FSDP does not "
+                     "lower the weight and gradient memory of a stage; with ZeRO-1/2 over dp instead, gradients and "
+                     "optimizer state shrink with every rank")
+    return notes
 
 
 def _axis_groups(cfg) -> dict[str, tuple[int, int]]:
