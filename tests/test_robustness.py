@@ -409,3 +409,11 @@ def test_fsdp_under_pp_memory_is_explained(capsys):
     assert any("reshard_after_forward=False" in n for n in plan["notes"])
     code, out, _ = run_cli(TRAIN + ["--json"], capsys)  # no FSDP x PP, no note
     assert all("notes" not in p or not any("reshard" in n for n in p["notes"]) for p in json.loads(out)["plans"])
+
+
+def test_simulation_size_is_bounded(capsys):
+    # 11 requests x 1,000,000 output tokens would step 11e6 tokens (minutes): refused with the bound stated
+    args = SERVE[:-1] + ["1000000", "--simulate", "--rate", "10", "--requests", "11"]
+    assert_one_error(*run_cli(args, capsys)[::2], "at most 10,000,000")
+    assert_one_error(*run_cli(SERVE + ["--simulate", "--rate", "1", "--requests", "100001"], capsys)[::2],
+                     "--requests")

@@ -25,6 +25,7 @@ from meshplan.infer.config import ServeConfig, Workload, step_token_budget
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
+from meshplan.validate import MAX_SIM_TOKENS
 
 DISTRIBUTIONS = ("fixed", "exponential", "uniform")
 
@@ -67,6 +68,9 @@ def make_requests(spec: SimSpec, w: Workload) -> list[_Req]:
         raise MeshplanError(f"--rate and --requests must be positive (got {spec.rate}, {spec.n_requests})")
     if spec.concurrency is not None and spec.concurrency <= 0:
         raise MeshplanError(f"--concurrency must be positive, got {spec.concurrency}")
+    if spec.n_requests * w.output_len > MAX_SIM_TOKENS:  # the simulation steps every generated token
+        raise MeshplanError(f"--requests x --output-len = {spec.n_requests * w.output_len:,} tokens to simulate; at "
+                            f"most {MAX_SIM_TOKENS:,} (about 20 s on one core): simulate fewer requests")
     rng = np.random.default_rng(spec.seed)
     gaps = rng.exponential(1.0 / spec.rate, spec.n_requests) if math.isfinite(spec.rate) else np.zeros(spec.n_requests)
     arrivals = np.cumsum(gaps)  # Poisson process; all at t = 0 for an infinite rate
