@@ -68,9 +68,8 @@ class Rule:
 
 
 def _fmt(x: float) -> str:
-    if isinstance(x, float) and not x.is_integer():
-        return f"{x:g}"
-    return f"{x:g}" if abs(x) >= 1e9 and not isinstance(x, int) else str(int(x))
+    """Exact integers as integers (2**53 = 9007199254740992), other bounds in %g (1e+16, 0.99)."""
+    return str(int(x)) if isinstance(x, int) or (float(x).is_integer() and abs(x) < 1e9) else f"{x:g}"
 
 
 def _show(value: Any) -> str:
