@@ -6,7 +6,8 @@ Each invocation starts from a valid command line and mutates it: a flag's value 
 inf, 1e400, 2**63, 1.5, a 300-character name, unicode, ...), a required flag dropped, an unknown flag added, or a
 file argument replaced by a generated hardware YAML / model config.json / profile JSON (a preset with one field
 set to an odd value or removed, or random bytes). The contract checked: exit 0, or exit 2 with exactly one stderr
-line starting `error:`; no exception escapes `main()`; nothing runs past `--timeout` seconds (SIGALRM).
+line starting `error:`; no exception escapes `main()`; nothing runs past `--timeout` seconds (each invocation runs in a forked child that is
+killed at the timeout, so a hang inside C code is caught too).
 `verify`, `calibrate` and `measure` compile or run JAX programs when their input is valid; for them only mutations
 that are invalid by construction are drawn, so a long valid run is not mistaken for a hang.
 """
@@ -17,7 +18,9 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import random
+import select
 import signal
 import sys
 import tempfile
@@ -44,14 +47,6 @@ ODD_INTS = ["0", "-1", "-5", "2147483648", "9223372036854775808", "1" + "0" * 30
 ODD_FLOATS = ["0", "-1", "nan", "inf", "-inf", "1e-300", "1e400", "1e308", "", "abc", "1,5", "5e-324"]
 ODD_TEXT = ["", " ", "a" * 300, "../../etc/passwd", "/proc/x/y", "\u00e9\u00e9", "nul\x01", "x.yaml", "x.json",
             "/dev/null", "-", "llama3-7b"]
-
-
-class Hang(Exception):
-    pass
-
-
-def _alarm(_sig: int, _frame: Any) -> None:
-    raise Hang()
 
 
 # --- valid templates: (command args, {flag: kind}) ----------------------------------------------------------
@@ -223,11 +218,9 @@ def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
     return out
 
 
-def run_one(args: list[str], timeout_s: float) -> tuple[str, str]:
-    """('ok'|'error'|'bad_error'|'traceback'|'hang'|'exit<N>', detail)."""
+def _run_here(args: list[str]) -> tuple[str, str]:
+    """Run `main(args)` in this process: ('ok'|'error'|'bad_error'|'traceback'|'exit<N>', detail)."""
     out, err = io.StringIO(), io.StringIO()
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     code: Any = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -235,15 +228,10 @@ def run_one(args: list[str], timeout_s: float) -> tuple[str, str]:
                 main(args)
             except SystemExit as exc:
                 code = exc.code
-    except Hang:
-        return "hang", " ".join(args)[:200]
     except BaseException as exc:  # noqa: BLE001 - the point is to catch whatever escapes
-        signal.setitimer(signal.ITIMER_REAL, 0)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
         return "traceback", f"{type(exc).__name__} at {where}: {' '.join(args)[:160]}"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
     code = 0 if code is None else code
     e = err.getvalue()
     if code == 0:
@@ -257,11 +245,52 @@ def run_one(args: list[str], timeout_s: float) -> tuple[str, str]:
     return f"exit{code}", " ".join(args)[:160]
 
 
+def run_one(args: list[str], timeout_s: float) -> tuple[str, str]:
+    """One invocation in a forked child (cheap: the modules are already imported), so that a hang anywhere, in C
+    code included, is caught and killed at `timeout_s`, and a crash (a signal, the OOM killer) is counted too."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            res = _run_here(args)
+        except BaseException as exc:  # noqa: BLE001
+            res = ("traceback", f"{type(exc).__name__} in the harness: {' '.join(args)[:120]}")
+        os.write(w, json.dumps(res).encode()[:60000])
+        os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hang", " ".join(args)[:200]
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+    if not data:
+        return "crash", f"status {status}: {' '.join(args)[:160]}"
+    kind, detail = json.loads(data)
+    return kind, detail
+
+
+WARM_UP = [["hardware", "--json"], *(["model", m, "--json"] for m in MODELS),
+           ["train", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "2048",
+            "--global-batch", "8", "--json"],
+           ["serve", "-m", "llama3-8b", "--hardware", "tpu-v5e", "--chips", "8", "--input-len", "1024",
+            "--output-len", "128", "--json"]]
+
+
 def fuzz(n: int = 5000, seed: int = 0, timeout_s: float = 20.0, progress: bool = False) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     details: dict[str, Counter[str]] = {}
     per_command: Counter[str] = Counter()
     t0 = time.perf_counter()
+    for args in WARM_UP:  # imports and spec caches warmed once in the parent; every forked child inherits them
+        _run_here(args)
     with tempfile.TemporaryDirectory() as tmp:
         calls = invocations(n, seed, Path(tmp))
         for i, args in enumerate(calls):
@@ -291,7 +320,7 @@ def cli() -> None:
     c = res["counts"]
     print(f"{res['invocations']} invocations in {res['wall_s']} s (seed {res['seed']}, timeout {res['timeout_s']} s)")
     print(f"  exit 0: {c.get('ok', 0)}   exit 2 with one error line: {c.get('error', 0)}")
-    print(f"  tracebacks: {c.get('traceback', 0)}   hangs: {c.get('hang', 0)}   "
+    print(f"  tracebacks: {c.get('traceback', 0)}   hangs: {c.get('hang', 0)}   crashes: {c.get('crash', 0)}   "
           f"malformed errors: {c.get('bad_error', 0)}   other exits: "
           f"{sum(v for k, v in c.items() if k.startswith('exit'))}")
     print(f"  per command: {res['per_command']}")
