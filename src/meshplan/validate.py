@@ -88,7 +88,10 @@ _BATCH = _pos(MAX_BATCH, "larger than any published batch")
 
 # CLI flags by parameter name: the same name means the same quantity in every command.
 CLI_RULES: dict[str, Rule] = {
-    "chips": _CHIPS, "devices": _CHIPS,
+    "chips": _CHIPS,
+    # `verify --devices`: simulated CPU devices of this host (XLA_FLAGS); XLA aborts the process on a count it
+    # cannot parse, and thousands of host devices outgrow a host's memory and compile time
+    "devices": Rule(1, 1024, "simulated CPU devices on one host"),
     **{k: _DEGREE for k in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "moe_node_limit")},
     "microbatch": _BATCH, "global_batch": _BATCH, "batch": _BATCH,
     "seq_len": _SEQ, "input_len": _SEQ, "output_len": _SEQ,
