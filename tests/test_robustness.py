@@ -417,3 +417,12 @@ def test_simulation_size_is_bounded(capsys):
     assert_one_error(*run_cli(args, capsys)[::2], "at most 10,000,000")
     assert_one_error(*run_cli(SERVE + ["--simulate", "--rate", "1", "--requests", "100001"], capsys)[::2],
                      "--requests")
+
+
+def test_web_api_requests_pass_the_same_validation():
+    from meshplan.web.api import InputError, run
+
+    params = {"model": "llama3-8b", "hardware": "h100-sxm", "chips": "2147483648", "seq_len": "4096",
+              "global_batch": "8"}
+    with pytest.raises(InputError, match=r"--chips must be an integer in \[1, 1048576\]"):
+        run("train", params)

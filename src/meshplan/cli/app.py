@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         args = ["--help"]
     ARGV[:] = args
     try:
-        command = typer.main.get_command(app)
-        _validate_before_running(command)
-        result = command.main(args=args, prog_name="meshplan", standalone_mode=False)
+        result = run_app(args)
     except MeshplanError as exc:
         err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return _exit(2)
@@ -120,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                           soft_wrap=True)
         return _exit(2)
     return _exit(result if isinstance(result, int) else 0)
+
+
+def run_app(args: list[str]) -> Any:
+    """Run the app on `args` with every command's flags checked first (meshplan.validate): the CLI and the web API
+    both enter here, so one validation layer guards them. Errors propagate (MeshplanError, click's)."""
+    command = typer.main.get_command(app)
+    _validate_before_running(command)
+    return command.main(args=args, prog_name="meshplan", standalone_mode=False)
 
 
 def _validate_before_running(group: Any) -> None:

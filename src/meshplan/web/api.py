@@ -125,14 +125,14 @@ def command(kind: str, params: Mapping[str, str]) -> tuple[list[str], dict[str, 
 def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
     """The object `meshplan <kind> ... --json` prints for these fields; InputError with the CLI's message."""
     from meshplan.cli import commands  # noqa: F401  (registers the commands)
-    from meshplan.cli.app import _ClickException, app, json_sink
+    from meshplan.cli.app import _ClickException, json_sink, run_app
 
     argv, uploaded = command(kind, params)
     sink: list = []
     token = json_sink.set(sink)
     try:
         with _lock:
-            app(args=argv, standalone_mode=False)
+            run_app(argv)
     except InputError:
         raise
     except MeshplanError as exc:
