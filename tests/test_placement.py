@@ -28,13 +28,15 @@ def _plan(prob: Problem, **pins) -> dict:
 
 def test_256_gb200s_use_64_gpus_of_each_of_4_nvl72_racks():
     # 256 = 3 x 72 + 40: not whole racks. Largest divisor of 256 made of whole 4-GPU trays that fits 72: 64
-    # (NVIDIA's segment of 16 trays), so 4 racks of 64; an 8-GPU server is still used whole (12 H100s is refused).
+    # (NVIDIA's segment of 16 trays), so 4 racks of 64; an 8-GPU server is used whole when the job is whole servers.
     chip = load_chip("gb200-nvl72")
     c = make_cluster(chip, 256)
     assert (c.domain_size, c.n_domains) == (64, 4)
     assert make_cluster(chip, 144).domain_size == 72  # whole racks when the job is a multiple of 72
     with pytest.raises(MeshplanError, match="NVLink domains"):
-        make_cluster(load_chip("h100-sxm"), 12)
+        make_cluster(load_chip("h100-sxm"), 12, (8,))  # a pinned whole 8-GPU server cannot tile 12 GPUs
+    # unpinned, 12 H100s span gcd(12, 8) = 4 GPUs per server (issue #18: such deployments run; not refused)
+    assert make_cluster(load_chip("h100-sxm"), 12).slice_shape == (4,)
     # Megatron-Bridge's Llama 3.1 405B on 256 GB200 (TP 4, PP 16, VP 4, DP 4), refused before ("256 GPUs is not a
     # whole number of 72-GPU NVLink domains"). Tensor innermost: tp 4 at stride 1 and dp 4 at stride 4 stay in one
     # 64-GPU rack share; pp 16 at stride 16 spans 256 chips: 4 racks, so it crosses InfiniBand.

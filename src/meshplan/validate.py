@@ -45,6 +45,7 @@ class Rule:
     why: str = ""
     integer: bool = True
     open_lo: bool = False
+    allow_inf: bool = False  # +inf is meaningful (an arrival rate of inf: every request at once); nan never is
 
     @cached_property
     def adapter(self) -> TypeAdapter:
@@ -54,13 +55,16 @@ class Rule:
 
     def describe(self) -> str:
         lo = f"({_fmt(self.lo)}" if self.open_lo else f"[{_fmt(self.lo)}"
-        what = "an integer" if self.integer else "a finite number"
-        return f"{what} in {lo}, {_fmt(self.hi)}]" + (f" ({self.why})" if self.why else "")
+        what = "an integer" if self.integer else "a number" if self.allow_inf else "a finite number"
+        hi = "inf]" if self.allow_inf else f"{_fmt(self.hi)}]"
+        return f"{what} in {lo}, {hi}" + (f" ({self.why})" if self.why else "")
 
     def check(self, value: Any, label: str) -> Any:
         """`value` if it obeys the rule, else a one-line MeshplanError naming `label` and the bound."""
         if isinstance(value, bool):
             raise MeshplanError(f"{label} must be {self.describe()}, got {value!r}")
+        if self.allow_inf and value == math.inf:
+            return value
         try:
             return self.adapter.validate_python(value)
         except ValidationError:
@@ -99,7 +103,8 @@ CLI_RULES: dict[str, Rule] = {
     "zero": Rule(0, 3, "ZeRO stages are 0-3"),
     "offload": Rule(0, 1, "a fraction", integer=False),
     "headroom": Rule(0, 0.99, "a fraction of HBM", integer=False),
-    "rate": Rule(0, 1e6, "requests per second", integer=False, open_lo=True),
+    "rate": Rule(0, 1e6, "requests per second; inf sends them all at once", integer=False, open_lo=True,
+                 allow_inf=True),
     "requests": Rule(1, MAX_SIM_REQUESTS, "a simulation of at most this many requests"),
     "seed": Rule(0, 2**32 - 1, "numpy seeds are 32-bit"),
     "tpot_target": Rule(0, 3600, "seconds", integer=False, open_lo=True),
