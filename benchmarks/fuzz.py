@@ -80,6 +80,14 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
          {"-m": "name", "--hardware": "hwname", "--chips": "int", "--input-len": "int", "--output-len": "int",
           "--batch": "int", "--tp": "int", "--pp": "int", "--ep": "int", "--quant": "text",
           "--tpot-target": "float", "--ttft-target": "float", "--batching": "text", "--profile": "profile"}),
+        (train + ["--export", rng.choice(["torchtitan", "megatron", "nemo", "maxtext", "deepspeed"]), "--out",
+                  "OUTDIR"], {"--export": "text", "--out": "outdir", "--chips": "int", "--tp": "int"}),
+        (["train", "--from", "FRAMEWORK", "--hardware", h, "--json"],
+         {"--from": "framework", "--hardware": "hwname", "--chips": "int", "--seq-len": "int"}),
+        (serve + ["--export", rng.choice(["vllm", "sglang", "trtllm"]), "--out", "OUTDIR"],
+         {"--export": "text", "--out": "outdir", "--tp": "int"}),
+        (["serve", "--from", "FRAMEWORK", "--hardware", h, "--input-len", "1024", "--output-len", "128", "--json"],
+         {"--from": "framework", "--hardware": "hwname", "--input-len": "int", "--output-len": "int"}),
         (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
          {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int"}),
     ]
@@ -139,6 +147,35 @@ class Files:
         p.write_text(json.dumps(cfg, default=str))
         return str(p)
 
+    def outdir(self) -> str:
+        return str(self._path("_out"))
+
+    def framework(self) -> str:
+        """A framework config for `--from`: an export of a real plan with one line garbled, or random bytes."""
+        p = self._path(self.rng.choice([".toml", ".yaml", ".json", ".sh", ".py"]))
+        if self.rng.random() < 0.3:
+            p.write_bytes(self.rng.randbytes(self.rng.randint(0, 300)))
+            return str(p)
+        kind, fw = self.rng.choice([("train", "torchtitan"), ("train", "maxtext"), ("train", "megatron"),
+                                    ("train", "deepspeed"), ("serve", "vllm"), ("serve", "sglang")])
+        base = (["train", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "2048",
+                 "--global-batch", "8"] if kind == "train" else
+                ["serve", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--input-len", "512",
+                 "--output-len", "128"])
+        out = self._path("_export")
+        _run_here(base + ["--export", fw, "--out", str(out)])
+        files = sorted(out.glob("*")) if out.is_dir() else []
+        if not files:
+            p.write_text("")
+            return str(p)
+        lines = files[0].read_text().splitlines() or [""]
+        i = self.rng.randrange(len(lines))
+        lines[i] = self.rng.choice(["", "x = = 1", lines[i] + " nan", lines[i].replace("8", "-1"), "[[[", "\x00",
+                                    lines[i].replace("2048", "1e400"), lines[i] * 3])
+        target = files[0].with_name("garbled" + files[0].suffix)
+        target.write_text("\n".join(lines))
+        return str(target)
+
     def profile(self) -> str:
         p = self._path(".json")
         p.write_text(json.dumps(self.rng.choice([{}, [], {"chip": "h100-sxm"}, {"efficiency": {"matmul": -1}},
@@ -158,6 +195,10 @@ def value_for(kind: str, rng: random.Random, files: Files) -> str:
         return rng.choice(ODD_TEXT + [files.hardware()] * 3) if odd else rng.choice(CHIPS)
     if kind == "profile":
         return rng.choice([files.profile(), "/nonexistent.json", ""])
+    if kind == "outdir":
+        return rng.choice([files.outdir()] * 3 + ["/proc/x/y", "/dev/null", ""])
+    if kind == "framework":
+        return rng.choice([files.framework()] * 4 + ["/nonexistent.toml", ""])
     if kind == "op":
         k = rng.choice(["matmul:{},{},{}", "attention:{},{},{},{},{},{}", "elementwise:{}", "dot:{}", "conv:{}"])
         vals = [rng.choice(["1", "4096", "0", "-1", "nan", "inf", "1.5", "1e30", "x"]) for _ in range(6)]
@@ -214,6 +255,7 @@ def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
             out.append(args)
             continue
         base, kinds = rng.choice(templates(rng))
+        base = [files.outdir() if a == "OUTDIR" else files.framework() if a == "FRAMEWORK" else a for a in base]
         out.append(mutate(base, kinds, rng, files) if rng.random() < 0.9 else base)
     return out
 
