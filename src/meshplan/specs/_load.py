@@ -85,7 +85,7 @@ class FieldReader:
         if positive and value <= 0:
             raise MeshplanError(f"{self.origin}: field '{dotted}' must be positive, got {value!r}")
         rule = self.rules(dotted) if self.rules else None
-        if rule is not None:
+        if rule is not None and not (value == 0 and not positive):  # 0 = "no figure" where zero is allowed
             rule.check(value, f"{self.origin}: field '{dotted}'")
         return value
 

@@ -273,8 +273,10 @@ def _float(cfg: dict[str, Any], origin: str, key: str) -> float:
     v = cfg.get(key)
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise MeshplanError(f"{origin}: '{key}' must be a non-negative number, got {v!r}")
+    # an int beyond float range (math.isfinite would overflow on it) is as wrong as inf
+    if (isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, int) and abs(v) > 2**53)
+            or not math.isfinite(v) or v < 0):
+        raise MeshplanError(f"{origin}: '{key}' must be a non-negative number, got {str(v)[:40]}")
     return float(v)
 
 
