@@ -330,6 +330,7 @@ def fuzz(n: int = 5000, seed: int = 0, timeout_s: float = 20.0, progress: bool =
     counts: Counter[str] = Counter()
     details: dict[str, Counter[str]] = {}
     per_command: Counter[str] = Counter()
+    examples: dict[str, str] = {}  # one invocation per traceback cause
     t0 = time.perf_counter()
     for args in WARM_UP:  # imports and spec caches warmed once in the parent; every forked child inherits them
         _run_here(args)
@@ -340,12 +341,14 @@ def fuzz(n: int = 5000, seed: int = 0, timeout_s: float = 20.0, progress: bool =
             counts[kind] += 1
             per_command[args[0]] += 1
             if kind not in ("ok", "error"):
-                details.setdefault(kind, Counter())[detail.split(": ")[0] if kind == "traceback" else detail] += 1
+                key = detail.split(": ")[0] if kind == "traceback" else detail
+                details.setdefault(kind, Counter())[key] += 1
+                examples.setdefault(key, " ".join(args)[:300])
             if progress and (i + 1) % 250 == 0:
                 print(f"  {i + 1}/{n}: {dict(counts)}", file=sys.__stderr__, flush=True)
     return {"invocations": n, "seed": seed, "timeout_s": timeout_s, "wall_s": round(time.perf_counter() - t0, 1),
             "counts": dict(counts), "per_command": dict(per_command),
-            "problems": {k: dict(v.most_common(20)) for k, v in details.items()}}
+            "problems": {k: dict(v.most_common(20)) for k, v in details.items()}, "examples": examples}
 
 
 def cli() -> None:
@@ -369,7 +372,7 @@ def cli() -> None:
     for kind, d in res["problems"].items():
         print(f"  {kind}:")
         for k, v in d.items():
-            print(f"    {v:4d}  {k}")
+            print(f"    {v:4d}  {k}" + (f"\n          e.g. {res['examples'][k]}" if kind == "traceback" else ""))
 
 
 if __name__ == "__main__":

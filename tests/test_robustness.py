@@ -426,3 +426,12 @@ def test_web_api_requests_pass_the_same_validation():
               "global_batch": "8"}
     with pytest.raises(InputError, match=r"--chips must be an integer in \[1, 1048576\]"):
         run("train", params)
+
+
+def test_hardware_yaml_with_part_of_the_superpod_section(tmp_path, capsys):
+    """Found by benchmarks/fuzz.py after the rebase: a superpod section missing one key was a KeyError."""
+    data = yaml.safe_load((HARDWARE_DIR / "h100-sxm.yaml").read_text())
+    del data["superpod"]["switch_ports"]
+    p = tmp_path / "hw.yaml"
+    p.write_text(yaml.safe_dump(data))
+    assert_one_error(*run_cli(["hardware", str(p)], capsys)[::2], "lacks switch_ports")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import MeshplanError
-from meshplan.specs.hardware import Chip
+from meshplan.specs.hardware import SUPERPOD_KEYS, Chip
 
 # TensorCores per TPU chip. Book ch.2 §TPU chip: v4 and v5p have two cores that share HBM and act as one
 # device ("megacore"); v5e has one. v6e: one TensorCore per chip (Google Cloud TPU v6e docs; the book's
@@ -145,6 +145,10 @@ def superpod(chip: Chip) -> SuperPod:
     sp = chip.superpod
     if chip.links.is_torus or not sp:
         raise MeshplanError(f"{chip.name} has no SuperPod structure in its spec (GPU presets h100-sxm, b200 do)")
+    missing = [k for k in SUPERPOD_KEYS if k not in sp]
+    if missing:  # a user's YAML with part of the section
+        raise MeshplanError(f"{chip.name}: field 'superpod' lacks {', '.join(missing)} (needs all of "
+                            f"{', '.join(SUPERPOD_KEYS)})")
     g = chip.links.nvlink_domain_size
     su, nps = int(sp["su_count"]), int(sp["nodes_per_su"])
     nodes = su * nps
