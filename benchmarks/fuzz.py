@@ -223,7 +223,7 @@ def mutate(args: list[str], kinds: dict[str, str], rng: random.Random, files: Fi
                     args[1] = v
                 else:
                     args.append(v)
-            elif f in args:
+            elif f in args and args.index(f) + 1 < len(args):
                 args[args.index(f) + 1] = v
             else:
                 args += [f, v]
