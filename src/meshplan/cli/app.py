@@ -137,8 +137,13 @@ def _validate_before_running(group: Any) -> None:
         if callback is None or getattr(callback, "_validated", False):
             continue
 
-        def checked(*a: Any, _run: Any = callback, _name: str = command_name, **params: Any) -> Any:
-            check_cli_params(params, _name)
+        # a flag left at its default is the program's own choice (verify's --microbatch 0 = the whole batch),
+        # not input: only the values the user gave are checked
+        defaults = {p.name: p.default for p in sub.params}
+
+        def checked(*a: Any, _run: Any = callback, _name: str = command_name, _defaults: dict = defaults,
+                    **params: Any) -> Any:
+            check_cli_params({k: v for k, v in params.items() if k not in _defaults or v != _defaults[k]}, _name)
             return _run(*a, **params)
 
         checked._validated = True  # type: ignore[attr-defined]
