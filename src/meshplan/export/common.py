@@ -16,6 +16,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
@@ -133,6 +135,17 @@ def header_lines(plan: PlanToExport, framework: str) -> list[str]:
 
 def commented(lines: list[str], marker: str = "#") -> str:
     return "".join(f"{marker} {x}\n" if x else f"{marker}\n" for x in lines)
+
+
+def yaml_mapping(text: str, what: str) -> dict[str, Any]:
+    """A YAML file that must be a mapping of keys (MaxText configs, NeMo overrides)."""
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise MeshplanError(f"{what} is a YAML mapping of keys")
+    return doc
 
 
 def split_command(text: str, what: str) -> list[str]:

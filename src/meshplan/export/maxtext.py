@@ -28,6 +28,7 @@ from meshplan.export.common import (
     header_lines,
     refuse,
     whole,
+    yaml_mapping,
 )
 from meshplan.train.space import Pins
 
@@ -107,12 +108,7 @@ def export(plan: PlanToExport) -> str:
 
 
 def load(text: str, chips: int | None = None) -> Job:
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise MeshplanError("a MaxText config is a YAML mapping of keys")
+    doc = yaml_mapping(text, "a MaxText config")
     doc = {k: v for k, v in doc.items() if v is not None}  # a null key is an unset one: base.yml's default
     known = framework_keys(NAME)
     used = {"base_config", "hardware", "model_name", "max_target_length", "per_device_batch_size",

@@ -21,6 +21,7 @@ from meshplan.export.common import (
     framework_keys,
     header_lines,
     whole,
+    yaml_mapping,
 )
 from meshplan.export.megatron import REASONS as MEGATRON_REASONS
 from meshplan.train.space import Pins
@@ -102,12 +103,7 @@ USED = {"trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_p
 
 
 def load(text: str, chips: int | None = None) -> Job:
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise MeshplanError(f"not a YAML file: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise MeshplanError("a NeMo override file is a YAML mapping")
+    doc = yaml_mapping(text, "a NeMo override file")
     # a recipe serialised by NeMo-Run (fiddle) names each object's class in `_target_` (and `_partial_`): structure
     flat = {k: v for k, v in _flatten(doc).items() if k.rsplit(".", 1)[-1] not in ("_target_", "_partial_", "_call_")}
     known = framework_keys(NAME)
