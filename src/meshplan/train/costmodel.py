@@ -161,6 +161,20 @@ class Options:
     # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
     # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages).
     pp_schedule: str = "1f1b"
+    # The pipeline as one SPMD loop (MaxText layers/pipeline.py `Pipeline.__call__`: total_iterations =
+    # num_pipeline_microbatches·num_pipeline_repeats + (num_stages − 1), every iteration running every stage through
+    # one vmap, so the bubble iterations compute on filler data; the JAX program's `pipeline_layers` the same): the
+    # layers' FLOPs and collectives are (M·v + p − 1)/(M·v) of the useful ones, the state shifts one stage on every
+    # iteration but the last (2(M·v + p − 2) sends a step), and the embedding and output layer sit outside the
+    # pipeline replicated on every stage (MaxText layers/decoders.py applies the embedding before and the logits
+    # after `pipeline_module`): their gradients join the data all-reduce and the last stage's output and the input
+    # gradients are all-reduced over `stage` (2M activations). False: Megatron/torchtitan stages that idle in the
+    # bubble, the embedding on the first stage and the output layer on the last.
+    pp_spmd_loop: bool = False
+    # Ring CP's backward reuses the K/V blocks its forward received (the autodiff of a ppermute ring saves them, the
+    # JAX program's `ring` form): only dK/dV travel back, 2(cp − 1) passes a layer. False: Transformer Engine's ring
+    # (AttnFuncWithCPAndKVP2P.backward) passes K/V again beside dK/dV, 3(cp − 1).
+    ring_saves_kv: bool = False
     # Which fused attention kernel runs (efficiency.yaml): "fused" = the chip's best (FA3 or cuDNN on Hopper, as
     # Megatron-Core/TE and MaxText run; FA2 on Ampere); "fa2" = the flash-attn package's FlashAttention-2
     # (nanotron, llm-foundry); "sdpa" = PyTorch's scaled_dot_product_attention, whose bundled FA2 it picks first
@@ -397,15 +411,18 @@ class CostModel:
             rc_hbm.append(core_hbm + w.get("elem", 0) * elem["hbm"] + w.get("cast", 0) * cast["hbm_f"])
         pick = [L.recompute == i for i in range(len(tm.RECOMPUTE_POLICIES))]
         recompute = np.select(pick, rc_s, 0.0)
-        nl, nm, led = g["layers_stage"], g["n_micro"], g["ledger"]
+        nm, led = g["n_micro"], g["ledger"]
+        nl = g["layers_stage"] * g["bubble_runs"]  # layer passes per micro-batch, an SPMD pipeline's bubble included
         led.flops("matmul", nm * (nl * (3 * mm["flops"] + np.select(pick, rc_mm, 0.0)) + 3 * loss["flops"]))
         led.flops("attention", nm * nl * (core["flops_f"] + core["flops_b"] + np.select(pick, rc_core, 0.0)))
         led.flops("other", 0.0)  # pointwise work is costed by its HBM bytes, not its FLOPs
         led.add("hbm", nm * (nl * (3 * elem["hbm"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
+        nl = g["layers_stage"]
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
+            loss_s=3 * loss["f_s"],
             fwd=nl * full + loss["f_s"],
             bwd=nl * (layer_bwd + recompute) + 2 * loss["f_s"],
         )
@@ -511,11 +528,12 @@ class CostModel:
                              + norm_ar / nm)
         out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs) + outside + ce + norm_ar / nm)
         axes = [("tensor", tp)]
-        n_ag = nl * 3 * pairs + 2
-        n_rs = nl * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
+        nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations run the layers' collectives too
+        n_ag = nlr * 3 * pairs + 2
+        n_rs = nlr * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
         led.collective("all_gather", axes, np.where(sp, nm * n_ag * v_tp, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
-        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nl * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
+        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
         # the norm scales' gradients are partial sums over the tokens' shards on `tensor` and, with context
         # parallelism (no FSDP), on `context`: one all-reduce over both (XLA's program for CP×TP; verify)
         led.collective("all_reduce", [("context", self._norm_context(g)), ("tensor", tp)], np.where(sp, norms, 0.0))
@@ -547,7 +565,9 @@ class CostModel:
         cp, nl = g["cp"], g["layers_stage"]
         perm = self.comm.time("permute", kv_bytes, cp, g["tp"])
         cp_f, cp_b = (cp - 1) * perm, 2 * (cp - 1) * perm
-        g["ledger"].collective("permute", [("context", cp)], g["n_micro"] * nl * 3 * (cp - 1) * kv_bytes)
+        passes = 2 if self.opt.ring_saves_kv else 3  # K/V forward, dK/dV (and K/V again, TE) backward
+        g["ledger"].collective("permute", [("context", cp)],
+                               g["n_micro"] * nl * g["bubble_runs"] * passes * (cp - 1) * kv_bytes)
         return (nl * (np.maximum(cp_f - ct["layer_core_fwd"], 0) + np.maximum(cp_b - ct["layer_core_bwd"], 0)),
                 nl * (cp_f + cp_b))
 
@@ -618,9 +638,20 @@ class CostModel:
         """PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p)."""
         pp, tp = g["pp"], g["tp"]
         nbytes = self.opt.act_bytes * g["t_mb"] * self.c["D"] / np.where(g["sp"], tp, 1)
-        p2p = self.comm.time("permute", nbytes, pp, tp * g["cp"] * g["fsdp"] * g["dp"])
-        out["pp_mb"] = 2 * g["vpp"] * p2p
-        g["ledger"].collective("permute", [("stage", pp)], g["n_micro"] * 2 * g["vpp"] * nbytes)
+        stride = tp * g["cp"] * g["fsdp"] * g["dp"]
+        p2p = self.comm.time("permute", nbytes, pp, stride)
+        nm, led = g["n_micro"], g["ledger"]
+        if not self.opt.pp_spmd_loop:
+            out["pp_mb"] = 2 * g["vpp"] * p2p
+            led.collective("permute", [("stage", pp)], nm * 2 * g["vpp"] * nbytes)
+            return
+        # SPMD loop (Options.pp_spmd_loop): the state shifts one stage on at every iteration but the last, forward
+        # and backward: 2(M·v + p − 2) sends a step; the last stage's output reaches the replicated head by an
+        # all-reduce over `stage`, and the input gradients return by another (2M activations)
+        sends = np.where(pp > 1, 2 * (nm * g["vpp"] + pp - 2), 0.0)
+        out["pp_mb"] = sends / nm * p2p + 2 * self.comm.time("allreduce", nbytes, pp, stride)
+        led.collective("permute", [("stage", pp)], sends * nbytes)
+        led.collective("all_reduce", [("stage", pp)], np.where(pp > 1, 2 * nm * nbytes, 0.0))
 
     def _torch_cp_buffer(self, g: dict):
         """Bytes PyTorch's all-gather context parallelism holds during one layer's attention backward (`cp_impl`):
@@ -781,8 +812,11 @@ class CostModel:
         # outside the layers: embeddings, output layer and the final norm (which sits with the output layer)
         embed = (pc.embedding + pc.position + pc.unembedding) / g["tp"] + pc.final_norm
         last = (pc.unembedding or pc.embedding) / g["tp"] + pc.final_norm
-        g["params_embed_local"] = np.where(g["pp"] > 1, np.maximum((pc.embedding + pc.position) / g["tp"], last),
-                                           embed)
+        split = (g["pp"] > 1) & (not self.opt.pp_spmd_loop)  # an SPMD loop keeps both on every stage
+        g["params_embed_local"] = np.where(split, np.maximum((pc.embedding + pc.position) / g["tp"], last), embed)
+        # layer passes run per useful one: the SPMD loop's bubble iterations compute too (Options.pp_spmd_loop)
+        ticks = g["n_micro"] * g["vpp"]
+        g["bubble_runs"] = np.where((g["pp"] > 1) & self.opt.pp_spmd_loop, (ticks + g["pp"] - 1) / ticks, 1.0)
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
         g["ledger"] = Ledger()
         return g

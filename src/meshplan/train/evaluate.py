@@ -39,7 +39,8 @@ def _bubble(cm: CostModel, g: dict, ct, per_mb):
     """Idle pipeline time per step. 1F1B: (p-1)/v micro-batch slots (Narayanan et al. 2021, interleaved); with
     W the weight-gradient GEMMs of a stage's micro-batch (the forward GEMMs' FLOPs again), zero-bubble ZB-H1 fills
     part of it: (p-1)(F + B - 2W) (Qi et al. 2024); DualPipe: (p/2 - 1)(F&B + B - 3W) (DeepSeek-V3 Table 2, F&B
-    the overlapped forward and backward chunk, taken as the micro-batch's whole time)."""
+    the overlapped forward and backward chunk, taken as the micro-batch's whole time). An SPMD pipeline loop
+    (Options.pp_spmd_loop, MaxText) computes in those slots instead of idling: the same seconds, less the head."""
     pp = g["pp"]
     w = g["layers_stage"] * ct["layer_matmul_fwd"]
     schedule = cm.opt.pp_schedule
@@ -47,6 +48,8 @@ def _bubble(cm: CostModel, g: dict, ct, per_mb):
         return (pp - 1) * np.maximum(per_mb - 2 * w, 0)
     if schedule == "dualpipe":
         return np.maximum(pp / 2 - 1, 0) * np.maximum(per_mb + ct["bwd"] - 3 * w, 0)
+    if cm.opt.pp_spmd_loop:  # the bubble iterations run the stage's layers, not the head outside the loop (MaxText)
+        return (pp - 1) / g["vpp"] * (per_mb - ct["loss_s"])
     return (pp - 1) / g["vpp"] * per_mb
 
 

@@ -38,8 +38,11 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
-    # matmuls, and reduces the scanned layers' gradients across replicas after the backward
-    "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True),
+    # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
+    # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
+    # (layers/pipeline.py, layers/decoders.py; Options.pp_spmd_loop)
+    "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True,
+                    pp_spmd_loop=True),
     # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
     # per pointwise op, an eager loss on fp32 logits, attention through PyTorch SDPA (transformers' default
     # attn_implementation); `overlap_comm` (zero_optimization) buckets the gradient reduction behind the backward
@@ -48,10 +51,11 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 # The JAX reference program `meshplan verify` compiles (measure/jaxmodel.py): MaxText's XLA behaviour, with the
 # program's own facts: fp32 weights, activations, gradients and collectives (its CPU twin; AdamW moments fp32 and
 # no separate master copy), attention materialised (softmax over the full score matrix, no flash kernel), context
-# parallelism by all-gathered K/V, no runtime reserve on the CPU.
+# parallelism by all-gathered K/V (its ring form, `--cp-impl ring`, saves the K/V blocks it received for the
+# backward: the autodiff of ppermute passes only dK/dV back), no runtime reserve on the CPU.
 PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
                                      grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
-                                     cp_impl="allgather")
+                                     cp_impl="allgather", ring_saves_kv=True)
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
 # Releases whose behaviour differs from the current preset (`--framework name@version`): each the changes on top of
