@@ -174,3 +174,47 @@ def test_cp_tp_norm_gradients_reduce_over_context_and_tensor():
     assert c["all_reduce/tensor"] == 6144
     params_local = (2 * (590336 - 512) + 262144) / 2 + 2 * 512 + 256  # TP2 halves all but the norm scales
     assert c["all_reduce/context"] == 4 * (params_local - 1280) + 4
+
+
+def test_maxtext_spmd_pipeline_computes_its_bubble_and_replicates_the_head():
+    """PP2 × DP4, micro-batch 1, framework jax (MaxText's SPMD loop, fp32): M = 16 / 4 = 4 micro-batches of 128
+    tokens run M + p − 1 = 5 iterations on every stage (one layer each): 6 · 128 · 589824 · 5 = 2264924160 layer
+    matmul FLOPs, plus the head on every stage over the data rank's 512 tokens, 6 · 512 · 131072 = 402653184.
+    Megatron's stages idle in the bubble: 6 · 128 · 589824 · 4 + 402653184 (the busiest stage holds the head).
+    Sends: 2 (M + p − 2) = 8 of one micro-batch's activation, 128 · 256 · 4 B = 131072; the replicated head
+    all-reduces the last stage's output and the input gradients over `stage`: 2 M · 131072. Gradients over `data`:
+    one layer and the whole embedding, head and final norm, (590336 + 262400) · 4 B, + the 4-byte loss."""
+    cfg = ParallelConfig(pp=2, dp=4, microbatch=1)
+    jax = ledger(cfg, options=framework_options("jax", Options(), {}))
+    assert jax["flops"]["matmul"] == pytest.approx(2264924160 + 402653184, rel=1e-12)
+    assert jax["collective_bytes"]["permute/stage"] == 8 * 131072
+    assert jax["collective_bytes"]["all_reduce/stage"] == 2 * 4 * 131072
+    assert jax["collective_bytes"]["all_reduce/data"] == 4 * (590336 + 262400) + 4
+    mega = ledger(cfg, options=framework_options("megatron", Options(), {}))
+    assert mega["flops"]["matmul"] == pytest.approx(6 * 128 * 589824 * 4 + 402653184, rel=1e-12)
+    assert "all_reduce/stage" not in mega["collective_bytes"]
+    # the busiest Megatron stage: one layer and the head with the final norm (131072 + 256), bf16 sends
+    assert mega["collective_bytes"]["all_reduce/data"] == 4 * (590336 + 131328) + 4
+    assert mega["collective_bytes"]["permute/stage"] == 4 * 2 * 2 * 128 * 256
+
+
+def test_maxtext_spmd_pipeline_sends_every_iteration_but_the_last():
+    """PP4 × DP2, micro-batch 2, L=4 (one layer a stage), jax: M = 16 / (2·2) = 4; the state shifts at
+    M + p − 2 = 6 iterations each way: 12 sends of 2 · 128 · 256 · 4 B = 262144 (docs/verify.md: the compiled
+    PP4 × DP2 permutes 3 MiB)."""
+    model = ModelConfig(name="tiny4", **{**BASE, "n_layers": 4})
+    c = ledger(ParallelConfig(pp=4, dp=2, microbatch=2), model=model,
+               options=framework_options("jax", Options(), {}))["collective_bytes"]
+    assert c["permute/stage"] == 12 * 262144
+
+
+def test_ring_cp_kv_passes_by_framework():
+    """CP4 × TP2, one micro-batch of 16 sequences: per layer each rank holds 512 tokens of K and V on 2 KV heads of
+    32: 2 · 512 · 64 = 65536 elements. Transformer Engine's ring passes K/V cp − 1 = 3 times forward and K/V and
+    dK/dV 3 times each backward (3 · 3 passes, bf16: 131072 B each); the JAX program's ring saves the blocks it
+    received and passes only dK/dV back (2 · 3 passes, fp32: 262144 B)."""
+    cfg = ParallelConfig(cp=4, tp=2, microbatch=16)
+    mega = ledger(cfg, options=framework_options("megatron", Options(), {}))["collective_bytes"]
+    assert mega["permute/context"] == 2 * 9 * 131072
+    jax = ledger(cfg, options=framework_options("jax", Options(), {"cp_impl": "ring"}))["collective_bytes"]
+    assert jax["permute/context"] == 2 * 6 * 262144

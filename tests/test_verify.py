@@ -37,6 +37,8 @@ CASES = {
     "zero1_dp8": ("llama3-8b", dict(dp=8, zero=1), False),
     "zero2_dp8_2mb": ("llama3-8b", dict(dp=8, zero=2, microbatch=1), False),
     "cp4_tp2_allgather": ("llama3-8b", dict(cp=4, tp=2, cp_impl="allgather"), False),
+    # ring CP: K/V forward cp − 1 times, dK/dV back cp − 1 times (the ledger's ring_saves_kv for jax)
+    "cp4_tp2_ring": ("llama3-8b", dict(cp=4, tp=2, cp_impl="ring"), False),
     "pp2_dp4": ("llama3-8b", dict(dp=4, pp=2, microbatch=1), False),
     "pp2_tp2_dp2": ("llama3-8b", dict(dp=2, tp=2, pp=2, microbatch=2), False),
 }
@@ -58,7 +60,8 @@ FLOP_RESIDUALS: set[str] = set()
 # all-reduce + dynamic-slice, so full-size [t, D] sums stay live under SP; the score gradients of materialised
 # attention; recomputation the CPU schedule hoists ahead of the backward.
 MEMORY_RESIDUALS = {"fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
-                    "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "pp2_dp4", "pp2_tp2_dp2"}
+                    "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
+                    "pp2_tp2_dp2"}
 
 _SCRIPT = r"""
 import json, sys
@@ -280,6 +283,8 @@ def test_verify_takes_the_top_plan_of_train():
 @pytest.mark.parametrize(("args", "message"), [
     (["--plan", "-"], "not a `meshplan train --json` object"),
     (["--model", "llama3-8b", "--pp", "2", "--cp", "2"], "pipeline parallelism with cp > 1"),
+    (["--model", "llama3-8b", "--pp", "2", "--vpp", "2"], "interleaved pipeline stages (vpp > 1) are not built"),
+    (["--model", "llama3-8b", "--cp", "2", "--cp-impl", "ringg"], "unknown cp_impl 'ringg'"),
     ([], "verify needs --model"),
 ])
 def test_verify_bad_input_is_one_line(args, message):

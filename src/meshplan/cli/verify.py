@@ -84,11 +84,18 @@ def verify(
     fsdp: Annotated[int, typer.Option(help="FSDP (ZeRO-3) degree.")] = 1,
     tp: Annotated[int, typer.Option(help="Tensor parallel degree (with sequence parallelism).")] = 1,
     cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = 1,
+    cp_impl: Annotated[str, typer.Option("--cp-impl", help="How CP runs attention: allgather (each layer gathers the "
+                                         "sequence's K/V; Llama 3, MaxText) or ring (K/V blocks passed round the "
+                                         "context ranks by ppermute).")] = "allgather",
     ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline stages (GPipe loop over the `stage` axis, as MaxText's pipeline; "
+                                         "--microbatch sets the micro-batches).")] = 1,
+    vpp: Annotated[int, typer.Option(help="Virtual stages per pipeline rank (interleaving); the program builds 1 "
+                                          "only.")] = 1,
     microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences; 0 = the whole local batch at once).")] = 0,
     recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
-    zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis (3 = use --fsdp).")] = 0,
+    zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 1 optimizer state, 2 also gradients "
+                                           "sharded; 3 compiles FSDP over the data ranks.")] = 0,
     framework: Annotated[str, typer.Option(
         help="Whose schedule the planner's ledger assumes: jax (default; = maxtext, the one XLA's program follows), "
              "or megatron / nemo / torchtitan to see where theirs differs from the compiled program.")] = "jax",
@@ -116,7 +123,7 @@ def verify(
         if devices <= 0 or devices % rest:
             fail(f"--devices {devices} is not a multiple of fsdp·tp·cp·ep·pp = {rest}")
         layout = Layout(dp=dp or devices // rest, fsdp=fsdp, tp=tp, cp=cp, ep=ep, pp=pp, microbatch=microbatch,
-                        recompute=recompute, zero=zero)
+                        recompute=recompute, zero=zero, vpp=vpp, cp_impl=cp_impl)
     if layout.devices != devices:
         fail(f"the layout uses {layout.devices} devices, not {devices}")
     if layout.zero == 3:  # ZeRO-3 = FSDP over every data rank (it used to run plain DP silently)
