@@ -61,6 +61,10 @@ def train(
     recompute: Annotated[str | None, typer.Option(help="none | selective | full | gemm-last")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2, or 3 (= FSDP over those ranks: --dp 32 --zero 3 is --fsdp 32).")] = None,
     offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
+    offload_optimizer: Annotated[int | None, typer.Option(
+        help="1: optimizer state and Adam on the host CPU (ZeRO-Offload); 0: on the device. Unset: searched.")] = None,
+    offload_params: Annotated[int | None, typer.Option(
+        help="1: weights on the host, streamed per layer (ZeRO-Infinity); 0: on the device. Unset: searched.")] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
     headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
@@ -167,7 +171,8 @@ def train(
     if dtype == "fp8" and from_file is None:
         problem.chip.peak("fp8")
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
-                recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel)
+                recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel,
+                offload_optimizer=offload_optimizer, offload_params=offload_params)
     pins = export_pins(export, pins)
     if moe_node_limit is not None and moe_node_limit < 1:
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")

@@ -93,6 +93,9 @@ class Chip:
     links: Links
     price_per_chip_hour: float
     host_memory_bytes: float = 0.0
+    # the host's DRAM bandwidth per chip (the node's sockets' peak / chips per node): times the CPU Adam step of
+    # optimizer offload (ZeRO-Offload); 0 = no figure (optimizer offload is then not searched)
+    host_memory_bandwidth_bytes_per_s: float = 0.0
     # what the driver exposes (nvidia-smi memory.total): marketed "80 GB" HBM is 80 GiB less ECC/driver reserve;
     # 0 = same as hbm_bytes. Fit decisions use it; the marketed capacity stays for reports and the book's sums.
     hbm_usable_bytes: float = 0.0
@@ -216,6 +219,8 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         peak_flops_per_s=peaks,
         **top,
         host_memory_bytes=r.number("host_memory_bytes", required=False, default=0.0, positive=False),
+        host_memory_bandwidth_bytes_per_s=r.number("host_memory_bandwidth_bytes_per_s", required=False, default=0.0,
+                                                   positive=False),
         hbm_usable_bytes=r.number("hbm_usable_bytes", required=False, default=0.0, positive=False),
         links=links,
         price_per_chip_hour=r.number("price_per_chip_hour"),

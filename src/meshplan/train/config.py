@@ -17,13 +17,18 @@ from meshplan.math.transformer import RECOMPUTE_POLICIES
 
 RECOMPUTE_CODES = {name: i for i, name in enumerate(RECOMPUTE_POLICIES)}  # none, selective, full, gemm-last
 DEGREES = ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "microbatch", "zero")
+# host offload of model state, 0 or 1 each: the optimizer (ZeRO-Offload, Ren et al. 2021) and the weights
+# (ZeRO-Infinity, Rajbhandari et al. 2021)
+OFFLOAD_FLAGS = ("offload_optimizer", "offload_params")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """One layout. `zero` is the ZeRO stage over the `dp` group (1: optimizer, 2: + gradients);
     FSDP (`fsdp` > 1) is ZeRO-3 over its own group. `offload` is the fraction of saved activations
-    moved to host memory."""
+    moved to host memory; `offload_optimizer` keeps the fp32 master and Adam moments on the host and runs the update
+    on its CPU (ZeRO-Offload); `offload_params` keeps the weights on the host, streamed in layer by layer
+    (ZeRO-Infinity)."""
 
     dp: int = 1
     fsdp: int = 1
@@ -37,6 +42,8 @@ class ParallelConfig:
     zero: int = 0
     offload: float = 0.0
     sequence_parallel: bool = True
+    offload_optimizer: int = 0
+    offload_params: int = 0
 
     @property
     def chips(self) -> int:
@@ -64,6 +71,7 @@ class ParallelConfig:
             parts.append(f"zero={self.zero}")
         if self.offload:
             parts.append(f"offload={self.offload:g}")
+        parts += [f"{k}=1" for k in OFFLOAD_FLAGS if getattr(self, k)]
         return " ".join(parts)
 
 
@@ -83,6 +91,13 @@ class LayoutArrays:
     zero: np.ndarray
     offload: np.ndarray
     sequence_parallel: bool = True
+    offload_optimizer: np.ndarray | None = None  # 0/1 per layout; None = no layout offloads it
+    offload_params: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for k in OFFLOAD_FLAGS:
+            if getattr(self, k) is None:
+                setattr(self, k, np.zeros(len(self), np.int64))
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
@@ -99,7 +114,7 @@ class LayoutArrays:
         return cls(**arrays, sequence_parallel=sp)
 
     def config(self, i: int) -> ParallelConfig:
-        kw = {k: int(getattr(self, k)[i]) for k in DEGREES}
+        kw = {k: int(getattr(self, k)[i]) for k in DEGREES + OFFLOAD_FLAGS}
         return ParallelConfig(**kw, recompute=RECOMPUTE_POLICIES[int(self.recompute[i])],
                               offload=float(self.offload[i]), sequence_parallel=self.sequence_parallel)
 

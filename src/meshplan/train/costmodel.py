@@ -886,24 +886,59 @@ class CostModel:
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)
         o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
-        params = p_bytes * P / fs + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
+        # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2-3): the fp32 master and both Adam moments (12 B per parameter
+        # of the rank's ZeRO partition) live on the host, with the 2 B fp16 gradients copied there; the device keeps
+        # only the 2 B working copy (under FSDP that replaces the fp32 sharded parameters, whose master role moves
+        # to the host)
+        opt_off = L.offload_optimizer == 1
+        p_bytes = np.where(opt_off, self.opt.param_bytes, p_bytes)
+        host_opt = np.where(opt_off, (MASTER_BYTES + MOMENT_BYTES + self.opt.grad_reduce_bytes) * P / shard_o, 0.0)
+        o_bytes = np.where(opt_off, 0.0, o_bytes)
+        # ZeRO-Infinity (Rajbhandari et al. 2021 §5.1.1, §6.2): the rank's parameter shard lives on the host and
+        # each layer is fetched before its forward and again before its backward; the device holds the layer in
+        # use and the prefetched next one
+        par_off = L.offload_params == 1
+        host_par = np.where(par_off, p_bytes * P / fs, 0.0)
+        fetch_buf = np.where(par_off, 2 * self.opt.param_bytes * g["params_layer_local"] / fs, 0.0)
+        params = np.where(par_off, 0.0, p_bytes * P / fs) + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
         # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
         copies = np.where((pp > 1) & (self.opt.pp_schedule == "dualpipe"), 2.0, 1.0)
         t = Terms(params=copies * params, grads=copies * grads, optimizer=copies * o_bytes * P / shard_o,
-                  activations=acts, other=other)
+                  activations=acts, other=other + copies * fetch_buf)
         t["offloaded"] = saved * L.offload
+        t["host_state"] = copies * (host_opt + host_par)  # model state held in host memory
+        t["host"] = t["offloaded"] + t["host_state"]
+        # bytes one micro-batch fetches from the host per pass (forward, and again backward) under weight offload
+        t["param_fetch_per_microbatch"] = copies * np.where(par_off, self.opt.param_bytes * P / fs, 0.0)
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight
         led = g["ledger"]
         for k in ("params", "grads", "optimizer", "activations", "total"):
             led.add(f"memory/{k}", t[k])
         led.add("memory/temp", t["other"])  # transient buffers: gathered weights, CP buffers, the runtime's reserve
+        led.add("host/memory", t["host"])
         return t
 
     def optimizer_terms(self, L: LayoutArrays, g: dict):
-        """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound)."""
+        """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound), or under
+        optimizer offload (ZeRO-Offload) the host's: gradients out, the CPU's Adam, the updated weights back."""
         local = g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1))
         nbytes = ADAM_UPDATE_BYTES * local
-        g["ledger"].add("hbm", nbytes)
-        return nbytes / self.hbm
+        off = L.offload_optimizer == 1
+        led = g["ledger"]
+        led.add("hbm", np.where(off, 0.0, nbytes))
+        device_s = nbytes / self.hbm
+        # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2): per step the rank's fp16 gradient partition goes device→host
+        # (2 B per parameter), the CPU runs Adam over it, and the updated fp16 partition comes back host→device
+        # (2 B); each over the host link (host_bandwidth_bytes_per_s, one direction). The CPU Adam streams the same
+        # bytes as the device's update (ADAM_UPDATE_BYTES) through host DRAM (host_memory_bandwidth_bytes_per_s):
+        # the paper's CPU-Adam is a vectorised, memory-bound loop (§4.2). Serial, no one-step delayed update.
+        chip = self.p.chip
+        d2h = np.where(off, self.opt.grad_reduce_bytes * local, 0.0)
+        h2d = np.where(off, self.opt.param_bytes * local, 0.0)
+        led.add("host/device_to_host", d2h)
+        led.add("host/host_to_device", h2d)
+        cpu_bw = chip.host_memory_bandwidth_bytes_per_s or np.inf  # not searched without the figure (space.py)
+        host_s = (d2h + h2d) / chip.host_bandwidth_bytes_per_s + np.where(off, nbytes / cpu_bw, 0.0)
+        return np.where(off, host_s, device_s)

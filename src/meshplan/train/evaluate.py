@@ -32,7 +32,7 @@ class Evaluation:
     hbm_budget_bytes: float
     ledger: Ledger  # per device per step: FLOPs, collective bytes, HBM bytes, memory (train/ledger.py)
     hbm_fits: np.ndarray | None = None  # fits in HBM (fits = this and host_fits)
-    host_fits: np.ndarray | None = None  # offloaded activations fit in the chip's share of host memory
+    host_fits: np.ndarray | None = None  # what is offloaded fits in the chip's share of host memory
 
 
 def _bubble(cm: CostModel, g: dict, ct, per_mb):
@@ -70,9 +70,17 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # activation offload: out in the forward, back in the backward over the host link, hidden behind the
     # micro-batch's compute where it fits (the seed talk's pipeline-aware offload)
     act_mb = mem["offloaded_per_microbatch"]
-    host = act_mb / p.chip.host_bandwidth_bytes_per_s  # one way
+    bw = p.chip.host_bandwidth_bytes_per_s  # one direction
+    host = act_mb / bw
+    # weight offload (ZeRO-Infinity §6.2): every layer fetched host→device before its forward and again before its
+    # backward, prefetched behind the previous layer's compute. The link is full duplex: in the forward the weights
+    # come in while the activations go out; in the backward both come in.
+    fetch = mem["param_fetch_per_microbatch"] / bw
     # out during the forward, back during the backward, each hidden behind that pass's compute
-    offload_exposed = np.maximum(host - ct["fwd"], 0) + np.maximum(host - ct["bwd"], 0)
+    offload_exposed = np.maximum(np.maximum(host, fetch) - ct["fwd"], 0) + np.maximum(host + fetch - ct["bwd"], 0)
+    led = g["ledger"]
+    led.add("host/device_to_host", m * act_mb)
+    led.add("host/host_to_device", m * (act_mb + 2 * mem["param_fetch_per_microbatch"]))
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
     bubble = _bubble(cm, g, ct, per_mb)
@@ -101,6 +109,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     time["exposed_comm/dp"] = cc["dp_step"]
     time["exposed_comm/fsdp"] = time["exposed_comm/fsdp"] + cc["fsdp_step"]
     time["other/offload"] = m * offload_exposed
+    time["other/offload_optimizer"] = np.where(L.offload_optimizer == 1, opt_update, 0.0)
     tokens = p.global_batch * p.seq_len
     tf = tm.flops_per_token(p.model, p.seq_len, causal=True)
     model_flops = tokens * tf.training
@@ -116,9 +125,9 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
                   dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
     hbm_fits = mem["total"] <= budget
-    # offloaded activations live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
+    # offloaded activations and model state live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
     # catalog) bounds them; a chip without that figure is not limited here
     host_cap = p.chip.host_memory_bytes or np.inf
-    host_fits = mem["offloaded"] <= host_cap
+    host_fits = mem["host"] <= host_cap
     return Evaluation(L, step, time, mem, hbm_fits & host_fits, model_flops, hw_flops, model_flops / denom,
                       hw_flops / denom, tokens / step, links, m, budget, g["ledger"], hbm_fits, host_fits)

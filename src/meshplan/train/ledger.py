@@ -25,6 +25,7 @@ HLO_KIND = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all
             "all_to_all": "all-to-all", "permute": "collective-permute"}
 FLOP_KINDS = ("matmul", "attention", "other")
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temp", "total")
+HOST_KINDS = ("device_to_host", "host_to_device", "memory")
 
 
 class Ledger(dict):
@@ -66,7 +67,9 @@ class Ledger(dict):
         return {"flops": {k: at(self.get(f"flops/{k}", 0.0)) for k in FLOP_KINDS},
                 "collective_bytes": coll,
                 "hbm_bytes": at(self.get("hbm", 0.0)),
-                "memory_bytes": {k: at(self.get(f"memory/{k}", 0.0)) for k in MEMORY_KINDS}}
+                "memory_bytes": {k: at(self.get(f"memory/{k}", 0.0)) for k in MEMORY_KINDS},
+                # over the host link (offload: activations, optimizer state, weights), and what the host holds
+                "host_bytes": {k: at(self.get(f"host/{k}", 0.0)) for k in HOST_KINDS}}
 
 
 def _order(key: str) -> tuple:

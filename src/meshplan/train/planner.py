@@ -67,6 +67,7 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
     ev, cm = _best_orientation(problem, eff, cm, ev)
     over_host = ~ev.host_fits
     if over_host.any():
+        # (activations alone, or with offloaded model state: optimizer, weights)
         reasons["offloaded activations exceed host memory"] += int((over_host & ev.hbm_fits).sum())
     unmappable = ~np.isfinite(ev.step_time_s)
     if unmappable.any():

@@ -17,7 +17,7 @@ from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
-from meshplan.train.config import RECOMPUTE_CODES, LayoutArrays, check_recompute
+from meshplan.train.config import OFFLOAD_FLAGS, RECOMPUTE_CODES, LayoutArrays, check_recompute
 
 PP_SCHEDULES = ("1f1b", "zb1p", "dualpipe")
 
@@ -40,6 +40,8 @@ class Pins:
     zero: int | None = None
     offload: float | None = None
     sequence_parallel: bool = True
+    offload_optimizer: int | None = None  # 0/1: ZeRO-Offload (optimizer state and update on the host)
+    offload_params: int | None = None  # 0/1: ZeRO-Infinity (weights on the host, streamed per layer)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ def validate_pins(p: Problem, pins: Pins) -> None:
         raise MeshplanError(f"--zero must be 0, 1, 2 or 3, got {pins.zero}")
     if pins.offload is not None and not 0.0 <= pins.offload <= 1.0:
         raise MeshplanError(f"--offload is a fraction between 0 and 1, got {pins.offload}")
+    for name in OFFLOAD_FLAGS:
+        v = getattr(pins, name)
+        if v is not None and v not in (0, 1):
+            raise MeshplanError(f"--{name.replace('_', '-')} is 0 or 1, got {v}")
+    if pins.offload_optimizer and not p.chip.host_memory_bandwidth_bytes_per_s:
+        raise MeshplanError(f"--offload-optimizer 1 runs Adam on the host CPU, but {p.chip.name} has no "
+                            "host_memory_bandwidth_bytes_per_s figure in its hardware file to time it")
     fixed = 1
     for name in ("dp", "fsdp", "tp", "pp", "cp"):
         fixed *= getattr(pins, name) or 1
@@ -192,13 +201,21 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     zero_c = np.asarray(_choices(pins.zero, [0, 1, 2]), dtype=np.int64)
     ep_c = np.asarray(_choices(pins.ep, divisors(m.n_experts) if m.is_moe else [1]), dtype=np.int64)
     off_c = np.asarray([pins.offload] if pins.offload is not None else list(offload_choices), dtype=float)
-    grids = np.meshgrid(np.arange(len(mesh)), vpp_c, mb_c, rc_c, zero_c, ep_c, off_c, indexing="ij")
-    idx, vpp, mb, rc, zero, ep, off = (g.ravel() for g in grids)
+    # optimizer offload is searched only where the host CPU's Adam can be timed (host memory bandwidth known)
+    oo_c = np.asarray(_choices(pins.offload_optimizer, [0, 1] if p.chip.host_memory_bandwidth_bytes_per_s else [0]),
+                      dtype=np.int64)
+    op_c = np.asarray(_choices(pins.offload_params, [0, 1]), dtype=np.int64)
+    # the model-state offloads cross the mesh shapes as one axis of (optimizer, params) pairs
+    state_c = np.asarray([(a, b) for a in oo_c for b in op_c], dtype=np.int64)
+    grids = np.meshgrid(np.arange(len(mesh)), vpp_c, mb_c, rc_c, zero_c, ep_c, off_c, np.arange(len(state_c)),
+                        indexing="ij")
+    idx, vpp, mb, rc, zero, ep, off, st = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
     keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule)
     arrays = LayoutArrays(dp=dp[keep], fsdp=fs[keep], tp=tp[keep], pp=pp[keep], vpp=vpp[keep], cp=cp[keep],
                           ep=ep[keep], microbatch=mb[keep], recompute=rc[keep], zero=zero[keep],
-                          offload=off[keep], sequence_parallel=pins.sequence_parallel)
+                          offload=off[keep], sequence_parallel=pins.sequence_parallel,
+                          offload_optimizer=state_c[st[keep], 0], offload_params=state_c[st[keep], 1])
     return arrays, reasons
 
 
