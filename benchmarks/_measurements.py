@@ -282,7 +282,8 @@ def pins_of(e: dict) -> Pins:
         mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
     return Pins(dp=dp, fsdp=fs, tp=tp, pp=pp, cp=cp, ep=_int(p.get("ep")) or 1, vpp=_vpp_of(p.get("vpp")),
                 microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=_sequence_parallel(e, tp),
-                offload=1.0 if _maxtext_custom_offload(str(t.get("recompute") or "").lower()) else 0.0)
+                offload=1.0 if _maxtext_custom_offload(str(t.get("recompute") or "").lower()) else 0.0,
+                offload_optimizer=0, offload_params=0)  # no published run offloads model state
 
 
 def _sequence_parallel(e: dict, tp: int) -> bool:

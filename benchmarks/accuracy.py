@@ -57,7 +57,7 @@ def evaluate_entry(e: dict, search: bool = True, d_half_gpu: float | None = None
     row["measured_tok_s_chip"] = tokens / row["measured_step_s"] / prob.chips
     row["pred_tok_s_chip"] = tokens / row["pred_step_s"] / prob.chips
     if search:
-        free = Pins(sequence_parallel=pins.sequence_parallel, offload=0.0)
+        free = Pins(sequence_parallel=pins.sequence_parallel, offload=0.0, offload_optimizer=0, offload_params=0)
         try:
             own = plan(prob, free, eff, opts, top=1).plans[0]
             row["search_step_s"] = own["step_time_s"]

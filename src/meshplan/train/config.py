@@ -113,6 +113,18 @@ class LayoutArrays:
         sp = configs[0].sequence_parallel if configs else True
         return cls(**arrays, sequence_parallel=sp)
 
+    def take(self, idx: np.ndarray, **values: int) -> LayoutArrays:
+        """The layouts at `idx`, with the named columns set to one value (e.g. offload_optimizer=1)."""
+        cols = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "sequence_parallel"}
+        cols.update({k: np.full(len(idx), v, np.int64) for k, v in values.items()})
+        return LayoutArrays(**cols, sequence_parallel=self.sequence_parallel)
+
+    @classmethod
+    def concat(cls, a: LayoutArrays, b: LayoutArrays) -> LayoutArrays:
+        cols = {f.name: np.concatenate([getattr(a, f.name), getattr(b, f.name)]) for f in fields(cls)
+                if f.name != "sequence_parallel"}
+        return cls(**cols, sequence_parallel=a.sequence_parallel)
+
     def config(self, i: int) -> ParallelConfig:
         kw = {k: int(getattr(self, k)[i]) for k in DEGREES + OFFLOAD_FLAGS}
         return ParallelConfig(**kw, recompute=RECOMPUTE_POLICIES[int(self.recompute[i])],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -131,3 +131,26 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     host_fits = mem["host"] <= host_cap
     return Evaluation(L, step, time, mem, hbm_fits & host_fits, model_flops, hw_flops, model_flops / denom,
                       hw_flops / denom, tokens / step, links, m, budget, g["ledger"], hbm_fits, host_fits)
+
+
+def concat(a: Evaluation, b: Evaluation) -> Evaluation:
+    """Two evaluations of one problem as one (b's layouts after a's); scalars broadcast, absent keys are 0."""
+    na, nb = len(a.layouts), len(b.layouts)
+
+    def join(x, y):
+        return np.concatenate([np.broadcast_to(np.asarray(x, float), (na,)), np.broadcast_to(np.asarray(y, float), (nb,))])
+
+    out = {}
+    for f in fields(Evaluation):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "layouts":
+            out[f.name] = LayoutArrays.concat(x, y)
+        elif isinstance(x, dict):
+            out[f.name] = type(x)({k: join(x.get(k, 0.0), y.get(k, 0.0)) for k in {**x, **y}})
+        elif isinstance(x, np.ndarray) and x.dtype == bool:
+            out[f.name] = np.concatenate([x, y])
+        elif isinstance(x, np.ndarray):
+            out[f.name] = join(x, y)
+        else:
+            out[f.name] = x  # the problem's scalars (model FLOPs, HBM budget)
+    return Evaluation(**out)

@@ -14,7 +14,9 @@ from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
 from meshplan.specs.hardware import price_label
 from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.config import OFFLOAD_FLAGS, LayoutArrays
 from meshplan.train.evaluate import Evaluation, evaluate
+from meshplan.train.evaluate import concat as concat_evaluations
 from meshplan.train.space import Pins, Problem, enumerate_layouts
 from meshplan.units import fmt_bytes
 
@@ -58,12 +60,17 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
 
 
 def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
-            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int, CostModel]:
-    """`search`, and the cost model (the TPU slice orientation) its evaluation used."""
+            cm: CostModel | None = None, top: int | None = None) -> tuple[Evaluation, Counter, int, CostModel]:
+    """`search`, and the cost model (the TPU slice orientation) its evaluation used; with `top`, model-state offload
+    variants that cannot enter the `top` fastest plans are not evaluated."""
     cm = cm or CostModel(problem, eff, _options_for(pins, options))
-    layouts, reasons = enumerate_layouts(problem, pins, offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule)
+    free_state = [k for k in OFFLOAD_FLAGS if getattr(pins, k) is None]
+    layouts, reasons = enumerate_layouts(problem, replace(pins, **{k: 0 for k in free_state}),
+                                         offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule)
     ev = evaluate(cm, layouts)
-    searched = len(layouts)
+    if free_state:
+        ev = _with_state_offload(problem, pins, cm, ev, free_state, top)
+    searched = len(ev.layouts)
     ev, cm = _best_orientation(problem, eff, cm, ev)
     over_host = ~ev.host_fits
     if over_host.any():
@@ -76,6 +83,36 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
     if (~ev.hbm_fits & ~unmappable).any():
         reasons["does not fit in HBM"] += int((~ev.hbm_fits & ~unmappable).sum())
     return ev, reasons, searched, cm
+
+
+def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluation, free: list[str],
+                        top: int | None = None) -> Evaluation:
+    """Model-state offload (optimizer: ZeRO-Offload; weights: ZeRO-Infinity) searched where it can matter. It only
+    adds time (the host link and the host CPU are slower than HBM: evaluate, optimizer_terms), so a layout that
+    fits in HBM without it is never beaten by its offloaded variant; the variants are evaluated for the layouts that
+    do not fit but would without their optimizer state and weights on the device (everything else they could
+    free), which is every variant that can fit: the search misses nothing and stays near its former size."""
+    mem = ev.memory
+    could = ~ev.hbm_fits & np.isfinite(ev.step_time_s) & (mem["total"] - mem["optimizer"] - mem["params"]
+                                                            <= ev.hbm_budget_bytes)
+    opt_c = [0, 1] if "offload_optimizer" in free and problem.chip.host_memory_bandwidth_bytes_per_s else [0]
+    par_c = [0, 1] if "offload_params" in free else [0]
+    fixed = {k: getattr(pins, k) for k in OFFLOAD_FLAGS if k not in free}
+    # every combination but the one already evaluated (all free flags 0)
+    variants = [dict(fixed, **dict(zip(OFFLOAD_FLAGS, (o, w)))) for o in opt_c for w in par_c if o or w]
+    if top is not None:
+        # a variant is never faster than its layout: one whose layout is already slower than the top-th plan that
+        # fits cannot enter the top list
+        fitting = np.sort(ev.step_time_s[ev.fits & np.isfinite(ev.step_time_s)])
+        if fitting.size >= top:
+            could &= ev.step_time_s < fitting[top - 1]
+    idx = np.flatnonzero(could)
+    if not idx.size or not variants:
+        return ev
+    extra = ev.layouts.take(idx, **variants[0])
+    for v in variants[1:]:
+        extra = LayoutArrays.concat(extra, ev.layouts.take(idx, **v))
+    return concat_evaluations(ev, evaluate(cm, extra))
 
 
 def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Evaluation) -> tuple[Evaluation, CostModel]:
@@ -117,7 +154,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     """The best `top` feasible layouts, best first, each as the DESIGN.md JSON plan object."""
     t0 = time.perf_counter()
     cm = CostModel(problem, eff, _options_for(pins, options))
-    ev, reasons, searched, cm = _search(problem, pins, eff, options, cm)
+    ev, reasons, searched, cm = _search(problem, pins, eff, options, cm, top)
     if len(ev.step_time_s) == 0:
         why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"
         raise InfeasibleError(f"no layout satisfies the constraints: {why}")
@@ -128,7 +165,9 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     if not ev.fits.any():
         raise InfeasibleError(_not_fit_message(problem, ev, pinned_all) + _what_fits(problem, pins, eff, options))
     # fastest first; on equal step time (to the nanosecond) the plan holding less memory per chip ranks first
-    order = np.lexsort((ev.memory["total"], np.round(np.where(ev.fits, ev.step_time_s, np.inf), 9)))
+    # (and before that the plan that offloads less model state to the host: the same speed without the host's part)
+    state_offloads = ev.layouts.offload_optimizer + ev.layouts.offload_params
+    order = np.lexsort((ev.memory["total"], state_offloads, np.round(np.where(ev.fits, ev.step_time_s, np.inf), 9)))
     chosen = [int(i) for i in order[:top] if ev.fits[i]]
     plans = [plan_dict(problem, cm, ev, i, tokens) for i in chosen]
     elapsed = time.perf_counter() - t0
