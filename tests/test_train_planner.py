@@ -32,7 +32,8 @@ MESH = ("dp", "fsdp", "tp", "pp", "cp")
 
 def full_pins(**kw) -> Pins:
     """Every degree pinned: defaults of a single replica, no recompute, no ZeRO, no offload."""
-    base = dict(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0, offload=0.0)
+    base = dict(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0, offload=0.0,
+                offload_optimizer=0, offload_params=0)
     base.update(kw)
     return Pins(**base)
 

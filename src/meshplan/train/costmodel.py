@@ -892,7 +892,7 @@ class CostModel:
         # to the host)
         opt_off = L.offload_optimizer == 1
         p_bytes = np.where(opt_off, self.opt.param_bytes, p_bytes)
-        host_opt = np.where(opt_off, (MASTER_BYTES + MOMENT_BYTES + self.opt.grad_reduce_bytes) * P / shard_o, 0.0)
+        host_opt = np.where(opt_off, (MASTER_BYTES + MOMENT_BYTES + self.opt.param_bytes) * P / shard_o, 0.0)
         o_bytes = np.where(opt_off, 0.0, o_bytes)
         # ZeRO-Infinity (Rajbhandari et al. 2021 §5.1.1, §6.2): the rank's parameter shard lives on the host and
         # each layer is fetched before its forward and again before its backward; the device holds the layer in
@@ -935,7 +935,7 @@ class CostModel:
         # bytes as the device's update (ADAM_UPDATE_BYTES) through host DRAM (host_memory_bandwidth_bytes_per_s):
         # the paper's CPU-Adam is a vectorised, memory-bound loop (§4.2). Serial, no one-step delayed update.
         chip = self.p.chip
-        d2h = np.where(off, self.opt.grad_reduce_bytes * local, 0.0)
+        d2h = np.where(off, self.opt.param_bytes * local, 0.0)  # fp16/bf16 gradients, as the paper copies them
         h2d = np.where(off, self.opt.param_bytes * local, 0.0)
         led.add("host/device_to_host", d2h)
         led.add("host/host_to_device", h2d)

@@ -13,8 +13,8 @@ from meshplan.cost.collectives import group_collective
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
 from meshplan.specs.hardware import price_label
-from meshplan.train.costmodel import CostModel, Options
 from meshplan.train.config import OFFLOAD_FLAGS, LayoutArrays
+from meshplan.train.costmodel import CostModel, Options
 from meshplan.train.evaluate import Evaluation, evaluate
 from meshplan.train.evaluate import concat as concat_evaluations
 from meshplan.train.space import Pins, Problem, enumerate_layouts
@@ -95,11 +95,13 @@ def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluat
     mem = ev.memory
     could = ~ev.hbm_fits & np.isfinite(ev.step_time_s) & (mem["total"] - mem["optimizer"] - mem["params"]
                                                             <= ev.hbm_budget_bytes)
-    opt_c = [0, 1] if "offload_optimizer" in free and problem.chip.host_memory_bandwidth_bytes_per_s else [0]
-    par_c = [0, 1] if "offload_params" in free else [0]
-    fixed = {k: getattr(pins, k) for k in OFFLOAD_FLAGS if k not in free}
-    # every combination but the one already evaluated (all free flags 0)
-    variants = [dict(fixed, **dict(zip(OFFLOAD_FLAGS, (o, w)))) for o in opt_c for w in par_c if o or w]
+    # a free flag takes 0 and 1 (the optimizer only where the host CPU's Adam can be timed), a pinned one its pin;
+    # every combination but the one already evaluated (each free flag 0)
+    choices = {k: ([0, 1] if k != "offload_optimizer" or problem.chip.host_memory_bandwidth_bytes_per_s else [0])
+               if k in free else [getattr(pins, k)] for k in OFFLOAD_FLAGS}
+    variants = [{"offload_optimizer": o, "offload_params": w} for o in choices["offload_optimizer"]
+                for w in choices["offload_params"]]
+    variants = [v for v in variants if any(v[k] for k in free)]
     if top is not None:
         # a variant is never faster than its layout: one whose layout is already slower than the top-th plan that
         # fits cannot enter the top list
