@@ -145,7 +145,7 @@ def test_train_json_carries_the_ledger(capsys):
     assert data["problem"]["model"] == "llama3-8b" and data["problem"]["chips"] == 16
     for plan in data["plans"]:
         led = plan["ledger"]
-        assert set(led) == {"flops", "collective_bytes", "hbm_bytes", "memory_bytes"}
+        assert set(led) == {"flops", "collective_bytes", "hbm_bytes", "memory_bytes", "host_bytes"}
         assert set(led["flops"]) == {"matmul", "attention", "other"}
         assert set(led["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "temp", "total"}
         assert led["memory_bytes"]["total"] == pytest.approx(plan["memory_bytes_per_chip"]["total"])

@@ -21,11 +21,14 @@ import yaml
 from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
-from meshplan.train.config import ParallelConfig
+from meshplan.train.config import OFFLOAD_FLAGS, ParallelConfig
 from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import framework_options
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
+
+# no framework file meshplan writes carries model-state offload (optimizer, weights): read back, there is none
+NO_STATE_OFFLOAD = dict.fromkeys(OFFLOAD_FLAGS, 0)
 
 KEYS_DIR = Path(__file__).resolve().parent / "data"
 # How each framework's file names an FP8 recipe (`--fp8-recipe`): Megatron-LM `--fp8-recipe` and NeMo
@@ -176,6 +179,8 @@ _WORDS = {
     "pp": "pipeline stages", "vpp": "virtual pipeline stages", "cp": "context parallelism",
     "ep": "expert parallelism", "microbatch": "micro-batch", "recompute": "recompute policy",
     "zero": "ZeRO stage over the replicas", "offload": "activation offload fraction",
+    "offload_optimizer": "optimizer offload to the host (ZeRO-Offload)",
+    "offload_params": "weight offload to the host (ZeRO-Infinity)",
     "sequence_parallel": "sequence parallelism", "compute_dtype": "matmul precision",
     "tp_overlap": "TP communication overlap", "dp_overlap": "DP gradient reduction behind the backward",
     "overlap_param_gather": "ZeRO parameter all-gather overlapped", "fused_elementwise": "fused pointwise kernels",

@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 
 from meshplan.errors import MeshplanError
-from meshplan.export.common import Job, PlanToExport, check_degrees, divide, framework_keys, header_lines, whole
+from meshplan.export.common import (
+    NO_STATE_OFFLOAD,
+    Job,
+    PlanToExport,
+    check_degrees,
+    divide,
+    framework_keys,
+    header_lines,
+    whole,
+)
 from meshplan.train.space import Pins
 
 NAME = "deepspeed"
@@ -94,7 +103,8 @@ def load(text: str, chips: int | None = None) -> Job:
     job.chips, job.global_batch = data, gb
     job.pins = Pins(dp=1 if stage == 3 else data, fsdp=data if stage == 3 else 1, tp=1, pp=1, vpp=1, cp=1, ep=1,
                     microbatch=mb, recompute="full" if full else "none", zero=0 if stage == 3 else stage,
-                    offload=1.0 if full and ac.get("cpu_checkpointing") else 0.0, sequence_parallel=True)
+                    offload=1.0 if full and ac.get("cpu_checkpointing") else 0.0, **NO_STATE_OFFLOAD,
+                    sequence_parallel=True)
     job.options.update(dp_overlap=bool(z.get("overlap_comm", False)), compute_dtype="bf16")
     job.notes.append("DeepSpeed configs do not state the sequence length: give --seq-len")
     return job

@@ -19,6 +19,7 @@ import yaml
 from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
+    NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
     check_degrees,
@@ -176,7 +177,8 @@ def load(text: str, chips: int | None = None) -> Job:
         raise MeshplanError(f"maxtext remat_policy '{policy}' is not one meshplan models ({', '.join(back)}): "
                             "give --recompute")
     job.pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=mb, recompute=back[policy],
-                    zero=0, offload=0.0, sequence_parallel=True)
+                    zero=0, offload=0.0, **NO_STATE_OFFLOAD,
+                    sequence_parallel=True)
     q = str(doc.get("quantization") or "")
     job.options["compute_dtype"] = "fp8" if q.startswith("fp8") or q == "nanoo_fp8" else "bf16"
     if doc.get("attention") == "dot_product":

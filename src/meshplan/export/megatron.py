@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
+    NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
     argv_lines,
@@ -183,7 +184,8 @@ def load(text: str, chips: int | None = None) -> Job:
     job.pins = Pins(dp=1 if zero3 else data, fsdp=data if zero3 else 1, tp=tp, pp=pp, vpp=vpp or (None if
                     job.layers_per_stage else 1), cp=cp, ep=ep, microbatch=num("--micro-batch-size", 1),
                     recompute=recompute, zero=1 if "--use-distributed-optimizer" in switches and not zero3 else 0,
-                    offload=0.0, sequence_parallel="--sequence-parallel" in switches)
+                    offload=0.0, **NO_STATE_OFFLOAD,
+                    sequence_parallel="--sequence-parallel" in switches)
     job.seq_len, job.global_batch = num("--seq-length"), num("--global-batch-size")
     if job.global_batch is None:  # Megatron's default: one micro-batch per data-parallel rank
         job.global_batch = job.pins.microbatch * data

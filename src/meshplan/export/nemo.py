@@ -11,6 +11,7 @@ import yaml
 
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
+    NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
     check_degrees,
@@ -136,6 +137,7 @@ def load(text: str, chips: int | None = None) -> Job:
     job.pins = Pins(dp=1 if zero3 else data, fsdp=data if zero3 else 1, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
                     microbatch=g("data.micro_batch_size", 1), recompute=gran or "none",
                     zero=1 if distopt and not zero3 else 0, offload=0.0,
+                    **NO_STATE_OFFLOAD,
                     sequence_parallel=bool(g("trainer.strategy.sequence_parallel", False)))
     job.seq_len, job.global_batch = g("data.seq_length"), g("data.global_batch_size")
     job.options.update(compute_dtype="fp8" if g("trainer.plugins.fp8") else "bf16",

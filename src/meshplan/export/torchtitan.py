@@ -10,6 +10,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
+    NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
     check_degrees,
@@ -247,7 +248,8 @@ def load(text: str, chips: int | None = None) -> Job:
     if par.get("context_parallel_rotate_method", "allgather") != "allgather":
         job.notes.append("context_parallel_rotate_method alltoall is timed as the all-gather rotation")
     job.pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=mb, recompute=mode, zero=0,
-                    offload=0.0, sequence_parallel=True)
+                    offload=0.0, **NO_STATE_OFFLOAD,
+                    sequence_parallel=True)
     m = doc.get("model", {})
     job.model = FLAVORS.get((m.get("name", "llama3"), m.get("flavor")))
     return job
