@@ -74,7 +74,7 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
         (train + ["--json"],
          {"-m": "name", "--hardware": "hwname", "--chips": "int", "--seq-len": "int", "--global-batch": "int",
           "--tokens": "float", "--dp": "int", "--tp": "int", "--pp": "int", "--fsdp": "int", "--zero": "int",
-          "--offload": "float", "--headroom": "float", "--microbatch": "int", "--recompute": "text", "--top": "int",
+          "--offload": "float", "--offload-optimizer": "int", "--offload-params": "int", "--headroom": "float", "--microbatch": "int", "--recompute": "text", "--top": "int",
           "--profile": "profile", "--slice": "text", "--vpp": "int", "--cp": "int", "--ep": "int"}),
         (serve + ["--json"],
          {"-m": "name", "--hardware": "hwname", "--chips": "int", "--input-len": "int", "--output-len": "int",

@@ -65,6 +65,10 @@ def train(
         help="1: optimizer state and Adam on the host CPU (ZeRO-Offload); 0: on the device. Unset: searched.")] = None,
     offload_params: Annotated[int | None, typer.Option(
         help="1: weights on the host, streamed per layer (ZeRO-Infinity); 0: on the device. Unset: searched.")] = None,
+    offload_delayed_update: Annotated[bool | None, typer.Option(
+        "--offload-delayed-update/--no-offload-delayed-update",
+        help="With optimizer offload, ZeRO-Offload's one-step delayed update: the host's Adam overlaps the next step.")
+    ] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
     headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
@@ -185,7 +189,7 @@ def train(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
-        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe)
+        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -277,7 +281,9 @@ def show(problem: Problem, result, opts: Options | None = None) -> None:
                   fmt_time(ts["bubble"]), fmt_bytes(pl["memory_bytes_per_chip"]["total"]))
     console.print(t)
     mem = best["memory_bytes_per_chip"]
-    console.print("memory per chip (best): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
+    host = best["ledger"]["host_bytes"]["memory"]  # offloaded activations, optimizer state, weights
+    console.print("memory per chip (best): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items())
+                  + (f"; in host memory {fmt_bytes(host)}" if host else ""))
     console.print(f"mesh: {best['mesh']}")
     console.print(f"bottleneck: {best['bottleneck']} — {best['explanation']}")
     for note in best.get("notes", []):

@@ -190,6 +190,9 @@ class Options:
     # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's checkpoint
     # (Megatron, torchtitan) reruns the whole checkpointed function. On for maxtext/jax (train/frameworks.py).
     remat_dce: bool = False
+    # optimizer offload with ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2): the host's
+    # part of step i overlaps step i+1's compute; off unless asked for (the weights then lag the gradients one step)
+    offload_delayed_update: bool = False
     runtime_reserve: bool = True  # HBM the runtime keeps (CUDA context, XLA's reserve; efficiency.yaml); none on CPU
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:

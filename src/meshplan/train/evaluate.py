@@ -86,6 +86,11 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     bubble = _bubble(cm, g, ct, per_mb)
     opt_update = cm.optimizer_terms(L, g)
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
+    if cm.opt.offload_delayed_update:
+        # ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2, DPU; asked for, since it changes the
+        # training): step i's copies and CPU Adam run beside step i+1's forward and backward; the excess shows
+        opt_update = np.where(L.offload_optimizer == 1, np.maximum(opt_update - m * (ct["fwd"] + ct["bwd"]), 0),
+                              opt_update)
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
     link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"]) \
