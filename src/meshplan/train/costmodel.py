@@ -890,12 +890,12 @@ class CostModel:
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)
         o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
         # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2-3): the fp32 master and both Adam moments (12 B per parameter
-        # of the rank's ZeRO partition) live on the host, with the 2 B fp16 gradients copied there; the device keeps
-        # only the 2 B working copy (under FSDP that replaces the fp32 sharded parameters, whose master role moves
-        # to the host)
+        # of the rank's ZeRO partition) live on the host, with the gradients accumulated there (fp32, 4 B); the device
+        # keeps only the 2 B working copy (under FSDP that replaces the fp32 sharded parameters, whose master role
+        # moves to the host)
         opt_off = L.offload_optimizer == 1
         p_bytes = np.where(opt_off, self.opt.param_bytes, p_bytes)
-        host_opt = np.where(opt_off, (MASTER_BYTES + MOMENT_BYTES + self.opt.param_bytes) * P / shard_o, 0.0)
+        host_opt = np.where(opt_off, (MASTER_BYTES + MOMENT_BYTES + self.opt.grad_reduce_bytes) * P / shard_o, 0.0)
         o_bytes = np.where(opt_off, 0.0, o_bytes)
         # ZeRO-Infinity (Rajbhandari et al. 2021 §5.1.1, §6.2): the rank's parameter shard lives on the host and
         # each layer is fetched before its forward and again before its backward; the device holds the layer in
@@ -905,6 +905,9 @@ class CostModel:
         fetch_buf = np.where(par_off, 2 * self.opt.param_bytes * g["params_layer_local"] / fs, 0.0)
         params = np.where(par_off, 0.0, p_bytes * P / fs) + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
+        # under optimizer offload the gradients go to the host as the backward produces them, bucket by bucket, and
+        # accumulate there (fp32): the device holds one layer's (ZeRO-Offload §4.1: the GPU keeps the fp16 weights)
+        grads = np.where(opt_off, self.opt.grad_reduce_bytes * g["params_layer_local"], grads)
         # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
         copies = np.where((pp > 1) & (self.opt.pp_schedule == "dualpipe"), 2.0, 1.0)
         t = Terms(params=copies * params, grads=copies * grads, optimizer=copies * o_bytes * P / shard_o,
@@ -932,16 +935,18 @@ class CostModel:
         led = g["ledger"]
         led.add("hbm", np.where(off, 0.0, nbytes))
         device_s = nbytes / self.hbm
-        # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2): per step the rank's fp16 gradient partition goes device→host
-        # (2 B per parameter), the CPU runs Adam over it, and the updated fp16 partition comes back host→device
-        # (2 B); each over the host link (host_bandwidth_bytes_per_s, one direction). The CPU Adam streams the same
-        # bytes as the device's update (ADAM_UPDATE_BYTES) through host DRAM (host_memory_bandwidth_bytes_per_s):
-        # the paper's CPU-Adam is a vectorised, memory-bound loop (§4.2). Serial, no one-step delayed update.
+        # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2): each micro-batch's fp16 gradients of the rank's partition go
+        # device→host during its backward (2 B per parameter; `grad_copy_mb_s`, hidden behind the backward where
+        # the link allows, in evaluate), the CPU runs Adam once a step, and the updated fp16 partition comes back
+        # host→device (2 B); each over the host link (host_bandwidth_bytes_per_s, one direction). The CPU Adam
+        # streams the same bytes as the device's update (ADAM_UPDATE_BYTES) through host DRAM
+        # (host_memory_bandwidth_bytes_per_s): the paper's CPU-Adam is a vectorised, memory-bound loop (§4.2).
         chip = self.p.chip
-        d2h = np.where(off, self.opt.param_bytes * local, 0.0)  # fp16/bf16 gradients, as the paper copies them
+        grad_mb = np.where(off, self.opt.param_bytes * local, 0.0)  # fp16/bf16 gradients, as the paper copies them
         h2d = np.where(off, self.opt.param_bytes * local, 0.0)
-        led.add("host/device_to_host", d2h)
+        led.add("host/device_to_host", g["n_micro"] * grad_mb)
         led.add("host/host_to_device", h2d)
+        g["grad_copy_mb_s"] = grad_mb / chip.host_bandwidth_bytes_per_s
         cpu_bw = chip.host_memory_bandwidth_bytes_per_s or np.inf  # not searched without the figure (space.py)
-        host_s = (d2h + h2d) / chip.host_bandwidth_bytes_per_s + np.where(off, nbytes / cpu_bw, 0.0)
+        host_s = h2d / chip.host_bandwidth_bytes_per_s + np.where(off, nbytes / cpu_bw, 0.0)
         return np.where(off, host_s, device_s)

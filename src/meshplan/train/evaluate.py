@@ -81,10 +81,13 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     led = g["ledger"]
     led.add("host/device_to_host", m * act_mb)
     led.add("host/host_to_device", m * (act_mb + 2 * mem["param_fetch_per_microbatch"]))
+    opt_update = cm.optimizer_terms(L, g)
+    # optimizer offload: each micro-batch's gradients go out during its backward (the other direction of the link
+    # from the activations and weights coming in)
+    offload_exposed = offload_exposed + np.maximum(g["grad_copy_mb_s"] - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
     bubble = _bubble(cm, g, ct, per_mb)
-    opt_update = cm.optimizer_terms(L, g)
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     if cm.opt.offload_delayed_update:
         # ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2, DPU; asked for, since it changes the

@@ -90,11 +90,11 @@ def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluat
     """Model-state offload (optimizer: ZeRO-Offload; weights: ZeRO-Infinity) searched where it can matter. It only
     adds time (the host link and the host CPU are slower than HBM: evaluate, optimizer_terms), so a layout that
     fits in HBM without it is never beaten by its offloaded variant; the variants are evaluated for the layouts that
-    do not fit but would without their optimizer state and weights on the device (everything else they could
+    do not fit but would without their optimizer state, gradients and weights on the device (everything they could
     free), which is every variant that can fit: the search misses nothing and stays near its former size."""
     mem = ev.memory
     could = ~ev.hbm_fits & np.isfinite(ev.step_time_s) & (mem["total"] - mem["optimizer"] - mem["params"]
-                                                            <= ev.hbm_budget_bytes)
+                                                            - mem["grads"] <= ev.hbm_budget_bytes)
     # a free flag takes 0 and 1 (the optimizer only where the host CPU's Adam can be timed), a pinned one its pin;
     # every combination but the one already evaluated (each free flag 0)
     choices = {k: ([0, 1] if k != "offload_optimizer" or problem.chip.host_memory_bandwidth_bytes_per_s else [0])
@@ -178,6 +178,13 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
 
 
 def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
+    if ev.hbm_fits is not None and (ev.hbm_fits & np.isfinite(ev.step_time_s)).any():
+        # layouts fit in HBM only by offloading more than the host holds
+        ok = ev.hbm_fits & np.isfinite(ev.step_time_s)
+        i = int(np.argmin(np.where(ok, ev.memory["host"], np.inf)))
+        return (f"no layout fits: those that fit in HBM offload at least {fmt_bytes(ev.memory['host'][i])} per chip "
+                f"to host memory, but {p.chip.name} has {fmt_bytes(p.chip.host_memory_bytes)} per chip there "
+                f"(best: {ev.layouts.config(i).describe()}); try more chips")
     # the smallest of the layouts that map onto the topology (the others never reach the memory test)
     i = int(np.argmin(np.where(np.isfinite(ev.step_time_s), ev.memory["total"], np.inf)))
     need, have = ev.memory["total"][i], ev.hbm_budget_bytes
