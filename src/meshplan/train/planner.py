@@ -17,7 +17,7 @@ from meshplan.train.config import OFFLOAD_FLAGS, LayoutArrays
 from meshplan.train.costmodel import CostModel, Options
 from meshplan.train.evaluate import Evaluation, evaluate
 from meshplan.train.evaluate import concat as concat_evaluations
-from meshplan.train.space import Pins, Problem, enumerate_layouts
+from meshplan.train.space import Pins, Problem, enumerate_layouts, optimizer_offload_ok
 from meshplan.units import fmt_bytes
 
 SUGGEST = {
@@ -114,7 +114,9 @@ def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluat
     extra = ev.layouts.take(idx, **variants[0])
     for v in variants[1:]:
         extra = LayoutArrays.concat(extra, ev.layouts.take(idx, **v))
-    return concat_evaluations(ev, evaluate(cm, extra))
+    x = extra
+    extra = extra.take(np.flatnonzero(optimizer_offload_ok(x.dp, x.fsdp, x.cp, x.pp, x.zero, x.offload_optimizer)))
+    return concat_evaluations(ev, evaluate(cm, extra)) if len(extra) else ev
 
 
 def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Evaluation) -> tuple[Evaluation, CostModel]:

@@ -212,11 +212,28 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     idx, vpp, mb, rc, zero, ep, off, st = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
     keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule)
+    bad = keep & ~optimizer_offload_ok(dp, fs, cp, pp, zero, state_c[st, 0])
+    if bad.any():
+        reasons[OPTIMIZER_OFFLOAD_RULE] += int(bad.sum())
+        keep &= ~bad
     arrays = LayoutArrays(dp=dp[keep], fsdp=fs[keep], tp=tp[keep], pp=pp[keep], vpp=vpp[keep], cp=cp[keep],
                           ep=ep[keep], microbatch=mb[keep], recompute=rc[keep], zero=zero[keep],
                           offload=off[keep], sequence_parallel=pins.sequence_parallel,
                           offload_optimizer=state_c[st[keep], 0], offload_params=state_c[st[keep], 1])
     return arrays, reasons
+
+
+OPTIMIZER_OFFLOAD_RULE = ("optimizer offload needs each micro-batch's gradients reduced (ZeRO-2 over the replicas, or "
+                          "none) and no stage-long gradient accumulation on the device (FSDP under PP)")
+
+
+def optimizer_offload_ok(dp, fs, cp, pp, zero, offload_optimizer) -> np.ndarray:
+    """ZeRO-Offload copies the rank's reduced gradient partition to the host as each micro-batch's backward produces
+    it (Ren et al. 2021 §4.1, with ZeRO-2), so the device never accumulates a step's gradients: the reduction must
+    run per micro-batch (ZeRO-2 over the replicas, or no replicas) and FSDP must not hold the stage's gradients
+    through a pipelined step."""
+    replicas = np.where(fs > 1, dp, dp * cp)
+    return (offload_optimizer == 0) | (((zero == 2) | (replicas == 1)) & ~((fs > 1) & (pp > 1)))
 
 
 def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, pp_schedule: str = "1f1b") -> np.ndarray:
