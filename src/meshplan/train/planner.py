@@ -180,22 +180,26 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
 
 
 def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
-    if ev.hbm_fits is not None and (ev.hbm_fits & np.isfinite(ev.step_time_s)).any():
-        # layouts fit in HBM only by offloading more than the host holds
-        ok = ev.hbm_fits & np.isfinite(ev.step_time_s)
-        i = int(np.argmin(np.where(ok, ev.memory["host"], np.inf)))
-        return (f"no layout fits: those that fit in HBM offload at least {fmt_bytes(ev.memory['host'][i])} per chip "
-                f"to host memory, but {p.chip.name} has {fmt_bytes(p.chip.host_memory_bytes)} per chip there "
-                f"(best: {ev.layouts.config(i).describe()}); try more chips")
-    # the smallest of the layouts that map onto the topology (the others never reach the memory test)
-    i = int(np.argmin(np.where(np.isfinite(ev.step_time_s), ev.memory["total"], np.inf)))
+    placed = np.isfinite(ev.step_time_s)
+    in_hbm = placed & ev.hbm_fits if ev.hbm_fits is not None else np.zeros_like(placed)
+    host = ""
+    if in_hbm.any():
+        # some layouts fit in HBM only by offloading more than the host holds
+        k = int(np.argmin(np.where(in_hbm, ev.memory["host"], np.inf)))
+        host = (f"; those that fit in HBM by offloading need at least {fmt_bytes(ev.memory['host'][k])} of host memory "
+                f"per chip, {p.chip.name} has {fmt_bytes(p.chip.host_memory_bytes)} (best: "
+                f"{ev.layouts.config(k).describe()})")
+    if not (placed & ~in_hbm).any():
+        return "no layout fits in host memory" + host
+    # the smallest of the layouts that map onto the topology and miss HBM (the others never reach the memory test)
+    i = int(np.argmin(np.where(placed & ~in_hbm, ev.memory["total"], np.inf)))
     need, have = ev.memory["total"][i], ev.hbm_budget_bytes
     cfg = ev.layouts.config(i)
     what = "the pinned layout does not fit" if pinned_all else "no layout fits"
     hint = ("try more chips, full recompute (--recompute full), FSDP/ZeRO (--fsdp, --zero), more tensor/pipeline "
             "parallelism, activation offload (--offload 1), or a smaller micro-batch")
     return (f"{what} in HBM: the smallest needs {fmt_bytes(need)} per chip but {p.chip.name} has "
-            f"{fmt_bytes(have)} usable (short by {fmt_bytes(need - have)}; best: {cfg.describe()}); {hint}")
+            f"{fmt_bytes(have)} usable (short by {fmt_bytes(need - have)}; best: {cfg.describe()}){host}; {hint}")
 
 
 def _what_fits(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None) -> str:
