@@ -102,6 +102,8 @@ CLI_RULES: dict[str, Rule] = {
     "tokens_per_chip": Rule(1, MAX_SEQ_TOKENS * 64, "more tokens than any chip holds"),
     "zero": Rule(0, 3, "ZeRO stages are 0-3"),
     "offload": Rule(0, 1, "a fraction", integer=False),
+    "offload_optimizer": Rule(0, 1, "1 keeps it on the host"),
+    "offload_params": Rule(0, 1, "1 keeps it on the host"),
     "headroom": Rule(0, 0.99, "a fraction of HBM", integer=False),
     "rate": Rule(0, 1e6, "requests per second; inf sends them all at once", integer=False, open_lo=True,
                  allow_inf=True),

@@ -24,7 +24,7 @@ from meshplan.specs.model import preset_models
 # field -> CLI flag. Boolean fields take 0/1 and map to the flag's two spellings.
 TRAIN_FIELDS = {f: "--" + f.replace("_", "-") for f in (
     "model", "hardware", "chips", "seq_len", "global_batch", "tokens", "dtype", "framework", "dp", "fsdp", "tp",
-    "pp", "vpp", "cp", "ep", "microbatch", "recompute", "zero", "offload", "pp_schedule", "attention_kernel",
+    "pp", "vpp", "cp", "ep", "microbatch", "recompute", "zero", "offload", "offload_optimizer", "offload_params", "pp_schedule", "attention_kernel",
     "headroom", "top")}
 SERVE_FIELDS = {f: "--" + f.replace("_", "-") for f in (
     "model", "hardware", "chips", "input_len", "output_len", "batch", "tp", "pp", "ep", "quant", "kv_quant",
