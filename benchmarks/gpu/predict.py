@@ -49,7 +49,8 @@ def predict_train(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
     m = case_model(case)
     problem = Problem(m, chip, 1, case["seq_len"], case["batch"])
     pins = Pins(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=case["batch"], recompute=case["recompute"],
-                zero=0, offload=0.0, sequence_parallel=False)
+                zero=0, offload=0.0, offload_optimizer=0, offload_params=0,  # the measured step keeps all on the GPU
+                sequence_parallel=False)
     p = plan(problem, pins, eff, train_options(case), top=1).plans[0]
     return {"step_time_s": p["step_time_s"], "mfu": p["mfu"],
             "memory_bytes": p["memory_bytes_per_chip"]["total"], "fits": bool(p["fits"])}

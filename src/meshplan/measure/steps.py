@@ -202,5 +202,6 @@ def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global
     problem = Problem(model, chip, layout.devices, seq_len, global_batch)
     pins = Pins(dp=layout.dp, fsdp=layout.fsdp, tp=layout.tp, pp=1, vpp=1, cp=1, ep=1,
                 microbatch=layout.microbatch, recompute=layout.recompute, zero=0, offload=0.0,
+                offload_optimizer=0, offload_params=0,  # the measured program keeps its state on the device
                 sequence_parallel=layout.sequence_parallel)
     return plan(problem, pins, eff, options or Options(flash_attention=False), top=1).plans[0]
