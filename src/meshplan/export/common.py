@@ -22,7 +22,7 @@ from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import OFFLOAD_FLAGS, ParallelConfig
-from meshplan.train.costmodel import Options
+from meshplan.train.costmodel import Options, fp8_recipes
 from meshplan.train.frameworks import framework_options
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
@@ -38,13 +38,16 @@ FP8_RECIPE_NAMES: dict[str, dict[str, str]] = {
     "te": {"tensorwise": "tensorwise", "delayed": "delayed", "blockwise": "blockwise"},
     "torchtitan": {"tensorwise": "tensorwise", "rowwise": "rowwise"},
 }
-BLACKWELL_CHIPS = ("b200", "gb200-nvl72")  # where meshplan's blockwise is MXFP8 (fp8_recipes.yaml)
+def mxfp8_chips() -> frozenset[str]:
+    """Chips where meshplan's blockwise recipe is MXFP8: those fp8_recipes.yaml's blockwise GEMM row names by chip
+    (native block scaling in the MMA) rather than by kind."""
+    return frozenset(fp8_recipes()["blockwise"]["gemm_fraction"]) - {"gpu", "tpu"}
 
 
 def fp8_recipe_name(kind: str, opts: Options, chip_name: str) -> str:
     """The framework's word for the plan's FP8 recipe (FP8_RECIPE_NAMES); a MeshplanError if it has none."""
     recipe = opts.fp8_scaling
-    if kind == "te" and recipe == "blockwise" and chip_name in BLACKWELL_CHIPS:
+    if kind == "te" and recipe == "blockwise" and chip_name in mxfp8_chips():
         return "mxfp8"
     names = FP8_RECIPE_NAMES[kind]
     if recipe not in names:
