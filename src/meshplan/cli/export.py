@@ -16,7 +16,8 @@ from meshplan.cost.topology import default_slice_shape
 from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
-from meshplan.export.serving import ServePlan, budget_tokens, export_engine, hf_id, load_engine, preset_for
+from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
+from meshplan.infer.config import default_token_budget
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.config import ParallelConfig
@@ -243,7 +244,8 @@ def write_serve_export(export: str, out: str | None, result: dict, model_arg: st
     if export not in SERVE:
         fail(f"--export must be one of {', '.join(SERVE)}, got '{export}'")
     d = _out_dir(out)
-    sp = ServePlan(result, hf_id(model_arg), command_line(), mode, budget_tokens(chip), chip.kind)
+    # the budget the plan was timed with (an --engine preset's or --max-num-batched-tokens, else the default)
+    sp = ServePlan(result, hf_id(model_arg), command_line(), mode, int(result["step_token_budget"]), chip.kind)
     paths = []
     for name, text in export_engine(export, sp).items():
         (d / name).write_text(text)
@@ -271,9 +273,9 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
         fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
              f"{sj.max_model_len}")
     chip = load_chip(hardware)
-    if sj.chunk_tokens and sj.mode == "continuous" and sj.chunk_tokens != budget_tokens(chip):
+    if sj.chunk_tokens and sj.mode == "continuous" and sj.chunk_tokens != default_token_budget(chip):
         sj.notes.append(f"the file's chunked-prefill budget {sj.chunk_tokens} is timed as meshplan's "
-                        f"{budget_tokens(chip)}-token step")
+                        f"{default_token_budget(chip)}-token step")
     kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile)
     yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep, **kw)
     best = plan_serving(name, hardware, n, input_len, output_len, do_search=True, **kw)

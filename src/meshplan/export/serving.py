@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.export.common import argv_lines, commented, framework_keys, split_command
-from meshplan.infer.config import serving_constant
 from meshplan.units import fmt_bytes, fmt_time
 
 # meshplan KV dtype -> each engine's --kv-cache-dtype (vLLM CacheDType, SGLang ServerArgs.kv_cache_dtype choices)
@@ -133,11 +132,6 @@ def _argv_sglang(plan: ServePlan, c: dict, role: str | None = None) -> list[str]
 
 def _budget(plan: ServePlan) -> int:
     return plan.budget_tokens
-
-
-def budget_tokens(chip) -> int:
-    """The step token budget meshplan times chunked prefill with (cost/data/serving.yaml max_num_tokens)."""
-    return int(serving_constant("max_num_tokens", chip))
 
 
 def _lines(argv: list[str]) -> str:

@@ -83,19 +83,24 @@ class ServeConfig:
 ENGINES = ("default", "vllm", "sglang", "trtllm")
 
 
+def default_token_budget(chip: Chip) -> int:
+    """The step token budget when neither an engine preset nor the user sets one (serving.yaml max_num_tokens)."""
+    return int(serving_constant("max_num_tokens", chip))
+
+
 def engine_token_budget(engine: str, chip: Chip) -> int:
     """The engine's default step token budget on this chip (serving.yaml engine_max_num_batched_tokens, sourced
     from each engine's argument defaults); `default` is serving.yaml's max_num_tokens."""
     if engine not in ENGINES:
         raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINES)})")
     if engine == "default":
-        return int(serving_constant("max_num_tokens", chip))
+        return default_token_budget(chip)
     table = _table()["engine_max_num_batched_tokens"][engine]
     # vLLM picks its larger default only on >= 70 GiB GPUs other than A100 (vllm/engine/arg_utils.py)
     big = chip.kind == "gpu" and chip.hbm_bytes >= 70 * 2**30 and not chip.name.startswith("a100")
     hit = table.get(chip.name) or table.get("gpu_large" if big else chip.kind) or table.get(chip.kind)
     if hit is None:
-        return int(serving_constant("max_num_tokens", chip))
+        return default_token_budget(chip)
     return int(hit["value"])
 
 
@@ -104,7 +109,7 @@ def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
     serving.yaml default."""
     if cfg.max_num_batched_tokens is not None:
         return int(cfg.max_num_batched_tokens)
-    return int(serving_constant("max_num_tokens", chip))
+    return default_token_budget(chip)
 
 
 @dataclass(frozen=True)
