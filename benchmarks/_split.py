@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -30,15 +31,26 @@ def split_of(source_key: str) -> str:
     return "validation" if int(hashlib.sha256(source_key.encode()).hexdigest()[:8], 16) % 2 == 0 else "tuning"
 
 
+# Set by --tuning-only (both accuracy scripts): the validation half is not even loaded, so that whoever chooses a
+# constant sees only the tuning half's rows and aggregates (issue #14: "a split you do not fit on").
+TUNING_ONLY_ENV = "MESHPLAN_TUNING_ONLY"
+
+
+def _visible(entries: list[dict]) -> list[dict]:
+    if os.environ.get(TUNING_ONLY_ENV) == "1":
+        return [e for e in entries if e.get("split") == "tuning"]
+    return entries
+
+
 def load_new_training() -> list[dict]:
     entries = yaml.safe_load(NEW_TRAINING.read_text()) or []
     for e in entries:
         e.setdefault("group", "ungrouped")
-    return entries
+    return _visible(entries)
 
 
 def load_new_serving() -> list[dict]:
-    return yaml.safe_load(NEW_SERVING.read_text())["measurements"]
+    return _visible(yaml.safe_load(NEW_SERVING.read_text())["measurements"])
 
 
 def error_stats(errs: list[float]) -> dict:

@@ -16,6 +16,7 @@ step time - 1, so a NEGATIVE error is a prediction FASTER than the measured run 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -147,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-search", action="store_true")
     ap.add_argument("--no-new", action="store_true", help="skip the new runs of issue #14 (reference set only)")
     ap.add_argument("--d-half-gpu", type=float, help="replace the Ampere/Hopper GEMM tile constant (sensitivity)")
+    ap.add_argument("--tuning-only", action="store_true",
+                    help="load only the tuning half of the new data (for choosing constants without seeing validation)")
     args = ap.parse_args(argv)
+    if args.tuning_only:
+        os.environ["MESHPLAN_TUNING_ONLY"] = "1"  # read by _split's loaders
     everything = load_entries()
     entries = [e for e in everything if not args.group or e.get("group") == args.group]
     if not entries:

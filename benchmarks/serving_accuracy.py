@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -163,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, default=DATA / "serving_measurements.yaml")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-new", action="store_true", help="skip the new measurements of issue #14")
+    ap.add_argument("--tuning-only", action="store_true",
+                    help="load only the tuning half of the new data (for choosing constants without seeing validation)")
     args = ap.parse_args(argv)
+    if args.tuning_only:
+        os.environ["MESHPLAN_TUNING_ONLY"] = "1"  # read by _split's loaders
     res = run(args.file)
     if not args.no_new and args.file == DATA / "serving_measurements.yaml":
         from _split import load_new_serving  # sibling helper, imported here so the module loads on its own (tests)
