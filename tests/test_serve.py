@@ -41,7 +41,10 @@ def test_decode_step_batch1_llama3_70b_tp8_by_hand():
     act = D * 2.0  # one token's activation
     ar = min(group_collective("allreduce", act, make_cluster(H100, tp), tp).time_s,
              serving_constant("custom_allreduce_latency_s", H100) + act * (tp - 1) / 4.5e11)
-    expected = (weights / bw + kv / bw + 2 * L * ar
+    # pointwise kernels of the one token: norms + residuals 10·D (replicated over TP), RoPE on q and k
+    # 2·(64 + 8)·128/8, SwiGLU 3·F/8, bf16, every layer: (81920 + 2304 + 10752) · 2 B · 80 = 15.2 MB
+    pointwise = L * (10 * D + 2 * (64 + 8) * 128 / tp + 3 * m.d_ff / tp) * 2.0
+    expected = (weights / bw + kv / bw + pointwise / bw + 2 * L * ar
                 + L * serving_constant("decode_kernels_per_layer", H100) * EFF.kernel_overhead_s
                 + serving_constant("decode_step_overhead_s", H100))
     got = decode_step(m, H100, ServeConfig(tp=8), EFF, 1, ctx)

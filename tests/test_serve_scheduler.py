@@ -90,7 +90,8 @@ def test_moe_expert_gemms_run_at_tokens_per_expert_rows():
     h = EFF.matmul_rows_half  # 128
     f_all, f_exp = T / (T + h), (T / 4) / (T / 4 + h)  # 4096/(4096+128) and 1024/(1024+128)
     L = mix.n_layers
-    want = (2 * T * (L * dense + mix.d_model * mix.vocab_size) / (peak * f_all)
+    # the output projection runs for the one sampled row of the one prompt chunk, not all T rows
+    want = (2 * (T * L * dense + 1 * mix.d_model * mix.vocab_size) / (peak * f_all)
             + 2 * T * L * routed / (peak * f_exp))
     assert parts["compute"] == pytest.approx(want, rel=1e-9)
     # expand + finalize: 2 x T x D x (k + 1) bf16 elements per layer = 2 * 4096 * 4096 * 3 * 2 B = 201,326,592 B,

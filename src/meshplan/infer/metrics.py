@@ -105,7 +105,8 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
 
 def _continuous(m, chip, cfg, eff, w, batch):
     prefill = batch * w.input_len / w.output_len  # steady state: B/O requests replaced per step
-    mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch)
+    mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch,
+                      prefill_seqs=batch / w.output_len)
     pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s)
     frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s

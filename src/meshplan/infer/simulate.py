@@ -87,11 +87,11 @@ class _Replica:
         self.concurrency = concurrency
         self._cache: dict[tuple, float] = {}
 
-    def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int) -> float:
-        key = (n_dec, round(ctx / 64), round(n_pre / 16), round(pre_ctx / 64), seqs)
+    def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int, n_chunks: int = 0) -> float:
+        key = (n_dec, round(ctx / 64), round(n_pre / 16), round(pre_ctx / 64), seqs, n_chunks)
         if key not in self._cache:
             self._cache[key] = step_cost(self.m, self.chip, self.cfg, self.eff, n_dec, ctx, n_pre, pre_ctx,
-                                         seqs).time_s
+                                         seqs, n_chunks or None).time_s
         return self._cache[key]
 
     def run(self, reqs: list[_Req]) -> None:
@@ -127,7 +127,7 @@ class _Replica:
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
         n_pre = sum(c for _, c in chunks)
         pre_ctx = float(np.mean([r.prefilled + c / 2 for r, c in chunks])) if chunks else 0.0
-        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running))
+        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks))
         for r in dec:
             r.generated += 1
             r.times.append(t)

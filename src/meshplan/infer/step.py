@@ -11,6 +11,10 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
                  with latency terms (small-batch decode is latency-bound, ch.7 App. C)
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
   T_moe_permute = layers * 2 * tokens * D * (k + 1) * act bytes / (W_hbm * hbm_fraction)  (MoE expand + finalize)
+  T_pointwise = layers * tokens * pointwise elements per token * act bytes / (W_hbm * hbm_fraction)  (norms,
+                residual adds, RoPE, activation: the training ledger's pointwise tensors, HBM-bound)
+The output projection runs only for the rows that sample a token: every decode sequence and the last position of
+each prompt chunk (vLLM LogitsProcessor over logits_indices; TensorRT-LLM gather_context_logits off by default).
 With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
   T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead.
 """
@@ -29,7 +33,13 @@ from meshplan.infer.memory import (
     layers_per_stage,
     moe_layer_share,
 )
-from meshplan.math.transformer import attention_pair_width, kv_cached_tokens, mean_attended_keys, param_counts
+from meshplan.math.transformer import (
+    attention_pair_width,
+    kv_cached_tokens,
+    mean_attended_keys,
+    param_counts,
+    pointwise_elements_per_token,
+)
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -152,8 +162,10 @@ def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -
 
 
 def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
-                decode_ctx: float, prefill_tokens: float, prefill_ctx: float) -> dict[str, float]:
-    """Seconds of each term for one micro-batch through one pipeline stage."""
+                decode_ctx: float, prefill_tokens: float, prefill_ctx: float,
+                prefill_seqs: float | None = None) -> dict[str, float]:
+    """Seconds of each term for one micro-batch through one pipeline stage. `prefill_seqs`: prompt chunks in the
+    step (each samples from its last position; default one when there are prefill tokens)."""
     Ls = layers_per_stage(m, cfg.pp)
     lp = _layer_params(m, cfg.tp, cfg.pp)
     tokens = decode_seqs + prefill_tokens
@@ -170,7 +182,11 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # routed experts run as a grouped GEMM of one problem per expert with ~tokens*k/E rows each (vLLM fused_moe,
     # TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
     routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
-    dense_flops = 2.0 * tokens * (Ls * (lp.active - routed) + m.d_model * m.vocab_size / cfg.tp)
+    # logits only for the sampled rows: each decode sequence and the last position of each prompt chunk
+    if prefill_seqs is None:
+        prefill_seqs = 1.0 if prefill_tokens > 0 else 0.0
+    logit_rows = decode_seqs + min(prefill_seqs, prefill_tokens)
+    dense_flops = 2.0 * (tokens * Ls * (lp.active - routed) + logit_rows * m.d_model * m.vocab_size / cfg.tp)
     expert_flops = 2.0 * tokens * Ls * routed
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
@@ -194,6 +210,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         # reads the k expert outputs and writes one: 2 * tokens * D * (k + 1) elements per layer. With TP alone
         # every chip permutes every token (the TP split is inside each expert's F dimension)
         permute = Ls * 2.0 * tokens * m.d_model * (m.experts_per_token + 1) * cfg.act_bytes / W
+    pointwise = Ls * tokens * pointwise_elements_per_token(m, cfg.tp) * cfg.act_bytes / W
     return {
         "weights": t_w if t_w >= t_mm else 0.0,
         "compute": t_mm if t_mm > t_w else 0.0,
@@ -202,17 +219,22 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         "collectives": Ls * _layer_comm_s(m, chip, cfg, tokens),
         "kernel_overhead": kernels,
         "moe_permute": permute,
+        "pointwise": pointwise,
         "pipeline_p2p": _p2p_s(chip, cfg, tokens * m.d_model * cfg.act_bytes),
     }
 
 
 def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
               decode_ctx: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
-              sequences: float | None = None) -> StepCost:
-    """One engine step of a replica. `sequences` (default: decode_seqs, at least 1) sets the PP micro-batches."""
+              sequences: float | None = None, prefill_seqs: float | None = None) -> StepCost:
+    """One engine step of a replica. `sequences` (default: decode_seqs, at least 1) sets the PP micro-batches;
+    `prefill_seqs` counts the prompt chunks (default: sequences - decode_seqs, at least 1 with prefill tokens)."""
     seqs = max(sequences if sequences is not None else decode_seqs, 1.0)
     mb = min(float(cfg.pp), seqs)
-    stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx)
+    if prefill_seqs is None and prefill_tokens > 0:
+        prefill_seqs = max(seqs - decode_seqs, 1.0)
+    chunks = None if prefill_seqs is None else prefill_seqs / mb
+    stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx, chunks)
     parts = {k: cfg.pp * v for k, v in stage.items()}
     parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip)
     total = sum(parts.values())
