@@ -78,7 +78,7 @@ def predict(e: dict, rules: dict) -> dict:
     # the engine's step token budget: the one the source's server command sets, else the engine's default
     budget = e.get("max_num_batched_tokens") or engine_token_budget(e.get("engine") or "default", chip)
     cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e),
-                      max_num_batched_tokens=budget)
+                      max_num_batched_tokens=budget, engine=e.get("engine") or "default")
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)

@@ -67,10 +67,11 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     # the step token budget: the user's, else the engine preset's default (serving.yaml); 'default' keeps None
     if max_num_batched_tokens is None and engine != "default":
         max_num_batched_tokens = engine_token_budget(engine, chip)
-    base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens)
+    base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
+                       engine=engine)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if tp and pp and ep:
-        cfg = ServeConfig(tp, pp, ep, quant, kv_quant, max_num_batched_tokens=max_num_batched_tokens)
+        cfg = ServeConfig(tp, pp, ep, quant, kv_quant, max_num_batched_tokens=max_num_batched_tokens, engine=engine)
         check_layout(m, chip, chips, cfg)
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)

@@ -51,6 +51,8 @@ class ServeConfig:
     # the engine's per-step token budget (vLLM max_num_batched_tokens, TensorRT-LLM max_num_tokens, SGLang
     # chunked_prefill_size); None = the engine preset's / serving.yaml default (step_token_budget)
     max_num_batched_tokens: int | None = None
+    # the engine preset (ENGINES) whose memory rule sizes the KV cache (engine_kv_cache_free_fraction)
+    engine: str = "default"
 
     @property
     def chips_per_replica(self) -> int:
@@ -104,6 +106,16 @@ def engine_token_budget(engine: str, chip: Chip) -> int:
     return int(hit["value"])
 
 
+def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
+    """The fraction of the memory left after weights, activations and the runtime that the engine gives its KV cache,
+    for engines that size the KV cache that way (TensorRT-LLM's free_gpu_memory_fraction); None for engines that
+    cap all their memory at a fraction of the device (vLLM gpu_memory_utilization, SGLang mem_fraction_static:
+    serving.yaml memory_utilization)."""
+    table = _table()["engine_kv_cache_free_fraction"].get(cfg.engine)
+    hit = table and (table.get(chip.name) or table.get(chip.kind))
+    return float(hit["value"]) if hit else None
+
+
 def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
     """Tokens one engine step may carry (decode tokens + prompt chunks): the layout's own budget, else the
     serving.yaml default."""
@@ -148,6 +160,8 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown weight quantization '{cfg.weight_dtype}' (known: {', '.join(WEIGHT_DTYPES)})")
     if cfg.kv_dtype not in KV_DTYPES:
         raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
+    if cfg.engine not in ENGINES:
+        raise MeshplanError(f"unknown engine '{cfg.engine}' (known: {', '.join(ENGINES)})")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
-from meshplan.infer.config import ServeConfig, Workload, kv_heads_per_chip, serving_constant, step_token_budget
+from meshplan.infer.config import (
+    ServeConfig,
+    Workload,
+    kv_cache_free_fraction,
+    kv_heads_per_chip,
+    serving_constant,
+    step_token_budget,
+)
 from meshplan.math.transformer import kv_cache_elements_per_layer, kv_cached_tokens, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -121,22 +128,38 @@ def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     """Per-chip memory of a replica serving `batch` sequences of up to `context_len` tokens each. With PP
     each stage holds the KV of every sequence for its own layers. Sliding-window and chunked layers keep at most
     their window (`kv_cached_tokens`, the mean over the model's layers)."""
+    weights, acts = weight_bytes_per_chip(m, cfg), activation_bytes_per_chip(m, chip, cfg, batch)
+    fixed = weights + acts + eff.memory_reserved_bytes
     return MemoryBreakdown(
-        weights=weight_bytes_per_chip(m, cfg),
+        weights=weights,
         kv_cache=batch * kv_cached_tokens(m, context_len) * kv_bytes_per_token_per_chip(m, cfg),
-        activations=activation_bytes_per_chip(m, chip, cfg, batch),
+        activations=acts,
         reserved=eff.memory_reserved_bytes,
-        budget=chip.usable_hbm_bytes * serving_constant("memory_utilization", chip),
+        budget=memory_budget_bytes(chip, cfg, fixed),
     )
+
+
+def memory_budget_bytes(chip: Chip, cfg: ServeConfig, fixed_bytes: float) -> float:
+    """Usable bytes per chip for a replica whose non-KV memory (weights, activations, runtime) is `fixed_bytes`:
+    memory_utilization of the device (vLLM, SGLang), or for engines with a free-memory rule (TensorRT-LLM) the fixed
+    bytes plus that fraction of what they leave free (`kv_cache_free_fraction`)."""
+    frac = kv_cache_free_fraction(cfg, chip)
+    if frac is None:
+        return chip.usable_hbm_bytes * serving_constant("memory_utilization", chip)
+    return fixed_bytes + frac * max(chip.usable_hbm_bytes - fixed_bytes, 0.0)
 
 
 def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload) -> int:
     """Most sequences one replica holds with every sequence's KV reserved at its full length (input+output,
     TensorRT-LLM's default guaranteed-no-evict scheduling). 0 when even the weights do not fit."""
     empty = memory_per_chip(m, chip, cfg, eff, 0, w.max_context)
-    per_seq = (kv_cached_tokens(m, w.max_context) * kv_bytes_per_token_per_chip(m, cfg)
-               + activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0))
-    free = empty.budget - empty.total
+    kv_seq = kv_cached_tokens(m, w.max_context) * kv_bytes_per_token_per_chip(m, cfg)
+    act_seq = activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0)
+    frac = kv_cache_free_fraction(cfg, chip)
+    if frac is None:
+        per_seq, free = kv_seq + act_seq, empty.budget - empty.total
+    else:  # B·kv_seq <= frac·(usable - fixed(0) - B·act_seq): each sequence's activations also shrink the free part
+        per_seq, free = kv_seq + frac * act_seq, empty.budget - empty.total
     return max(int(free // per_seq), 0) if free > 0 else 0
 
 
