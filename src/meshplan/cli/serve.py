@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -96,6 +97,19 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     return out
 
 
+def _disagg_config(best: ServeConfig, layouts: list[dict], chips: int) -> ServeConfig:
+    """The layout of both disaggregated pools: the best one, or when one replica of it takes more than half the chips
+    (no room for a prefill and a decode instance) the best ranked layout that leaves room for both."""
+    if 2 * best.chips_per_replica <= chips:
+        return best
+    for lay in layouts:
+        c = lay["config"]
+        cfg = replace(best, tp=c["tp"], pp=c["pp"], ep=c["ep"])
+        if 2 * cfg.chips_per_replica <= chips:
+            return cfg
+    return best
+
+
 @app.command()
 def serve(
     # required unless --from FILE states them (checked below)
@@ -173,7 +187,8 @@ def serve(
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
                                      SimSpec(rate, requests, seed, input_dist, output_dist, concurrency))
     if disaggregate_:
-        out["disaggregated"] = disaggregate(m, chip, chips, best.config, best.config, eff, w, batch).as_dict()
+        out["disaggregated"] = disaggregate(m, chip, chips, *[_disagg_config(best.config, out["layouts"], chips)] * 2,
+                                            eff, w, batch).as_dict()
     if export:
         from meshplan.cli.export import write_serve_export
 
