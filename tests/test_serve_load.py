@@ -72,17 +72,33 @@ def test_trtllm_kv_cache_takes_a_fraction_of_the_free_memory():
     U = 85.52e9  # h100-sxm usable HBM
     fixed0 = weight_bytes_per_chip(M70, trt) + activation_bytes_per_chip(M70, H100, trt, 0) + 3.0e9  # + runtime
     act1 = activation_bytes_per_chip(M70, H100, trt, 1) - activation_bytes_per_chip(M70, H100, trt, 0)
-    kv_seq = 2000 * 2 * 80 * 8 * 128 * 1.0  # 2000 tokens x 2 (K, V) x 80 layers x 8 heads x 128 x 1 B = 327.68 MB
-    # TensorRT-LLM: B (kv_seq + 0.9 act1) <= 0.9 (U - fixed0);  vLLM: B (kv_seq + act1) <= 0.9 U - fixed0
-    want_trt = math.floor(0.9 * (U - fixed0) / (kv_seq + 0.9 * act1))
-    want_vllm = math.floor((0.9 * U - fixed0) / (kv_seq + act1))
+    per_token = 2 * 80 * 8 * 128 * 1.0  # 2 (K, V) x 80 layers x 8 heads x 128 x 1 B = 163,840 B
+    # TensorRT-LLM reserves the full 2000 tokens (GUARANTEED_NO_EVICT): B (kv + 0.9 act1) <= 0.9 (U - fixed0)
+    want_trt = math.floor(0.9 * (U - fixed0) / (2000 * per_token + 0.9 * act1))
+    # vLLM allocates as tokens are written: the mean context 1000 + 1000/2 = 1500 tokens; B (kv + act1) <= 0.9 U - fixed0
+    want_vllm = math.floor((0.9 * U - fixed0) / (1500 * per_token + act1))
     assert max_batch_per_replica(M70, H100, trt, EFF, w) == want_trt
     assert max_batch_per_replica(M70, H100, vllm, EFF, w) == want_vllm
-    # 70.6 GB of fp8 weights: 0.9 of the ~10 GB left holds 28 sequences; vLLM's cap at 0.9 x 85.5 GB leaves 5
-    assert (want_trt, want_vllm) == (28, 5)
+    # 70.6 GB of fp8 weights: 0.9 of the ~10 GB left holds 28 full-length sequences; vLLM's cap at 0.9 x 85.5 GB
+    # leaves ~1.5 GB, 6 sequences at their mean context
+    assert (want_trt, want_vllm) == (28, 6)
     # the batch that the rule admits fits the breakdown's budget, one more does not
     assert memory_per_chip(M70, H100, trt, EFF, want_trt, w.max_context).fits
     assert not memory_per_chip(M70, H100, trt, EFF, want_trt + 1, w.max_context).fits
+
+
+def test_vllm_caps_sequences_at_max_num_seqs():
+    # Llama 3.1 8B bf16 on one H100, 128 in / 2048 out: KV alone would hold far more than vLLM's default
+    # max_num_seqs (1024 on >= 70 GiB GPUs other than A100, 256 on A100: vllm/engine/arg_utils.py)
+    w = Workload(128, 2048)
+    vllm = ServeConfig(max_num_batched_tokens=8192, engine="vllm")
+    # (0.9 x 85.52 GB - 16.1 GB weights - 3 GB) / (128 + 1024 tokens x 131,072 B) ~ 380 sequences at the mean context
+    assert 300 < max_batch_per_replica(M8, H100, vllm, EFF, w) < 450
+    w_short = Workload(64, 64)  # ~50 GB of KV / (96 tokens x 131,072 B) ~ 4,000 would fit; the engine runs 1024
+    assert max_batch_per_replica(M8, H100, vllm, EFF, w_short) == 1024
+    assert max_batch_per_replica(M8, load_chip("a100-80gb"), vllm, default_efficiency(load_chip("a100-80gb")),
+                                 w_short) == 256
+    assert max_batch_per_replica(M8, H100, ServeConfig(max_num_batched_tokens=8192), EFF, w_short) > 1024
 
 
 def test_unknown_engine_in_a_layout_is_an_error():

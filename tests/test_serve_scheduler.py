@@ -33,8 +33,12 @@ def test_engine_budgets_follow_the_engines_defaults():
     # SGLang chunked_prefill_size 8192 on 35-160 GB GPUs; TensorRT-LLM max_num_tokens 8192
     assert engine_token_budget("sglang", H100) == 8192
     assert engine_token_budget("trtllm", A100) == 8192
-    # no engine entry for TPUs: the serving.yaml default (8192)
-    assert engine_token_budget("vllm", load_chip("tpu-v6e")) == 8192
+    # vLLM's TPU branch of get_batch_defaults (OPENAI_API_SERVER): V6E 1024, V5E 512, V5P 256
+    assert engine_token_budget("vllm", load_chip("tpu-v6e")) == 1024
+    assert engine_token_budget("vllm", load_chip("tpu-v5e")) == 512
+    assert engine_token_budget("vllm", load_chip("tpu-v5p")) == 256
+    # no SGLang entry for TPUs: the serving.yaml default (8192)
+    assert engine_token_budget("sglang", load_chip("tpu-v6e")) == 8192
     assert step_token_budget(H100, ServeConfig(max_num_batched_tokens=512)) == 512
     assert step_token_budget(H100, ServeConfig()) == 8192
 

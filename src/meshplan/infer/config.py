@@ -97,13 +97,17 @@ def engine_token_budget(engine: str, chip: Chip) -> int:
         raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINES)})")
     if engine == "default":
         return default_token_budget(chip)
-    table = _table()["engine_max_num_batched_tokens"][engine]
-    # vLLM picks its larger default only on >= 70 GiB GPUs other than A100 (vllm/engine/arg_utils.py)
+    hit = _engine_entry("engine_max_num_batched_tokens", engine, chip)
+    return default_token_budget(chip) if hit is None else int(hit)
+
+
+def _engine_entry(key: str, engine: str, chip: Chip) -> float | None:
+    """An engine default from serving.yaml `key`, by chip name, then `gpu_large` (a GPU with >= 70 GiB that is not
+    an A100: the split vLLM makes in vllm/engine/arg_utils.py get_batch_defaults), then chip kind; None if absent."""
+    table = _table()[key].get(engine) or {}
     big = chip.kind == "gpu" and chip.hbm_bytes >= 70 * 2**30 and not chip.name.startswith("a100")
-    hit = table.get(chip.name) or table.get("gpu_large" if big else chip.kind) or table.get(chip.kind)
-    if hit is None:
-        return default_token_budget(chip)
-    return int(hit["value"])
+    hit = table.get(chip.name) or (table.get("gpu_large") if big else None) or table.get(chip.kind)
+    return None if hit is None else float(hit["value"])
 
 
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
@@ -111,9 +115,29 @@ def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
     for engines that size the KV cache that way (TensorRT-LLM's free_gpu_memory_fraction); None for engines that
     cap all their memory at a fraction of the device (vLLM gpu_memory_utilization, SGLang mem_fraction_static:
     serving.yaml memory_utilization)."""
-    table = _table()["engine_kv_cache_free_fraction"].get(cfg.engine)
-    hit = table and (table.get(chip.name) or table.get(chip.kind))
-    return float(hit["value"]) if hit else None
+    return _engine_entry("engine_kv_cache_free_fraction", cfg.engine, chip)
+
+
+def chunked_prefill(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine splits prompts over steps (serving.yaml engine_chunked_prefill; default: it does)."""
+    hit = _engine_entry("engine_chunked_prefill", cfg.engine, chip)
+    return True if hit is None else bool(hit)
+
+
+def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
+    """The engine's default cap on sequences in flight per replica (vLLM max_num_seqs); None where the KV cache alone
+    limits it (serving.yaml engine_max_num_seqs)."""
+    hit = _engine_entry("engine_max_num_seqs", cfg.engine, chip)
+    return None if hit is None else int(hit)
+
+
+def kv_reserved_per_sequence(cfg: ServeConfig, chip: Chip, w: Workload) -> float:
+    """KV tokens the engine holds per running sequence when sizing its batch: the full input + output for engines
+    that reserve a request's whole length at admission (TensorRT-LLM GUARANTEED_NO_EVICT, meshplan's default);
+    the mean context input + output/2 of sequences at uniformly spread ages for engines that allocate KV blocks as
+    tokens are written and preempt when full (serving.yaml engine_kv_on_demand)."""
+    on_demand = _engine_entry("engine_kv_on_demand", cfg.engine, chip)
+    return w.mean_decode_context if on_demand else float(w.max_context)
 
 
 def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:

@@ -15,8 +15,10 @@ from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    engine_max_num_seqs,
     kv_cache_free_fraction,
     kv_heads_per_chip,
+    kv_reserved_per_sequence,
     serving_constant,
     step_token_budget,
 )
@@ -150,22 +152,27 @@ def memory_budget_bytes(chip: Chip, cfg: ServeConfig, fixed_bytes: float) -> flo
 
 
 def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload) -> int:
-    """Most sequences one replica holds with every sequence's KV reserved at its full length (input+output,
-    TensorRT-LLM's default guaranteed-no-evict scheduling). 0 when even the weights do not fit."""
-    empty = memory_per_chip(m, chip, cfg, eff, 0, w.max_context)
-    kv_seq = kv_cached_tokens(m, w.max_context) * kv_bytes_per_token_per_chip(m, cfg)
+    """Most sequences one replica holds, each with the KV its engine keeps for it (`kv_reserved_per_sequence`: the
+    full input+output under TensorRT-LLM's default guaranteed-no-evict scheduling and meshplan's default; the mean
+    context for engines that allocate on demand), capped by the engine's max_num_seqs. 0 when even the weights do
+    not fit."""
+    held = kv_reserved_per_sequence(cfg, chip, w)
+    empty = memory_per_chip(m, chip, cfg, eff, 0, held)
+    kv_seq = kv_cached_tokens(m, held) * kv_bytes_per_token_per_chip(m, cfg)
     act_seq = activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0)
     frac = kv_cache_free_fraction(cfg, chip)
     if frac is None:
         per_seq, free = kv_seq + act_seq, empty.budget - empty.total
     else:  # B·kv_seq <= frac·(usable - fixed(0) - B·act_seq): each sequence's activations also shrink the free part
         per_seq, free = kv_seq + frac * act_seq, empty.budget - empty.total
-    return max(int(free // per_seq), 0) if free > 0 else 0
+    fit = max(int(free // per_seq), 0) if free > 0 else 0
+    cap = engine_max_num_seqs(cfg, chip)  # the engine's own cap on sequences in flight (vLLM max_num_seqs)
+    return fit if cap is None else min(fit, cap)
 
 
 def require_fit(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload, batch: int) -> None:
     """Raise a one-line error saying what a batch needs per chip against what the chip offers."""
-    mem = memory_per_chip(m, chip, cfg, eff, batch, w.max_context)
+    mem = memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w))
     if mem.fits:
         return
     raise InfeasibleError(

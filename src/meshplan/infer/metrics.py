@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, step_token_budget
+from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, kv_reserved_per_sequence, step_token_budget
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
 from meshplan.infer.step import StepCost, decode_step, prefill_step, step_cost
 from meshplan.specs.hardware import Chip
@@ -97,6 +97,8 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget)."""
     others = max(batch - 1, 0)
     chunk = max(step_token_budget(chip, cfg) - others, 1.0)
+    if not chunked_prefill(cfg, chip):  # the whole prompt in one step (engine_chunked_prefill)
+        chunk = float(w.input_len)
     n_chunks = math.ceil(w.input_len / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(w.input_len, chunk), w.input_len / 2.0,
                   max(batch, 1))
@@ -141,5 +143,5 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,
         e2e_latency_s=ttft + (w.output_len - 1) * tpot, throughput_tokens_per_s=out,
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
-        memory=memory_per_chip(m, chip, cfg, eff, batch, w.max_context), step=step,
+        memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
         price_per_chip_hour=chip.price_per_chip_hour)

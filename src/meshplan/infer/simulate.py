@@ -21,7 +21,7 @@ import numpy as np
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, step_token_budget
+from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, step_token_budget
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -84,6 +84,7 @@ class _Replica:
                  concurrency: int | None = None):
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
         self.budget = step_token_budget(chip, cfg)
+        self.chunked = chunked_prefill(cfg, chip)
         self.concurrency = concurrency
         self._cache: dict[tuple, float] = {}
 
@@ -122,6 +123,14 @@ class _Replica:
         for r in running:
             if r.prefilled < r.inp and budget > 0:
                 c = min(r.inp - r.prefilled, budget)
+                if not self.chunked and c < r.inp - r.prefilled:
+                    # whole prompts only (TensorRT-LLM without chunked context): FCFS, the first prompt that does not
+                    # fit ends the step's prefill; the step's first prompt runs whole even past the budget (the
+                    # engine's max_num_tokens must admit its longest prompt; and no prompt waits forever behind
+                    # the decodes)
+                    if chunks:
+                        break
+                    c = r.inp - r.prefilled
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
