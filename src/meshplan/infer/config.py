@@ -51,7 +51,8 @@ class ServeConfig:
     # the engine's per-step token budget (vLLM max_num_batched_tokens, TensorRT-LLM max_num_tokens, SGLang
     # chunked_prefill_size); None = the engine preset's / serving.yaml default (step_token_budget)
     max_num_batched_tokens: int | None = None
-    # the engine preset (ENGINES) whose memory rule sizes the KV cache (engine_kv_cache_free_fraction)
+    # the engine preset (ENGINES) whose defaults apply beyond the token budget (serving.yaml engine_*): how it sizes
+    # the KV cache, whether it reserves a request's full length, chunks prompts, caps sequences in flight
     engine: str = "default"
 
     @property

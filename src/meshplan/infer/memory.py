@@ -161,10 +161,10 @@ def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Eff
     kv_seq = kv_cached_tokens(m, held) * kv_bytes_per_token_per_chip(m, cfg)
     act_seq = activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0)
     frac = kv_cache_free_fraction(cfg, chip)
-    if frac is None:
-        per_seq, free = kv_seq + act_seq, empty.budget - empty.total
-    else:  # B·kv_seq <= frac·(usable - fixed(0) - B·act_seq): each sequence's activations also shrink the free part
-        per_seq, free = kv_seq + frac * act_seq, empty.budget - empty.total
+    # free-memory rule: B·kv_seq <= frac·(usable - fixed(0) - B·act_seq), each sequence's activations also shrink
+    # the free part; device rule: B·(kv_seq + act_seq) <= budget - fixed(0)
+    per_seq = kv_seq + (act_seq if frac is None else frac * act_seq)
+    free = empty.budget - empty.total
     fit = max(int(free // per_seq), 0) if free > 0 else 0
     cap = engine_max_num_seqs(cfg, chip)  # the engine's own cap on sequences in flight (vLLM max_num_seqs)
     return fit if cap is None else min(fit, cap)

@@ -305,13 +305,13 @@ def kv_cache_elements_per_layer(m: ModelConfig) -> int:
     return m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.kv_dim
 
 
-def pointwise_elements_per_token(m: ModelConfig, tp=1, sp=1):
-    """Elements one token moves through HBM in one layer's fused pointwise kernels, forward: two RMSNorms and two
-    residual adds (read and write D each, 10·D, split sp ways under sequence parallelism), RoPE on q and k (read
-    and write (N + K)·H, split over TP) and the gated activation (read mult - 1 = 2 hidden vectors of F, write one:
-    mult·F for each of the k experts a token visits, split over TP). The same tensors as the training ledger's
-    pointwise term (train/costmodel.CostModel._pointwise_term); the kernels are HBM-bound (book ch.1: elementwise
-    ops have arithmetic intensity ~1). numpy-friendly in tp and sp."""
+def pointwise_elements_per_token(m: ModelConfig, tp: float = 1, sp: float = 1) -> float:
+    """Elements one token moves through HBM in one layer's pointwise kernels, forward: two RMSNorms (read D, write
+    D) and two residual adds (read 2·D, write D), 10·D split sp ways under sequence parallelism; RoPE on q and k
+    (read and write (N + K)·H, split over TP); the gated activation (read 2 hidden vectors of F, write one: mult·F
+    for each of the k experts a token visits, split over TP). The same tensors as the training ledger's pointwise
+    term (train/costmodel.CostModel._pointwise_term); the kernels are HBM-bound (book ch.1: elementwise ops have
+    arithmetic intensity ~1). tp and sp may be numpy arrays."""
     mult = 3 if m.gated else 2
     k = m.experts_per_token if m.is_moe else 1
     return 10 * m.d_model / sp + 2 * (m.n_heads + m.n_kv_heads) * m.head_dim / tp + mult * m.d_ff * k / tp
