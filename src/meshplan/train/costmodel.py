@@ -330,8 +330,7 @@ class CostModel:
         c, e, t, tp = self.c, self.eff, g["t_mb"], g["tp"]
         act = self.opt.act_bytes
         sp_div = np.where(g["sp"], tp, 1)
-        act_w = c["mult"] * c["F"] * c["k"]
-        elem_bytes = act * t * (10 * c["D"] / sp_div + 2 * (c["N"] + c["K"]) * c["H"] / tp + act_w / tp)
+        elem_bytes = act * t * tm.pointwise_elements_per_token(self.p.model, tp=tp, sp=sp_div)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
         router_bytes, router_kernels = self._moe_router_work(g)
