@@ -26,6 +26,7 @@ from meshplan.train.frameworks import (
     fp8_recipe_of,
     grad_reduce_bytes_of,
     options_from_notes,
+    preset,
     torchtitan_selective_flavor,
     zero3_fetch_of,
 )
@@ -306,6 +307,10 @@ def global_batch_of(e: dict) -> int:
     return _int(t.get("global_batch_seqs")) or _int(t.get("tokens_per_step")) // seq_len_of(e)
 
 
+def _source_key(e: dict) -> str:
+    return str((e.get("source") or {}).get("key") or "")
+
+
 def _source_text(e: dict) -> str:
     src = e.get("source") or {}
     return " ".join(str(src.get(k) or "") for k in ("ref", "title", "where", "also"))
@@ -344,7 +349,8 @@ def options_of(e: dict) -> Options:
     # XLA's collective-matmul decomposition on TPU (Wang et al., ASPLOS 2023) postdates the 2022 TPU runs
     tp_default = False if (tpu and year is not None and year <= 2022) else None
     # NeMo's H100 performance recipes run Transformer Engine's TP communication overlap (the "nemo" preset)
-    if "nemo" in (group + " " + _source_text(e)).lower():
+    nemo = "nemo" in (group + " " + _source_text(e)).lower()
+    if nemo:
         tp_default = FRAMEWORKS["nemo"]["tp_overlap"]
     if _vpp_of(e["parallel"].get("vpp")) != 1:
         named["pp_schedule"] = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
@@ -352,6 +358,13 @@ def options_of(e: dict) -> Options:
     # scaling), PyTorch's context_parallel, SDPA attention
     framework_kw = {k: FRAMEWORKS["torchtitan"][k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts",
                                                           "fp8_recipe", "cp_impl")} if titan else {}
+    if nemo:
+        # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
+        # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP
+        nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
+        framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
+                                                "fsdp_copies")}
+        framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
     # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
     if recipe is not None:
@@ -360,6 +373,7 @@ def options_of(e: dict) -> Options:
         pp_schedule=named["pp_schedule"],
         ep_overlap=named["ep_overlap"],
         moe_node_limit=named["moe_node_limit"],
+        pp_head_in_split=named["pp_head_in_split"],
         overlap_param_gather=named["overlap_param_gather"],
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=named["tp_overlap"] if named["tp_overlap"] else tp_default,

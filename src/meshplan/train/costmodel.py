@@ -147,6 +147,12 @@ class Options:
     # paper's design, Rajbhandari et al. 2020 §7.2.2: each partition's owner broadcasts it and gradients are
     # reduced back to the owner, so a layer's bytes pass one owner's link, and each fetch blocks the layer).
     zero3_fetch: str = "allgather"
+    # PyTorch FSDP2 copies every all-gathered parameter out of the flat communication buffer and the gradients into
+    # one before the reduce-scatter (FSDP_COPY_*). Megatron-FSDP assigns parameters sliced views of its contiguous
+    # communication buffers and needs no such copy (Megatron-LM docs/user-guide/features/megatron_fsdp.md: "FSDP2
+    # requires COPY operations to move parameters and gradients in and out of communication buffers ... while
+    # Megatron-FSDP assigns sliced views of contiguous communication buffers"): False there.
+    fsdp_copies: bool = True
     # How context parallelism runs attention. "ring": Ring Attention (Liu et al. 2023) as Megatron-Core/Transformer
     # Engine run it: each rank passes its (GQA-sized) K/V block to the next, hidden behind the block it feeds.
     # "torch": PyTorch's experimental context_parallel as torchtitan ran it (torch 2.5-2.6, rotate method
@@ -171,6 +177,17 @@ class Options:
     # gradients are all-reduced over `stage` (2M activations). False: Megatron/torchtitan stages that idle in the
     # bubble, the embedding on the first stage and the output layer on the last.
     pp_spmd_loop: bool = False
+    # Megatron-Core's interleaved schedule overlaps each pipeline send/receive with the next model chunk's compute
+    # (`overlap_p2p_comm`: on by default with interleaving in Megatron-LM, `--no-overlap-p2p-communication` turns it
+    # off, megatron/training/arguments.py; Megatron-Bridge sets it whenever vpp > 1, training/comm_overlap.py). Only
+    # the steady state overlaps: the warm-up and flush transfers stay blocking (`overlap_p2p_comm_warmup_flush`
+    # defaults to False, megatron/core/model_parallel_config.py). False: every send blocks (torchtitan, 1F1B).
+    pp_overlap: bool = False
+    # Megatron's `account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split` (Megatron-Bridge's
+    # Llama 3.1 405B recipe sets both, recipes/llama/llama3.py): the embedding and the loss each take one layer's
+    # place when the layers are divided into pipeline chunks, so the last stage runs one layer fewer beside the
+    # loss instead of a full stage plus the loss. False: the layers are split alone and the loss sits on top.
+    pp_head_in_split: bool = False
     # Ring CP's backward reuses the K/V blocks its forward received (the autodiff of a ppermute ring saves them, the
     # JAX program's `ring` form): only dK/dV travel back, 2(cp − 1) passes a layer. False: Transformer Engine's ring
     # (AttnFuncWithCPAndKVP2P.backward) passes K/V again beside dK/dV, 3(cp − 1).
@@ -421,12 +438,17 @@ class CostModel:
         led.add("hbm", nm * (nl * (3 * elem["hbm"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
         nl = g["layers_stage"]
+        # the loss on the last stage: on top of its layers, or in one layer's place (Options.pp_head_in_split), where
+        # the busier of a middle stage (nl layers) and the last (nl - 1 layers + the loss) sets the pace
+        head = g["head_in_split"]
+        loss_f = np.where(head, np.maximum(loss["f_s"] - full, 0), loss["f_s"])
+        loss_b = np.where(head, np.maximum(2 * loss["f_s"] - layer_bwd - recompute, 0), 2 * loss["f_s"])
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
-            loss_s=3 * loss["f_s"],
-            fwd=nl * full + loss["f_s"],
-            bwd=nl * (layer_bwd + recompute) + 2 * loss["f_s"],
+            loss_s=loss_f + loss_b,
+            fwd=nl * full + loss_f,
+            bwd=nl * (layer_bwd + recompute) + loss_b,
         )
 
     def _qkv_width(self, tp):
@@ -484,7 +506,7 @@ class CostModel:
         self._tp_terms(L, g, ct, out)
         self._cp_terms(L, g, ct, out)
         self._ep_terms(L, g, ct, out)
-        self._pp_terms(L, g, out)
+        self._pp_terms(L, g, ct, out)
         self._data_parallel_terms(L, g, ct, out)
         self._shared_link_slowdown(g, ct, out)
         return out
@@ -636,15 +658,21 @@ class CostModel:
         else:
             out["ep_mb"] = out["ep_link_mb"]
 
-    def _pp_terms(self, L: LayoutArrays, g: dict, out: Terms) -> None:
-        """PP: one activation send forward and one gradient send backward per virtual stage (blocking p2p)."""
+    def _pp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
+        """PP: one activation send forward and one gradient send backward per virtual stage; blocking, or under
+        interleaving with `pp_overlap` each one hidden behind the next model chunk's compute (the smaller, forward
+        chunk's: layers_stage / vpp layer forwards), only the excess exposed. `pp_link_mb`: the blocking time, which
+        the pipeline's fill and drain still pay (Options.pp_overlap)."""
         pp, tp = g["pp"], g["tp"]
         nbytes = self.opt.act_bytes * g["t_mb"] * self.c["D"] / np.where(g["sp"], tp, 1)
         stride = tp * g["cp"] * g["fsdp"] * g["dp"]
         p2p = self.comm.time("permute", nbytes, pp, stride)
         nm, led = g["n_micro"], g["ledger"]
         if not self.opt.pp_spmd_loop:
-            out["pp_mb"] = 2 * g["vpp"] * p2p
+            out["pp_link_mb"] = 2 * g["vpp"] * p2p
+            chunk_fwd = g["layers_stage"] / g["vpp"] * ct["layer_fwd"]
+            overlapped = self.opt.pp_overlap & (g["vpp"] > 1)
+            out["pp_mb"] = np.where(overlapped, 2 * g["vpp"] * np.maximum(p2p - chunk_fwd, 0), out["pp_link_mb"])
             led.collective("permute", [("stage", pp)], nm * 2 * g["vpp"] * nbytes)
             return
         # SPMD loop (Options.pp_spmd_loop): the state shifts one stage on at every iteration but the last, forward
@@ -652,6 +680,7 @@ class CostModel:
         # all-reduce over `stage`, and the input gradients return by another (2M activations)
         sends = np.where(pp > 1, 2 * (nm * g["vpp"] + pp - 2), 0.0)
         out["pp_mb"] = sends / nm * p2p + 2 * self.comm.time("allreduce", nbytes, pp, stride)
+        out["pp_link_mb"] = out["pp_mb"]
         led.collective("permute", [("stage", pp)], sends * nbytes)
         led.collective("all_reduce", [("stage", pp)], np.where(pp > 1, 2 * nm * nbytes, 0.0))
 
@@ -728,7 +757,7 @@ class CostModel:
         # GPU FSDP's copies, kernel time the compute stream waits for: the copy-out of every gathered layer
         # (forward and backward gathers per micro-batch, one gather per step under pipelining) and the gradients'
         # copy-in before each reduce-scatter
-        if self.p.chip.kind == "gpu" and o.zero3_fetch == "allgather":
+        if self.p.chip.kind == "gpu" and o.zero3_fetch == "allgather" and o.fsdp_copies:
             w_all = nl * w_layer + emb
             copy_out = FSDP_COPY_OUT_BYTES * w_all / self.hbm
             copy_in = (FSDP_COPY_IN_READ_BYTES + o.grad_reduce_bytes) * w_all / self.hbm
@@ -805,8 +834,12 @@ class CostModel:
         fsdp_mode = (g["fsdp"] > 1) | (self.opt.fsdp_over_cp & (g["cp"] > 1))
         g["shard"] = np.where(fsdp_mode, g["fsdp"] * g["cp"], 1.0)  # FSDP/ZeRO-3 shard group
         g["replicas"] = np.where(fsdp_mode, g["dp"], g["dp"] * g["cp"])  # gradient reduction across replicas
-        # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage)
-        g["layers_stage"] = np.ceil(m.n_layers / (g["pp"] * g["vpp"])) * g["vpp"]
+        # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage); with the
+        # embedding and the loss counted as a layer each (Options.pp_head_in_split) the split divides L + 2 slots and
+        # the last stage holds one layer fewer beside the loss (compute_terms)
+        head = np.where((g["pp"] > 1) & self.opt.pp_head_in_split, 2.0, 0.0)
+        g["head_in_split"] = head > 0
+        g["layers_stage"] = np.ceil((m.n_layers + head) / (g["pp"] * g["vpp"])) * g["vpp"]
         # norm scales are replicated over TP (Megatron-SP, and the JAX program: verify's TP8 arguments showed it)
         dense_layer = pc.per_layer - pc.per_layer_norms - (c["expert_w"] if m.is_moe else 0)
         g["params_layer_local"] = (dense_layer / g["tp"] + pc.per_layer_norms

@@ -87,7 +87,9 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     offload_exposed = offload_exposed + np.maximum(g["grad_copy_mb_s"] - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
-    bubble = _bubble(cm, g, ct, per_mb)
+    # the pipeline's fill and drain pay the pipeline transfers blocking even where the steady state overlaps them
+    # (Options.pp_overlap: Megatron-Core's overlap_p2p_comm_warmup_flush is off by default)
+    bubble = _bubble(cm, g, ct, per_mb - cc["pp_mb"] + cc["pp_link_mb"])
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     if cm.opt.offload_delayed_update:
         # ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2, DPU; asked for, since it changes the
@@ -96,9 +98,9 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
                               opt_update)
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
-    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"]) \
+    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"] + cc["pp_link_mb"]) \
         + cc["dp_link_step"] + cc["fsdp_link_step"]
-    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"]) + step_comm
+    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"] + cc["pp_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
     # SMs: the NCCL channels' SMs are missing from every kernel beside them (comm_compute_interference, derived from
     # the channel count on GPUs: efficiency.nccl_sm_slowdown). HBM: the collective's memory traffic takes a share
@@ -131,7 +133,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
     links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
-                  dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_mb"])
+                  dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_link_mb"])
     hbm_fits = mem["total"] <= budget
     # offloaded activations and model state live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
     # catalog) bounds them; a chip without that figure is not limited here

@@ -17,16 +17,22 @@ from meshplan.train.costmodel import Options
 FRAMEWORKS: dict[str, dict[str, Any]] = {
     # Megatron-LM / Megatron-Core with Transformer Engine: fused kernels and vocab-parallel cross-entropy, FP8
     # weights cast once per step (TE `is_first_microbatch`), bucketed gradient reduction and parameter all-gather
-    # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README); FP8 by delayed
-    # scaling (megatron/training/arguments.py `--fp8-recipe`, default "delayed")
+    # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README); FP8 by delayed scaling
+    # (megatron/training/arguments.py `--fp8-recipe`, default "delayed"); the interleaved schedule overlaps its
+    # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
+    # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                     overlap_param_gather=True),
+                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
     # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
     # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
-    # current amax, Transformer Engine's Float8CurrentScaling
+    # current amax, Transformer Engine's Float8CurrentScaling. Its performance recipes reduce gradients in bf16
+    # (Megatron-Bridge scripts/performance `_benchmark_common`/`set_llama3_common_configs`: grad_reduce_in_fp32 =
+    # False, 2025-11 to 2026-07) and run Megatron-Core underneath: interleaved pipeline sends overlapped (Megatron-
+    # Bridge training/comm_overlap.py sets overlap_p2p_comm whenever vpp > 1), Megatron-FSDP without copies
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                 overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise"),
+                 overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
+                 pp_overlap=True, fsdp_copies=False),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
@@ -62,8 +68,11 @@ FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 # FRAMEWORKS[name], with its source; the newest listed version is the current behaviour (no changes).
 VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # NeMo 24.07's performance recipes ran Transformer Engine's DelayedScaling (amax history; the NeMo 24.07
-    # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then
-    "nemo": {"24.07": dict(fp8_recipe="delayed"), "26.06": {}},
+    # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then; NeMo 1.x's GPT config kept
+    # blocking pipeline sends (examples/nlp/language_modeling/conf/megatron_gpt_config.yaml, July 2024:
+    # overlap_p2p_comm False, batch_p2p_comm True) and nothing says its gradients were reduced in bf16 (the Options
+    # default, fp32, stays)
+    "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0), "26.06": {}},
     # torchtitan's December 2024 performance runs (docs/performance.md): torchao float8 tensorwise, its only recipe
     # then (rowwise came with pytorch/ao#1629, January 2025); June 2025 (docs/benchmarks, torchao 0.11): tensorwise
     # by default, rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset. No option differs.
@@ -106,6 +115,8 @@ TP_OVERLAP_WORDS = ("asynctp", "async tp", "tp comm overlap", "tp_comm_overlap",
 EP_OVERLAP_WORDS = ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall overlap", "ep overlap", "ep_overlap",
                     "overlap_moe", "moe overlap")
 PARAM_GATHER_WORDS = ("overlap-param-gather", "overlap_param_gather", "overlap param gather")
+# Megatron's pipeline split that counts the embedding and the loss as layers (Options.pp_head_in_split)
+HEAD_IN_SPLIT_WORDS = ("account_for_loss_in_pipeline_split", "account-for-loss-in-pipeline-split")
 FA3_WORDS = ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")
 SDPA_WORDS = ("sdpa", "scaled_dot_product")
 # the flash-attn package's FlashAttention-2, which nanotron and MosaicML's llm-foundry call
@@ -118,7 +129,7 @@ DEEPSPEED_ALLGATHER_SINCE_YYMM = 2105
 
 def options_from_notes(text: str) -> dict[str, Any]:
     """Behaviour a run's description names in words (lower-case text): TP and MoE overlap, ZeRO parameter-gather
-    overlap, node-limited routing, the pipeline schedule. Only what the text says; None/False where it is silent."""
+    overlap, node-limited routing, the pipeline schedule and split. Only what the text says; None/False where it is silent."""
     limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
     node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
     # DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used
@@ -127,6 +138,7 @@ def options_from_notes(text: str) -> dict[str, Any]:
     return dict(tp_overlap=True if any(k in text for k in TP_OVERLAP_WORDS) else None,
                 ep_overlap=any(k in text for k in EP_OVERLAP_WORDS),
                 overlap_param_gather=any(k in text for k in PARAM_GATHER_WORDS),
+                pp_head_in_split=any(k in text for k in HEAD_IN_SPLIT_WORDS),
                 moe_node_limit=node_limit, pp_schedule=schedule)
 
 
