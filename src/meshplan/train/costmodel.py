@@ -439,10 +439,12 @@ class CostModel:
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
         nl = g["layers_stage"]
         # the loss on the last stage: on top of its layers, or in one layer's place (Options.pp_head_in_split), where
-        # the busier of a middle stage (nl layers) and the last (nl - 1 layers + the loss) sets the pace
-        head = g["head_in_split"]
-        loss_f = np.where(head, np.maximum(loss["f_s"] - full, 0), loss["f_s"])
-        loss_b = np.where(head, np.maximum(2 * loss["f_s"] - layer_bwd - recompute, 0), 2 * loss["f_s"])
+        # the busier of a middle stage (nl layers; there is one when pp > 2) and the last (nl - 1 layers + the loss)
+        # sets the pace: the loss adds max(loss, middle·layer) - layer to nl layers
+        head, middle = g["head_in_split"], g["pp"] > 2
+        loss_f = np.where(head, np.maximum(loss["f_s"], middle * full) - full, loss["f_s"])
+        loss_b = np.where(head, np.maximum(2 * loss["f_s"], middle * (layer_bwd + recompute)) - layer_bwd - recompute,
+                          2 * loss["f_s"])
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
