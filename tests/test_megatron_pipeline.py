@@ -163,3 +163,24 @@ def test_harness_reads_the_recipes_behaviour() -> None:
         elif key.startswith("torchtitan"):
             assert (opts.pp_overlap, opts.fsdp_copies, opts.pp_head_in_split) == (False, True, False), e["id"]
     assert seen == 17
+
+
+def test_flags_win_over_the_preset(capsys) -> None:
+    """`--framework nemo` overlaps the interleaved sends; `--no-pp-overlap` exposes them again, and the exposed
+    pipeline time is then the blocking sends of every micro-batch (the JSON's time_s), larger than with the preset."""
+    import json
+
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "16", "--seq-len", "8192",
+            "--global-batch", "32", "--dp", "2", "--tp", "2", "--pp", "4", "--vpp", "2", "--cp", "1", "--fsdp", "1",
+            "--microbatch", "1", "--recompute", "full", "--zero", "1", "--framework", "nemo", "--json"]
+    plans = {}
+    for extra in ([], ["--no-pp-overlap"], ["--pp-head-in-split"]):
+        code, out, err = run_cli(args + extra, capsys)
+        assert code == 0, err
+        plans[" ".join(extra)] = json.loads(out)["plans"][0]
+    assert plans["--no-pp-overlap"]["step_time_s"] > plans[""]["step_time_s"]
+    # Llama 3 8B: 32 layers + 2 slots over 4 × 2 chunks is not whole (Megatron would refuse): ceil(34 / 8) = 5 layers
+    # a chunk, 10 a stage instead of 8, so the head in the split costs more here than the loss alone
+    assert plans["--pp-head-in-split"]["step_time_s"] > plans[""]["step_time_s"]

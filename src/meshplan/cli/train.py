@@ -127,6 +127,14 @@ def train(
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
              "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
+    pp_overlap: Annotated[bool | None, typer.Option(
+        "--pp-overlap/--no-pp-overlap",
+        help="Interleaved pipeline sends hidden behind the next model chunk (Megatron-Core overlap_p2p_comm; on in "
+             "the megatron and nemo presets).")] = None,
+    pp_head_in_split: Annotated[bool | None, typer.Option(
+        "--pp-head-in-split/--no-pp-head-in-split",
+        help="Count the embedding and the loss as a layer each in the pipeline split (Megatron "
+             "account_for_embedding/loss_in_pipeline_split).")] = None,
     slice_shape: SliceOpt = None,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     top: Annotated[int, typer.Option(help="How many plans to show.")] = 5,
@@ -189,7 +197,8 @@ def train(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
-        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update)
+        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update,
+        pp_overlap=pp_overlap, pp_head_in_split=pp_head_in_split)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,

@@ -186,7 +186,9 @@ class Options:
     # Megatron's `account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split` (Megatron-Bridge's
     # Llama 3.1 405B recipe sets both, recipes/llama/llama3.py): the embedding and the loss each take one layer's
     # place when the layers are divided into pipeline chunks, so the last stage runs one layer fewer beside the
-    # loss instead of a full stage plus the loss. False: the layers are split alone and the loss sits on top.
+    # loss instead of a full stage plus the loss (Megatron asserts that the L + 2 slots divide evenly; an uneven pinned
+    # split is timed at its fullest stage). False: the layers are split alone and the loss sits on top. The ledger
+    # and the memory keep describing a full stage (an upper bound by one layer on the first and last stages).
     pp_head_in_split: bool = False
     # Ring CP's backward reuses the K/V blocks its forward received (the autodiff of a ppermute ring saves them, the
     # JAX program's `ring` form): only dK/dV travel back, 2(cp − 1) passes a layer. False: Transformer Engine's ring
