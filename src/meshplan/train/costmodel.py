@@ -664,9 +664,12 @@ class CostModel:
 
     def _pp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """PP: one activation send forward and one gradient send backward per virtual stage; blocking, or under
-        interleaving with `pp_overlap` each one hidden behind the next model chunk's compute (the smaller, forward
-        chunk's: layers_stage / vpp layer forwards), only the excess exposed. `pp_link_mb`: the blocking time, which
-        the pipeline's fill and drain still pay (Options.pp_overlap)."""
+        interleaving with `pp_overlap` each steady-state one hidden behind the next model chunk's compute (the
+        smaller, forward chunk's: layers_stage / vpp layer forwards), only the excess exposed. The warm-up forwards
+        and the cool-down backwards still block (Options.pp_overlap): Megatron-Core's first rank runs
+        (pp - 1)·2 + (vpp - 1)·pp warm-up chunks (schedules.py, `num_warmup_microbatches` with
+        microbatch_group_size_per_vp_stage = pp, its default), as many cool-down ones. Per micro-batch, the step's
+        sends spread over its micro-batches; `pp_link_mb`: all of them blocking."""
         pp, tp = g["pp"], g["tp"]
         nbytes = self.opt.act_bytes * g["t_mb"] * self.c["D"] / np.where(g["sp"], tp, 1)
         stride = tp * g["cp"] * g["fsdp"] * g["dp"]
@@ -676,7 +679,10 @@ class CostModel:
             out["pp_link_mb"] = 2 * g["vpp"] * p2p
             chunk_fwd = g["layers_stage"] / g["vpp"] * ct["layer_fwd"]
             overlapped = self.opt.pp_overlap & (g["vpp"] > 1)
-            out["pp_mb"] = np.where(overlapped, 2 * g["vpp"] * np.maximum(p2p - chunk_fwd, 0), out["pp_link_mb"])
+            sends = 2 * g["vpp"] * nm
+            blocking = np.minimum(2 * ((pp - 1) * 2 + (g["vpp"] - 1) * pp), sends)
+            hidden = (blocking * p2p + (sends - blocking) * np.maximum(p2p - chunk_fwd, 0)) / nm
+            out["pp_mb"] = np.where(overlapped, hidden, out["pp_link_mb"])
             led.collective("permute", [("stage", pp)], nm * 2 * g["vpp"] * nbytes)
             return
         # SPMD loop (Options.pp_spmd_loop): the state shifts one stage on at every iteration but the last, forward

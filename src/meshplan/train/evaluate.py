@@ -87,9 +87,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     offload_exposed = offload_exposed + np.maximum(g["grad_copy_mb_s"] - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
-    # the pipeline's fill and drain pay the pipeline transfers blocking even where the steady state overlaps them
-    # (Options.pp_overlap: Megatron-Core's overlap_p2p_comm_warmup_flush is off by default)
-    bubble = _bubble(cm, g, ct, per_mb - cc["pp_mb"] + cc["pp_link_mb"])
+    bubble = _bubble(cm, g, ct, per_mb)
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     if cm.opt.offload_delayed_update:
         # ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2, DPU; asked for, since it changes the
