@@ -189,3 +189,26 @@ def test_flags_win_over_the_preset(capsys) -> None:
     # Llama 3 8B: 32 layers + 2 slots over 4 × 2 chunks is not whole (Megatron would refuse): ceil(34 / 8) = 5 layers
     # a chunk, 10 a stage instead of 8, so the head in the split costs more here than the loss alone
     assert plans["--pp-head-in-split"]["step_time_s"] > plans[""]["step_time_s"]
+
+
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+def test_head_in_split_exported_and_read_back(capsys, tmp_path, framework: str) -> None:
+    """`--pp-head-in-split` writes Megatron's account-for-embedding/loss switches (Megatron-LM arguments.py;
+    NeMo's model.config keys) and `--from` reads them back into the same option."""
+    from conftest import run_cli
+
+    args = ["train", "--model", "llama3-405b", "--hardware", "h100-sxm", "--chips", "256", "--seq-len", "8192",
+            "--global-batch", "512", "--dp", "2", "--tp", "8", "--pp", "16", "--vpp", "4", "--cp", "1", "--fsdp", "1",
+            "--microbatch", "1", "--recompute", "full", "--zero", "1", "--dtype", "fp8", "--framework", framework,
+            "--pp-head-in-split", "--export", framework, "--out", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    written = "\n".join(f.read_text() for f in tmp_path.iterdir())
+    key = "--account-for-loss-in-pipeline-split" if framework == "megatron" else "account_for_loss_in_pipeline_split"
+    assert key in written
+    from meshplan.export import megatron, nemo
+
+    job = (megatron if framework == "megatron" else nemo).load(
+        next(f for f in tmp_path.iterdir() if f.suffix in (".sh", ".yaml", ".yml", "")).read_text(), 256)
+    assert job.pins.pp == 16
+    assert job.options["pp_head_in_split"] is True

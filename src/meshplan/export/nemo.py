@@ -79,6 +79,9 @@ def export(plan: PlanToExport) -> str:
         "data.seq_length": p.seq_len, "data.micro_batch_size": c.microbatch, "data.global_batch_size": p.global_batch,
         "trainer.plugins.fp8": "hybrid" if o.compute_dtype == "fp8" else None,
         "trainer.plugins.fp8_recipe": fp8_recipe_name("te", o, p.chip.name) if o.compute_dtype == "fp8" else None,
+        # Options.pp_head_in_split (Megatron-Bridge's Llama 3.1 405B recipe sets both)
+        "model.config.account_for_embedding_in_pipeline_split": True if o.pp_head_in_split and c.pp > 1 else None,
+        "model.config.account_for_loss_in_pipeline_split": True if o.pp_head_in_split and c.pp > 1 else None,
     }
     if c.recompute == "full":
         flat.update({"model.config.recompute_method": "uniform", "model.config.recompute_num_layers": 1})
@@ -100,7 +103,9 @@ USED = {"trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_p
         "trainer.strategy.ddp.use_distributed_optimizer", "model.config.tp_comm_overlap",
         "model.config.recompute_granularity", "model.config.recompute_method", "model.config.recompute_num_layers",
         "data.seq_length", "data.micro_batch_size", "data.global_batch_size", "trainer.plugins.fp8",
-        "trainer.plugins.fp8_recipe", "trainer.strategy.ddp.data_parallel_sharding_strategy"}
+        "trainer.plugins.fp8_recipe", "trainer.strategy.ddp.data_parallel_sharding_strategy",
+        "model.config.account_for_embedding_in_pipeline_split", "model.config.account_for_loss_in_pipeline_split",
+        "trainer.strategy.account_for_embedding_in_pipeline_split", "trainer.strategy.account_for_loss_in_pipeline_split"}
 
 
 def load(text: str, chips: int | None = None) -> Job:
@@ -144,5 +149,7 @@ def load(text: str, chips: int | None = None) -> Job:
                        fp8_recipe=fp8_recipe_from_name("te", g("trainer.plugins.fp8_recipe", "delayed")),
                        tp_overlap=bool(g("model.config.tp_comm_overlap", False)),
                        dp_overlap=bool(g("trainer.strategy.ddp.overlap_grad_reduce", False)),
-                       overlap_param_gather=bool(g("trainer.strategy.ddp.overlap_param_gather", False)))
+                       overlap_param_gather=bool(g("trainer.strategy.ddp.overlap_param_gather", False)),
+                       pp_head_in_split=bool(g("model.config.account_for_loss_in_pipeline_split", False)
+                                             or g("trainer.strategy.account_for_loss_in_pipeline_split", False)))
     return job
