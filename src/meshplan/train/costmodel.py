@@ -346,7 +346,7 @@ class CostModel:
     def _pointwise_term(self, g: dict) -> dict:
         """Norms, residuals, RoPE, activation function (HBM-bound): bytes read and written once per fused kernel,
         plus the MoE token permutation; the backward mirrors the forward (twice the bytes)."""
-        c, e, t, tp = self.c, self.eff, g["t_mb"], g["tp"]
+        e, t, tp = self.eff, g["t_mb"], g["tp"]
         act = self.opt.act_bytes
         sp_div = np.where(g["sp"], tp, 1)
         elem_bytes = act * t * tm.pointwise_elements_per_token(self.p.model, tp=tp, sp=sp_div)
