@@ -789,9 +789,17 @@ class CostModel:
         # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
         grads = g["params_stage_local"] / sh
         stride_rep = np.where(sh > 1, tp * sh, tp)
-        ar = comm.time("allreduce", o.grad_reduce_bytes * grads, rep, stride_rep)
-        rs_dp = comm.time("reducescatter", o.grad_reduce_bytes * grads, rep, stride_rep)
-        ag_dp = comm.time("allgather", o.param_bytes * grads, rep, stride_rep)
+        # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
+        # does); the experts' own gradients are reduced only over the replicas that hold the same experts
+        ep = g["ep"]
+        carved = (g["dp"] % ep == 0) & (ep > 1)
+        m = self.p.model
+        expert = g["layers_stage"] * self.c["expert_w"] / (tp * ep) / sh if m.is_moe else 0.0
+        expert = np.where(carved, expert, 0.0)
+        ar, rs_dp, ag_dp = (self._replica_collective(kind, nbytes * grads, nbytes * expert, g, stride_rep)
+                            for kind, nbytes in (("allreduce", o.grad_reduce_bytes),
+                                                 ("reducescatter", o.grad_reduce_bytes),
+                                                 ("allgather", o.param_bytes)))
         # PyTorch DDP/Megatron bucket the reduction and hide it behind the backward; XLA can hoist the all-reduce
         # of gradients accumulated in a scanned layer loop out of the loop (WhileLoopAllReduceCodeMotion), so on
         # TPU (JAX with scanned layers: MaxText, PaLM) it runs once after the backward, exposed
@@ -805,15 +813,8 @@ class CostModel:
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
         out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
-        # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
-        # does); the experts' own gradients are reduced only over the replicas that hold the same experts
-        ep = g["ep"]
-        carved = (g["dp"] % ep == 0) & (ep > 1)
         data = np.where(carved, g["dp"] / ep, g["dp"])
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
-        m = self.p.model
-        expert = g["layers_stage"] * self.c["expert_w"] / (tp * ep) / sh if m.is_moe else 0.0
-        expert = np.where(carved, expert, 0.0)
         # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only
         pc = self.pc
         norms = np.where((self._norm_context(g) > 1) & (zero == 0),
@@ -828,6 +829,19 @@ class CostModel:
         # after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
                                       ("context", g["cp"])], 4.0)
+
+    def _replica_collective(self, kind: str, all_bytes, expert_bytes, g: dict, stride_rep):
+        """Seconds of one data-parallel gradient collective (`kind`) when the routed experts' share of it runs over
+        its own, smaller group. Megatron-Core reduces the expert parameters over the expert-data-parallel group
+        (parallel_state: ranks holding the same experts, rank order tp-cp-ep-dp, so `dp/ep` replicas `ep` ranks
+        apart) and the rest over the whole data-parallel group (distributed.DistributedDataParallel: separate
+        expert and dense buffers). With EP inside a node that expert group spans the nodes: its bytes cross the
+        scale-out network where a whole-DP ring would mostly ride NVLink. The two groups share the links: summed."""
+        rep, ep = g["replicas"], g["ep"]
+        dense = self.comm.time(kind, all_bytes - expert_bytes, rep, stride_rep)
+        rep_e = np.maximum(rep / ep, 1.0)
+        experts = self.comm.time(kind, expert_bytes, rep_e, stride_rep * ep)
+        return dense + np.where(expert_bytes > 0, experts, 0.0)
 
     # --- geometry, memory, totals --------------------------------------------------------------
     def geometry(self, L: LayoutArrays) -> dict:
