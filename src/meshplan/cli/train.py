@@ -110,6 +110,10 @@ def train(
     moe_node_limit: Annotated[int | None, typer.Option(
         help="Node-limited MoE routing: each token reaches at most this many nodes and crosses the network once "
              "per node (DeepSeek-V3 uses 4).")] = None,
+    moe_force_balance: Annotated[bool | None, typer.Option(
+        "--moe-force-balance/--no-moe-force-balance",
+        help="MoE routing by random logits, as benchmarks run it (Megatron-Core --moe-router-force-load-balancing): "
+             "no expert load imbalance; default off: the busiest rank carries a learned router's skew.")] = None,
     zero3_fetch: Annotated[str | None, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
              "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
@@ -196,9 +200,9 @@ def train(
     explicit = dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
-        dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, cp_impl=cp_impl, pp_schedule=pp_schedule,
-        attention_kernel=attention_kernel, fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update,
-        pp_overlap=pp_overlap, pp_head_in_split=pp_head_in_split)
+        dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance, cp_impl=cp_impl,
+        pp_schedule=pp_schedule, attention_kernel=attention_kernel, fp8_recipe=fp8_recipe,
+        offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap, pp_head_in_split=pp_head_in_split)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,

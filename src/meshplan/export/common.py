@@ -189,7 +189,8 @@ _WORDS = {
     "overlap_param_gather": "ZeRO parameter all-gather overlapped", "fused_elementwise": "fused pointwise kernels",
     "fused_loss": "fused cross-entropy", "fp8_weight_cache": "FP8 weights cast once per step",
     "fp8_fused_casts": "fused FP8 casts (Transformer Engine)", "fp8_recipe": "FP8 scaling recipe", "ep_overlap": "MoE all-to-all overlap",
-    "moe_node_limit": "node-limited MoE routing", "selective_flavor": "what selective recompute saves",
+    "moe_node_limit": "node-limited MoE routing", "moe_force_balance": "force-balanced MoE routing",
+    "selective_flavor": "what selective recompute saves",
     "fsdp_over_cp": "FSDP over the CP ranks", "zero3_fetch": "ZeRO-3 fetch", "cp_impl": "context-parallel attention",
     "pp_schedule": "pipeline schedule", "attention_kernel": "attention kernel",
 }
@@ -204,7 +205,8 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "tp_overlap": cfg.tp > 1, "dp_overlap": data * cfg.cp > 1,
         "overlap_param_gather": cfg.zero >= 1 and cfg.dp > 1,
         "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "fp8_recipe": fp8, "ep_overlap": moe and cfg.ep > 1,
-        "moe_node_limit": moe and cfg.ep > 1, "selective_flavor": cfg.recompute == "selective",
+        "moe_node_limit": moe and cfg.ep > 1, "moe_force_balance": moe and cfg.ep > 1,
+        "selective_flavor": cfg.recompute == "selective",
         "fsdp_over_cp": cfg.cp > 1, "zero3_fetch": cfg.fsdp > 1 or cfg.zero == 3 or opts.fsdp_over_cp and cfg.cp > 1,
         "cp_impl": cfg.cp > 1, "pp_schedule": cfg.pp > 1,
     }.get(name, True)

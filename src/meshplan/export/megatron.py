@@ -106,6 +106,8 @@ def export(plan: PlanToExport) -> str:
         flags.append("--overlap-moe-expert-parallel-comm")
     if o.pp_head_in_split and c.pp > 1:  # Options.pp_head_in_split
         flags += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    if o.moe_force_balance and m.is_moe:
+        flags.append("--moe-router-force-load-balancing")
     launch = ["torchrun", "--nnodes", nodes, "--nproc-per-node", gpus, "pretrain_gpt.py"]
     return commented(header_lines(plan, NAME)) + argv_lines(launch + args + flags, lead=6)
 
@@ -120,6 +122,7 @@ _VALUED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--
            "--normalization", "--position-embedding-type", "--max-position-embeddings"}
 _SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--tp-comm-overlap",
              "--overlap-grad-reduce", "--overlap-param-gather", "--overlap-moe-expert-parallel-comm", "--bf16",
+             "--moe-router-force-load-balancing",
              "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
              "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}
 
@@ -199,6 +202,7 @@ def load(text: str, chips: int | None = None) -> Job:
         overlap_param_gather="--overlap-param-gather" in switches,
         ep_overlap="--overlap-moe-expert-parallel-comm" in switches, pp_schedule="1f1b",
         pp_head_in_split="--account-for-loss-in-pipeline-split" in switches,
+        moe_force_balance="--moe-router-force-load-balancing" in switches,
     )
     dims = {"n_layers": layers, "d_model": num("--hidden-size"), "n_heads": num("--num-attention-heads"),
             "d_ff": num("--ffn-hidden-size"), "head_dim": num("--kv-channels"), "n_experts": num("--num-experts"),

@@ -135,6 +135,10 @@ class Options:
     fp8_recipe: str | None = None
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
+    # Benchmark routing with random router logits (Megatron-Core `--moe-router-force-load-balancing`: router.py
+    # replaces the logits by `apply_random_logits` "for benchmark"; the Megatron-Bridge performance tables all run
+    # so: "we force-balance the token distribution among experts"): i.i.d. uniform routing, no learned-router skew
+    moe_force_balance: bool = False
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -302,7 +306,8 @@ class CostModel:
         i.i.d. uniform routing alone is negligible at training batch sizes (a rank's load is Binomial(ep·t·k, 1/ep):
         relative spread √((1 - 1/ep)/(t·k)), 0.3% at t·k = 131072), so skew of the learned router is what counts."""
         m = self.p.model
-        if not m.is_moe:
+        if not m.is_moe or self.opt.moe_force_balance:
+            # random logits (`moe_force_balance`) route i.i.d. uniformly: only the negligible multinomial tail
             return 1.0
         return 1.0 + moe_constant("expert_load_max_violation") * g["ep"] / m.n_experts
 
