@@ -1,0 +1,80 @@
+"""Issue #14, fine-grained MoE (second pass): the routed experts' gradient reduction over the expert-data-parallel
+group, and force-balanced (benchmark) routing. Expected values are worked by hand from the model and chip files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.frameworks import options_from_notes
+from meshplan.train.space import Problem
+
+
+def _cm(name: str, hardware: str, chips: int, ep: int, options: Options | None = None, zero: int = 1):
+    prob = Problem(load_model(name), load_chip(hardware), chips, 4096, chips)
+    cm = CostModel(prob, default_efficiency(prob.chip), options or Options())
+    L = LayoutArrays.from_configs([ParallelConfig(dp=chips, ep=ep, microbatch=1, recompute="none", zero=zero)])
+    return cm, L, cm.geometry(L)
+
+
+def _f(x) -> float:
+    return float(np.asarray(x).ravel()[0])
+
+
+def test_expert_gradients_reduce_over_the_expert_data_parallel_group() -> None:
+    """Qwen3-30B-A3B (48 layers, D 2048, expert F 768, SwiGLU, 128 experts) on 16 H100s, dp 16, EP 8: each rank
+    holds 48·3·2048·768·128/8 = 3,623,878,656 expert parameters, 4 B fp32 gradients each = 14.4955 GB. They are
+    reduce-scattered over the 16/8 = 2 ranks that hold the same experts, 8 ranks apart: the two nodes, over
+    InfiniBand. A 2-rank ring reduce-scatter sends half of it: 0.5 · 14.4955e9 B / (50 GB/s NDR · 0.90, the
+    collective_efficiency.yaml infiniband figure) + one 5 µs hop = 0.16107 s. Over the whole 16-rank DP ring (NVLink inside the
+    node, then the 2-node ring) the same bytes would take 14.4955 · 3.2227 ms/GB (its rate at 1 GB) = 0.0467 s."""
+    cm, L, g = _cm("qwen3-30b-a3b", "h100-sxm", 16, ep=8)
+    expert_params = 48 * 3 * 2048 * 768 * 128 / 8
+    assert expert_params == 3_623_878_656
+    expert_bytes = 4.0 * expert_params
+    stride = np.asarray(g["tp"])
+    both = cm._replica_collective("reducescatter", expert_bytes, expert_bytes, g, stride)
+    # less the (empty) dense part's latency, the expert part: bandwidth plus the 2-rank ring's one 5 µs hop
+    only_expert = both - cm.comm.time("reducescatter", 0.0, g["replicas"], stride)
+    assert _f(only_expert) == pytest.approx(0.5 * expert_bytes / (50e9 * 0.90) + 5e-6, rel=1e-6)
+    assert _f(only_expert) == pytest.approx(0.16107, rel=1e-4)
+    whole_ring = cm.comm.time("reducescatter", expert_bytes, g["replicas"], stride)
+    assert _f(whole_ring) == pytest.approx(0.0467, rel=2e-3)
+    # the dense rest still rides the whole DP ring: with no expert bytes the old single-group time comes back
+    dense = cm._replica_collective("allgather", 1e9, 0.0, g, stride)
+    assert _f(dense) == pytest.approx(_f(cm.comm.time("allgather", 1e9, g["replicas"], stride)))
+
+
+def test_expert_group_of_one_rank_reduces_nothing() -> None:
+    # dp 8 = EP 8 on one node: every rank holds its own experts, the expert-data-parallel group has 1 rank
+    cm, L, g = _cm("qwen3-30b-a3b", "h100-sxm", 8, ep=8)
+    stride = np.asarray(g["tp"])
+    # all of the 1 GB is expert gradients: nothing moves, only the (empty) dense ring's latency is left
+    t = cm._replica_collective("reducescatter", 1e9, 1e9, g, stride)
+    assert _f(t) == pytest.approx(_f(cm.comm.time("reducescatter", 0.0, g["replicas"], stride)))
+    assert _f(t) < 1e-4
+
+
+def test_force_balanced_routing_has_no_busiest_rank_skew() -> None:
+    """Random router logits (Megatron-Core --moe-router-force-load-balancing) route i.i.d. uniformly: the busiest EP
+    rank carries the mean load (ratio 1, against 1 + 0.52/16 = 1.0325 with a learned router at E 128, EP 8), so the
+    grouped GEMM of test_moe_overlap.test_fine_grained_experts_run_slower_per_flop loses its 1.0325:
+    1e12 / (989e12 · 0.5625) + 16 · 2 · 4 µs = 1.7976 ms + 0.128 ms = 1.9256 ms."""
+    cm, L, g = _cm("qwen3-30b-a3b", "h100-sxm", 8, ep=8, options=Options(moe_force_balance=True))
+    assert cm._expert_load_ratio(g) == 1.0
+    t = _f(cm._grouped_gemm_s(g, 1e12))
+    assert t == pytest.approx(1e12 / (989e12 * 0.5625) + 16 * 2 * 4e-6, rel=1e-6)
+    assert t == pytest.approx(1.9256e-3, rel=1e-4)
+    learned, _, g2 = _cm("qwen3-30b-a3b", "h100-sxm", 8, ep=8)
+    assert _f(learned._expert_load_ratio(g2)) == pytest.approx(1.0325)
+
+
+def test_force_balance_read_from_a_table_footnote() -> None:
+    note = "moe: force-balanced token distribution, token-dropless (table footnote)"
+    assert options_from_notes(note)["moe_force_balance"] is True
+    assert options_from_notes("moe: token-dropless, aux loss 1e-3")["moe_force_balance"] is False
