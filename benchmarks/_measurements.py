@@ -375,6 +375,7 @@ def options_of(e: dict) -> Options:
         moe_node_limit=named["moe_node_limit"],
         pp_head_in_split=named["pp_head_in_split"],
         moe_force_balance=named["moe_force_balance"],
+        moe_dispatcher=named["moe_dispatcher"] or "alltoall",
         overlap_param_gather=named["overlap_param_gather"],
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=named["tp_overlap"] if named["tp_overlap"] else tp_default,

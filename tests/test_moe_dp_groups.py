@@ -78,3 +78,50 @@ def test_force_balance_read_from_a_table_footnote() -> None:
     note = "moe: force-balanced token distribution, token-dropless (table footnote)"
     assert options_from_notes(note)["moe_force_balance"] is True
     assert options_from_notes("moe: token-dropless, aux loss 1e-3")["moe_force_balance"] is False
+
+
+def test_deepep_sends_a_token_once_per_destination_rank_or_node() -> None:
+    """Uniform top-8 routing over 128 experts. In one node (EP 8, H100): a token lands on
+    8·(1 - (7/8)^8) = 8·(1 - 0.34361) = 5.2511 distinct ranks, so DeepEP/HybridEP send 5.2511 copies where
+    Megatron's alltoall dispatcher sends 8. Over two nodes (EP 16 on 16 H100s) the network leg carries one copy per
+    node: 2·(1 - (1/2)^8) = 1.9922. On a GB200 NVL72 rack EP 64 stays in the NVLink domain: top-4,
+    64·(1 - (63/64)^4) = 3.9070."""
+    cm, _, g = _cm("qwen3-30b-a3b", "h100-sxm", 8, ep=8, options=Options(moe_dispatcher="deepep"))
+    assert _f(cm._dispatch_copies(8, g["ep"], g["tp"])) == pytest.approx(5.2511, rel=1e-4)
+    cm, _, g = _cm("qwen3-30b-a3b", "h100-sxm", 16, ep=16, options=Options(moe_dispatcher="hybridep"))
+    assert _f(cm._dispatch_copies(8, g["ep"], g["tp"])) == pytest.approx(1.9922, rel=1e-4)
+    cm, _, g = _cm("gpt-oss-120b", "gb200-nvl72", 64, ep=64, options=Options(moe_dispatcher="hybridep"))
+    assert _f(cm._dispatch_copies(4, g["ep"], g["tp"])) == pytest.approx(3.9070, rel=1e-4)
+    plain, _, g = _cm("qwen3-30b-a3b", "h100-sxm", 8, ep=8)
+    assert plain._dispatch_copies(8, g["ep"], g["tp"]) == 8
+
+
+def test_deepep_moves_fewer_all_to_all_bytes_in_the_ledger() -> None:
+    # the ledger's all-to-all bytes scale with the copies: 5.2511 / 8 of the alltoall dispatcher's (one node)
+    def a2a_bytes(dispatcher: str) -> float:
+        prob = Problem(load_model("qwen3-30b-a3b"), load_chip("h100-sxm"), 8, 4096, 8)
+        cm = CostModel(prob, default_efficiency(prob.chip), Options(moe_dispatcher=dispatcher))
+        L = LayoutArrays.from_configs([ParallelConfig(dp=8, ep=8, microbatch=1, recompute="none")])
+        g = cm.geometry(L)
+        cm.comm_terms(L, g, cm.compute_terms(L, g))
+        return sum(v for k, v in g["ledger"].plan(0)["collective_bytes"].items() if k.startswith("all_to_all"))
+    assert a2a_bytes("deepep") / a2a_bytes("alltoall") == pytest.approx(5.2511 / 8, rel=1e-4)
+
+
+def test_megatron_export_carries_force_balance_and_deepep() -> None:
+    from meshplan.export import export_train, train_module
+    from meshplan.export.common import PlanToExport
+    from meshplan.train.planner import plan
+    from meshplan.train.space import Pins
+
+    chip = load_chip("h100-sxm")
+    problem = Problem(load_model("qwen3-30b-a3b"), chip, 16, 4096, 64)
+    o = Options(moe_force_balance=True, moe_dispatcher="deepep")
+    cfg = ParallelConfig(dp=16, ep=16, microbatch=1, recompute="none", zero=1)
+    pins = Pins(dp=16, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=16, microbatch=1, recompute="none", zero=1)
+    pr = plan(problem, pins, default_efficiency(chip), o, top=1).plans[0]
+    _, text = export_train("megatron", PlanToExport(problem, cfg, o, pr, "meshplan train (test)", "qwen3-30b-a3b"))
+    assert "--moe-router-force-load-balancing" in text and "--moe-enable-deepep" in text
+    job = train_module("megatron").load(text, 16)
+    back = job.resolved_options(Options())
+    assert back.moe_force_balance and back.moe_dispatcher == "deepep"

@@ -15,7 +15,7 @@ from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip, price_label, with_price
 from meshplan.specs.model import load_model
-from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, Options, fp8_recipes
+from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, MOE_DISPATCHERS, Options, fp8_recipes
 from meshplan.train.frameworks import framework_options
 from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
@@ -114,6 +114,9 @@ def train(
         "--moe-force-balance/--no-moe-force-balance",
         help="MoE routing by random logits, as benchmarks run it (Megatron-Core --moe-router-force-load-balancing): "
              "no expert load imbalance; default off: the busiest rank carries a learned router's skew.")] = None,
+    moe_dispatcher: Annotated[str | None, typer.Option(
+        help="MoE token dispatcher: alltoall (default: Megatron-Core's, one copy per routed expert), deepep or "
+             "hybridep (the flex dispatcher: one copy per destination rank, one per node across nodes).")] = None,
     zero3_fetch: Annotated[str | None, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
              "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
@@ -194,15 +197,17 @@ def train(
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
     _check_choice("--cp-impl", cp_impl, tuple(CP_IMPLS))
+    _check_choice("--moe-dispatcher", moe_dispatcher, MOE_DISPATCHERS)
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
     explicit = dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
-        dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance, cp_impl=cp_impl,
-        pp_schedule=pp_schedule, attention_kernel=attention_kernel, fp8_recipe=fp8_recipe,
-        offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap, pp_head_in_split=pp_head_in_split)
+        dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance,
+        moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
+        fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
+        pp_head_in_split=pp_head_in_split)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,

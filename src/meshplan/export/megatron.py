@@ -46,6 +46,7 @@ REASONS = {
     "fp8_weight_cache": "Transformer Engine caches FP8 weights per step",
     "fp8_fused_casts": "Transformer Engine fuses the FP8 casts",
     "moe_node_limit": "not expressed here",
+    "moe_dispatcher": "HybridEP (--moe-flex-dispatcher-backend) came after core_v0.15.0, the Megatron-LM these files target",
     "dp": "Megatron FSDP (--use-megatron-fsdp) shards over every data-parallel rank",
 }
 LAUNCH = ("torchrun", "--nnodes", "--nproc-per-node", "--nproc_per_node")
@@ -108,6 +109,9 @@ def export(plan: PlanToExport) -> str:
         flags += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     if o.moe_force_balance and m.is_moe:
         flags.append("--moe-router-force-load-balancing")
+    if o.moe_dispatcher == "deepep" and m.is_moe:  # core_v0.15.0: the flex dispatcher runs DeepEP
+        args += ["--moe-token-dispatcher-type", "flex"]
+        flags.append("--moe-enable-deepep")
     launch = ["torchrun", "--nnodes", nodes, "--nproc-per-node", gpus, "pretrain_gpt.py"]
     return commented(header_lines(plan, NAME)) + argv_lines(launch + args + flags, lead=6)
 
@@ -118,11 +122,12 @@ _VALUED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--
            "--kv-channels", "--num-experts", "--moe-router-topk", "--num-virtual-stages-per-pipeline-rank",
            "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity", "--recompute-method",
            "--recompute-num-layers", "--fp8-format", "--fp8-recipe", "--data-parallel-sharding-strategy",
+           "--moe-token-dispatcher-type",
            # the architecture comes from --model; these describe it
            "--normalization", "--position-embedding-type", "--max-position-embeddings"}
 _SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--tp-comm-overlap",
              "--overlap-grad-reduce", "--overlap-param-gather", "--overlap-moe-expert-parallel-comm", "--bf16",
-             "--moe-router-force-load-balancing",
+             "--moe-router-force-load-balancing", "--moe-enable-deepep",
              "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
              "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}
 
@@ -203,6 +208,8 @@ def load(text: str, chips: int | None = None) -> Job:
         ep_overlap="--overlap-moe-expert-parallel-comm" in switches, pp_schedule="1f1b",
         pp_head_in_split="--account-for-loss-in-pipeline-split" in switches,
         moe_force_balance="--moe-router-force-load-balancing" in switches,
+        moe_dispatcher=("deepep" if values.get("--moe-token-dispatcher-type") == "flex"
+                        and "--moe-enable-deepep" in switches else "alltoall"),
     )
     dims = {"n_layers": layers, "d_model": num("--hidden-size"), "n_heads": num("--num-attention-heads"),
             "d_ff": num("--ffn-hidden-size"), "head_dim": num("--kv-channels"), "n_experts": num("--num-experts"),

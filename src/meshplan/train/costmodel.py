@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from meshplan.cost.collectives import ragged_destinations
 from meshplan.cost.efficiency import Efficiency, moe_constant
 from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
@@ -108,6 +109,7 @@ def fp8_gemm_fraction(recipe: str, chip_name: str, chip_kind: str) -> float:
     return float((table.get(chip_name) or table[chip_kind])["value"])
 
 
+MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")  # Options.moe_dispatcher
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -139,6 +141,12 @@ class Options:
     # replaces the logits by `apply_random_logits` "for benchmark"; the Megatron-Bridge performance tables all run
     # so: "we force-balance the token distribution among experts"): i.i.d. uniform routing, no learned-router skew
     moe_force_balance: bool = False
+    # MoE token dispatcher (MOE_DISPATCHERS): "alltoall" = Megatron-Core's MoEAlltoAllTokenDispatcher (its default,
+    # GShard's dispatch): a token routed to several experts on one rank travels once per expert; "deepep" /
+    # "hybridep" = the flex dispatcher (`--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend`): DeepEP's
+    # dispatch layout (`get_dispatch_layout`: is_token_in_rank, num_tokens_per_rdma_rank) sends a token once to each
+    # rank that holds any of its experts, and across nodes once to each node (RDMA), forwarding inside it over NVLink
+    moe_dispatcher: str = "alltoall"
     # What `selective` recomputes: "attention" = Korthikanti et al. 2022 (the attention core); "op" = torchtitan's
     # per-op policy (every second matmul and the pointwise ops around it); "layer" = torchtitan's per-layer policy
     # (every second layer fully recomputed).
@@ -649,6 +657,7 @@ class CostModel:
         # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
         # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
         copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
+        copies = self._dispatch_copies(copies, ep, tp * g["cp"])
         # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows, above)
         t_rank = t / np.where(g["sp"], tp, 1)
         sent = self.opt.act_bytes * t_rank * copies * c["D"]  # one device's tokens (the all-to-all's operand)
@@ -666,6 +675,23 @@ class CostModel:
             out["ep_mb"] = nl * np.maximum(n_a2a * a2a - layer, 0)
         else:
             out["ep_mb"] = out["ep_link_mb"]
+
+    def _dispatch_copies(self, copies, ep, stride):
+        """Copies of a token one dispatch sends. Megatron-Core's alltoall dispatcher: one per routed expert
+        (`copies`). A DeepEP/HybridEP dispatcher (`moe_dispatcher`) deduplicates: inside one NVLink domain a token
+        goes once to each rank holding any of its experts, ragged_destinations(copies, ep) under uniform routing;
+        a group spanning M nodes sends it once to each node over the network, ragged_destinations(copies, M), and
+        that leg sets the time (DeepEP README, H800: ~150 GB/s NVLink against ~45 GB/s RDMA per GPU)."""
+        if self.opt.moe_dispatcher == "alltoall":
+            return copies
+        if self.opt.moe_dispatcher not in MOE_DISPATCHERS:
+            raise unknown_name_error("MoE dispatcher", self.opt.moe_dispatcher, MOE_DISPATCHERS)
+        domain = self.p.chip.links.nvlink_domain_size or 0
+        span = np.asarray(ep * stride, float)
+        nodes = np.where((domain > 0) & (span > domain), np.ceil(span / max(domain, 1)), 1.0)
+        targets = np.where(nodes > 1, nodes, np.asarray(ep, float))
+        out = np.vectorize(lambda n: ragged_destinations(int(copies), int(n)) if n > 1 else 1.0)(targets)
+        return np.minimum(out, copies)
 
     def _pp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """PP: one activation send forward and one gradient send backward per virtual stage; blocking, or under

@@ -118,6 +118,8 @@ EP_OVERLAP_WORDS = ("dualpipe", "a2a overlap", "all-to-all overlap", "alltoall o
 # performance tables' footnote: "we force-balance the token distribution among experts"
 FORCE_BALANCE_WORDS = ("force-balance", "force balance", "force_load_balancing", "force-load-balancing",
                        "forced load balancing")
+# Megatron-Core's flex dispatcher backends (`--moe-flex-dispatcher-backend deepep|hybridep`), by name
+DISPATCHER_WORDS = (("hybridep", ("hybridep", "hybrid-ep", "hybrid ep")), ("deepep", ("deepep",)))
 PARAM_GATHER_WORDS = ("overlap-param-gather", "overlap_param_gather", "overlap param gather")
 # Megatron's pipeline split that counts the embedding and the loss as layers (Options.pp_head_in_split)
 HEAD_IN_SPLIT_WORDS = ("account_for_loss_in_pipeline_split", "account-for-loss-in-pipeline-split")
@@ -133,8 +135,8 @@ DEEPSPEED_ALLGATHER_SINCE_YYMM = 2105
 
 def options_from_notes(text: str) -> dict[str, Any]:
     """Behaviour a run's description names in words (lower-case text): TP and MoE overlap, ZeRO parameter-gather
-    overlap, node-limited routing, force-balanced (benchmark) routing, the pipeline schedule and split. Only what
-    the text says; None/False where it is silent."""
+    overlap, node-limited routing, force-balanced (benchmark) routing, the MoE dispatcher, the pipeline schedule
+    and split. Only what the text says; None/False where it is silent."""
     limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
     node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
     # DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used
@@ -145,7 +147,8 @@ def options_from_notes(text: str) -> dict[str, Any]:
                 overlap_param_gather=any(k in text for k in PARAM_GATHER_WORDS),
                 pp_head_in_split=any(k in text for k in HEAD_IN_SPLIT_WORDS),
                 moe_node_limit=node_limit, pp_schedule=schedule,
-                moe_force_balance=any(k in text for k in FORCE_BALANCE_WORDS))
+                moe_force_balance=any(k in text for k in FORCE_BALANCE_WORDS),
+                moe_dispatcher=next((d for d, words in DISPATCHER_WORDS if any(w in text for w in words)), None))
 
 
 def attention_kernel_of(text: str, default: str = "fused") -> str:
