@@ -116,7 +116,9 @@ def test_megatron_export_carries_force_balance_and_deepep() -> None:
 
     chip = load_chip("h100-sxm")
     problem = Problem(load_model("qwen3-30b-a3b"), chip, 16, 4096, 64)
-    o = Options(moe_force_balance=True, moe_dispatcher="deepep")
+    from meshplan.train.frameworks import framework_options
+
+    o = framework_options("megatron", Options(), {"moe_force_balance": True, "moe_dispatcher": "deepep"})
     cfg = ParallelConfig(dp=16, ep=16, microbatch=1, recompute="none", zero=1)
     pins = Pins(dp=16, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=16, microbatch=1, recompute="none", zero=1)
     pr = plan(problem, pins, default_efficiency(chip), o, top=1).plans[0]
