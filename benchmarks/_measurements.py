@@ -28,6 +28,7 @@ from meshplan.train.frameworks import (
     options_from_notes,
     preset,
     torchtitan_selective_flavor,
+    weight_dtype_bytes_of,
     zero3_fetch_of,
 )
 from meshplan.train.space import Pins, Problem
@@ -393,7 +394,9 @@ def options_of(e: dict) -> Options:
         # ZeRO-3 / FSDP shards over every rank holding the same weights, the CP ranks included (torchtitan)
         fsdp_over_cp=_int(e["parallel"].get("zero_stage")) == 3,
         zero3_fetch=_zero3_fetch(e),
-        grad_reduce_bytes=grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
+        # MaxText's weight_dtype where the run prints it: weights, gradients (and their reduction) and Adam's moments
+        weight_dtype_bytes=weight_dtype_bytes_of(text),
+        grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **framework_kw)
 
 

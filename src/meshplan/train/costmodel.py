@@ -33,6 +33,13 @@ MOMENT_BYTES = 8.0  # Adam m and v in fp32 (ZeRO paper §3.1: master + m + v = 1
 FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
 LOSS_SOFTMAX_BYTES = 4.0  # per logit: the fp32 softmax a cross-entropy saves (beside the logits, act_bytes each)
+# XLA's cross-entropy (MaxText max_utils.cross_entropy_with_logits, tpu-recipes-v0.1.4: logits cast to fp32,
+# `cast_logits_to_fp32`, a custom VJP saving exp(logits - max)): one fp32 buffer of the logits' shape. XLA folds the
+# cast into the logits dot (xla_allow_excess_precision, on by default), writes the saved exponentials over the
+# logits it no longer needs and the gradient over those (an elementwise fusion may reuse its dead operand's buffer);
+# the backward's bf16 cast fuses into the two dots that read it. XLA's CPU compile of that loss, value_and_grad
+# with T=2048 tokens, D=256, V=8k-32k: temp 4.5 B per logit (the dot there emits fp32 as well).
+XLA_LOSS_BYTES_PER_LOGIT = 4.0
 # PyTorch FSDP2 (torch.distributed._composable.fsdp._fsdp_collectives) copies each all-gathered parameter out of the
 # flat all-gather buffer into the unsharded parameter on the compute stream (`foreach_all_gather_copy_out`): read +
 # write bf16 per parameter per gather; before each reduce-scatter it concatenates the bf16 gradients into the
@@ -225,6 +232,10 @@ class Options:
     # part of step i overlaps step i+1's compute; off unless asked for (the weights then lag the gradients one step)
     offload_delayed_update: bool = False
     runtime_reserve: bool = True  # HBM the runtime keeps (CUDA context, XLA's reserve; efficiency.yaml); none on CPU
+    # Bytes per parameter of the stored weights when the program keeps no separate master copy (MaxText's
+    # `weight_dtype`: bfloat16 = 2): weights, gradients and Adam's moments then all take it. 0 = mixed precision
+    # with an fp32 master copy (the FSDP/ZeRO byte counts above).
+    weight_dtype_bytes: float = 0.0
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -948,15 +959,20 @@ class CostModel:
         inflight = np.where(pp > 1, np.minimum(depth, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
         acts = g["layers_stage"] * act_layer * inflight
         # full recompute re-materialises one layer's activations at a time in the backward
-        acts = acts + np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
+        working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
+        xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
+        if not xla:
+            acts = acts + working
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
-        # kernel, XLA) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
+        # kernel) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
-        # log-softmax and its bf16 cast (2 + 4 + 4 + 2 = 12 B)
+        # log-softmax and its bf16 cast (2 + 4 + 4 + 2 = 12 B); XLA one fp32 buffer (XLA_LOSS_BYTES_PER_LOGIT)
         loss_bytes = (LOSS_SOFTMAX_BYTES + self.opt.act_bytes) * (1 if self.opt.fused_loss else 2)
+        if xla and self.opt.fused_loss:
+            loss_bytes = XLA_LOSS_BYTES_PER_LOGIT
         logits = loss_bytes * g["t_mb"] * self.c["V"] / g["tp"]
         saved = acts
-        acts = acts * (1 - L.offload) + logits
+        acts = acts * (1 - L.offload) + (0.0 if xla else logits)
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
         once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
@@ -976,6 +992,12 @@ class CostModel:
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)
         o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
+        w_bytes = self.opt.weight_dtype_bytes
+        if w_bytes:
+            # MaxText's `weight_dtype` (configs/base.yml, default float32): the weights are stored in it with no
+            # other master copy, and Adam's moments take it too (base.yml: "mu_dtype ... Inherits from weight_dtype
+            # if unset"; optax's scale_by_adam gives nu the params' dtype): weights w, moments 2w per parameter
+            p_bytes, o_bytes = np.full_like(p_bytes, w_bytes), np.full_like(o_bytes, 2 * w_bytes)
         # ZeRO-Offload (Ren et al. 2021 §4.1, Fig. 2-3): the fp32 master and both Adam moments (12 B per parameter
         # of the rank's ZeRO partition) live on the host, with the gradients accumulated there (fp32, 4 B); the device
         # keeps only the 2 B working copy (under FSDP that replaces the fp32 sharded parameters, whose master role
@@ -991,10 +1013,13 @@ class CostModel:
         host_par = np.where(par_off, p_bytes * P / fs, 0.0)
         fetch_buf = np.where(par_off, 2 * self.opt.param_bytes * g["params_layer_local"] / fs, 0.0)
         params = np.where(par_off, 0.0, p_bytes * P / fs) + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
-        grads = self.opt.grad_reduce_bytes * P * np.where(once, 1.0, 1.0 / shard_g)  # unsharded accumulation
+        # unsharded accumulation under pipelining; gradients take the weights' dtype where it is set (JAX)
+        grads = (w_bytes or self.opt.grad_reduce_bytes) * P * np.where(once, 1.0, 1.0 / shard_g)
         # under optimizer offload the gradients go to the host as the backward produces them, bucket by bucket, and
         # accumulate there (fp32): the device holds one layer's (ZeRO-Offload §4.1: the GPU keeps the fp16 weights)
         grads = np.where(opt_off, self.opt.grad_reduce_bytes * g["params_layer_local"], grads)
+        if xla:
+            acts = acts + self._xla_activations(g, fs, opt_off | once, grads, logits, working)
         # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
         copies = np.where((pp > 1) & (self.opt.pp_schedule == "dualpipe"), 2.0, 1.0)
         t = Terms(params=copies * params, grads=copies * grads, optimizer=copies * o_bytes * P / shard_o,
@@ -1012,6 +1037,20 @@ class CostModel:
         led.add("memory/temp", t["other"])  # transient buffers: gathered weights, CP buffers, the runtime's reserve
         led.add("host/memory", t["host"])
         return t
+
+    def _xla_activations(self, g: dict, fs, grads_held, grads, logits, working):
+        """Activation bytes beyond the saved (kept) ones in the program XLA compiles (TPU): the step's two peaks
+        are never live together, so the larger counts. At the loss (the end of the forward, the start of the
+        backward) the logits' buffer (XLA_LOSS_BYTES_PER_LOGIT) and, under FSDP, the gathered output layer the
+        logits dot and its input gradient read (XLA gathers a weight before its dot: `gathered` below); the layer
+        gradients do not exist yet (the backward's scan produces them), unless a gradient accumulator is carried
+        over micro-batches, pipeline ticks or to the host (`grads_held`). In the layer backward: the gradients and
+        the one layer being rematerialised (`working`, which is not offloaded: it is what the backward computes
+        with). Expressed on top of the gradients the memory total already counts."""
+        unembed = (self.pc.unembedding or self.pc.embedding) / g["tp"]
+        loss_peak = logits + np.where(fs > 1, self.opt.fsdp_param_bytes * unembed, 0.0)
+        not_yet = np.where(grads_held | (g["n_micro"] > 1), 0.0, grads)
+        return np.maximum(loss_peak - not_yet, working)
 
     def optimizer_terms(self, L: LayoutArrays, g: dict):
         """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound), or under

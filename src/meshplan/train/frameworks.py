@@ -196,3 +196,14 @@ def torchtitan_selective_flavor(recompute_text: str) -> str:
     """torchtitan's selective AC as printed: '(op)' = the per-op policy, '(layer)' = every n-th layer
     (selective_ac_option 'op' or an integer; job_config.py)."""
     return "op" if "(op)" in recompute_text else "layer" if "(layer)" in recompute_text else "attention"
+
+
+# MaxText's `weight_dtype` (configs/base.yml) as descriptions print it: the dtype the weights are stored in
+WEIGHT_DTYPE_BYTES = {"bfloat16": 2.0, "bf16": 2.0, "float32": 4.0, "fp32": 4.0}
+
+
+def weight_dtype_bytes_of(text: str) -> float:
+    """Bytes per stored weight a description names ('weight_dtype bfloat16', 'weight dtype fp32'), for
+    Options.weight_dtype_bytes; 0.0 when it names none (mixed precision with an fp32 master copy)."""
+    m = re.search(r"weight[_ ]dtype[\s:=]*(bfloat16|bf16|float32|fp32)", text)
+    return WEIGHT_DTYPE_BYTES[m.group(1)] if m else 0.0
