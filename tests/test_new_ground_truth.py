@@ -29,16 +29,11 @@ SERVING = _split.load_new_serving()
 KNOWN_UNPLANNABLE: dict[str, set[str]] = {}
 
 
-# Published layouts meshplan plans but whose memory model says they do not fit (timed without the memory limit).
-# MaxText on TPU v6e with host offload is read as full recompute with the layer inputs on the host (the custom
-# policy's default for unnamed tensors is 'remat'); what is left over HBM is the loss: meshplan holds 6 bytes per
-# logit of the fused cross-entropy (bf16 logits + fp32 softmax) for 8192-token sequences of a 128k vocabulary
-# (Llama 3.1 8B at 3 and 5 sequences per chip; 70B at 2-5), and for the 70B on 32 chips the fp32 weights and Adam
-# moments alone (16 B x 70.6B / 32 = 35 GB) exceed 32 GB where the recipe ran weight_dtype bfloat16, which
-# meshplan's memory model has no option for.
-KNOWN_DOES_NOT_FIT = {
-    "tpurecipes_v6e_llama3p1-8b_8x1", "tpurecipes_v6e_llama3p1-8b_64x1", "tpurecipes_v6e_llama3p1-70b_32x1",
-    "tpurecipes_v6e_llama3p1-70b_64x1", "tpurecipes_v6e_llama3p1-70b_128x1", "tpurecipes_v6e_llama3p1-70b_256x1"}
+# Published layouts meshplan plans but whose memory model says they do not fit (timed without the memory limit):
+# none. The MaxText runs on TPU v6e (Llama 3.1 8B/70B, 8192-token sequences of a 128k vocabulary) fit since XLA's
+# loss holds one fp32 logits buffer and its peak is not added to the layer gradients' (costmodel._xla_activations),
+# v6e gives XLA 31.25 GiB, and the 70B on 32 chips stores its weights and Adam moments in bf16 (weight_dtype).
+KNOWN_DOES_NOT_FIT: set[str] = set()
 
 
 def _known_reason(entry_id: str) -> str | None:

@@ -59,7 +59,9 @@ FLOP_RESIDUALS: set[str] = set()
 # Temp memory the planner's peak rules do not hold (docs/verify.md "Memory"): the CPU backend's reduce-scatters are
 # all-reduce + dynamic-slice, so full-size [t, D] sums stay live under SP; the score gradients of materialised
 # attention; recomputation the CPU schedule hoists ahead of the backward.
-MEMORY_RESIDUALS = {"fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
+# ep8 (Mixtral twin, EP8, no recompute): 14.9% under the compiled peak with the loss buffer added to the gradients;
+# since the XLA rule that the loss peak comes before the gradients exist (costmodel._xla_activations) it is 17.3%.
+MEMORY_RESIDUALS = {"ep8", "fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
                     "pp2_tp2_dp2"}
 
