@@ -1,0 +1,99 @@
+"""MaxText on TPU (issue #14, tpu_host_offload / maxtext_tpu families): the peak memory of the program XLA compiles
+and the attention kernels' MXU fill, each against a hand calculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.math import transformer as tm
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.frameworks import weight_dtype_bytes_of
+from meshplan.train.planner import search
+from meshplan.train.space import Pins, Problem
+
+GIB = 2**30
+
+
+def _pinned(model: str, hw: str, chips: int, seq: int, batch: int, options: Options | None = None, **kw) -> dict:
+    base = dict(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0, offload=0.0,
+                offload_optimizer=0, offload_params=0)
+    base.update(kw)
+    prob = Problem(load_model(model), load_chip(hw), chips, seq, batch)
+    ev, _, searched = search(prob, Pins(**base), default_efficiency(prob.chip), options)
+    assert searched == 1
+    return {k: float(v[0]) for k, v in ev.memory.items()}
+
+
+def test_v6e_gives_xla_31_25_gib() -> None:
+    # vLLM's usage report on one v6e chip (vllm-project/vllm#16211): gpu_memory_per_device 33,550,237,696 B
+    chip = load_chip("tpu-v6e")
+    assert chip.usable_hbm_bytes == 33_550_237_696
+    assert chip.usable_hbm_bytes / GIB == pytest.approx(31.25, abs=0.01)  # XLA's "of 31.25G hbm"
+    assert chip.hbm_bytes == 32.0e9  # the marketed capacity stays for reports
+
+
+def test_xla_loss_holds_one_fp32_buffer_per_logit_beside_held_gradients() -> None:
+    # Llama 3 8B on 8 v6e, DP8, micro-batch 1 of 2048 tokens, 2 micro-batches (the gradient accumulator is held
+    # through the loss), no recompute, no FSDP: activations = 32 layers' saved bytes + the loss's fp32 logits buffer.
+    # logits: 4 B x 2048 tokens x 128,256 vocabulary = 1,050,673,152 B (a fused GPU cross-entropy holds 6 B)
+    m = load_model("llama3-8b")
+    mem = _pinned("llama3-8b", "tpu-v6e", 8, 2048, 16, dp=8)
+    saved = 32 * tm.activation_bytes_per_layer(m, 2048, 1, "none")["total"]
+    assert mem["activations"] == pytest.approx(saved + 1_050_673_152, rel=1e-9)
+    gpu = _pinned("llama3-8b", "h100-sxm", 8, 2048, 16, dp=8)
+    assert gpu["activations"] - saved == pytest.approx(6 * 2048 * 128256, rel=1e-9)
+
+
+def test_xla_loss_peak_comes_before_the_gradients_and_the_rematerialised_layer_stays_in_hbm() -> None:
+    # Llama 3 8B on 8 v6e, FSDP8, one micro-batch of 8192 tokens, full recompute, layer inputs offloaded to the
+    # host. Two peaks, never live together: the loss (fp32 logits 4 x 8192 x 128,256 = 4,202,692,608 B plus the
+    # gathered bf16 output layer 2 x 128,256 x 4,096 = 1,050,673,152 B, before any layer gradient exists) and the
+    # layer backward (the fp32 gradients 4 x P / 8 plus the one layer being rematerialised, no recompute inside).
+    m = load_model("llama3-8b")
+    pc = tm.param_counts(m)
+    mem = _pinned("llama3-8b", "tpu-v6e", 8, 8192, 8, fsdp=8, recompute="full", offload=1.0)
+    grads = 4 * pc.total / 8
+    assert mem["grads"] == pytest.approx(grads, rel=1e-9)
+    loss_peak = 4_202_692_608 + 1_050_673_152
+    working = tm.activation_bytes_per_layer(m, 8192, 1, "none")["total"]
+    assert mem["activations"] == pytest.approx(max(loss_peak - grads, working), rel=1e-9)
+    # the host holds the 32 layer inputs (bf16, 2 x 8192 x 4096 each = 67,108,864 B), not the working layer
+    assert mem["offloaded"] == pytest.approx(32 * 67_108_864, rel=1e-9)
+
+
+def test_maxtext_bf16_weight_dtype_stores_weights_gradients_and_moments_in_two_bytes() -> None:
+    # Llama 3.1 70B on 32 v6e, FSDP32 (tpu-recipes llama3_1_70b_8192_bs2_bfloat16: weight_dtype bfloat16):
+    # weights 2 B, gradients 2 B, Adam mu + nu 2 + 2 B per parameter, each over 32 shards
+    pc = tm.param_counts(load_model("llama3-70b"))
+    mem = _pinned("llama3-70b", "tpu-v6e", 32, 8192, 64, Options(weight_dtype_bytes=2.0), fsdp=32, microbatch=2,
+                  recompute="full", offload=1.0)
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx(
+        (2 * pc.total / 32, 2 * pc.total / 32, 4 * pc.total / 32), rel=1e-9)
+    fp32 = _pinned("llama3-70b", "tpu-v6e", 32, 8192, 64, fsdp=32, microbatch=2, recompute="full", offload=1.0)
+    assert fp32["params"] + fp32["grads"] + fp32["optimizer"] == pytest.approx(16 * pc.total / 32, rel=1e-9)
+
+
+def test_weight_dtype_read_from_a_run_description() -> None:
+    assert weight_dtype_bytes_of("maxtext pure fsdp: ici_fsdp_parallelism -1; weight_dtype bfloat16") == 2.0
+    assert weight_dtype_bytes_of("bf16 activations (weight dtype fp32 default)") == 4.0
+    assert weight_dtype_bytes_of("bf16 (maxtext, xla)") == 0.0
+
+
+@pytest.mark.parametrize(("hw", "fill"), [("tpu-v6e", 0.5), ("tpu-v5e", 1.0), ("h100-sxm", 1.0)])
+def test_attention_fills_head_dim_over_mxu_width_of_a_tpu_array(hw: str, fill: float) -> None:
+    # Llama 3 8B, 4096 tokens, head dim 128: forward core FLOPs 2 x 4096 tokens x 2048 keys (causal mean) x 32 heads
+    # x 256 (QKᵀ + AV widths) = 137,438,953,472; v6e's 256x256 MXU is half-filled by a 128-wide head (book ch.2),
+    # v5e's 128x128 fully; GPUs' fractions are measured at head dim 128
+    chip = load_chip(hw)
+    eff = default_efficiency(chip)
+    cm = CostModel(Problem(load_model("llama3-8b"), chip, 1, 4096, 1), eff, Options())
+    cfg = ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0)
+    g = cm.geometry(LayoutArrays.from_configs([cfg]))
+    core = cm._attention_core_term(g)
+    f_core = 137_438_953_472
+    assert float(core["flops_f"][0]) == pytest.approx(f_core, rel=1e-12)
+    assert float(core["f_s"][0]) == pytest.approx(f_core / (chip.peak("bf16") * eff.attention_fwd_fraction * fill))
