@@ -3,7 +3,10 @@ and the attention kernels' MXU fill, each against a hand calculation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from conftest import run_cli
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.math import transformer as tm
@@ -97,3 +100,19 @@ def test_attention_fills_head_dim_over_mxu_width_of_a_tpu_array(hw: str, fill: f
     f_core = 137_438_953_472
     assert float(core["flops_f"][0]) == pytest.approx(f_core, rel=1e-12)
     assert float(core["f_s"][0]) == pytest.approx(f_core / (chip.peak("bf16") * eff.attention_fwd_fraction * fill))
+
+
+def test_weight_dtype_flag(capsys) -> None:
+    # the tpu-recipes 70B layout on 32 v6e: bf16 weights, gradients and moments, 2 + 2 + 4 B x 70.6B / 32 = 17.6 GB
+    pins = ["--fsdp", "32", "--dp", "1", "--tp", "1", "--pp", "1", "--cp", "1", "--ep", "1", "--vpp", "1",
+            "--microbatch", "2", "--recompute", "full", "--offload", "1", "--zero", "0", "--offload-optimizer", "0",
+            "--offload-params", "0"]
+    base = ["train", "--model", "llama3-70b", "--hardware", "tpu-v6e", "--chips", "32", "--seq-len", "8192",
+            "--global-batch", "64", *pins, "--headroom", "0", "--json"]
+    rc, out, _ = run_cli([*base, "--weight-dtype", "bf16"], capsys)
+    assert rc == 0
+    mem = json.loads(out)["plans"][0]["memory_bytes_per_chip"]
+    p = tm.param_counts(load_model("llama3-70b")).total
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx((2 * p / 32, 2 * p / 32, 4 * p / 32))
+    rc, _, err = run_cli([*base, "--weight-dtype", "fp16"], capsys)
+    assert rc == 2 and err.startswith("error:") and "--weight-dtype" in err

@@ -71,6 +71,9 @@ def train(
     ] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
+    weight_dtype: Annotated[str | None, typer.Option(
+        help="Stored weights without a separate fp32 master (MaxText's weight_dtype): bf16 or fp32; gradients and "
+             "Adam moments take it too. Unset: mixed precision with an fp32 master copy.")] = None,
     headroom: Annotated[float, typer.Option(help="Fraction of HBM kept free.")] = 0.05,
     tp_overlap: Annotated[bool | None, typer.Option("--tp-overlap/--no-tp-overlap",
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
@@ -201,13 +204,15 @@ def train(
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
+    _check_choice("--weight-dtype", weight_dtype, ("bf16", "fp32"))
+    w_bytes = {"bf16": 2.0, "fp32": 4.0}.get(weight_dtype or "")
     explicit = dict(
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance,
         moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
-        pp_head_in_split=pp_head_in_split)
+        pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
