@@ -234,6 +234,15 @@ def _maxtext_custom_offload(recompute: str) -> bool:
     return "custom" in recompute and "offload" in recompute and "decoder_layer_input" in recompute
 
 
+def kept_projections_of(e: dict) -> tuple[str, ...]:
+    """The attention projections a MaxText custom remat policy names beside decoder_layer_input (kept on the host,
+    not rematerialised; Options.kept_projections)."""
+    r = str(e["training"].get("recompute") or "").lower()
+    if not _maxtext_custom_offload(r):
+        return ()
+    return tuple(n for n in ("query_proj", "key_proj", "value_proj", "out_proj") if n in r)
+
+
 def _vpp_of(vpp) -> int | None:
     """vpp as printed: an integer, null (no interleaving), or text ('interleaved', '2 chunks')."""
     if vpp is None or vpp is False:
@@ -396,6 +405,7 @@ def options_of(e: dict) -> Options:
         zero3_fetch=_zero3_fetch(e),
         # MaxText's weight_dtype where the run prints it: weights, gradients (and their reduction) and Adam's moments
         weight_dtype_bytes=weight_dtype_bytes_of(text),
+        kept_projections=kept_projections_of(e),
         grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **framework_kw)
 

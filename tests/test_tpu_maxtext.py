@@ -9,6 +9,7 @@ import pytest
 from conftest import run_cli
 
 from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -116,3 +117,22 @@ def test_weight_dtype_flag(capsys) -> None:
     assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx((2 * p / 32, 2 * p / 32, 4 * p / 32))
     rc, _, err = run_cli([*base, "--weight-dtype", "fp16"], capsys)
     assert rc == 2 and err.startswith("error:") and "--weight-dtype" in err
+
+
+def test_maxtext_custom_policy_keeps_the_named_projections_on_the_host() -> None:
+    # Llama 3.1 70B on 32 v6e, 2 x 8192 tokens per chip, MaxText remat_policy custom with decoder_layer_input,
+    # query_proj, key_proj and value_proj offloaded (tpu-recipes llama3_1_70b_8192_bs2): the host holds per layer
+    # the input (8192 wide) and q, k, v (8192 + 1024 + 1024): 80 x 16384 x 2 B x 18432 = 48,318,382,080 B, and the
+    # backward does not rerun the q/k/v GEMMs: 80 layers x 2 x 16384 x 8192 x 10240 = 219,902,325,555,200 FLOPs fewer
+    prob = Problem(load_model("llama3-70b"), load_chip("tpu-v6e"), 32, 8192, 64)
+    pins = Pins(dp=1, fsdp=32, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=2, recompute="full", zero=0, offload=1.0,
+                offload_optimizer=0, offload_params=0)
+    kept = Options(kept_projections=("query_proj", "key_proj", "value_proj"))
+    ev, _, _ = search(prob, pins, default_efficiency(prob.chip), kept)
+    base, _, _ = search(prob, pins, default_efficiency(prob.chip), Options())
+    assert float(ev.memory["offloaded"][0]) == pytest.approx(48_318_382_080, rel=1e-9)
+    flops = float(base.ledger.plan(0)["flops"]["matmul"]) - float(ev.ledger.plan(0)["flops"]["matmul"])
+    assert flops == pytest.approx(219_902_325_555_200, rel=1e-9)
+    assert ev.step_time_s[0] < base.step_time_s[0]
+    with pytest.raises(MeshplanError, match="checkpoint name"):
+        search(prob, pins, default_efficiency(prob.chip), Options(kept_projections=("mlpwo",)))

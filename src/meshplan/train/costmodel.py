@@ -117,6 +117,8 @@ def fp8_gemm_fraction(recipe: str, chip_name: str, chip_kind: str) -> float:
 
 
 MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")  # Options.moe_dispatcher
+# MaxText's checkpoint names of the attention projections (layers/attentions.py `checkpoint_name`) -> which output
+KEPT_PROJECTIONS = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv", "out_proj": "o"}
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -236,6 +238,10 @@ class Options:
     # `weight_dtype`: bfloat16 = 2): weights, gradients and Adam's moments then all take it. 0 = mixed precision
     # with an fp32 master copy (the FSDP/ZeRO byte counts above).
     weight_dtype_bytes: float = 0.0
+    # MaxText's `remat_policy: custom` (configs/base.yml): the attention projections' outputs it names ('query_proj',
+    # 'key_proj', 'value_proj', 'out_proj') are kept (offloaded to the host with the layer input when --offload is
+    # set) instead of rematerialised: under full recompute their GEMMs are not run again (KEPT_PROJECTIONS)
+    kept_projections: tuple[str, ...] = ()
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -460,6 +466,10 @@ class CostModel:
             if self.opt.remat_dce and policy == "full":
                 # JAX/XLA remat recomputes only what the backward reads: the dense MLP's down-projection is dropped
                 mm_s, mm_flops = mm_s - mm["down_s"], mm_flops - mm["down_flops"]
+            if policy == "full" and self.opt.kept_projections:
+                # MaxText's custom policy keeps the named projection outputs: their GEMMs are not rerun
+                kept_s, kept_flops, _ = self._kept_projections(g)
+                mm_s, mm_flops = mm_s - kept_s, mm_flops - kept_flops
             if self.opt.remat_dce and wc == 1 and policy == "selective":
                 # ... and of the attention core only QKᵀ and the softmax (the backward never reads AV's output)
                 core_s, core_flops, core_hbm = core["qk_f_s"], core["qk_flops"], core["qk_hbm"]
@@ -499,6 +509,23 @@ class CostModel:
         if m.is_mla:
             return m.n_heads * (2 * m.qk_head_dim + m.v_dim) / tp
         return (c["N"] / tp + 2 * np.maximum(c["K"] / tp, 1.0)) * c["H"]
+
+    def _kept_projections(self, g: dict):
+        """(seconds, FLOPs, output elements per token) of one layer's attention projections whose outputs MaxText's
+        custom remat policy keeps (Options.kept_projections); each GEMM timed at its own shape. Nothing under MLA."""
+        c, t, tp = self.c, g["t_mb"], g["tp"]
+        if self.p.model.is_mla:
+            return 0.0, 0.0, 0.0
+        widths = {"q": c["N"] / tp * c["H"], "kv": np.maximum(c["K"] / tp, 1.0) * c["H"], "o": c["D"]}
+        seconds = flops = width = 0.0
+        for name in self.opt.kept_projections:
+            if name not in KEPT_PROJECTIONS:
+                raise unknown_name_error("MaxText checkpoint name", name, KEPT_PROJECTIONS)
+            out = widths[KEPT_PROJECTIONS[name]]
+            inner = c["N"] * c["H"] / tp if name == "out_proj" else c["D"]
+            f = 2 * t * inner * out
+            seconds, flops, width = seconds + self._matmul_time(f, t, out, inner), flops + f, width + out
+        return seconds, flops, width
 
     def _attention_projections(self, t, tp):
         """(seconds, FLOPs) of one layer's attention projections, each GEMM timed at its own shape."""
@@ -970,6 +997,10 @@ class CostModel:
         # DualPipe keeps PP + 1 (DeepSeek-V3 Table 2); zero-bubble ZB-H1 as many as 1F1B
         depth = pp + 1 if self.opt.pp_schedule == "dualpipe" else pp
         inflight = np.where(pp > 1, np.minimum(depth, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
+        if self.opt.kept_projections:
+            # MaxText's custom policy keeps the named projection outputs beside the layer input (_kept_projections)
+            kept = self.opt.act_bytes * g["t_mb"] * self._kept_projections(g)[2]
+            act_layer = act_layer + np.where(L.recompute == 2, kept, 0.0)
         acts = g["layers_stage"] * act_layer * inflight
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
