@@ -243,6 +243,14 @@ def kept_projections_of(e: dict) -> tuple[str, ...]:
     return tuple(n for n in ("query_proj", "key_proj", "value_proj", "out_proj") if n in r)
 
 
+def _capacity_factor(text: str) -> float:
+    """MaxText's capacity_factor where a run prints it with the sparse kernels off ('megablox false, sparse_matmul
+    false, capacity_factor 1.25'): the dropping einsum MoE (Options.moe_capacity_factor); else 0 (dropless)."""
+    m = re.search(r"capacity_factor[\s:=]*([\d.]+)", text)
+    sparse_off = "megablox false" in text and "sparse_matmul false" in text
+    return float(m.group(1)) if m and sparse_off else 0.0
+
+
 def _vpp_of(vpp) -> int | None:
     """vpp as printed: an integer, null (no interleaving), or text ('interleaved', '2 chunks')."""
     if vpp is None or vpp is False:
@@ -406,6 +414,7 @@ def options_of(e: dict) -> Options:
         # MaxText's weight_dtype where the run prints it: weights, gradients (and their reduction) and Adam's moments
         weight_dtype_bytes=weight_dtype_bytes_of(text),
         kept_projections=kept_projections_of(e),
+        moe_capacity_factor=_capacity_factor(text),
         grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **framework_kw)
 

@@ -136,3 +136,18 @@ def test_maxtext_custom_policy_keeps_the_named_projections_on_the_host() -> None
     assert ev.step_time_s[0] < base.step_time_s[0]
     with pytest.raises(MeshplanError, match="checkpoint name"):
         search(prob, pins, default_efficiency(prob.chip), Options(kept_projections=("mlpwo",)))
+
+
+def test_maxtext_dropping_moe_runs_capacity_buffers_and_one_hot_einsums() -> None:
+    # Mixtral 8x7B, one 4096-token sequence (tpu-recipes mixtral_8x7b_dropped: capacity_factor 1.25, megablox and
+    # sparse_matmul off). Expert buffers: C = ceil(4096 x 2 / 8) x 1.25 = 1280 slots each, 8 x 1280 = 10240 = 1.25 x
+    # the 8192 routed token copies, so the expert GEMMs cost 0.25 x 2 x 4096 x 2 x (3 x 4096 x 14336) =
+    # 721,554,505,728 FLOPs more; dispatch + combine einsums 2 x (2 x 4096 x 10240 x 4096) = 687,194,767,360 FLOPs
+    chip = load_chip("tpu-v6e")
+    cfg = ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0)
+    flops = {}
+    for cf in (0.0, 1.25):
+        cm = CostModel(Problem(load_model("mixtral-8x7b"), chip, 1, 4096, 1), default_efficiency(chip),
+                       Options(moe_capacity_factor=cf))
+        flops[cf] = float(cm._matmul_term(cm.geometry(LayoutArrays.from_configs([cfg])))["flops"][0])
+    assert flops[1.25] - flops[0.0] == pytest.approx(721_554_505_728 + 687_194_767_360, rel=1e-9)

@@ -242,6 +242,9 @@ class Options:
     # 'key_proj', 'value_proj', 'out_proj') are kept (offloaded to the host with the layer input when --offload is
     # set) instead of rematerialised: under full recompute their GEMMs are not run again (KEPT_PROJECTIONS)
     kept_projections: tuple[str, ...] = ()
+    # MaxText's dropping MoE (capacity_factor > 0 with megablox and sparse_matmul off): fixed expert buffers filled by
+    # one-hot einsums (`_capacity_einsum_moe`); 0 = dropless routing through grouped GEMMs
+    moe_capacity_factor: float = 0.0
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -320,9 +323,29 @@ class CostModel:
         proj_s, proj_flops = self._attention_projections(t, tp)
         # a dense MLP's down-projection: its output only feeds the residual sum, which no backward reads
         down = 0.0 if m.is_moe else 2 * t * c["D"] * c["F"] / tp
+        if m.is_moe and self.opt.moe_capacity_factor > 0:
+            disp_s, disp_flops, f_capacity = self._capacity_einsum_moe(g, f_routed)
+            mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + disp_s
+            return dict(f_s=mlp_s + proj_s, flops=f_mlp - f_routed + f_capacity + disp_flops + proj_flops,
+                        down_s=0.0, down_flops=0.0)
         mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + self._grouped_gemm_s(g, f_routed)
         return dict(f_s=mlp_s + proj_s, flops=f_mlp + proj_flops,
                     down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down)
+
+    def _capacity_einsum_moe(self, g: dict, f_routed):
+        """MaxText's dropping MoE without sparse kernels (layers/moe.py `dense_matmul`, megablox and sparse_matmul
+        off; tpu-recipes-v0.1.2): every expert runs a buffer of C = ceil(S·k/E)·capacity_factor tokens per sequence
+        (`generate_masks`), filled or not, so the expert GEMMs cost capacity_factor times the routed FLOPs; tokens
+        enter and leave the buffers by two one-hot einsums, dispatch 'BSM,BSEC->EBCM' and combine 'EBCM,BSEC->BSM',
+        each 2·S·E·C·D FLOPs a sequence = 2·D·E·C per token. (seconds, dispatch+combine FLOPs, expert FLOPs)."""
+        c, m, t, tp = self.c, self.p.model, g["t_mb"], g["tp"]
+        S = self.p.seq_len
+        slots = m.n_experts * np.ceil(S * c["k"] / m.n_experts) * self.opt.moe_capacity_factor  # E·C per sequence
+        f_capacity = f_routed * slots / (S * c["k"])
+        f_disp = c["moe_share"] * 2 * (2 * t * slots * c["D"] / tp)
+        seconds = (self._matmul_time(f_capacity, slots * t / S / m.n_experts, c["F"] / tp, c["D"])
+                   + self._matmul_time(f_disp, t, c["D"] / tp, slots))
+        return seconds, f_disp, f_capacity
 
     def _expert_load_ratio(self, g: dict):
         """Tokens on the busiest EP rank over the mean under dropless routing: the rank holding the busiest expert
