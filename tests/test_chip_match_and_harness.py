@@ -307,3 +307,14 @@ def test_slice_reader_never_crashes_and_gives_a_valid_slice(inter: str, intra: s
         from meshplan.cost.topology import make_cluster
 
         assert make_cluster(chip, count, shape).n_chips == count
+
+
+def test_harness_reads_maxtext_custom_policy_and_dropping_moe() -> None:
+    # tpu-recipes mixtral_8x7b_dropped and llama3_1_70b_8192_bs2 as the data file prints them
+    e = {"training": {"recompute": "MaxText custom policy: decoder_layer_input, out_proj, query_proj, key_proj, "
+                                   "value_proj offloaded to host memory; other activations saved"}}
+    assert H.kept_projections_of(e) == ("query_proj", "key_proj", "value_proj", "out_proj")
+    assert H.kept_projections_of({"training": {"recompute": "full"}}) == ()
+    notes = "maxtext pure fsdp: ici_fsdp_parallelism -1; megablox false, sparse_matmul false, capacity_factor 1.25"
+    assert H._capacity_factor(notes) == 1.25
+    assert H._capacity_factor("capacity_factor 1.25 with megablox") == 0.0  # sparse kernels: dropless path
