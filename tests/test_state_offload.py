@@ -150,3 +150,22 @@ def test_13b_on_one_v100_fits_only_with_optimizer_offload():
     assert best(whole_node, Pins())["config"]["offload_optimizer"] == 1
     with pytest.raises(InfeasibleError, match="host memory"):
         best(v100, Pins())
+
+
+def test_activation_offload_keeps_the_rematerialised_layer_on_the_device():
+    """Full recompute with every saved activation offloaded (offload 1.0) on a GPU: the device still holds the one
+    layer the backward rematerialises (its no-recompute activations) and the loss buffer; the host gets the saved
+    layer inputs only. Expected values by hand from the per-layer activation formula (Korthikanti et al. 2022) and
+    Megatron's fused cross-entropy (bf16 logits + fp32 softmax: 6 B per logit), llama3-8b, T = 2048, one sequence."""
+    from meshplan.math.transformer import activation_bytes_per_layer
+
+    ev, _ = _one_chip(offload=1.0)
+    m = load_model("llama3-8b")
+    working = activation_bytes_per_layer(m, 2048, 1, "none")["total"]
+    full_layer = activation_bytes_per_layer(m, 2048, 1, "full")["total"]  # the saved layer input, 2·T·D bytes
+    assert full_layer == pytest.approx(2 * 2048 * 4096)
+    logits = 6 * 2048 * 128256
+    assert ev.memory["activations"][0] == pytest.approx(working + logits, rel=1e-6)
+    assert ev.memory["offloaded"][0] == pytest.approx(32 * full_layer, rel=1e-6)
+    # without offload the 32 saved inputs stay too
+    assert ev.memory["activations"][1] == pytest.approx(32 * full_layer + working + logits, rel=1e-6)

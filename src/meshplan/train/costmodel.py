@@ -1028,8 +1028,6 @@ class CostModel:
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
-        if not xla:
-            acts = acts + working
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
         # kernel) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
@@ -1039,7 +1037,9 @@ class CostModel:
             loss_bytes = XLA_LOSS_BYTES_PER_LOGIT
         logits = loss_bytes * g["t_mb"] * self.c["V"] / g["tp"]
         saved = acts
-        acts = acts * (1 - L.offload) + (0.0 if xla else logits)
+        # the layer being rematerialised is what the backward computes with: it stays on the device under offload
+        # (on TPUs `_xla_activations` holds it, as the larger of the step's two peaks)
+        acts = acts * (1 - L.offload) + (0.0 if xla else logits + working)
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
         once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
