@@ -84,6 +84,14 @@ class Sharder:
     def axis_size(self, axis: str) -> int:
         return self.mesh.shape[axis]
 
+    def per_device(self, f: Callable, needs: set[str], in_specs: Any, out_specs: Any) -> Callable:
+        """`f` written per device over the axes in `needs` (its collectives' axes): called as it is where an enclosing
+        shard_map already made them manual (the pipeline's), else under `smap`."""
+        manual = _manual_axes()
+        if manual and needs <= manual:
+            return f
+        return self.smap(f, in_specs, out_specs)
+
     def smap(self, f: Callable, in_specs: Any, out_specs: Any, axes: frozenset[str] | None = None) -> Callable:
         """shard_map over `axes` (default: every mesh axis not already manual). Nested inside a shard_map that
         made some axes manual (the pipeline's `stage`, the replicas' `data`), it runs on the context mesh."""
@@ -112,22 +120,21 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
     """Raise MeshplanError for layouts the reference model does not build."""
     if model.is_mla:
         raise MeshplanError(f"{model.name}: multi-head latent attention (MLA) is not in the JAX model yet")
-    if layout.vpp > 1:
-        raise MeshplanError("verify: interleaved pipeline stages (vpp > 1) are not built; the reference pipeline "
-                            "(GPipe) holds one contiguous block of layers per stage")
+    if layout.vpp > 1 and layout.pp == 1:
+        raise MeshplanError(f"verify: vpp={layout.vpp} needs pipeline parallelism (pp > 1)")
+    if layout.vpp > 1 and layout.n_micro(global_batch) < layout.pp:
+        # the circular pipeline feeds a micro-batch's next repeat from the last stage's output: M ≥ pp
+        # (MaxText's circular pipeline has the same bound; Megatron's interleaving asks M to divide by pp)
+        raise MeshplanError(f"verify: the interleaved pipeline needs at least pp={layout.pp} micro-batches, got "
+                            f"{layout.n_micro(global_batch)} (set --microbatch)")
     if layout.offload > 0:
         # jax.checkpoint_policies.save_and_offload_only_these_names(..., offload_dst="pinned_host") compiles on
         # XLA:CPU (jax 0.10) but the lowered program has no host placement and memory_analysis() no host bytes:
         # the CPU backend drops the offload, so a compiled CPU program cannot show it.
         raise MeshplanError("verify: host offload of activations is not built: XLA:CPU drops the offload "
                             "(no device-to-host copies in the program), so a CPU compile cannot check it")
-    if layout.pp > 1 and (layout.cp > 1 or model.is_moe):
-        # the CP attention and the MoE block are shard_maps; nested in the pipeline's, jax 0.10 cannot lower
-        # their saved residuals (sdy.manual_computation verifier: "axis already bound by a parent")
-        raise MeshplanError("verify: pipeline parallelism with cp > 1 or an MoE model is not built (jax 0.10 cannot "
-                            "lower the nested shard_maps of CP attention / MoE inside the pipeline's)")
-    if layout.pp > 1 and model.n_layers % layout.pp:
-        raise MeshplanError(f"verify: pp={layout.pp} must divide the {model.n_layers} layers")
+    if layout.pp > 1 and model.n_layers % (layout.pp * layout.vpp):
+        raise MeshplanError(f"verify: pp·vpp={layout.pp * layout.vpp} must divide the {model.n_layers} layers")
     if layout.microbatch and global_batch % (layout.batch_shards * layout.microbatch):
         raise MeshplanError(f"verify: global batch {global_batch} does not split into micro-batches of "
                             f"{layout.microbatch} per batch shard ({layout.batch_shards} shards)")
@@ -187,17 +194,20 @@ def param_shapes(model: ModelConfig, stacked: bool = False) -> Params:
     return shapes
 
 
-def stack_layers(params: Params) -> Params:
-    """The per-layer list of weights as one dict of [L, ...] arrays (for the pipeline; same values)."""
-    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])}
+def stack_layers(params: Params, order: list[int] | None = None) -> Params:
+    """The per-layer list of weights as one dict of [L, ...] arrays (for the pipeline; same values), row j holding
+    layer order[j] (`pipeline_layer_order`; default the natural order)."""
+    rows = [params["layers"][i] for i in (order or range(len(params["layers"])))]
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *rows)}
 
 
 def _is_dims(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, stacked: bool = False) -> Params:
-    """Normal(0, 1/fan_in) weights, ones for norm scales. `stacked`: the same values, layers stacked."""
+def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, stacked: bool = False,
+                order: list[int] | None = None) -> Params:
+    """Normal(0, 1/fan_in) weights, ones for norm scales. `stacked`: the same values, layers stacked (in `order`)."""
     shapes = param_shapes(model)
     leaves, tree = jax.tree.flatten(shapes, is_leaf=_is_dims)
     keys = jax.random.split(key, len(leaves))
@@ -213,7 +223,7 @@ def init_params(model: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, st
         return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
     params = jax.tree.unflatten(tree, [one(s, k) for s, k in zip(leaves, keys, strict=True)])
-    return stack_layers(params) if stacked else params
+    return stack_layers(params, order) if stacked else params
 
 
 def param_shardings(model: ModelConfig, sh: Sharder, stacked: bool = False) -> Params:
@@ -343,7 +353,8 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: ja
         pos_all = jax.lax.all_gather(pos, "context", axis=0, tiled=True)
         return core(q, k_all, v_all, pos, pos_all)
 
-    return sh.smap(local, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))), out_specs=q_spec)(q, k, v, pos)
+    return sh.per_device(local, {"context"}, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
+                         out_specs=q_spec)(q, k, v, pos)
 
 
 def ring_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array,
@@ -388,7 +399,8 @@ def ring_context_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Ar
 
     if recompute == "selective":
         local = jax.checkpoint(local, policy=jax.checkpoint_policies.nothing_saveable)
-    return sh.smap(local, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))), out_specs=q_spec)(q, k, v, pos)
+    return sh.per_device(local, {"context"}, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
+                         out_specs=q_spec)(q, k, v, pos)
 
 
 def load_balanced_order(seq_len: int, cp: int) -> np.ndarray:
@@ -501,7 +513,8 @@ def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
     def local(x, r, g, u, d):
         return _moe_local(x, r, g, u, d, model, C, fsdp, sh.axis_size("expert"))
 
-    fn = sh.smap(local, in_specs=(x_spec, *w_specs), out_specs=x_spec)
+    needs = {a for a, on in (("expert", sh.axis_size("expert") > 1), ("fsdp", fsdp)) if on}
+    fn = sh.per_device(local, needs, in_specs=(x_spec, *w_specs), out_specs=x_spec)
     return fn(h, lp["router"], lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
@@ -586,56 +599,98 @@ def merge_microbatches(y: jax.Array, shards: int, sh: Sharder, dims: tuple[str |
     return sh.constrain(x, dims)
 
 
+def pipeline_layer_order(n_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """Which layer each row of the stacked [L, ...] weights holds under pipelining: stage-major, so that the rows
+    a stage holds (its L/pp contiguous rows, `layers` split over `stage`) are its layers in repeat order. Stage s,
+    repeat r holds layers (r·pp + s)·L/(pp·vpp) ... + L/(pp·vpp) − 1 (Megatron's interleaved assignment, MaxText's
+    circular one); with vpp = 1 the identity (L/pp contiguous layers per stage)."""
+    per = n_layers // (pp * vpp)
+    return [(r * pp + s) * per + k for s in range(pp) for r in range(vpp) for k in range(per)]
+
+
+# Axes over which a stage's weights are replicated while its tokens are split: the pipeline makes them manual (see
+# `pipeline_layers`), so the layers' gradients are reduced over them once a step
+REPLICA_AXES = ("data", "expert", "context")
+
+
+def _axes_of(sh: Sharder, dim: str | None) -> tuple[str, ...]:
+    return tuple(sh.rules.get(dim) or ()) if dim else ()
+
+
+def _pvary(x: jax.Array, axes: set[str] | frozenset[str]) -> jax.Array:
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelConfig, sh: Sharder,
-                    recompute: str, attention: str = "materialized") -> jax.Array:
-    """GPipe (Huang et al. 2019) over the `stage` axis. layers: [L, ...] arrays split over `stage` (L/pp per
-    stage); xs [M, Bm, T, D] micro-batches. A shard_map makes `stage` manual (the other axes stay with the
-    partitioner); the loop runs M + pp − 1 ticks, unrolled: at tick t stage s runs its layers on micro-batch
-    t − s and passes the result to stage s + 1 by ppermute (M + pp − 2 sends; the backward sends the gradients
-    back, the ppermute's transpose). In the pp − 1 ticks where a stage has no micro-batch it computes on zeros:
-    that is the bubble, (pp − 1)/(M + pp − 1) of each stage's ticks. Returns the last stage's outputs
-    [M, Bm, T, D] on every stage (an all-reduce over `stage`; its transpose sums the input gradients over
-    `stage` in the backward): the embedding and head outside are replicated over `stage`."""
-    pp = sh.axis_size("stage")
-    M = xs.shape[0]
-    per_stage = model.n_layers // pp
+                    recompute: str, attention: str = "materialized", vpp: int = 1) -> jax.Array:
+    """The pipeline as one SPMD loop over the `stage` axis (MaxText layers/pipeline.py's schedule; GPipe, Huang et
+    al. 2019, for vpp = 1; circular, i.e. interleaved, for vpp > 1). layers: [L, ...] rows in `pipeline_layer_order`
+    (split over `stage`: stage s holds its v repeats' L/(pp·v) layers each); xs [M, Bm, T, D] micro-batches.
+
+    One shard_map makes `stage` and the replica axes (REPLICA_AXES: data, expert, context, where > 1) manual;
+    `tensor` stays with the partitioner, and CP attention and the MoE block run their per-device bodies directly
+    on the manual `context` / `expert` axes (no nested shard_map, which jax 0.10 cannot lower). The weights enter
+    varying over the replica axes, so their gradients are summed over them once, at the shard_map's edge (DDP's
+    no_sync accumulation), not once per use.
+
+    The loop runs M·v + pp − 1 iterations, unrolled: at iteration i stage s runs micro-batch (i − s) mod M through
+    its repeat (i − s) // M. Stage 0 takes micro-batch i for i < M, later the last stage's output of the previous
+    repeat, which the rotation brought to it M − pp iterations before (a local buffer, MaxText's circ_storage; needs
+    M ≥ pp when v > 1). Every stage computes in every iteration, its pp − 1 bubble iterations on filler data, so the
+    layer passes are (M·v + pp − 1)/(M·v) of the useful ones. After every iteration but the last the state moves
+    one stage on by ppermute, pp − 1 back to 0 (M·v + pp − 2 sends; the backward sends the gradients back, the
+    ppermute's transpose). The last stage's outputs reach the head outside (replicated over `stage`) by an
+    all-reduce over `stage` (M × A_mb) whose transpose sums the input gradients over `stage` (M × A_mb again)."""
+    pp, M = sh.axis_size("stage"), xs.shape[0]
+    per = model.n_layers // (pp * vpp)
     layer = _layer_fn(model, sh, recompute, attention)
     act = ("batch", "seq_sp", "act_embed")
+    region = frozenset({"stage"} | {a for a in REPLICA_AXES if sh.axis_size(a) > 1})
+    dims = param_dims(model, stacked=True)["layers"]
+    n_iter = M * vpp + pp - 1
 
-    data = sh.axis_size("data") > 1  # replicas manual too: local gradients, one all-reduce (see make_train_step)
-
-    def local(stage_layers, xs, pos):
-        if data:
-            stage_layers = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), stage_layers)
-        first = jax.lax.axis_index("stage") == 0
-        last = jax.lax.axis_index("stage") == pp - 1
+    def loop(layers: Params, xs: jax.Array, pos: jax.Array) -> jax.Array:
+        layers = jax.tree.map(lambda d, a: _pvary(a, region - {x for e in d for x in _axes_of(sh, e)}), dims, layers,
+                              is_leaf=_is_dims)
+        ws = jax.tree.map(lambda a: a.reshape(vpp, per, *a.shape[1:]), layers)  # this stage's [v, L/(pp·v), ...]
+        s = jax.lax.axis_index("stage")
         state = sh.constrain(jnp.zeros_like(xs[0]), act)
+        arrived: list[jax.Array] = []  # the state after each rotation: on stage 0, the last stage's previous output
         outs = []
-        for t in range(M + pp - 1):
-            if t < M:  # stage 0 takes the next micro-batch; the others keep what arrived
-                state = jnp.where(first, xs[t], state)
-            for j in range(per_stage):
-                state = layer(jax.tree.map(lambda a, j=j: a[j], stage_layers), state, pos)
-            if t >= pp - 1:
-                outs.append(state)  # micro-batch t − (pp − 1), valid on the last stage
-            if t < M + pp - 2:
-                state = jax.lax.ppermute(state, "stage", [(i, i + 1) for i in range(pp - 1)])
-        return jax.lax.psum(jnp.where(last, jnp.stack(outs), 0.0), "stage")  # the last stage's, to all
+        for i in range(n_iter):
+            if i < M:
+                state = jnp.where(s == 0, xs[i], state)
+            elif i < M * vpp and pp < M:  # a later repeat's input, rotated in M − pp iterations ago
+                state = jnp.where(s == 0, arrived[i - M + pp - 1], state)
+            repeat = jnp.clip((i - s) // M, 0, vpp - 1)
+            w = jax.tree.map(lambda a: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, repeat, 0, False), ws)
+            for j in range(per):
+                state = layer(jax.tree.map(lambda a, j=j: a[j], w), state, pos)
+            if i >= (vpp - 1) * M + pp - 1:  # the last stage finished micro-batch i − (v − 1)·M − (pp − 1)
+                outs.append(state)
+            if i < n_iter - 1:
+                state = jax.lax.ppermute(state, "stage", [(k, (k + 1) % pp) for k in range(pp)])
+                arrived.append(state)
+        return jax.lax.psum(jnp.where(s == pp - 1, jnp.stack(outs), 0.0), "stage")  # the last stage's, to all
 
-    layer_specs = jax.tree.map(lambda _: P("stage"), layers)
-    x_spec = P(None, "data") if data else P()
-    return sh.smap(local, in_specs=(layer_specs, x_spec, P()), out_specs=x_spec,
-                   axes=frozenset({"stage", "data"} if data else {"stage"}))(layers, xs, pos)
+    def spec(d: tuple[str | None, ...]) -> P:
+        return P(*[tuple(a for a in _axes_of(sh, e) if a in region) or None for e in d])
+
+    layer_specs = jax.tree.map(spec, dims, is_leaf=_is_dims)
+    x_spec = spec((None, "batch", "seq", "act_embed"))
+    return sh.smap(loop, in_specs=(layer_specs, x_spec, spec(("seq",))), out_specs=x_spec,
+                   axes=region)(layers, xs, pos)
 
 
 def pipeline_loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
-                     recompute: str, n_micro: int, shards: int, attention: str = "materialized") -> jax.Array:
+                     recompute: str, n_micro: int, shards: int, attention: str = "materialized",
+                     vpp: int = 1) -> jax.Array:
     """Loss with the layers pipelined over `stage`. The embedding and the head run outside the pipeline under
     the partitioner, replicated over `stage` (every stage computes them)."""
     act = ("batch", "seq_sp", "act_embed")
     x = embed_tokens(params, batch["tokens"], sh)
     xs = split_microbatches(x, n_micro, shards, sh, act)
-    ys = pipeline_layers(params["layers"], xs, batch["pos"], model, sh, recompute, attention)
+    ys = pipeline_layers(params["layers"], xs, batch["pos"], model, sh, recompute, attention, vpp)
     return head_loss(params, merge_microbatches(ys, shards, sh, act), batch["targets"], model, sh)
 
 
@@ -698,7 +753,7 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
         if layout.pp > 1:
             if compute_dtype is not None:
                 params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            return pipeline_loss_fn(params, batch, model, sh, layout.recompute, n, shards, attention)
+            return pipeline_loss_fn(params, batch, model, sh, layout.recompute, n, shards, attention, layout.vpp)
         if n == 1:
             return one_loss(params, batch)
         tok, tgt = (split_microbatches(batch[k], n, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
@@ -829,7 +884,9 @@ def place_batch(prog: Program, batch: dict[str, np.ndarray]) -> dict[str, jax.Ar
 
 def init_state(prog: Program, seed: int = 0, dtype: Any = jnp.float32) -> tuple[Params, dict[str, Any]]:
     """Params and AdamW state created directly in their shardings."""
-    init = jax.jit(lambda k: init_params(prog.model, k, dtype, prog.stacked), out_shardings=prog.param_shardings)
+    order = pipeline_layer_order(prog.model.n_layers, prog.layout.pp, prog.layout.vpp) if prog.stacked else None
+    init = jax.jit(lambda k: init_params(prog.model, k, dtype, prog.stacked, order),
+                   out_shardings=prog.param_shardings)
     params = init(jax.random.key(seed))
     opt = jax.jit(init_opt_state, out_shardings=prog.opt_shardings)(params)
     return params, opt
