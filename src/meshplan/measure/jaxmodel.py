@@ -41,6 +41,7 @@ from meshplan.specs.model import ModelConfig
 Params = dict[str, Any]
 GATHER_PRIMS = ("sharding_constraint", "all_gather")  # communication we always recompute
 ATTN_SCORES = "attn_scores"
+CP_KV = "cp_kv"  # the K/V all-gathered over `context`
 GEMM_OUTPUTS = ("qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
 
@@ -348,10 +349,16 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: ja
     kv_spec = sh.spec(("batch", "seq", "act_kv_heads", None))
 
     def local(q, k, v, pos):
-        k_all = jax.lax.all_gather(k, "context", axis=1, tiled=True)
-        v_all = jax.lax.all_gather(v, "context", axis=1, tiled=True)
+        # the gathered K/V are saved for the backward (not gathered again) unless the layer is fully recomputed
+        # (`remat_policy`); inside the pipeline, where `tensor` stays with the partitioner, they keep their heads
+        # split over it
+        k_all, v_all = (checkpoint_name(keep(jax.lax.all_gather(x, "context", axis=1, tiled=True)), CP_KV)
+                        for x in (k, v))
         pos_all = jax.lax.all_gather(pos, "context", axis=0, tiled=True)
         return core(q, k_all, v_all, pos, pos_all)
+
+    def keep(x: jax.Array) -> jax.Array:
+        return x if "tensor" in _manual_axes() else sh.constrain(x, ("batch", None, "act_kv_heads", None))
 
     return sh.per_device(local, {"context"}, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
                          out_specs=q_spec)(q, k, v, pos)
@@ -529,6 +536,8 @@ def remat_policy(recompute: str) -> Callable:
     keep_names = recompute == "gemm-last"
 
     def policy(prim, *_, **params) -> bool:
+        if prim.name == "name" and params.get("name") == CP_KV:
+            return recompute != "full"
         if prim.name in GATHER_PRIMS:
             return False
         if recompute == "full":

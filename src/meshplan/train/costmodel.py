@@ -716,8 +716,9 @@ class CostModel:
         rs = self.comm.time("reducescatter", cp * kv_bytes, cp, g["tp"])
         passes_f = 1 + (L.recompute == 2)
         axes, nm = [("context", cp)], g["n_micro"]
-        g["ledger"].collective("all_gather", axes, np.where(on, nm * nl * passes_f * cp * kv_bytes, 0.0))
-        g["ledger"].collective("reduce_scatter", axes, np.where(on, nm * nl * cp * kv_bytes, 0.0))
+        nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations gather too
+        g["ledger"].collective("all_gather", axes, np.where(on, nm * nlr * passes_f * cp * kv_bytes, 0.0))
+        g["ledger"].collective("reduce_scatter", axes, np.where(on, nm * nlr * cp * kv_bytes, 0.0))
         link = nl * np.where(on, passes_f * ag + rs, 0.0)
         return link, link
 
@@ -740,7 +741,8 @@ class CostModel:
         a2a = a2a * self._expert_load_ratio(g)
         # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
         n_a2a = 4 + 2 * (L.recompute == 2)
-        g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * n_a2a * sent)
+        # (an SPMD pipeline's bubble iterations dispatch and combine too: bubble_runs)
+        g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * g["bubble_runs"] * n_a2a * sent)
         out["ep_link_mb"] = nl * n_a2a * a2a
         if self.opt.ep_overlap:
             # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
