@@ -256,7 +256,14 @@ def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "
 # --- building blocks -----------------------------------------------------------------------------
 
 def rmsnorm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    """x [B,T,D] normalised and scaled. A scale [n, D] holds one copy per block of T/n tokens (the pipeline's
+    per-`tensor`-rank copies, see `pipeline_layers`): the same values, applied block by block."""
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if scale.ndim == 1:
+        return y * scale
+    B, T, D = x.shape
+    n = scale.shape[0]
+    return (y.reshape(B, n, T // n, D) * scale[None, :, None, :]).reshape(B, T, D)
 
 
 def rotary(x: jax.Array, pos: jax.Array, theta: float = 10000.0) -> jax.Array:
@@ -620,6 +627,7 @@ def pipeline_layer_order(n_layers: int, pp: int, vpp: int = 1) -> list[int]:
 # Axes over which a stage's weights are replicated while its tokens are split: the pipeline makes them manual (see
 # `pipeline_layers`), so the layers' gradients are reduced over them once a step
 REPLICA_AXES = ("data", "expert", "context")
+NORM_SCALES = ("attn_norm", "mlp_norm")
 
 
 def _axes_of(sh: Sharder, dim: str | None) -> tuple[str, ...]:
@@ -650,7 +658,8 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     one stage on by ppermute, pp − 1 back to 0 (M·v + pp − 2 sends; the backward sends the gradients back, the
     ppermute's transpose). The last stage's outputs reach the head outside (replicated over `stage`) by an
     all-reduce over `stage` (M × A_mb) whose transpose sums the input gradients over `stage` (M × A_mb again)."""
-    pp, M = sh.axis_size("stage"), xs.shape[0]
+    pp, M, tp = sh.axis_size("stage"), xs.shape[0], sh.axis_size("tensor")
+    sp = tp > 1 and "tensor" in sh.rules["seq_sp"]
     per = model.n_layers // (pp * vpp)
     layer = _layer_fn(model, sh, recompute, attention)
     act = ("batch", "seq_sp", "act_embed")
@@ -661,6 +670,15 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     def loop(layers: Params, xs: jax.Array, pos: jax.Array) -> jax.Array:
         layers = jax.tree.map(lambda d, a: _pvary(a, region - {x for e in d for x in _axes_of(sh, e)}), dims, layers,
                               is_leaf=_is_dims)
+        if sp and not sh.rules.get("embed"):
+            # Under SP a norm scale's gradient is a partial sum over the tokens' shards on `tensor` (auto here): one
+            # copy of each scale per tensor rank, applied to that rank's block of tokens (`rmsnorm`), keeps the
+            # partial sums apart through the loop, and the copies' transpose sums them over `tensor` once a step
+            # instead of at every iteration
+            for k in NORM_SCALES:
+                layers[k] = jax.lax.with_sharding_constraint(
+                    jnp.broadcast_to(layers[k][:, None], (layers[k].shape[0], tp, layers[k].shape[-1])),
+                    NamedSharding(jax.sharding.get_abstract_mesh(), P(None, "tensor", None)))
         ws = jax.tree.map(lambda a: a.reshape(vpp, per, *a.shape[1:]), layers)  # this stage's [v, L/(pp·v), ...]
         s = jax.lax.axis_index("stage")
         state = sh.constrain(jnp.zeros_like(xs[0]), act)

@@ -651,7 +651,16 @@ class CostModel:
         led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
         # the norm scales' gradients are partial sums over the tokens' shards on `tensor` and, with context
         # parallelism (no FSDP), on `context`: one all-reduce over both (XLA's program for CP×TP; verify)
-        led.collective("all_reduce", [("context", self._norm_context(g)), ("tensor", tp)], np.where(sp, norms, 0.0))
+        # Inside MaxText's SPMD pipeline (pp_spmd_loop) the layers' scales are reduced over `tensor` alone and join
+        # the other gradients' reduction over the replicas (the JAX program: `pipeline_layers`, verify PP×CP×TP)
+        alone = np.where(sp & self._spmd_pp(g), 2 * nl * c["D"] * self.opt.grad_reduce_bytes, 0.0)
+        led.collective("all_reduce", axes, alone)
+        led.collective("all_reduce", [("context", self._norm_context(g)), ("tensor", tp)],
+                       np.where(sp, norms, 0.0) - alone)
+
+    def _spmd_pp(self, g: dict):
+        """The layers run in MaxText's SPMD pipeline loop (Options.pp_spmd_loop with pp > 1)."""
+        return (g["pp"] > 1) & self.opt.pp_spmd_loop
 
     def _norm_context(self, g: dict):
         """Size of the context group the norm gradients are reduced over together with `tensor` (1 = not)."""
@@ -924,8 +933,8 @@ class CostModel:
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
         # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only
         pc = self.pc
-        norms = np.where((self._norm_context(g) > 1) & (zero == 0),
-                         g["layers_stage"] * pc.per_layer_norms + pc.final_norm, 0.0)
+        layer_norms = np.where(self._spmd_pp(g), 0.0, g["layers_stage"] * pc.per_layer_norms)  # see _tp_terms
+        norms = np.where((self._norm_context(g) > 1) & (zero == 0), layer_norms + pc.final_norm, 0.0)
         expert_ax = ("expert", np.where(carved, ep, 1))
         for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
                            (expert, [("data", data), ctx]), (norms, [("data", data), expert_ax])):
