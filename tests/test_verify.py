@@ -41,6 +41,12 @@ CASES = {
     "cp4_tp2_ring": ("llama3-8b", dict(cp=4, tp=2, cp_impl="ring"), False),
     "pp2_dp4": ("llama3-8b", dict(dp=4, pp=2, microbatch=1), False),
     "pp2_tp2_dp2": ("llama3-8b", dict(dp=2, tp=2, pp=2, microbatch=2), False),
+    # the circular (interleaved) pipeline: 4 stages × 2 repeats on the 8-layer twin, 4 micro-batches (its loss is
+    # checked in tests/test_verify_layouts.py); PP with CP and with EP inside the stages
+    "pp4_dp2_vpp2": ("llama3-8b", dict(dp=2, pp=4, vpp=2, microbatch=2), False),
+    "pp2_cp4": ("llama3-8b", dict(cp=4, pp=2, microbatch=4), True),
+    "pp2_cp2_tp2": ("llama3-8b", dict(cp=2, tp=2, pp=2, microbatch=4), False),
+    "pp2_ep4": ("mixtral-8x7b", dict(ep=4, pp=2, microbatch=1), True),
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -50,9 +56,10 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 COLLECTIVE_RESIDUALS = {("dp2_tp2_cp2", "all-reduce"),
                         # the program all-reduces the 4-byte loss once per micro-batch under ZeRO-2 (8 B, ledger 4)
                         ("zero2_dp8_2mb", "all-reduce"),
-                        # PP×TP: the head outside the pipeline all-reduces 5 fp32 numbers per token over `tensor`
-                        # (20,480 B for 1,024 tokens), the ledger's vocab-parallel cross-entropy 3 (12,288 B)
-                        ("pp2_tp2_dp2", "all-reduce")}
+                        # PP×CP×TP: inside the pipeline's shard_map (`context` manual, `tensor` auto) XLA replicates
+                        # the K/V heads over `tensor` around the manual all-gather over `context` and the
+                        # reduce-scatter of its gradient: both carry all K heads (2×), plus the tensor gathers of them
+                        ("pp2_cp2_tp2", "all-gather"), ("pp2_cp2_tp2", "reduce-scatter")}
 # (the SPMD pipeline's bubble FLOPs, replicated embedding/head and `stage` all-reduce are in the maxtext/jax ledger
 # since Options.pp_spmd_loop: no FLOP residual is left)
 FLOP_RESIDUALS: set[str] = set()
@@ -63,7 +70,7 @@ FLOP_RESIDUALS: set[str] = set()
 # since the XLA rule that the loss peak comes before the gradients exist (costmodel._xla_activations) it is 17.3%.
 MEMORY_RESIDUALS = {"ep8", "fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
-                    "pp2_tp2_dp2"}
+                    "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_ep4"}
 
 _SCRIPT = r"""
 import json, sys
@@ -79,7 +86,7 @@ refs = {}
 out = {}
 for name, (model, kw, loss) in cases.items():
     lay = Layout(**kw).resolved()
-    m = v.tiny_model(load_model(model), min_kv_heads=lay.tp)
+    m = v.tiny_model(load_model(model), layers=max(2, lay.pp * lay.vpp), min_kv_heads=lay.tp)  # as the CLI
     if loss and m not in refs:  # one-device losses, no recompute: every layout and policy must reproduce them
         refs[m] = jm.run_steps(jm.build_program(m, Layout(), S, B, jax.devices()), S, B, STEPS)
     rep = v.run_verify(m, lay, S, B, loss_model=m if loss else None, loss_seq_len=S, loss_batch=B, steps=STEPS,
@@ -284,8 +291,7 @@ def test_verify_takes_the_top_plan_of_train():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--plan", "-"], "not a `meshplan train --json` object"),
-    (["--model", "llama3-8b", "--pp", "2", "--cp", "2"], "pipeline parallelism with cp > 1"),
-    (["--model", "llama3-8b", "--pp", "2", "--vpp", "2"], "interleaved pipeline stages (vpp > 1) are not built"),
+    (["--model", "llama3-8b", "--pp", "2", "--vpp", "2"], "the interleaved pipeline needs at least pp=2 micro-batches"),
     (["--model", "llama3-8b", "--cp", "2", "--cp-impl", "ringg"], "unknown cp_impl 'ringg'"),
     ([], "verify needs --model"),
 ])

@@ -1,5 +1,5 @@
 """The layouts `meshplan verify` builds beyond DP/FSDP/TP/CP/EP (issue 13 item 3): ZeRO-1/2, ZeRO-3 as FSDP,
-gradient accumulation, pipeline parallelism (GPipe over `stage`), ring context parallelism, EP8 and the
+gradient accumulation, pipeline parallelism (one SPMD loop over `stage`, GPipe and circular), ring context parallelism, EP8 and the
 refusals. Each compiled program is checked against properties derived by hand (arithmetic in comments) and
 its sharded loss against the one-device loss.
 
@@ -41,12 +41,12 @@ CASES = {
     "pp2_tp2_dp2": ("dense", dict(dp=2, tp=2, pp=2, microbatch=2)),
     "pp2_tp2_dp2_full": ("dense", dict(dp=2, tp=2, pp=2, microbatch=2, recompute="full")),
     "pp4_dp2": ("dense4", dict(dp=2, pp=4, microbatch=2)),
+    "pp4_dp2_vpp2": ("dense8", dict(dp=2, pp=4, vpp=2, microbatch=2)),
     "cp4_tp2_ring": ("dense", dict(cp=4, tp=2, cp_impl="ring")),
     "cp4_tp2_allgather": ("dense", dict(cp=4, tp=2, cp_impl="allgather")),
     "ep8": ("moe", dict(ep=8)),
 }
-REFUSED = {"vpp2": dict(dp=2, pp=4, vpp=2, microbatch=2), "offload": dict(dp=8, offload=0.5),
-           "pp_cp": dict(dp=2, pp=2, cp=2, microbatch=2)}
+REFUSED = {"vpp2_one_micro": dict(dp=2, pp=4, vpp=2, microbatch=8), "offload": dict(dp=8, offload=0.5)}
 
 _SCRIPT = r"""
 import json, sys
@@ -60,6 +60,7 @@ from meshplan.measure import jaxmodel as jm
 cases, refused = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 base = dict(n_layers=2, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=512, vocab_size=512)
 models = {"dense": ModelConfig(name="tiny", **base), "dense4": ModelConfig(name="tiny4", **{**base, "n_layers": 4}),
+          "dense8": ModelConfig(name="tiny8", **{**base, "n_layers": 8}),
           "moe": ModelConfig(name="tiny-moe", n_experts=8, experts_per_token=2, **base)}
 S, B, STEPS = 128, 16, 2
 refs, out = {}, {}
@@ -208,6 +209,22 @@ def test_pp4_dp2(results):
     _pp_checks(results, "pp4_dp2", 4, 4, 262144, 4 * (LAYER_ELEMS + OUTSIDE_ELEMS))
 
 
+def test_pp4_dp2_interleaved(results):
+    """PP4 × DP2 with 2 virtual stages (circular, MaxText's num_pipeline_repeats = 2) on the 8-layer twin,
+    microbatch 2: M = 16 / (2 · 2) = 4 micro-batches of 2 sequences; stage s holds layers s and 4 + s (one per
+    repeat). The loop runs M·v + pp − 1 = 4·2 + 3 = 11 iterations of one layer each and rotates the state after
+    every one but the last: permute 2 × 10 × 262144 (2 × 128 × 256 × 4 B) = 5 MiB over `stage`; the last stage's
+    outputs and the input gradients cross `stage` once per micro-batch each: 2 × 4 × 262144 = 2 MiB. The data
+    all-reduce carries the stage's 2 layers and the outside weights once. Matmul FLOPs: 11 iterations × 256 tokens
+    × a layer (3 × 1310720 per token), and the head on this replica's 1024 tokens: 3 × 1024 × 262144."""
+    assert results["pp4_dp2_vpp2"]["n_micro"] == 4
+    assert _bytes(results, "pp4_dp2_vpp2", "collective-permute", "stage") == 2 * 10 * 262144
+    assert _bytes(results, "pp4_dp2_vpp2", "all-reduce", "stage") == 2 * 4 * 262144
+    assert _bytes(results, "pp4_dp2_vpp2", "all-reduce", "data") == 4 * (2 * LAYER_ELEMS + OUTSIDE_ELEMS) + 4
+    assert results["pp4_dp2_vpp2"]["measured"]["matmul flops"] == 3 * 11 * 256 * 1310720 + 3 * 1024 * 262144
+    assert {k for k, _ in _kinds(results, "pp4_dp2_vpp2")} == {"collective-permute", "all-reduce"}
+
+
 def test_ring_cp_permutes_kv_blocks(results):
     """Ring CP4 × TP2: each layer passes its K and V blocks cp − 1 = 3 hops forward and their gradients 3 hops
     back: 2 layers × 2 × 3 × 2 blocks × (16 seqs × 128/4 tokens × 4/2 KV heads × 32 × 4 B = 131072) = 3 MiB of
@@ -230,9 +247,8 @@ def test_ep8_all_to_all(results):
 
 
 def test_layouts_not_built_are_refused_with_the_reason(results):
-    assert "vpp > 1" in results["vpp2"]["refused"]
+    assert "needs at least pp=4 micro-batches" in results["vpp2_one_micro"]["refused"]
     assert "host offload" in results["offload"]["refused"]
-    assert "pipeline parallelism with cp > 1" in results["pp_cp"]["refused"]
 
 
 def test_hlo_attributes_permutes_and_reduce_scatters_to_mesh_axes():

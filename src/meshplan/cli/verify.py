@@ -88,10 +88,10 @@ def verify(
                                          "sequence's K/V; Llama 3, MaxText) or ring (K/V blocks passed round the "
                                          "context ranks by ppermute).")] = "allgather",
     ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline stages (GPipe loop over the `stage` axis, as MaxText's pipeline; "
+    pp: Annotated[int, typer.Option(help="Pipeline stages (one SPMD loop over the `stage` axis, as MaxText's pipeline; "
                                          "--microbatch sets the micro-batches).")] = 1,
-    vpp: Annotated[int, typer.Option(help="Virtual stages per pipeline rank (interleaving); the program builds 1 "
-                                          "only.")] = 1,
+    vpp: Annotated[int, typer.Option(help="Virtual stages per pipeline rank (interleaving: MaxText's circular "
+                                          "pipeline, num_pipeline_repeats); needs micro-batches >= pp.")] = 1,
     microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences; 0 = the whole local batch at once).")] = 0,
     recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 1 optimizer state, 2 also gradients "
@@ -129,7 +129,8 @@ def verify(
     if layout.zero == 3:  # ZeRO-3 = FSDP over every data rank (it used to run plain DP silently)
         layout = Layout(**{**layout.as_dict(), "dp": 1, "fsdp": layout.dp * layout.fsdp, "zero": 0})
     m = load_model(model_name)
-    small = mv.tiny_model(m, min_kv_heads=layout.tp)
+    # the tiny twin keeps 2 layers, or one per (virtual) pipeline stage
+    small = mv.tiny_model(m, layers=max(2, layout.pp * layout.vpp), min_kv_heads=layout.tp)
     big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))
     report = mv.run_verify(big, layout, seq_len, global_batch, loss_model=None if no_loss else small,
                            loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16,
