@@ -348,6 +348,23 @@ ATTENTION_CORES: dict[str, Callable] = {
 }
 
 
+def _kv_tensor_smap(f: Callable) -> Callable:
+    spec = P(None, None, "tensor", None)
+    return lambda x: jax.shard_map(f, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec, out_specs=spec,
+                                   axis_names=frozenset({"tensor"}))(x)
+
+
+@jax.custom_vjp
+def _context_gather_tensor_manual(x: jax.Array) -> jax.Array:
+    """All-gather K or V [B, T/cp, K, H] over `context` (manual) with its heads kept split over `tensor`."""
+    return _kv_tensor_smap(lambda a: jax.lax.all_gather(a, "context", axis=1, tiled=True))(x)
+
+
+_context_gather_tensor_manual.defvjp(
+    lambda x: (_context_gather_tensor_manual(x), None),
+    lambda _, g: (_kv_tensor_smap(lambda d: jax.lax.psum_scatter(d, "context", scatter_dimension=1, tiled=True))(g),))
+
+
 def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sh: Sharder,
                                core: Callable) -> jax.Array:
     """CP with all-gathered K/V (Llama 3 style): each device keeps its queries (one early and one late chunk
@@ -359,13 +376,17 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: ja
         # the gathered K/V are saved for the backward (not gathered again) unless the layer is fully recomputed
         # (`remat_policy`); inside the pipeline, where `tensor` stays with the partitioner, they keep their heads
         # split over it
-        k_all, v_all = (checkpoint_name(keep(jax.lax.all_gather(x, "context", axis=1, tiled=True)), CP_KV)
-                        for x in (k, v))
+        k_all, v_all = (checkpoint_name(keep(gather_kv(x)), CP_KV) for x in (k, v))
         pos_all = jax.lax.all_gather(pos, "context", axis=0, tiled=True)
         return core(q, k_all, v_all, pos, pos_all)
 
     def keep(x: jax.Array) -> jax.Array:
         return x if "tensor" in _manual_axes() else sh.constrain(x, ("batch", None, "act_kv_heads", None))
+
+    def gather_kv(x: jax.Array) -> jax.Array:
+        if "tensor" in _manual_axes() or sh.axis_size("tensor") == 1 or not sh.rules["act_kv_heads"]:
+            return jax.lax.all_gather(x, "context", axis=1, tiled=True)
+        return _context_gather_tensor_manual(x)
 
     return sh.per_device(local, {"context"}, in_specs=(q_spec, kv_spec, kv_spec, sh.spec(("seq",))),
                          out_specs=q_spec)(q, k, v, pos)
