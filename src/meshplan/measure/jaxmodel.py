@@ -12,8 +12,9 @@ causal split; K/V all-gathered over `context`, or passed round the ring by colle
 softmax: Layout.cp_impl), expert parallelism (experts over `expert`, tokens moved by all-to-all under
 shard_map), ZeRO-1/2 (AdamW state, and for ZeRO-2 the accumulated gradients, sharded over `data`: gradients
 reduce-scattered, updated parameters all-gathered), gradient accumulation over micro-batches, and pipeline
-parallelism (GPipe: `stage` manual under shard_map, layers stacked and split over it, activations passed
-stage to stage by ppermute, n_micro + pp − 1 ticks so the bubble is in the program).
+parallelism (MaxText's SPMD loop, GPipe or circular/interleaved: `stage` manual under shard_map, layers stacked
+and split over it, activations passed stage to stage by ppermute, M·v + pp − 1 iterations so the bubble is in
+the program; `pipeline_layers`).
 
 Recompute policies map onto `jax.checkpoint` policies (see `remat_policy`). Communication results
 (all-gathers, sharding constraints) are never saved: FSDP weights and SP/CP gathered activations are
@@ -667,9 +668,11 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
 
     One shard_map makes `stage` and the replica axes (REPLICA_AXES: data, expert, context, where > 1) manual;
     `tensor` stays with the partitioner, and CP attention and the MoE block run their per-device bodies directly
-    on the manual `context` / `expert` axes (no nested shard_map, which jax 0.10 cannot lower). The weights enter
-    varying over the replica axes, so their gradients are summed over them once, at the shard_map's edge (DDP's
-    no_sync accumulation), not once per use.
+    on the manual `context` / `expert` axes (jax 0.10 cannot lower a shard_map nested over them; the K/V gather
+    keeps its heads on `tensor` through `_context_gather_tensor_manual`). The weights enter varying over the
+    replica axes, so their gradients are summed over them once, at the shard_map's edge (DDP's no_sync
+    accumulation), not once per use; under SP the layer norm scales get one copy per `tensor` rank for the same
+    reason (see below).
 
     The loop runs M·v + pp − 1 iterations, unrolled: at iteration i stage s runs micro-batch (i − s) mod M through
     its repeat (i − s) // M. Stage 0 takes micro-batch i for i < M, later the last stage's output of the previous
@@ -711,7 +714,8 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
             elif i < M * vpp and pp < M:  # a later repeat's input, rotated in M − pp iterations ago
                 state = jnp.where(s == 0, arrived[i - M + pp - 1], state)
             repeat = jnp.clip((i - s) // M, 0, vpp - 1)
-            w = jax.tree.map(lambda a: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, repeat, 0, False), ws)
+            w = jax.tree.map(lambda a, r=repeat: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False),
+                             ws)
             for j in range(per):
                 state = layer(jax.tree.map(lambda a, j=j: a[j], w), state, pos)
             if i >= (vpp - 1) * M + pp - 1:  # the last stage finished micro-batch i − (v − 1)·M − (pp − 1)
