@@ -541,7 +541,7 @@ def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp
 def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
     """Top-k MoE with expert parallelism under shard_map (all-to-all over `expert`)."""
     C = moe_capacity(model, h.shape[1])
-    fsdp = sh.axis_size("fsdp") > 1
+    fsdp = sh.axis_size("fsdp") > 1 and "fsdp" not in _manual_axes()  # the pipeline gathered the stage already
     x_spec = sh.spec(("batch", "seq", "act_embed"))
     w_specs = [sh.spec(d) for d in (("embed", None), ("expert", "embed", "mlp"), ("expert", "embed", "mlp"),
                                     ("expert", "mlp", "embed"))]
@@ -687,14 +687,20 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     per = model.n_layers // (pp * vpp)
     layer = _layer_fn(model, sh, recompute, attention)
     act = ("batch", "seq_sp", "act_embed")
-    region = frozenset({"stage"} | {a for a in REPLICA_AXES if sh.axis_size(a) > 1})
+    region = frozenset({"stage"} | {a for a in (*REPLICA_AXES, "fsdp") if sh.axis_size(a) > 1})
     dims = param_dims(model, stacked=True)["layers"]
     n_iter = M * vpp + pp - 1
 
     def loop(layers: Params, xs: jax.Array, pos: jax.Array) -> jax.Array:
         layers = jax.tree.map(lambda d, a: _pvary(a, region - {x for e in d for x in _axes_of(sh, e)}), dims, layers,
                               is_leaf=_is_dims)
-        if sp and not sh.rules.get("embed"):
+        if "fsdp" in region:
+            # FSDP under pipelining: the stage's weights are gathered once for the whole loop and their accumulated
+            # gradients reduce-scattered once (the all-gather's transpose), as torch.distributed.pipelining keeps
+            # FSDP2 unsharded through the micro-batches (the ledger's rule, train/costmodel.py)
+            layers = jax.tree.map(lambda d, a: jax.lax.all_gather(a, "fsdp", axis=d.index("embed"), tiled=True)
+                                  if "embed" in d else a, dims, layers, is_leaf=_is_dims)
+        if sp:
             # Under SP a norm scale's gradient is a partial sum over the tokens' shards on `tensor` (auto here): one
             # copy of each scale per tensor rank, applied to that rank's block of tokens (`rmsnorm`), keeps the
             # partial sums apart through the loop, and the copies' transpose sums them over `tensor` once a step

@@ -1090,7 +1090,10 @@ class CostModel:
         par_off = L.offload_params == 1
         host_par = np.where(par_off, p_bytes * P / fs, 0.0)
         fetch_buf = np.where(par_off, 2 * self.opt.param_bytes * g["params_layer_local"] / fs, 0.0)
-        params = np.where(par_off, 0.0, p_bytes * P / fs) + np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
+        params = np.where(par_off, 0.0, p_bytes * P / fs)
+        # the stage gathered once under pipelining is a working copy beside the sharded parameters (the arguments
+        # hold the shards: verify PP2×FSDP4), so it counts with the transient buffers
+        gathered_stage = np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         # unsharded accumulation under pipelining; gradients take the weights' dtype where it is set (JAX)
         grads = (w_bytes or self.opt.grad_reduce_bytes) * P * np.where(once, 1.0, 1.0 / shard_g)
         # under optimizer offload the gradients go to the host as the backward produces them, bucket by bucket, and
@@ -1101,7 +1104,7 @@ class CostModel:
         # DualPipe holds two stages per rank, one of each pipeline direction: twice the model state (Table 2)
         copies = np.where((pp > 1) & (self.opt.pp_schedule == "dualpipe"), 2.0, 1.0)
         t = Terms(params=copies * params, grads=copies * grads, optimizer=copies * o_bytes * P / shard_o,
-                  activations=acts, other=other + copies * fetch_buf)
+                  activations=acts, other=other + copies * (fetch_buf + gathered_stage))
         t["offloaded"] = saved * L.offload
         t["host_state"] = copies * (host_opt + host_par)  # model state held in host memory
         t["host"] = t["offloaded"] + t["host_state"]
