@@ -47,6 +47,9 @@ CASES = {
     "pp2_cp4": ("llama3-8b", dict(cp=4, pp=2, microbatch=4), False),
     "pp2_cp2_tp2": ("llama3-8b", dict(cp=2, tp=2, pp=2, microbatch=4), True),
     "pp2_ep4": ("mixtral-8x7b", dict(ep=4, pp=2, microbatch=1), True),
+    "pp2_cp2_tp2_ring": ("llama3-8b", dict(cp=2, tp=2, pp=2, microbatch=4, cp_impl="ring"), False),
+    # FSDP under PP: the stage gathered once per step, its gradients reduce-scattered once (the ledger's rule)
+    "pp2_fsdp4": ("llama3-8b", dict(fsdp=4, pp=2, microbatch=1), True),
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -66,7 +69,8 @@ FLOP_RESIDUALS: set[str] = set()
 # since the XLA rule that the loss peak comes before the gradients exist (costmodel._xla_activations) it is 17.3%.
 MEMORY_RESIDUALS = {"ep8", "fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
-                    "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_ep4"}
+                    "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_ep4", "pp2_cp2_tp2_ring",
+                    "pp2_fsdp4"}
 
 _SCRIPT = r"""
 import json, sys
@@ -182,6 +186,8 @@ def test_each_parallelism_uses_its_axis(results):
     assert ("all-gather", "tensor") in axes["tp8"] and ("reduce-scatter", "tensor") in axes["tp8"]
     assert ("all-gather", "context") in axes["dp2_tp2_cp2"]
     assert ("all-to-all", "expert") in axes["ep4"]
+    assert ("collective-permute", "stage") in axes["pp4_dp2_vpp2"] and ("all-to-all", "expert") in axes["pp2_ep4"]
+    assert ("all-gather", "context") in axes["pp2_cp2_tp2"] and ("collective-permute", "context") in axes["pp2_cp2_tp2_ring"]
 
 
 def test_load_balanced_cp_is_even(results):

@@ -666,13 +666,13 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     al. 2019, for vpp = 1; circular, i.e. interleaved, for vpp > 1). layers: [L, ...] rows in `pipeline_layer_order`
     (split over `stage`: stage s holds its v repeats' L/(pp·v) layers each); xs [M, Bm, T, D] micro-batches.
 
-    One shard_map makes `stage` and the replica axes (REPLICA_AXES: data, expert, context, where > 1) manual;
+    One shard_map makes `stage`, the replica axes (REPLICA_AXES: data, expert, context) and `fsdp` manual (where > 1);
     `tensor` stays with the partitioner, and CP attention and the MoE block run their per-device bodies directly
     on the manual `context` / `expert` axes (jax 0.10 cannot lower a shard_map nested over them; the K/V gather
     keeps its heads on `tensor` through `_context_gather_tensor_manual`). The weights enter varying over the
     replica axes, so their gradients are summed over them once, at the shard_map's edge (DDP's no_sync
     accumulation), not once per use; under SP the layer norm scales get one copy per `tensor` rank for the same
-    reason (see below).
+    reason, and under FSDP the stage is gathered once before the loop (see below).
 
     The loop runs M·v + pp − 1 iterations, unrolled: at iteration i stage s runs micro-batch (i − s) mod M through
     its repeat (i − s) // M. Stage 0 takes micro-batch i for i < M, later the last stage's output of the previous
