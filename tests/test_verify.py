@@ -267,7 +267,7 @@ def test_train_and_verify_ledgers_are_the_same(tmp_path):
     cfg.write_text(json.dumps(TINY_CONFIG))
     train = _cli(["train", "--model", str(cfg), "--hardware", "tpu-v5p", "--chips", "8", "--seq-len", "128",
                   "--global-batch", "16", "--dp", "1", "--fsdp", "4", "--tp", "2", "--pp", "1", "--cp", "1",
-                  "--microbatch", "4", "--recompute", "full", "--framework", "jax", "--json"])
+                  "--microbatch", "4", "--recompute", "full", "--offload", "0", "--framework", "jax", "--json"])
     assert train.returncode == 0, train.stderr[-2000:]
     ver = _cli(["verify", "--plan", "-", "--no-loss-check", "--json"], stdin=train.stdout)
     assert ver.returncode == 0, ver.stderr[-2000:]
