@@ -23,6 +23,7 @@ from meshplan.specs.hardware import Chip
 EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.yaml"
 PROFILE_SCHEMA = "meshplan-profile/1"
 MOE_OVERLAP_FILE = Path(__file__).parent / "data" / "moe_overlap.yaml"
+HOST_OVERHEAD_FILE = Path(__file__).parent / "data" / "host_overhead.yaml"
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,17 @@ def _moe_overlap_table() -> dict[str, Any]:
 def moe_constant(name: str) -> float:
     """A fine-grained-MoE constant from `data/moe_overlap.yaml` (routing kernels, load imbalance, grouped GEMM)."""
     return float(_moe_overlap_table()["moe"][name]["value"])
+
+
+@lru_cache(maxsize=1)
+def _host_table() -> dict[str, Any]:
+    return yaml.safe_load(HOST_OVERHEAD_FILE.read_text())
+
+
+def host_constant(name: str, chip: Chip) -> float:
+    """A host-side (CPU issue) constant from `data/host_overhead.yaml`, by chip name then kind."""
+    table = _host_table()[name]
+    return float((table.get(chip.name) or table[chip.kind])["value"])
 
 
 def overlap_constant(name: str, chip: Chip) -> float:

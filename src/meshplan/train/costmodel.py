@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from meshplan.cost.collectives import ragged_destinations
-from meshplan.cost.efficiency import Efficiency, moe_constant
+from meshplan.cost.efficiency import Efficiency, host_constant, moe_constant
 from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
@@ -117,6 +117,11 @@ def fp8_gemm_fraction(recipe: str, chip_name: str, chip_kind: str) -> float:
 
 
 MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")  # Options.moe_dispatcher
+# CUDA-graph capture scopes (Options.cuda_graph_scopes), as Megatron-Core names them (docs 'CUDA Graph':
+# `--cuda-graph-impl transformer_engine|local --cuda-graph-modules attn mlp moe moe_router moe_preprocess`, or
+# `--cuda-graph-impl full_iteration`): a captured scope's kernels are replayed by one graph launch, not issued one by
+# one from Python. `full_iteration` captures the whole forward and backward (it needs a sync-free step).
+CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration")
 # MaxText's checkpoint names of the attention projections (layers/attentions.py `checkpoint_name`) -> which output
 KEPT_PROJECTIONS = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv", "out_proj": "o"}
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
@@ -245,6 +250,10 @@ class Options:
     # MaxText's dropping MoE (capacity_factor > 0 with megablox and sparse_matmul off): fixed expert buffers filled by
     # one-hot einsums (`_capacity_einsum_moe`); 0 = dropless routing through grouped GEMMs
     moe_capacity_factor: float = 0.0
+    # Which parts of a layer run as CUDA graphs (CUDA_GRAPH_SCOPES); () = eager, every kernel issued by the CPU
+    # (host_op_s each, cost/data/host_overhead.yaml). Megatron-Bridge recipes name theirs (`cuda_graph_impl`,
+    # `cuda_graph_scope` in scripts/performance/configs/*/..._workload_base_configs.py)
+    cuda_graph_scopes: tuple[str, ...] = ()
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -368,9 +377,24 @@ class CostModel:
         if not m.is_moe:
             return 0.0
         rows = g["t_mb"] * c["k"] * g["ep"] / m.n_experts
-        launches = c["moe_share"] * m.n_experts / g["ep"] * moe_constant("grouped_gemm_gemms_per_expert_fwd")
         return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / tp, c["D"])
-                + launches * self.eff.kernel_overhead_s)
+                + self.layer_kernels_fwd(g)["moe"] * self.eff.kernel_overhead_s)
+
+    def layer_kernels_fwd(self, g: dict) -> dict:
+        """Kernels one layer's forward launches, by the CUDA-graph scope that captures them (CUDA_GRAPH_SCOPES):
+        `attn` the dense part (KERNELS_PER_LAYER_FWD: norms, projections, rope, attention, activation, residuals),
+        `moe_router` and `moe_preprocess` their shares of the routing kernels (moe_overlap.yaml router_kernels_fwd),
+        `moe_permute` the rest of them (permute/unpermute around the all-to-all), `moe` the expert GEMMs (one launch
+        per local expert per linear, grouped_gemm_gemms_per_expert_fwd). MoE parts in the mean layer (moe_share)."""
+        m, c = self.p.model, self.c
+        if not m.is_moe:
+            return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": 0.0, "moe_preprocess": 0.0,
+                    "moe_permute": 0.0, "moe": 0.0}
+        router, pre = moe_constant("router_scope_kernels_fwd"), moe_constant("preprocess_scope_kernels_fwd")
+        share = c["moe_share"]
+        return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
+                "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
+                "moe": share * m.n_experts / g["ep"] * moe_constant("grouped_gemm_gemms_per_expert_fwd")}
 
     def _attention_core_term(self, g: dict) -> dict:
         """QKᵀ, softmax and AV: causal and load-balanced over cp with a fused kernel (ATTENTION_KERNELS), or
@@ -418,20 +442,19 @@ class CostModel:
         elem_bytes = act * t * tm.pointwise_elements_per_token(self.p.model, tp=tp, sp=sp_div)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
-        router_bytes, router_kernels = self._moe_router_work(g)
-        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + router_bytes
-        kernels = KERNELS_PER_LAYER_FWD + router_kernels
+        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g)
+        k = self.layer_kernels_fwd(g)
+        kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         return dict(f_s=elem_bytes / self.hbm + kernels * e.kernel_overhead_s, hbm=elem_bytes)
 
-    def _moe_router_work(self, g: dict):
+    def _moe_router_bytes(self, g: dict):
         """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores
-        (tokens × experts, 4 B) passed `router_score_passes` times through HBM (score function, top-k, aux loss),
-        and `router_kernels_fwd` small kernels (top-k, scatter, aux-loss reductions, dispatcher bookkeeping)."""
+        (tokens × experts, 4 B) passed `router_score_passes` times through HBM (score function, top-k, aux loss);
+        its small kernels are counted in `layer_kernels_fwd`."""
         m, c = self.p.model, self.c
         if not m.is_moe:
-            return 0.0, 0.0
-        score_bytes = moe_constant("router_score_passes") * 4.0 * g["t_mb"] * m.n_experts
-        return c["moe_share"] * score_bytes, c["moe_share"] * moe_constant("router_kernels_fwd")
+            return 0.0
+        return c["moe_share"] * moe_constant("router_score_passes") * 4.0 * g["t_mb"] * m.n_experts
 
     def _moe_permute_bytes(self, g: dict):
         """Token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
@@ -1132,6 +1155,66 @@ class CostModel:
         loss_peak = logits + np.where(fs > 1, self.opt.fsdp_param_bytes * unembed, 0.0)
         not_yet = np.where(grads_held | (g["n_micro"] > 1), 0.0, grads)
         return np.maximum(loss_peak - not_yet, working)
+
+    # --- host (CPU issue) ------------------------------------------------------------------------
+    def host_launches_fwd(self, g: dict):
+        """Launches the CPU issues for one layer's forward: the kernels of `layer_kernels_fwd` outside the captured
+        CUDA-graph scopes (Options.cuda_graph_scopes), plus one graph launch per captured scope. `attn` captures the
+        dense part of an MoE layer; of a dense layer `attn` and `mlp` each half of it; `moe` the whole MoE block
+        (router, dispatch, experts); `full_iteration` everything (0 launches per layer)."""
+        scopes = set(self.opt.cuda_graph_scopes)
+        for name in scopes:
+            if name not in CUDA_GRAPH_SCOPES:
+                raise unknown_name_error("CUDA-graph scope", name, CUDA_GRAPH_SCOPES)
+        if "full_iteration" in scopes:
+            return 0.0
+        k, moe = self.layer_kernels_fwd(g), self.p.model.is_moe
+        dense = ("attn" in scopes) if moe else (("attn" in scopes) + ("mlp" in scopes)) / 2
+        whole_moe = "moe" in scopes
+        captured = {"attn": dense, "moe": whole_moe, "moe_permute": whole_moe,
+                    "moe_router": whole_moe or "moe_router" in scopes,
+                    "moe_preprocess": whole_moe or "moe_preprocess" in scopes}
+        eager = sum(n * (1 - captured[part]) for part, n in k.items())
+        graphs = sum(1 for name in scopes if name != "mlp" or not moe)  # one replay per captured scope
+        return eager + graphs
+
+    def host_syncs(self) -> bool:
+        """Whether each MoE layer's forward stops the CPU until the GPU catches up: Megatron-Core's dropless
+        all-to-all dispatcher needs the token counts on the host to size the all-to-all and the expert GEMMs
+        (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, NVIDIA/Megatron-LM @0014f13: 'A synchronization
+        is needed before expert parallel AlltoAll communication to get the input_splits and output_splits CPU
+        values', `_maybe_dtoh_and_synchronize`); DeepEP's dispatch returns the received counts as a host list
+        (DeepEP README, 'the CPU will wait for GPU's received count signal'). A full-iteration CUDA graph runs
+        sync-free (static shapes), so none there."""
+        return self.p.model.is_moe and "full_iteration" not in self.opt.cuda_graph_scopes
+
+    def host_bound_per_mb(self, L: LayoutArrays, g: dict, ct: Terms, per_mb):
+        """One micro-batch's time when the CPU issues its kernels one by one (eager PyTorch): the GPU cannot run a
+        kernel the CPU has not issued. With `launches` per layer forward (host_launches_fwd), the backward issuing
+        twice as many (a GEMM's dgrad and wgrad; the pointwise backward mirrors the forward, as `compute_terms`
+        counts it) and a recomputed forward its share again (the policy's pointwise share, RECOMPUTE_PARTS 'elem':
+        launches are mostly the small kernels), each costing host_op_s (cost/data/host_overhead.yaml).
+        GPU work is issued in order, so a phase whose CPU issue takes longer than its GPU time sets the pace: with
+        the forward and backward as phases (GPU time split by their compute shares), the step is
+        max(gpu_f + gpu_b, cpu_f + gpu_b, cpu_f + cpu_b) when the CPU may run ahead (the GPU starts its critical
+        path at the start, at the backward, or waits for the last launch). A host sync in every forward layer
+        (host_syncs) drains the CPU's lead, so the phases add: max(gpu_f, cpu_f) + max(gpu_b, cpu_b).
+        Returns (per_mb, host seconds per micro-batch issue)."""
+        h = host_constant("host_op_s", self.p.chip)
+        launches = self.host_launches_fwd(g)
+        nl = g["layers_stage"]
+        rc = np.select([L.recompute == i for i in range(len(tm.RECOMPUTE_POLICIES))],
+                       [self._recompute_parts(p).get("elem", 0.0) for p in tm.RECOMPUTE_POLICIES], 0.0)
+        cpu_f = nl * launches * h
+        cpu_b = nl * (2 + rc) * launches * h
+        work = np.maximum(ct["fwd"] + ct["bwd"], 1e-30)
+        gpu_f = per_mb * ct["fwd"] / work
+        gpu_b = per_mb - gpu_f
+        if self.host_syncs():
+            bound = np.maximum(gpu_f, cpu_f) + np.maximum(gpu_b, cpu_b)
+        else:
+            bound = np.maximum(np.maximum(per_mb, cpu_f + gpu_b), cpu_f + cpu_b)
+        return bound, cpu_f + cpu_b
 
     def optimizer_terms(self, L: LayoutArrays, g: dict):
         """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound), or under

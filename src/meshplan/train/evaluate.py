@@ -87,6 +87,10 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     offload_exposed = offload_exposed + np.maximum(g["grad_copy_mb_s"] - ct["bwd"], 0)
     per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
+    # the CPU issues every kernel of an eager step: where it is slower than the GPU, the GPU waits (host_bound_per_mb)
+    gpu_mb = per_mb
+    per_mb, _ = cm.host_bound_per_mb(L, g, ct, per_mb)
+    host_wait = per_mb - gpu_mb
     bubble = _bubble(cm, g, ct, per_mb)
     compute = m * (ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"]) + cc["fsdp_copy_step"]
     if cm.opt.offload_delayed_update:
@@ -111,12 +115,13 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
-                 bubble=bubble, other=opt_update + e.step_overhead_s + m * offload_exposed)
+                 bubble=bubble, other=opt_update + e.step_overhead_s + m * (offload_exposed + host_wait))
     for k in ("tp", "cp", "ep", "pp", "fsdp"):
         time[f"exposed_comm/{k}"] = m * cc[f"{k}_mb"]
     time["exposed_comm/dp"] = cc["dp_step"]
     time["exposed_comm/fsdp"] = time["exposed_comm/fsdp"] + cc["fsdp_step"]
     time["other/offload"] = m * offload_exposed
+    time["other/host"] = m * host_wait
     time["other/offload_optimizer"] = np.where(L.offload_optimizer == 1, opt_update, 0.0)
     tokens = p.global_batch * p.seq_len
     tf = tm.flops_per_token(p.model, p.seq_len, causal=True)

@@ -1,0 +1,145 @@
+"""Issue #14: the host (CPU issue) side of an eager step. Kernel counts by CUDA-graph scope, the per-layer host sync of
+Megatron-Core's MoE dispatcher, and the phase maxima of host_bound_per_mb, worked by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meshplan.train.costmodel as costmodel
+from meshplan.cost.efficiency import default_efficiency, host_constant
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import CostModel, Options, Terms
+from meshplan.train.evaluate import evaluate
+from meshplan.train.space import Problem
+
+
+def _cm(name: str, hardware: str = "h100-sxm", chips: int = 8, ep: int = 1, recompute: str = "none",
+        options: Options | None = None):
+    prob = Problem(load_model(name), load_chip(hardware), chips, 4096, chips)
+    cm = CostModel(prob, default_efficiency(prob.chip), options or Options())
+    L = LayoutArrays.from_configs([ParallelConfig(dp=chips, ep=ep, microbatch=1, recompute=recompute, zero=1)])
+    return cm, L, cm.geometry(L)
+
+
+def _f(x) -> float:
+    return float(np.asarray(x).ravel()[0])
+
+
+def test_moe_layer_launch_count_by_graph_scope() -> None:
+    """Qwen3-30B-A3B (128 experts) at EP 8: 15 dense kernels, routing 10 (router) + 5 (dispatcher preprocess) +
+    5 (permute/unpermute) = 20 (moe_overlap.yaml), and 2 GEMMs for each of the 128/8 = 16 local experts = 32:
+    67 launches a layer forward when eager. TE-scoped graphs of moe_router and moe_preprocess (the Megatron-Bridge
+    Qwen3-30B recipes): 67 - 10 - 5 + 2 graph launches = 54; with attn as well: 54 - 15 + 1 = 40. A full-iteration
+    graph: nothing issued per layer."""
+    cm, L, g = _cm("qwen3-30b-a3b", ep=8)
+    assert sum(cm.layer_kernels_fwd(g).values()) == pytest.approx(15 + 20 + 32)
+    assert _f(cm.host_launches_fwd(g)) == pytest.approx(67)
+    for scopes, launches in ((("moe_router", "moe_preprocess"), 54), (("attn", "moe_router", "moe_preprocess"), 40),
+                             (("moe",), 15 + 1), (("full_iteration",), 0)):
+        cm2, _, g2 = _cm("qwen3-30b-a3b", ep=8, options=Options(cuda_graph_scopes=scopes))
+        assert _f(cm2.host_launches_fwd(g2)) == pytest.approx(launches), scopes
+    assert cm.host_syncs()
+    assert not _cm("qwen3-30b-a3b", ep=8, options=Options(cuda_graph_scopes=("full_iteration",)))[0].host_syncs()
+
+
+def test_dense_layer_launch_count() -> None:
+    """A dense layer: the 15 kernels of KERNELS_PER_LAYER_FWD; `attn` alone captures half of them (the other half is
+    the MLP, scope `mlp`): 7.5 eager + 1 graph launch; both: 2 graph launches. No host sync in a dense layer."""
+    cm, L, g = _cm("llama3-8b")
+    assert _f(cm.host_launches_fwd(g)) == pytest.approx(15)
+    assert not cm.host_syncs()
+    cm2, _, g2 = _cm("llama3-8b", options=Options(cuda_graph_scopes=("attn",)))
+    assert _f(cm2.host_launches_fwd(g2)) == pytest.approx(8.5)
+    cm3, _, g3 = _cm("llama3-8b", options=Options(cuda_graph_scopes=("attn", "mlp")))
+    assert _f(cm3.host_launches_fwd(g3)) == pytest.approx(2)
+
+
+def test_unknown_graph_scope_is_refused() -> None:
+    cm, L, g = _cm("llama3-8b", options=Options(cuda_graph_scopes=("everything",)))
+    with pytest.raises(MeshplanError):
+        cm.host_launches_fwd(g)
+
+
+def _fake(L, g, nl: float, fwd: float, bwd: float):
+    g = dict(g, layers_stage=np.array([nl]))
+    return g, Terms(fwd=np.array([fwd]), bwd=np.array([bwd]))
+
+
+def test_host_bound_phases_with_the_moe_sync(monkeypatch) -> None:
+    """Host op 20 µs (patched, so the arithmetic is the test's), 48 layers of 67 launches, recompute none:
+    CPU forward 48·67·20e-6 = 0.06432 s, backward twice that, 0.12864 s. A GPU micro-batch of 0.16 s split 1:2
+    (forward 0.04, backward 0.08 of compute): gpu_f 0.05333, gpu_b 0.10667. The MoE dispatcher syncs in every
+    forward layer, so the phases add: max(0.05333, 0.06432) + max(0.10667, 0.12864) = 0.19296 s."""
+    monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 2e-5)
+    cm, L, g = _cm("qwen3-30b-a3b", ep=8)
+    g, ct = _fake(L, g, 48, 0.04, 0.08)
+    bound, cpu = cm.host_bound_per_mb(L, g, ct, np.array([0.16]))
+    assert _f(cpu) == pytest.approx(0.06432 + 0.12864)
+    assert _f(bound) == pytest.approx(0.06432 + 0.12864)
+    # a GPU-bound backward keeps its own time: per_mb 0.30 -> gpu_f 0.1, gpu_b 0.2: max(0.1, 0.06432) +
+    # max(0.2, 0.12864) = 0.30, unchanged
+    bound, _ = cm.host_bound_per_mb(L, g, ct, np.array([0.30]))
+    assert _f(bound) == pytest.approx(0.30)
+    # full recompute reissues the forward in the backward (RECOMPUTE_PARTS elem 1): CPU backward 3·0.06432
+    cmr, Lr, gr = _cm("qwen3-30b-a3b", ep=8, recompute="full")
+    gr, ctr = _fake(Lr, gr, 48, 0.04, 0.08)
+    bound, cpu = cmr.host_bound_per_mb(Lr, gr, ctr, np.array([0.16]))
+    assert _f(cpu) == pytest.approx(4 * 0.06432)
+    assert _f(bound) == pytest.approx(0.06432 + 3 * 0.06432)
+
+
+def test_host_bound_without_sync_lets_the_cpu_run_ahead(monkeypatch) -> None:
+    """A dense layer (15 launches, no sync), host op 200 µs (patched), 48 layers: CPU forward 48·15·2e-4 = 0.144 s,
+    backward 0.288 s. GPU micro-batch 0.30 s split 1:2: gpu_f 0.1, gpu_b 0.2. The GPU cannot run what the CPU has
+    not issued: max(gpu_f + gpu_b, cpu_f + gpu_b, cpu_f + cpu_b) = max(0.30, 0.344, 0.432) = 0.432 s. With a sync in
+    every forward layer the phases would add the same here (0.144 + 0.288); the difference shows when the CPU leads
+    in one phase: host op 100 µs, cpu_f 0.072 < gpu_f 0.1 and cpu_b 0.144 < gpu_b 0.2: 0.30 (GPU-bound)."""
+    monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 2e-4)
+    cm, L, g = _cm("llama3-8b")
+    g, ct = _fake(L, g, 48, 0.04, 0.08)
+    bound, _ = cm.host_bound_per_mb(L, g, ct, np.array([0.30]))
+    assert _f(bound) == pytest.approx(0.432)
+    monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 1e-4)
+    bound, _ = cm.host_bound_per_mb(L, g, ct, np.array([0.30]))
+    assert _f(bound) == pytest.approx(0.30)
+
+
+def test_sync_drains_the_cpu_lead(monkeypatch) -> None:
+    """Where the forward is host-bound and the backward GPU-bound, a CPU free to run ahead recovers its lead in the
+    backward; a sync in every forward layer does not let it. MoE, 48 layers, 67 launches, host op 20 µs (patched):
+    cpu_f 0.06432, cpu_b 0.12864; gpu_f 0.01, gpu_b 0.20 (per_mb 0.21 split by fwd 0.01 : bwd 0.20).
+    With the sync: max(0.01, 0.06432) + max(0.20, 0.12864) = 0.26432. Without (a full-iteration graph would
+    remove the launches too, so the no-sync branch is taken by a dense model of the same count; here by patching
+    host_syncs): max(0.21, 0.06432 + 0.20, 0.06432 + 0.12864) = 0.26432 as well, since the GPU backward starts
+    only when its first kernel is issued; the lead matters when the backward is host-bound and the forward
+    GPU-bound: gpu_f 0.2, gpu_b 0.01 -> sync: 0.2 + 0.12864 = 0.32864; free: max(0.21, 0.07432, 0.19296) = 0.21."""
+    monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 2e-5)
+    cm, L, g = _cm("qwen3-30b-a3b", ep=8)
+    g1, ct1 = _fake(L, g, 48, 0.01, 0.20)
+    assert _f(cm.host_bound_per_mb(L, g1, ct1, np.array([0.21]))[0]) == pytest.approx(0.26432)
+    g2, ct2 = _fake(L, g, 48, 0.20, 0.01)
+    assert _f(cm.host_bound_per_mb(L, g2, ct2, np.array([0.21]))[0]) == pytest.approx(0.32864)
+    monkeypatch.setattr(CostModel, "host_syncs", lambda self: False)
+    assert _f(cm.host_bound_per_mb(L, g2, ct2, np.array([0.21]))[0]) == pytest.approx(0.21)
+
+
+def test_tpu_has_no_host_issue_cost() -> None:
+    """XLA launches one compiled program a step: host_op_s is 0 on TPUs, and the micro-batch keeps its GPU time."""
+    cm, L, g = _cm("llama3-8b", hardware="tpu-v5p")
+    assert host_constant("host_op_s", cm.p.chip) == 0.0
+    g, ct = _fake(L, g, 32, 0.04, 0.08)
+    assert _f(cm.host_bound_per_mb(L, g, ct, np.array([0.12]))[0]) == pytest.approx(0.12)
+
+
+def test_evaluate_reports_the_host_wait() -> None:
+    """End to end: the host wait is its own line (time['other/host']) and the step is never faster with it."""
+    cm, L, g = _cm("qwen3-30b-a3b", hardware="b200", ep=8)
+    ev = evaluate(cm, L)
+    graphed = evaluate(CostModel(cm.p, cm.eff, Options(cuda_graph_scopes=("full_iteration",))), L)
+    assert _f(graphed.time["other/host"]) == 0.0
+    assert _f(ev.time["other/host"]) >= 0.0
+    assert _f(ev.step_time_s) == pytest.approx(_f(graphed.step_time_s) + _f(ev.time["other/host"]), rel=1e-9)
