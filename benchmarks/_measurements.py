@@ -10,6 +10,7 @@ import math
 import os
 import re
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -415,8 +416,23 @@ def options_of(e: dict) -> Options:
         weight_dtype_bytes=weight_dtype_bytes_of(text),
         kept_projections=kept_projections_of(e),
         moe_capacity_factor=_capacity_factor(text),
+        cuda_graph_scopes=cuda_graph_scopes_of(e),
         grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **framework_kw)
+
+
+MBRIDGE_CUDA_GRAPHS = ROOT / "benchmarks" / "data" / "mbridge_cuda_graphs.yaml"
+
+
+@lru_cache(maxsize=1)
+def _mbridge_cuda_graphs() -> dict:
+    return yaml.safe_load(MBRIDGE_CUDA_GRAPHS.read_text()) or {}
+
+
+def cuda_graph_scopes_of(e: dict) -> tuple[str, ...]:
+    """The CUDA-graph scopes a Megatron-Bridge row's recipe captured (data/mbridge_cuda_graphs.yaml, read from the
+    release tag's workload presets); () for other rows (eager)."""
+    return tuple(_mbridge_cuda_graphs().get(e["id"], {}).get("cuda_graph_scopes") or ())
 
 
 def _attention_kernel(text: str, titan: bool) -> str:

@@ -143,3 +143,21 @@ def test_evaluate_reports_the_host_wait() -> None:
     assert _f(graphed.time["other/host"]) == 0.0
     assert _f(ev.time["other/host"]) >= 0.0
     assert _f(ev.step_time_s) == pytest.approx(_f(graphed.step_time_s) + _f(ev.time["other/host"]), rel=1e-9)
+
+
+def test_harness_reads_the_recipes_cuda_graphs() -> None:
+    """benchmarks/data/mbridge_cuda_graphs.yaml, read from the Megatron-Bridge presets: the 26.06 Qwen3-30B-A3B GB200
+    MXFP8 preset runs a full-iteration graph (commit bac3ffebf, 'Full-Iter CUDA Graphs for 26.06'); the 26.02 B200
+    MXFP8 one TE-scoped graphs of the router and the dispatcher preprocess; a row without an entry runs eager."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _measurements as H
+
+    assert H.cuda_graph_scopes_of({"id": "mbridge_26p06_qwen3-30b-a3b_gb200_8_mxfp8"}) == ("full_iteration",)
+    assert H.cuda_graph_scopes_of({"id": "mbridge_26p02_qwen3-30b-a3b_b200_8_mxfp8"}) == ("moe_router",
+                                                                                         "moe_preprocess")
+    assert H.cuda_graph_scopes_of({"id": "not_a_megatron_bridge_row"}) == ()
+    for entry in H._mbridge_cuda_graphs().values():  # every scope the table names is one the cost model knows
+        assert set(entry["cuda_graph_scopes"]) <= set(costmodel.CUDA_GRAPH_SCOPES)
