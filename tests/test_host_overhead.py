@@ -161,3 +161,28 @@ def test_harness_reads_the_recipes_cuda_graphs() -> None:
     assert H.cuda_graph_scopes_of({"id": "not_a_megatron_bridge_row"}) == ()
     for entry in H._mbridge_cuda_graphs().values():  # every scope the table names is one the cost model knows
         assert set(entry["cuda_graph_scopes"]) <= set(costmodel.CUDA_GRAPH_SCOPES)
+
+
+def test_cli_cuda_graph_flag(capsys) -> None:
+    """`--cuda-graph` sets the scopes; a full-iteration graph removes the host wait, an unknown scope is one error
+    line and exit code 2. Qwen3-30B-A3B on 8 B200s at micro-batch 1: eager, the host wait shows under `other` and is
+    all the difference to the graphed step (compute and communication are the same)."""
+    import json
+
+    from conftest import run_cli
+
+    args = ["train", "--model", "qwen3-30b-a3b", "--hardware", "b200", "--chips", "8", "--seq-len", "4096",
+            "--global-batch", "512", "--dp", "8", "--ep", "8", "--microbatch", "1", "--recompute", "none",
+            "--dtype", "fp8", "--json"]
+    rc, out, _ = run_cli(args, capsys)
+    assert rc == 0
+    eager = json.loads(out)["plans"][0]
+    rc, out, _ = run_cli(args + ["--cuda-graph", "full_iteration"], capsys)
+    graphed = json.loads(out)["plans"][0]
+    assert graphed["time_s"]["compute"] == pytest.approx(eager["time_s"]["compute"])
+    host_wait = eager["time_s"]["other"] - graphed["time_s"]["other"]
+    assert host_wait > 0
+    assert eager["step_time_s"] - graphed["step_time_s"] == pytest.approx(host_wait)
+    rc, out, err = run_cli(args + ["--cuda-graph", "attn,everything"], capsys)
+    assert rc == 2
+    assert err.startswith("error: --cuda-graph must be one of")

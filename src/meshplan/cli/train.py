@@ -15,7 +15,14 @@ from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import load_chip, price_label, with_price
 from meshplan.specs.model import load_model
-from meshplan.train.costmodel import ATTENTION_KERNELS, CP_IMPLS, MOE_DISPATCHERS, Options, fp8_recipes
+from meshplan.train.costmodel import (
+    ATTENTION_KERNELS,
+    CP_IMPLS,
+    CUDA_GRAPH_SCOPES,
+    MOE_DISPATCHERS,
+    Options,
+    fp8_recipes,
+)
 from meshplan.train.frameworks import framework_options
 from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
@@ -120,6 +127,9 @@ def train(
     moe_dispatcher: Annotated[str | None, typer.Option(
         help="MoE token dispatcher: alltoall (default: Megatron-Core's, one copy per routed expert), deepep or "
              "hybridep (the flex dispatcher: one copy per destination rank, one per node across nodes).")] = None,
+    cuda_graph: Annotated[str | None, typer.Option(
+        help="CUDA-graph capture, as Megatron-Core names its scopes: comma-separated attn, mlp, moe, moe_router, "
+             "moe_preprocess, or full_iteration, or none (default: eager, every kernel issued by the CPU).")] = None,
     zero3_fetch: Annotated[str | None, typer.Option(
         help="How FSDP/ZeRO-3 fetches weights: allgather (default: FSDP, DeepSpeed since ZeRO-Infinity) or "
              "broadcast (the ZeRO paper's owner broadcast, DeepSpeed before April 2021: one link per fetch, "
@@ -202,6 +212,10 @@ def train(
     _check_choice("--cp-impl", cp_impl, tuple(CP_IMPLS))
     _check_choice("--moe-dispatcher", moe_dispatcher, MOE_DISPATCHERS)
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
+    graph_scopes = None if cuda_graph is None else tuple(x for x in cuda_graph.replace(" ", "").split(",")
+                                                         if x and x != "none")
+    for scope in graph_scopes or ():
+        _check_choice("--cuda-graph", scope, CUDA_GRAPH_SCOPES)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
     _check_choice("--weight-dtype", weight_dtype, ("bf16", "fp32"))
@@ -212,7 +226,8 @@ def train(
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance,
         moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
-        pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes)
+        pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
+        cuda_graph_scopes=graph_scopes)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,

@@ -301,6 +301,11 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
         return "compute", (f"compute-bound: {compute / step:.0%} of the {step:.3g} s step is kernel time at "
                            f"{mfu:.1%} MFU; {SUGGEST['compute']}")
     share = parts[worst] / step
+    host = float(ev.time["other/host"][i]) if "other/host" in ev.time else 0.0
+    if worst == "other" and host > 0.5 * parts["other"]:
+        # the GPU waits for the CPU to issue its kernels (CostModel.host_bound_per_mb)
+        return "host", (f"the CPU issuing kernels one by one holds the GPU back for {host / step:.0%} of the step; "
+                        "capture the layers as CUDA graphs (--cuda-graph) or raise the micro-batch")
     if worst in ("bubble", "other"):
         what = "the pipeline bubble" if worst == "bubble" else "fixed per-step overhead"
         return worst, f"{what} takes {share:.0%} of the step; {SUGGEST[worst]}"
