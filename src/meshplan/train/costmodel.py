@@ -1183,9 +1183,9 @@ class CostModel:
         all-to-all dispatcher needs the token counts on the host to size the all-to-all and the expert GEMMs
         (token_dispatcher.py MoEAlltoAllTokenDispatcher.preprocess, NVIDIA/Megatron-LM @0014f13: 'A synchronization
         is needed before expert parallel AlltoAll communication to get the input_splits and output_splits CPU
-        values', `_maybe_dtoh_and_synchronize`); DeepEP's dispatch returns the received counts as a host list
-        (DeepEP README, 'the CPU will wait for GPU's received count signal'). A full-iteration CUDA graph runs
-        sync-free (static shapes), so none there."""
+        values', `_maybe_dtoh_and_synchronize`); DeepEP's dispatch likewise (deepseek-ai/DeepEP README: 'we may not
+        know how many tokens to receive for the current rank. So an implicit CPU wait for GPU received count signal
+        will be involved'). A full-iteration CUDA graph runs sync-free (static shapes), so none there."""
         return self.p.model.is_moe and "full_iteration" not in self.opt.cuda_graph_scopes
 
     def host_bound_per_mb(self, L: LayoutArrays, g: dict, ct: Terms, per_mb):
