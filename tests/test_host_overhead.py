@@ -109,14 +109,13 @@ def test_host_bound_without_sync_lets_the_cpu_run_ahead(monkeypatch) -> None:
 
 
 def test_sync_drains_the_cpu_lead(monkeypatch) -> None:
-    """Where the forward is host-bound and the backward GPU-bound, a CPU free to run ahead recovers its lead in the
-    backward; a sync in every forward layer does not let it. MoE, 48 layers, 67 launches, host op 20 µs (patched):
-    cpu_f 0.06432, cpu_b 0.12864; gpu_f 0.01, gpu_b 0.20 (per_mb 0.21 split by fwd 0.01 : bwd 0.20).
-    With the sync: max(0.01, 0.06432) + max(0.20, 0.12864) = 0.26432. Without (a full-iteration graph would
-    remove the launches too, so the no-sync branch is taken by a dense model of the same count; here by patching
-    host_syncs): max(0.21, 0.06432 + 0.20, 0.06432 + 0.12864) = 0.26432 as well, since the GPU backward starts
-    only when its first kernel is issued; the lead matters when the backward is host-bound and the forward
-    GPU-bound: gpu_f 0.2, gpu_b 0.01 -> sync: 0.2 + 0.12864 = 0.32864; free: max(0.21, 0.07432, 0.19296) = 0.21."""
+    """A GPU-bound forward and a host-bound backward: a CPU free to run ahead issues the backward while the GPU is
+    still on the forward; a host sync in every forward layer stops it. MoE, 48 layers of 67 launches, host op 20 µs
+    (patched): cpu_f 0.06432, cpu_b 0.12864. GPU micro-batch 0.21 s split fwd 0.20 : bwd 0.01.
+    With the sync: max(0.20, 0.06432) + max(0.01, 0.12864) = 0.32864 s.
+    Without: max(0.21, 0.06432 + 0.01, 0.06432 + 0.12864) = 0.21 s (the whole issue hides behind the forward).
+    The other way round (fwd 0.01 : bwd 0.20) both give 0.06432 + 0.20 = 0.26432 s: the backward's GPU work cannot
+    start before the forward's last launch."""
     monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 2e-5)
     cm, L, g = _cm("qwen3-30b-a3b", ep=8)
     g1, ct1 = _fake(L, g, 48, 0.01, 0.20)
