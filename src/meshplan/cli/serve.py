@@ -131,8 +131,9 @@ def serve(
     requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients for --simulate (each finished "
                                                          "request is replaced at once).")] = None,
-    engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm (sets the "
-                                             "step token budget from the engine's defaults).")] = "default",
+    engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm | lmdeploy "
+                                             "(the engine's defaults: step token budget, KV sizing, kernel "
+                                             "fusion, when the first token comes).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,

@@ -83,7 +83,7 @@ class ServeConfig:
         return asdict(self)
 
 
-ENGINES = ("default", "vllm", "sglang", "trtllm")
+ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
 
 
 def default_token_budget(chip: Chip) -> int:
@@ -123,6 +123,19 @@ def chunked_prefill(cfg: ServeConfig, chip: Chip) -> bool:
     """Whether the engine splits prompts over steps (serving.yaml engine_chunked_prefill; default: it does)."""
     hit = _engine_entry("engine_chunked_prefill", cfg.engine, chip)
     return True if hit is None else bool(hit)
+
+
+def fused_add_norm(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine runs each residual add inside the following RMSNorm's kernel (serving.yaml
+    engine_fused_add_norm; default: separate kernels, as the training ledger counts them)."""
+    return bool(_engine_entry("engine_fused_add_norm", cfg.engine, chip))
+
+
+def first_token_decode_step(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine's prefill pass stops one token short and the first output token comes from the next decode
+    step (serving.yaml engine_first_token_decode_step: LMDeploy TurboMind's context decoder); default: the prefill
+    pass samples the first token from its last position."""
+    return bool(_engine_entry("engine_first_token_decode_step", cfg.engine, chip))
 
 
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, kv_reserved_per_sequence, step_token_budget
+from meshplan.infer.config import (
+    ServeConfig,
+    Workload,
+    chunked_prefill,
+    first_token_decode_step,
+    kv_reserved_per_sequence,
+    step_token_budget,
+)
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
 from meshplan.infer.step import StepCost, decode_step, prefill_step, step_cost
 from meshplan.specs.hardware import Chip
@@ -96,13 +103,19 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
     Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget)."""
     others = max(batch - 1, 0)
+    # engines whose first token comes from a decode step prefill all but the prompt's last token, then decode it
+    # beside the batch (serving.yaml engine_first_token_decode_step)
+    first_decode = first_token_decode_step(cfg, chip)
+    prompt = w.input_len - 1 if first_decode else w.input_len
     chunk = max(step_token_budget(chip, cfg) - others, 1.0)
     if not chunked_prefill(cfg, chip):  # the whole prompt in one step (engine_chunked_prefill)
-        chunk = float(w.input_len)
-    n_chunks = math.ceil(w.input_len / chunk)
-    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(w.input_len, chunk), w.input_len / 2.0,
-                  max(batch, 1))
-    return scheduler_wait_s(busy_step_s, others) + n_chunks * s.time_s
+        chunk = float(max(prompt, 1))
+    n_chunks = math.ceil(prompt / chunk)
+    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
+    ttft = scheduler_wait_s(busy_step_s, others) + n_chunks * s.time_s
+    if first_decode:
+        ttft += decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context).time_s
+    return ttft
 
 
 def _continuous(m, chip, cfg, eff, w, batch):
@@ -119,13 +132,18 @@ def _continuous(m, chip, cfg, eff, w, batch):
 
 
 def _static(m, chip, cfg, eff, w, batch):
-    pre = prefill_step(m, chip, cfg, eff, batch, w.input_len)
+    # an engine whose first token comes from a decode step (engine_first_token_decode_step, LMDeploy TurboMind)
+    # prefills input_len - 1 tokens and runs output_len decode steps; the others sample the first token in the prefill
+    first_decode = first_token_decode_step(cfg, chip)
+    pre = prefill_step(m, chip, cfg, eff, batch, w.input_len - 1 if first_decode else w.input_len)
     dec = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
-    e2e = pre.time_s + (w.output_len - 1) * dec.time_s
+    n_decode = w.output_len if first_decode else w.output_len - 1
+    e2e = pre.time_s + n_decode * dec.time_s
+    ttft = pre.time_s + (dec.time_s if first_decode else 0.0)
     # the cost split charges generation at least one decode step: with --output-len 1 the one output token (its LM
     # head and sampling) is not free (issue #18: $0.00 per million output tokens)
-    frac = pre.time_s / (pre.time_s + max(w.output_len - 1, 1) * dec.time_s)
-    return pre.time_s, dec.time_s, batch * w.output_len / e2e, frac, dec
+    frac = pre.time_s / (pre.time_s + max(n_decode, 1) * dec.time_s)
+    return ttft, dec.time_s, batch * w.output_len / e2e, frac, dec
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,

@@ -21,7 +21,7 @@ import numpy as np
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, step_token_budget
+from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, first_token_decode_step, step_token_budget
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -85,6 +85,9 @@ class _Replica:
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
         self.budget = step_token_budget(chip, cfg)
         self.chunked = chunked_prefill(cfg, chip)
+        # LMDeploy TurboMind prefills all but the prompt's last token; that token's decode step yields the first
+        # output token (serving.yaml engine_first_token_decode_step)
+        self.short = 1 if first_token_decode_step(cfg, chip) else 0
         self.concurrency = concurrency
         self._cache: dict[tuple, float] = {}
 
@@ -118,19 +121,20 @@ class _Replica:
                 done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
-        dec = [r for r in running if r.prefilled >= r.inp]
+        prompt = {id(r): r.inp - self.short for r in running}  # tokens the prefill pass covers
+        dec = [r for r in running if r.prefilled >= prompt[id(r)]]
         budget, chunks = max(self.budget - len(dec), 1), []
         for r in running:
-            if r.prefilled < r.inp and budget > 0:
-                c = min(r.inp - r.prefilled, budget)
-                if not self.chunked and c < r.inp - r.prefilled:
+            if r.prefilled < prompt[id(r)] and budget > 0:
+                c = min(prompt[id(r)] - r.prefilled, budget)
+                if not self.chunked and c < prompt[id(r)] - r.prefilled:
                     # whole prompts only (TensorRT-LLM without chunked context): FCFS, the first prompt that does not
                     # fit ends the step's prefill; the step's first prompt runs whole even past the budget (the
                     # engine's max_num_tokens must admit its longest prompt; and no prompt waits forever behind
                     # the decodes)
                     if chunks:
                         break
-                    c = r.inp - r.prefilled
+                    c = prompt[id(r)] - r.prefilled
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
@@ -140,9 +144,11 @@ class _Replica:
         for r in dec:
             r.generated += 1
             r.times.append(t)
+            if r.first_token < 0:  # the first token from a decode step (engine_first_token_decode_step)
+                r.first_token = t
         for r, c in chunks:
             r.prefilled += c
-            if r.prefilled >= r.inp:  # the prompt's last chunk yields the first token
+            if r.prefilled >= prompt[id(r)] and not self.short:  # the prompt's last chunk yields the first token
                 r.generated, r.first_token = 1, t
                 r.times.append(t)
         for r in running:

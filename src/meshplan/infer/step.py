@@ -12,7 +12,8 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
   T_moe_permute = layers * 2 * tokens * D * (k + 1) * act bytes / (W_hbm * hbm_fraction)  (MoE expand + finalize)
   T_pointwise = layers * tokens * pointwise elements per token * act bytes / (W_hbm * hbm_fraction)  (norms,
-                residual adds, RoPE, activation: the training ledger's pointwise tensors, HBM-bound)
+                residual adds, RoPE, activation: the training ledger's pointwise tensors, HBM-bound; 8·D instead of
+                10·D for the adds and norms where the engine fuses each add into the next RMSNorm)
 The output projection runs only for the rows that sample a token: every decode sequence and the last position of
 each prompt chunk (vLLM LogitsProcessor over logits_indices; TensorRT-LLM gather_context_logits off by default).
 With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
@@ -26,7 +27,7 @@ from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
-from meshplan.infer.config import ServeConfig, serving_constant
+from meshplan.infer.config import ServeConfig, fused_add_norm, serving_constant
 from meshplan.infer.memory import (
     attention_params_per_chip,
     kv_bytes_per_token_per_chip,
@@ -210,7 +211,10 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         # reads the k expert outputs and writes one: 2 * tokens * D * (k + 1) elements per layer. With TP alone
         # every chip permutes every token (the TP split is inside each expert's F dimension)
         permute = Ls * 2.0 * tokens * m.d_model * (m.experts_per_token + 1) * cfg.act_bytes / W
-    pointwise = Ls * tokens * pointwise_elements_per_token(m, cfg.tp) * cfg.act_bytes / W
+    # engines that fuse each residual add into the next RMSNorm move 8·D instead of 10·D (serving.yaml
+    # engine_fused_add_norm)
+    pointwise = Ls * tokens * pointwise_elements_per_token(m, cfg.tp, fused_add_norm=fused_add_norm(cfg, chip)) \
+        * cfg.act_bytes / W
     return {
         "weights": t_w if t_w >= t_mm else 0.0,
         "compute": t_mm if t_mm > t_w else 0.0,

@@ -305,16 +305,20 @@ def kv_cache_elements_per_layer(m: ModelConfig) -> int:
     return m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.kv_dim
 
 
-def pointwise_elements_per_token(m: ModelConfig, tp: float = 1, sp: float = 1) -> float:
+def pointwise_elements_per_token(m: ModelConfig, tp: float = 1, sp: float = 1, fused_add_norm: bool = False) -> float:
     """Elements one token moves through HBM in one layer's pointwise kernels, forward: two RMSNorms (read D, write
     D) and two residual adds (read 2·D, write D), 10·D split sp ways under sequence parallelism; RoPE on q and k
     (read and write (N + K)·H, split over TP); the gated activation (read 2 hidden vectors of F, write one: mult·F
     for each of the k experts a token visits, split over TP). The same tensors as the training ledger's pointwise
     term (train/costmodel.CostModel._pointwise_term); the kernels are HBM-bound (book ch.1: elementwise ops have
-    arithmetic intensity ~1). tp and sp may be numpy arrays."""
+    arithmetic intensity ~1). tp and sp may be numpy arrays.
+    `fused_add_norm`: each residual add runs inside the next RMSNorm's kernel (vLLM fused_add_rms_norm, FlashInfer
+    fused_add_rmsnorm): it reads the sublayer output and the residual and writes the new residual and the normed
+    input, 4·D per norm, 8·D per layer instead of 10·D."""
     mult = 3 if m.gated else 2
     k = m.experts_per_token if m.is_moe else 1
-    return 10 * m.d_model / sp + 2 * (m.n_heads + m.n_kv_heads) * m.head_dim / tp + mult * m.d_ff * k / tp
+    residual_norm = 8 if fused_add_norm else 10
+    return residual_norm * m.d_model / sp + 2 * (m.n_heads + m.n_kv_heads) * m.head_dim / tp + mult * m.d_ff * k / tp
 
 
 # --- activations ---------------------------------------------------------------------------------
