@@ -95,3 +95,20 @@ def test_lmdeploy_in_the_simulator_decodes_the_first_token():
 def test_unknown_engine_is_still_an_error():
     with pytest.raises(MeshplanError, match="unknown engine"):
         check_layout(M7, A100, 1, ServeConfig(engine="turbomind"))
+
+
+def test_lmdeploy_reduces_with_nccl_at_decode():
+    # Llama 2 70B TP4 on A100, one decode token: each all-reduce moves 8192 x 2 B = 16,384 B. The engines' one-shot
+    # kernel: 6 us + 16,384 x 3 / 300 GB/s = 6.16 us; NCCL's ring in the collectives model: 2 x (4 - 1) hops x 3 us
+    # (a100-80gb fast_hop_latency_s) = 18 us, the bandwidth term negligible. Two all-reduces per layer, 80 layers.
+    from meshplan.cost.collectives import group_collective
+    from meshplan.cost.topology import make_cluster
+
+    m70 = load_model("llama2-70b")
+    eff = default_efficiency(A100)
+    ring = group_collective("allreduce", 16384, make_cluster(A100, 4), 4).time_s
+    assert ring == pytest.approx(18e-6, rel=0.02)
+    lmd = stage_parts(m70, A100, ServeConfig(tp=4, engine="lmdeploy"), eff, 1.0, 192.0, 0.0, 0.0)
+    vllm = stage_parts(m70, A100, ServeConfig(tp=4, engine="vllm"), eff, 1.0, 192.0, 0.0, 0.0)
+    assert lmd["collectives"] == pytest.approx(160 * ring, rel=1e-9)
+    assert vllm["collectives"] == pytest.approx(160 * (6e-6 + 16384 * 3 / 300e9), rel=1e-6)

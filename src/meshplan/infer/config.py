@@ -131,6 +131,13 @@ def fused_add_norm(cfg: ServeConfig, chip: Chip) -> bool:
     return bool(_engine_entry("engine_fused_add_norm", cfg.engine, chip))
 
 
+def custom_allreduce(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine reduces small TP messages with its own one-shot all-reduce kernel (vLLM, SGLang, TensorRT-LLM)
+    rather than NCCL alone (serving.yaml engine_custom_allreduce; default: it does)."""
+    hit = _engine_entry("engine_custom_allreduce", cfg.engine, chip)
+    return True if hit is None else bool(hit)
+
+
 def first_token_decode_step(cfg: ServeConfig, chip: Chip) -> bool:
     """Whether the engine's prefill pass stops one token short and the first output token comes from the next decode
     step (serving.yaml engine_first_token_decode_step: LMDeploy TurboMind's context decoder); default: the prefill

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
-from meshplan.infer.config import ServeConfig, fused_add_norm, serving_constant
+from meshplan.infer.config import ServeConfig, custom_allreduce, fused_add_norm, serving_constant
 from meshplan.infer.memory import (
     attention_params_per_chip,
     kv_bytes_per_token_per_chip,
@@ -105,14 +105,15 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> floa
 
 def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
     """All-reduce over `group` TP chips: the collectives model (ring/SHARP/torus with hop latency), or on GPUs
-    the engines' one-shot kernel for small messages (each GPU reads group-1 peer buffers over NVLink)."""
+    the engines' one-shot kernel for small messages (each GPU reads group-1 peer buffers over NVLink), where the engine
+    has one (serving.yaml engine_custom_allreduce: LMDeploy TurboMind v0.1 reduces with NCCL only)."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     from meshplan.cost.collectives import group_collective
     from meshplan.cost.topology import make_cluster
 
     t = group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
-    if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size \
+    if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size and custom_allreduce(cfg, chip) \
             and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
         one_shot = serving_constant("custom_allreduce_latency_s", chip) \
             + nbytes * (group - 1) / chip.links.nvlink_bandwidth_bytes_per_s
