@@ -104,21 +104,27 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> floa
 
 
 def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
-    """All-reduce over `group` TP chips: the collectives model (ring/SHARP/torus with hop latency), or on GPUs
-    the engines' one-shot kernel for small messages (each GPU reads group-1 peer buffers over NVLink), where the engine
-    has one (serving.yaml engine_custom_allreduce: LMDeploy TurboMind v0.1 reduces with NCCL only)."""
+    """All-reduce over `group` TP chips. On GPUs inside one NVLink domain, a message up to custom_allreduce_max_bytes
+    goes to the engine's own kernel whenever it is eligible, not to NCCL (vLLM GroupCoordinator.all_reduce tries
+    CustomAllreduce.should_custom_ar before pynccl; TensorRT-LLM AllReduceStrategy.AUTO), where the engine has one
+    (serving.yaml engine_custom_allreduce: LMDeploy TurboMind v0.1 reduces with NCCL only). The kernel is one-shot
+    (each GPU reads group-1 peer buffers over NVLink, one synchronisation) or, for large messages, two-shot
+    (reduce-scatter then all-gather: 2(group-1)/group of the bytes over NVLink, two synchronisations; NVIDIA blog
+    '3x Faster AllReduce with NVSwitch and TensorRT-LLM MultiShot', 2024; vLLM custom_all_reduce.cuh 1stage/2stage),
+    whichever is faster. Otherwise the collectives model (ring/SHARP/torus with hop latency)."""
     if group <= 1 or nbytes <= 0:
         return 0.0
+    if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size and custom_allreduce(cfg, chip) \
+            and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
+        lat = serving_constant("custom_allreduce_latency_s", chip)
+        W = chip.links.nvlink_bandwidth_bytes_per_s * serving_constant("custom_allreduce_nvlink_fraction", chip)
+        one_shot = lat + nbytes * (group - 1) / W
+        two_shot = 2 * lat + 2 * nbytes * (group - 1) / group / W
+        return min(one_shot, two_shot)
     from meshplan.cost.collectives import group_collective
     from meshplan.cost.topology import make_cluster
 
-    t = group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
-    if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size and custom_allreduce(cfg, chip) \
-            and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
-        one_shot = serving_constant("custom_allreduce_latency_s", chip) \
-            + nbytes * (group - 1) / chip.links.nvlink_bandwidth_bytes_per_s
-        t = min(t, one_shot)
-    return t
+    return group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
 
 
 def _alltoall_s(chip: Chip, nbytes: float, group: int) -> float:
