@@ -93,3 +93,13 @@ def test_cli_attention_kernel_flag(capsys) -> None:
         steps[kernel] = json.loads(out)["plans"][0]["step_time_s"]
     # the same layouts with a slower kernel can only be slower: FA3 > flash-attn's FA2 > SDPA's on Hopper
     assert steps["sdpa"] > steps["fa2"] > fused
+
+
+@pytest.mark.parametrize("chip", ["h200", "h800"])
+def test_gh100_parts_share_h100_kernel_efficiencies(chip: str) -> None:
+    """H200 and H800 are the GH100 SXM die at H100's SMs, clocks and 700 W (NVIDIA datasheets: 989 TFLOP/s dense
+    BF16 on all three); only HBM and NVLink differ, so every compute-kernel efficiency equals H100 SXM's."""
+    h100 = default_efficiency(load_chip("h100-sxm"))
+    other = default_efficiency(load_chip(chip))
+    assert load_chip(chip).peak("bf16") == load_chip("h100-sxm").peak("bf16")
+    assert other.matmul_peak_fraction == h100.matmul_peak_fraction
