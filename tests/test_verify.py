@@ -53,12 +53,10 @@ CASES = {
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-# Known residuals (docs/verify.md), each a strict xfail so that a fix shows up as a failure to update:
-# DP×CP gradients: XLA all-reduces the layers' gradients over `context` and then again over `data` (two full-size
-# steps); the planner's ledger has one all-reduce over data+context, the optimal schedule Megatron runs.
-COLLECTIVE_RESIDUALS = {("dp2_tp2_cp2", "all-reduce"),
-                        # the program all-reduces the 4-byte loss once per micro-batch under ZeRO-2 (8 B, ledger 4)
-                        ("zero2_dp8_2mb", "all-reduce")}
+# Known residuals (docs/verify.md), each a strict xfail so that a fix shows up as a failure to update. None left:
+# DP×CP's two-step gradient all-reduce is folded as XLA's GPU/TPU AllReduceFolder folds it (measure/hlo.py), and the
+# ZeRO-2 program reduces its loss once a step, as XLA's TPU compiler does for MaxText's scanned accumulation.
+COLLECTIVE_RESIDUALS: set[tuple[str, str]] = set()
 # (the SPMD pipeline's bubble FLOPs, replicated embedding/head and `stage` all-reduce are in the maxtext/jax ledger
 # since Options.pp_spmd_loop: no FLOP residual is left)
 FLOP_RESIDUALS: set[str] = set()
@@ -125,7 +123,7 @@ def test_matmul_flops_within_2_percent(results, case):
 def _kind_params():
     for case in CASES:
         for kind in KINDS:
-            marks = [pytest.mark.xfail(strict=True, reason="XLA reduces CP gradients in two full-size steps")] \
+            marks = [pytest.mark.xfail(strict=True, reason="known collective residual (docs/verify.md)")] \
                 if (case, kind) in COLLECTIVE_RESIDUALS else []
             yield pytest.param(case, kind, marks=marks, id=f"{case}-{kind}")
 

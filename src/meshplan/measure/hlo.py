@@ -229,6 +229,34 @@ def _collective_bytes(kind: str, op: str, shape: str, group: int) -> tuple[str, 
     return (arrs[0][0] if arrs else "?"), float(total)
 
 
+def _folded_all_reduces(instrs: dict[str, Instr], users: dict[str, list[Instr]]) -> dict[str, tuple[str, list[int]]]:
+    """all-reduce A → (the all-reduce B it feeds, B's operand indices that read A): B reduces A's results again
+    (directly, or each through a get-tuple-element of a tuple all-reduce) and nothing else reads them, so each
+    such array is reduced once over the union of both groups. The GSPMD partitioner emits these chains for a dot
+    whose contracted dims are sharded over two mesh axes (batch over `data`, sequence over `context`), and XLA's
+    GPU and TPU pipelines fold them right after partitioning, before any combiner (AllReduceFolder,
+    xla/hlo/transforms/simplifiers/all_reduce_folder.cc, first in gpu_compiler.cc's "collective-optimizations"
+    pipeline); the CPU pipeline does not, and its all-reduce combiner may then put them in tuples with others."""
+    out: dict[str, tuple[str, list[int]]] = {}
+    for b in instrs.values():
+        if b.op != "all-reduce":
+            continue
+        srcs: dict[str, list[int]] = {}
+        for i, o in enumerate(b.operands):
+            src = instrs.get(o)
+            if src is not None and src.op == "get-tuple-element":
+                src = instrs.get(src.operands[0]) if src.operands else None
+            if src is not None and src.op == "all-reduce" and src.name != b.name:
+                srcs.setdefault(src.name, []).append(i)
+        for a_name, idx in srcs.items():
+            readers = users.get(a_name, [])
+            if len(idx) == len(arrays(instrs[a_name].shape)) and all(
+                    u.name == b.name or (u.op == "get-tuple-element"
+                                         and [x.name for x in users.get(u.name, [])] == [b.name]) for u in readers):
+                out[a_name] = (b.name, idx)
+    return out
+
+
 def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...],
                       fold_reduce_scatter: bool = True) -> list[Collective]:
     """Every collective in the module. `coords`: device id → mesh coordinates of that device.
@@ -236,13 +264,16 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
     With `fold_reduce_scatter`, an all-reduce whose results are only dynamic-sliced to 1/n per device is
     reported as a reduce-scatter with note "all-reduce+dynamic-slice": the GSPMD partitioner emits that pair
     and XLA's GPU/TPU pipelines fuse it into a reduce-scatter (ReduceScatterCreator); the CPU pipeline does
-    not, so the CPU program moves twice the bytes a real reduce-scatter would."""
+    not, so the CPU program moves twice the bytes a real reduce-scatter would. Likewise an all-reduce of an
+    all-reduce's results is reported as one all-reduce over both groups' axes, note "all-reduce+all-reduce"
+    (AllReduceFolder, see `_folded_all_reduces`)."""
     instrs = parse_module(hlo_text)
     users = _users(instrs) if fold_reduce_scatter else {}
+    folded = _folded_all_reduces(instrs, users) if fold_reduce_scatter else {}
     out = []
     for ins in instrs.values():
         kind = _kind(ins.op)
-        if not kind:
+        if not kind or ins.name in folded:
             continue
         groups = replica_groups(ins.rest, len(coords))
         gsize = 2 if kind == "collective-permute" else groups.shape[1]
@@ -250,10 +281,21 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
         meta = re.search(r'op_name="([^"]*)"', ins.rest)
         axes = group_axes(groups, coords, axis_names)
         rec = Collective(kind, ins.name, dtype, nbytes, gsize, axes, meta.group(1) if meta else "")
+        for a_name, (b_name, idx) in folded.items():
+            if b_name != ins.name:
+                continue
+            # the arrays that an all-reduce already reduced: one all-reduce over the axes of both groups
+            first = replica_groups(instrs[a_name].rest, len(coords))
+            inner = set(group_axes(first, coords, axis_names))
+            arrs = arrays(ins.shape)
+            part = float(sum(DTYPE_BYTES[arrs[i][0]] * math.prod(arrs[i][1]) for i in idx))
+            out.append(replace(rec, bytes=part, group_size=gsize * first.shape[1], note="all-reduce+all-reduce",
+                               axes=tuple(a for a in axis_names if a in inner or a in axes)))
+            rec = replace(rec, bytes=rec.bytes - part)
         scattered = _scattered_bytes(ins, gsize, instrs, users) if kind == "all-reduce" and fold_reduce_scatter else 0
-        if scattered:
+        if scattered and scattered <= rec.bytes:
             out.append(replace(rec, kind="reduce-scatter", bytes=scattered, note="all-reduce+dynamic-slice"))
-            rec = replace(rec, bytes=nbytes - scattered)
+            rec = replace(rec, bytes=rec.bytes - scattered)
         if rec.bytes > 0:
             out.append(rec)
     return out

@@ -593,8 +593,10 @@ def embed_tokens(params: Params, tokens: jax.Array, sh: Sharder) -> jax.Array:
     return embed_lookup(params["embed"], tokens, sh)
 
 
-def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
-    """Final norm, output projection (tied or not) and mean next-token cross-entropy. x [B,T,D]."""
+def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConfig, sh: Sharder,
+              per_token: bool = False) -> jax.Array:
+    """Final norm, output projection (tied or not) and mean next-token cross-entropy. x [B,T,D]. `per_token`:
+    the [B,T] cross-entropies instead of their mean."""
     x = rmsnorm(x, gather_weight(params["final_norm"], ("embed",), sh))
     x = sh.constrain(x, ("batch", "seq", "act_embed"))
     emb = gather_weight(params["embed"], ("vocab", "embed"), sh)
@@ -602,7 +604,7 @@ def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConf
     logits = sh.constrain(x @ w_out, ("batch", "seq", "act_vocab")).astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - target)
+    return logz - target if per_token else jnp.mean(logz - target)
 
 
 def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized") -> Callable:
@@ -611,13 +613,14 @@ def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = 
 
 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
-            recompute: str, attention: str = "materialized") -> jax.Array:
-    """Mean next-token cross-entropy over the global batch. batch: tokens/targets [B,T] int32, pos [T]."""
+            recompute: str, attention: str = "materialized", per_token: bool = False) -> jax.Array:
+    """Mean next-token cross-entropy over the global batch (`per_token`: the [B,T] cross-entropies). batch:
+    tokens/targets [B,T] int32, pos [T]."""
     x = embed_tokens(params, batch["tokens"], sh)
     layer = _layer_fn(model, sh, recompute, attention)
     for lp in params["layers"]:
         x = layer(lp, x, batch["pos"])
-    return head_loss(params, x, batch["targets"], model, sh)
+    return head_loss(params, x, batch["targets"], model, sh, per_token)
 
 
 def split_microbatches(x: jax.Array, n_micro: int, shards: int, sh: Sharder, dims: tuple[str | None, ...]) -> jax.Array:
@@ -806,6 +809,18 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         return loss_fn(params, batch, model, sh, layout.recompute, attention)
 
+    def micro_loss(params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(mean loss to differentiate, the per-token losses). With several micro-batches the step's loss is the
+        mean of their per-token losses, reduced across devices once: the differentiated means are never read, so
+        their all-reduces are dead code. XLA's GPU/TPU compilers reduce the loss once a step anyway (an unrolled sum
+        of all-reduces is reassociated into one, AllReduceReassociate; MaxText's scanned sum is moved out of the
+        loop, WhileLoopAllReduceCodeMotion: both checked by compiling for a TPU v5e topology, docs/verify.md); the
+        CPU compiler runs neither and would reduce it once per micro-batch."""
+        if compute_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        xent = loss_fn(params, batch, model, sh, layout.recompute, attention, per_token=True)
+        return jnp.mean(xent), xent
+
     def replica_loss(params: Params, batch: dict[str, jax.Array], n: int, shards: int) -> jax.Array:
         """Loss over the (local) batch: pipelined, or the mean over n micro-batches."""
         if layout.pp > 1:
@@ -816,6 +831,13 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
             return one_loss(params, batch)
         tok, tgt = (split_microbatches(batch[k], n, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
         return sum(one_loss(params, {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}) for i in range(n)) / n
+
+    def accumulated_loss(params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The partitioner's accumulation over M micro-batches: (mean of the micro-batches' mean losses, their
+        per-token losses [M, ...]); see `micro_loss`."""
+        tok, tgt = (split_microbatches(batch[k], M, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
+        parts = [micro_loss(params, {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}) for i in range(M)]
+        return sum(p[0] for p in parts) / M, jnp.stack([p[1] for p in parts])
 
     # ZeRO-1: the dim of each gradient that is reduce-scattered over `data` (None: all-reduced, not split)
     zero_dim = jax.tree.map(lambda z: next((i for i, e in enumerate(z.spec) if "data" in _axes(e)), None), zero_sh,
@@ -844,12 +866,17 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
             loss, grads = data_manual_grads(params, batch)
         elif zero == 2 and M > 1 and layout.pp == 1:
             tok, tgt = (split_microbatches(batch[k], M, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
-            loss, grads = 0.0, None
+            xents, grads = [], None
             for i in range(M):
                 mb = {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}
-                li, gi = jax.value_and_grad(one_loss)(params, mb)
+                gi, xi = jax.grad(micro_loss, has_aux=True)(params, mb)
                 gi = jax.tree.map(lambda g: g / M, to(gi, zero_sh))
-                loss, grads = loss + li / M, gi if grads is None else jax.tree.map(jnp.add, grads, gi)
+                xents.append(xi)
+                grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)
+            loss = jnp.mean(jnp.stack(xents))
+        elif M > 1 and layout.pp == 1:
+            grads, xents = jax.grad(accumulated_loss, has_aux=True)(params, batch)
+            loss = jnp.mean(xents)
         else:
             loss, grads = jax.value_and_grad(replica_loss)(params, batch, M, shards)
         if zero:

@@ -305,7 +305,8 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         "model": model.as_dict(), "layout": layout.as_dict(), "devices": layout.devices, "seq_len": seq_len,
         "global_batch": global_batch, "rows": compare(ledger_quantities(ledger), measured), "ledger": ledger,
         "collectives": summarize_collectives(colls),
-        "reduce_scatters_from_all_reduce": sum(1 for c in colls if c.note),
+        "reduce_scatters_from_all_reduce": sum(1 for c in colls if c.note == "all-reduce+dynamic-slice"),
+        "all_reduces_folded": sum(1 for c in colls if c.note == "all-reduce+all-reduce"),
         "dtypes": _dtype_note(colls, BYTES_PER_ELEMENT), "compile_s": compile_s,
     }
     if layout.cp > 1:

@@ -235,6 +235,10 @@ class Options:
     # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's checkpoint
     # (Megatron, torchtitan) reruns the whole checkpointed function. On for maxtext/jax (train/frameworks.py).
     remat_dce: bool = False
+    # XLA folds an all-reduce of an all-reduce's result into one over both groups (AllReduceFolder, run by the GPU and
+    # TPU compilers right after SPMD partitioning): the norm scales' gradients, partial over `tensor`/`context` and
+    # over the replicas, are reduced in one step. On for maxtext/jax; Megatron reduces them over TP, then over DP.
+    fold_all_reduces: bool = False
     # optimizer offload with ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021 §4.2): the host's
     # part of step i overlaps step i+1's compute; off unless asked for (the weights then lag the gradients one step)
     offload_delayed_update: bool = False
@@ -678,8 +682,9 @@ class CostModel:
         # the other gradients' reduction over the replicas (the JAX program: `pipeline_layers`, verify PP×CP×TP)
         alone = np.where(sp & self._spmd_pp(g), 2 * nl * c["D"] * self.opt.grad_reduce_bytes, 0.0)
         led.collective("all_reduce", axes, alone)
-        led.collective("all_reduce", [("context", self._norm_context(g)), ("tensor", tp)],
-                       np.where(sp, norms, 0.0) - alone)
+        data, expert = self._norm_replicas(L, g)
+        led.collective("all_reduce", [("data", data), ("expert", expert), ("context", self._norm_context(g)),
+                                      ("tensor", tp)], np.where(sp, norms, 0.0) - alone)
 
     def _spmd_pp(self, g: dict):
         """The layers run in MaxText's SPMD pipeline loop (Options.pp_spmd_loop with pp > 1)."""
@@ -688,6 +693,20 @@ class CostModel:
     def _norm_context(self, g: dict):
         """Size of the context group the norm gradients are reduced over together with `tensor` (1 = not)."""
         return np.where(g["sp"] & (g["shard"] <= 1), g["cp"], 1.0)
+
+    def _replica_axes(self, g: dict) -> tuple:
+        """(data, expert) sizes of the replica group in mesh axes: the planner's dp holds the expert ranks (carved
+        out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients."""
+        ep = g["ep"]
+        carved = (g["dp"] % ep == 0) & (ep > 1)
+        return np.where(carved, g["dp"] / ep, g["dp"]), np.where(carved, ep, 1.0)
+
+    def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
+        """(data, expert) sizes that join the context+tensor reduction of the norm scales' gradients: all replicas
+        under `fold_all_reduces` (ZeRO-0, CP×TP), else none."""
+        data, expert = self._replica_axes(g)
+        fold = self.opt.fold_all_reduces & (self._norm_context(g) > 1) & (L.zero == 0)
+        return np.where(fold, data, 1.0), np.where(fold, expert, 1.0)
 
     def _kv_bytes(self, g: dict):
         """Bytes of one micro-batch's local K and V on one TP rank (GQA-sized; MHA-sized when PyTorch's CP repeats
@@ -952,20 +971,25 @@ class CostModel:
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
         out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
-        data = np.where(carved, g["dp"] / ep, g["dp"])
+        data = self._replica_axes(g)[0]
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
-        # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only
+        # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only (or
+        # there with the rest too, `fold_all_reduces`)
         pc = self.pc
         layer_norms = np.where(self._spmd_pp(g), 0.0, g["layers_stage"] * pc.per_layer_norms)  # see _tp_terms
         norms = np.where((self._norm_context(g) > 1) & (zero == 0), layer_norms + pc.final_norm, 0.0)
         expert_ax = ("expert", np.where(carved, ep, 1))
+        fold_data, fold_expert = self._norm_replicas(L, g)
+        folded = np.where(fold_data * fold_expert > 1, norms, 0.0)
         for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
-                           (expert, [("data", data), ctx]), (norms, [("data", data), expert_ax])):
+                           (expert, [("data", data), ctx]), (norms - folded, [("data", data), expert_ax])):
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
             led.collective("reduce_scatter", axes, np.where(zero >= 1, n_reduce * o.grad_reduce_bytes * part, 0.0))
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
-        # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens; it is issued
-        # after the forward and read only for logging, so it runs behind the backward (no seconds)
+        # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens, once a step also
+        # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
+        # compiler moves the carried all-reduce out of the loop: one all-reduce, verify's TPU AOT check); it is
+        # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
                                       ("context", g["cp"])], 4.0)
 

@@ -48,7 +48,7 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
     # (layers/pipeline.py, layers/decoders.py; Options.pp_spmd_loop)
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True,
-                    pp_spmd_loop=True),
+                    pp_spmd_loop=True, fold_all_reduces=True),
     # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
     # per pointwise op, an eager loss on fp32 logits, attention through PyTorch SDPA (transformers' default
     # attn_implementation); `overlap_comm` (zero_optimization) buckets the gradient reduction behind the backward
