@@ -176,6 +176,21 @@ def test_cp_tp_norm_gradients_reduce_over_context_and_tensor():
     assert c["all_reduce/context"] == 4 * (params_local - 1280) + 4
 
 
+def test_dp_cp_tp_norm_gradients_fold_into_one_all_reduce_under_xla():
+    """DP2×CP2×TP2 with SP: the 5 norm scales' fp32 gradients (5120 B) are partial over data, context and tensor.
+    XLA's GPU/TPU compilers fold the partitioner's context+tensor then data all-reduces into one
+    (`fold_all_reduces`, on for maxtext/jax): 5120 B over data+context+tensor; Megatron reduces them over
+    context+tensor, then over `data` (5120 B each). The other gradients go over data+context either way."""
+    cfg = ParallelConfig(dp=2, cp=2, tp=2, microbatch=8)
+    jax_c = ledger(cfg, options=framework_options("jax", Options(), {}))["collective_bytes"]
+    assert jax_c["all_reduce/data+context+tensor"] == 5120
+    assert "all_reduce/context+tensor" not in jax_c and "all_reduce/data" not in jax_c
+    meg = ledger(cfg, options=framework_options("megatron", Options(cp_impl="allgather"), {}))["collective_bytes"]
+    assert meg["all_reduce/context+tensor"] == 5120 and meg["all_reduce/data"] == 5120
+    assert "all_reduce/data+context+tensor" not in meg
+    assert jax_c["all_reduce/data+context"] == meg["all_reduce/data+context"]
+
+
 def test_maxtext_spmd_pipeline_computes_its_bubble_and_replicates_the_head():
     """PP2 × DP4, micro-batch 1, framework jax (MaxText's SPMD loop, fp32): M = 16 / 4 = 4 micro-batches of 128
     tokens run M + p − 1 = 5 iterations on every stage (one layer each): 6 · 128 · 589824 · 5 = 2264924160 layer

@@ -270,6 +270,32 @@ ENTRY %main (p: f32[4,8]) -> f32[4,8] {
     assert colls["reduce-scatter"].axes == ("data",) and colls["reduce-scatter"].bytes == 4 * 8 * 4
 
 
+def test_hlo_folds_an_all_reduce_of_an_all_reduce():
+    """measure/hlo.py folds an all-reduce chain as XLA's GPU/TPU AllReduceFolder does. Mesh (data=4, stage=2),
+    id = 2·data + stage: %a reduces (f32[4,8], f32[]) over `stage` ({0,1},...); %b reduces both results again over
+    `data` ({0,2,4,6},{1,3,5,7}) together with an f32[2] of its own (the CPU combiner's tuple). Folded: one
+    all-reduce over data+stage of 4·32 + 4 = 132 B (group 2 × 4 = 8), and the f32[2] over `data` alone (8 B)."""
+    from meshplan.measure.hlo import parse_collectives
+
+    hlo = """HloModule m
+ENTRY %main (p: f32[4,8], q: f32[], r: f32[2]) -> (f32[4,8], f32[], f32[2]) {
+  %p = f32[4,8]{1,0} parameter(0)
+  %q = f32[] parameter(1)
+  %r = f32[2]{0} parameter(2)
+  %a = (f32[4,8]{1,0}, f32[]) all-reduce(%p, %q), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %g0 = f32[4,8]{1,0} get-tuple-element(%a), index=0
+  %g1 = f32[] get-tuple-element(%a), index=1
+  ROOT %b = (f32[4,8]{1,0}, f32[], f32[2]{0}) all-reduce(%g0, %g1, %r), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+}
+"""
+    coords = {2 * d + s: (d, s) for d in range(4) for s in range(2)}
+    colls = parse_collectives(hlo, coords, ("data", "stage"))
+    got = sorted((c.axes, c.bytes, c.group_size, c.note) for c in colls)
+    assert got == [(("data",), 8.0, 4, ""), (("data", "stage"), 132.0, 8, "all-reduce+all-reduce")]
+    unfolded = parse_collectives(hlo, coords, ("data", "stage"), fold_reduce_scatter=False)
+    assert sorted((c.axes, c.bytes) for c in unfolded) == [(("data",), 140.0), (("stage",), 132.0)]
+
+
 def test_layout_micro_batches_and_zero3():
     """Pure Python: the planner's micro-batch (sequences per micro-batch per batch shard) and ZeRO-3."""
     from meshplan.errors import MeshplanError
