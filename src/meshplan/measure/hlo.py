@@ -166,6 +166,31 @@ def parse_module(hlo_text: str) -> dict[str, Instr]:
     return instrs
 
 
+def trip_counts(instrs: dict[str, Instr]) -> dict[str, float]:
+    """computation → how many times it runs per step: a while loop's body (and what it calls) runs its
+    `known_trip_count` times (XLA's backend_config, e.g. a `lax.scan` over micro-batches), nested loops
+    multiply; every other computation once. The HLO text lists each instruction once, so per-step bytes and
+    FLOPs are the instruction's times its computation's count."""
+    calls: dict[str, list[tuple[str, float]]] = {}
+    for ins in instrs.values():
+        n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.rest) if ins.op == "while" else None
+        for attr, callee in re.findall(r"\b(calls|to_apply|body|condition|branch_computations)=%([\w.\-]+)", ins.rest):
+            calls.setdefault(ins.computation, []).append((callee, float(n.group(1)) if n and attr == "body" else 1.0))
+    count: dict[str, float] = {}
+
+    def visit(comp: str, k: float) -> None:
+        if count.get(comp, 0.0) >= k:
+            return
+        count[comp] = k
+        for callee, n in calls.get(comp, []):
+            visit(callee, k * n)
+
+    called = {c for cs in calls.values() for c, _ in cs}
+    for comp in {i.computation for i in instrs.values()} - called:
+        visit(comp, 1.0)
+    return count
+
+
 def _users(instrs: dict[str, Instr]) -> dict[str, list[Instr]]:
     users: dict[str, list[Instr]] = {}
     for ins in instrs.values():
@@ -270,6 +295,7 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
     instrs = parse_module(hlo_text)
     users = _users(instrs) if fold_reduce_scatter else {}
     folded = _folded_all_reduces(instrs, users) if fold_reduce_scatter else {}
+    runs = trip_counts(instrs)
     out = []
     for ins in instrs.values():
         kind = _kind(ins.op)
@@ -280,6 +306,7 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
         dtype, nbytes = _collective_bytes(kind, ins.op, ins.shape, gsize)
         meta = re.search(r'op_name="([^"]*)"', ins.rest)
         axes = group_axes(groups, coords, axis_names)
+        nbytes *= runs.get(ins.computation, 1.0)
         rec = Collective(kind, ins.name, dtype, nbytes, gsize, axes, meta.group(1) if meta else "")
         for a_name, (b_name, idx) in folded.items():
             if b_name != ins.name:
@@ -288,11 +315,12 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
             first = replica_groups(instrs[a_name].rest, len(coords))
             inner = set(group_axes(first, coords, axis_names))
             arrs = arrays(ins.shape)
-            part = float(sum(DTYPE_BYTES[arrs[i][0]] * math.prod(arrs[i][1]) for i in idx))
+            part = float(sum(DTYPE_BYTES[arrs[i][0]] * math.prod(arrs[i][1]) for i in idx)) * runs.get(ins.computation, 1)
             out.append(replace(rec, bytes=part, group_size=gsize * first.shape[1], note="all-reduce+all-reduce",
                                axes=tuple(a for a in axis_names if a in inner or a in axes)))
             rec = replace(rec, bytes=rec.bytes - part)
-        scattered = _scattered_bytes(ins, gsize, instrs, users) if kind == "all-reduce" and fold_reduce_scatter else 0
+        scattered = (_scattered_bytes(ins, gsize, instrs, users) * runs.get(ins.computation, 1.0)
+                     if kind == "all-reduce" and fold_reduce_scatter else 0)
         if scattered and scattered <= rec.bytes:
             out.append(replace(rec, kind="reduce-scatter", bytes=scattered, note="all-reduce+dynamic-slice"))
             rec = replace(rec, bytes=rec.bytes - scattered)
@@ -302,24 +330,19 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
 
 
 def dot_flops(hlo_text: str) -> float:
-    """2 × (result elements) × (contracted size) summed over every dot, fused or not (book ch.4)."""
-    shapes: dict[str, str] = {}
-    dots: list[tuple[str, str]] = []
-    for line in hlo_text.splitlines():
-        parts = _split_instr(line)
-        if not parts:
-            continue
-        name, shape, op, rest = parts
-        shapes[name] = shape
-        if op == "dot":
-            dots.append((shape, rest))
+    """2 × (result elements) × (contracted size) summed over every dot, fused or not, times the runs of its
+    computation (`trip_counts`: a dot in a loop body counts once per iteration) (book ch.4)."""
+    instrs = parse_module(hlo_text)
+    runs = trip_counts(instrs)
     total = 0.0
-    for shape, rest in dots:
-        lhs = re.match(r"\s*(?:[a-z0-9]+\[[\d,]*\]\{[\d,]*\}\s+)?%([\w.\-]+)", rest)
-        cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-        lhs_dims = arrays(shapes.get(lhs.group(1), "") if lhs else "")
+    for ins in instrs.values():
+        if ins.op != "dot" or not ins.operands:
+            continue
+        lhs = instrs.get(ins.operands[0])
+        cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+        lhs_dims = arrays(lhs.shape if lhs else "")
         if not lhs_dims:
             continue
         contracted = math.prod(lhs_dims[0][1][i] for i in _ints(cdims.group(1))) if cdims else 1
-        total += 2.0 * math.prod(arrays(shape)[0][1]) * contracted
+        total += 2.0 * math.prod(arrays(ins.shape)[0][1]) * contracted * runs.get(ins.computation, 1.0)
     return total

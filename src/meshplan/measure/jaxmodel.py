@@ -786,11 +786,12 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
     backward accumulates M gradients. With M > 1 on a pure data-parallel mesh (dp, no tp/cp/fsdp/ep) the
     forward and backward run in a shard_map that makes `data` manual: each replica accumulates its local
     gradients and they are all-reduced (pmean) over `data` once, as DDP's no_sync accumulation does. With
-    other axes the partitioner accumulates, and reduces the gradients after every micro-batch. (The
+    other axes the partitioner accumulates in a `lax.scan` over the micro-batches (`accumulate`, MaxText's
+    form), and reduces the gradients after every micro-batch. (The
     pipeline makes `data` manual the same way.)
     ZeRO (zero_sh: the optimizer's sharding over `data`; Rajbhandari et al. 2020): ZeRO-1 reduce-scatters the
     accumulated gradients once; ZeRO-2 keeps a 1/dp gradient accumulator, reduce-scattering each
-    micro-batch's gradients into it (M passes under the partitioner); both update the 1/dp shard of the
+    micro-batch's gradients into it (M passes of the scan); both update the 1/dp shard of the
     parameters and all-gather it."""
     M, shards = layout.n_micro(global_batch), layout.batch_shards
     dp = layout.dp
@@ -832,12 +833,23 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
         tok, tgt = (split_microbatches(batch[k], n, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
         return sum(one_loss(params, {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}) for i in range(n)) / n
 
-    def accumulated_loss(params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """The partitioner's accumulation over M micro-batches: (mean of the micro-batches' mean losses, their
-        per-token losses [M, ...]); see `micro_loss`."""
+    def accumulate(params: Params, batch: dict[str, jax.Array], grad_sh: Params) -> tuple[jax.Array, Params]:
+        """Gradient accumulation under the partitioner, as MaxText's `train_step` runs it: a `lax.scan` over the M
+        micro-batches whose carry is the gradient sum (each micro-batch's gradients laid out as `grad_sh`: the
+        parameters', or ZeRO-2's 1/dp shard, so they are reduced, or reduce-scattered, every micro-batch). The scan
+        runs one micro-batch's forward and backward at a time; an unrolled loop lets the scheduler overlap them.
+        Returns (the step's loss: the mean of the per-token losses, reduced once; see `micro_loss`, the mean
+        gradients)."""
         tok, tgt = (split_microbatches(batch[k], M, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
-        parts = [micro_loss(params, {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}) for i in range(M)]
-        return sum(p[0] for p in parts) / M, jnp.stack([p[1] for p in parts])
+
+        def one(acc: Params, mb: tuple[jax.Array, jax.Array]) -> tuple[Params, jax.Array]:
+            gi, xent = jax.grad(micro_loss, has_aux=True)(params, {"tokens": mb[0], "targets": mb[1],
+                                                                    "pos": batch["pos"]})
+            return jax.tree.map(lambda a, g: a + g / M, acc, to(gi, grad_sh)), xent
+
+        zeros = to(jax.tree.map(jnp.zeros_like, params), grad_sh)
+        grads, xents = jax.lax.scan(one, zeros, (tok, tgt))
+        return jnp.mean(xents), grads
 
     # ZeRO-1: the dim of each gradient that is reduce-scattered over `data` (None: all-reduced, not split)
     zero_dim = jax.tree.map(lambda z: next((i for i, e in enumerate(z.spec) if "data" in _axes(e)), None), zero_sh,
@@ -864,19 +876,8 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
     def step(params, opt, batch):
         if manual_data:
             loss, grads = data_manual_grads(params, batch)
-        elif zero == 2 and M > 1 and layout.pp == 1:
-            tok, tgt = (split_microbatches(batch[k], M, shards, sh, ("batch", "seq")) for k in ("tokens", "targets"))
-            xents, grads = [], None
-            for i in range(M):
-                mb = {"tokens": tok[i], "targets": tgt[i], "pos": batch["pos"]}
-                gi, xi = jax.grad(micro_loss, has_aux=True)(params, mb)
-                gi = jax.tree.map(lambda g: g / M, to(gi, zero_sh))
-                xents.append(xi)
-                grads = gi if grads is None else jax.tree.map(jnp.add, grads, gi)
-            loss = jnp.mean(jnp.stack(xents))
         elif M > 1 and layout.pp == 1:
-            grads, xents = jax.grad(accumulated_loss, has_aux=True)(params, batch)
-            loss = jnp.mean(xents)
+            loss, grads = accumulate(params, batch, zero_sh if zero == 2 else param_sh)
         else:
             loss, grads = jax.value_and_grad(replica_loss)(params, batch, M, shards)
         if zero:
