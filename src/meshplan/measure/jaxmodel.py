@@ -316,6 +316,27 @@ def gather_seq(h: jax.Array, sh: Sharder) -> jax.Array:
     return sh.constrain(h, ("batch", "seq", "act_embed"))
 
 
+@jax.custom_vjp
+def softmax_last(s: jax.Array) -> jax.Array:
+    """Softmax over the last axis whose backward reads only its output, ds = y·(dy − Σ dy·y), as fused softmax
+    kernels do (Megatron's `ScaledUpperTriangMaskedSoftmax` saves its output alone; Korthikanti et al. 2022 §4
+    count that one score-sized tensor). `jax.nn.softmax` differentiated under a save-everything checkpoint keeps
+    the exponentials as well as the output: two [b, N, s, s] residuals a layer."""
+    return jax.nn.softmax(s, axis=-1)
+
+
+def _softmax_fwd(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    y = jax.nn.softmax(s, axis=-1)
+    return y, y
+
+
+def _softmax_bwd(y: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    return (y * (dy - jnp.sum(dy * y, axis=-1, keepdims=True)),)
+
+
+softmax_last.defvjp(_softmax_fwd, _softmax_bwd)
+
+
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array) -> jax.Array:
     """Causal GQA softmax attention, materialised (no flash kernel). q [B,Tq,N,H], k/v [B,Tk,K,H];
     the mask compares absolute positions, so it is right for any token order (CP load balancing)."""
@@ -326,7 +347,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, p
     s = s * (H ** -0.5)
     mask = pos_q[:, None] >= pos_k[None, :]
     s = jnp.where(mask[None, None, None], s, jnp.finfo(s.dtype).min)
-    p = jax.nn.softmax(s, axis=-1)
+    p = softmax_last(s)
     return jnp.einsum("bkgqs,bskh->bqkgh", p, v).reshape(B, Tq, N, H)
 
 
