@@ -60,9 +60,10 @@ COLLECTIVE_RESIDUALS: set[tuple[str, str]] = set()
 # (the SPMD pipeline's bubble FLOPs, replicated embedding/head and `stage` all-reduce are in the maxtext/jax ledger
 # since Options.pp_spmd_loop: no FLOP residual is left)
 FLOP_RESIDUALS: set[str] = set()
-# Temp memory the planner's peak rules do not hold (docs/verify.md "Memory"): the CPU backend's reduce-scatters are
-# all-reduce + dynamic-slice, so full-size [t, D] sums stay live under SP; the score gradients of materialised
-# attention; recomputation the CPU schedule hoists ahead of the backward.
+# Temp memory the planner's peak rules do not hold (docs/verify.md "Memory", read from the CPU buffer assignment):
+# the gathered SP inputs kept whole into the backward and reduce-scatters left as all-reduce + dynamic-slice (TP),
+# a transposed copy of the gathered weight for the CPU's dot (FSDP8, +15.9%), recomputation the CPU schedule hoists
+# ahead of the previous layer's backward, the backward's score-sized transients of materialised attention.
 # ep8 (Mixtral twin, EP8, no recompute): 14.9% under the compiled peak with the loss buffer added to the gradients;
 # since the XLA rule that the loss peak comes before the gradients exist (costmodel._xla_activations) it is 17.3%.
 MEMORY_RESIDUALS = {"ep8", "fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",

@@ -988,7 +988,7 @@ class CostModel:
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
         # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens, once a step also
         # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
-        # compiler moves the carried all-reduce out of the loop: one all-reduce, verify's TPU AOT check); it is
+        # compiler moves the carried all-reduce out of the loop: one all-reduce, docs/verify.md); it is
         # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
                                       ("context", g["cp"])], 4.0)
