@@ -390,11 +390,12 @@ def options_of(e: dict) -> Options:
         framework_kw["fp8_recipe"] = recipe
     return replace(Options(
         pp_schedule=named["pp_schedule"],
-        ep_overlap=named["ep_overlap"],
+        # the dispatcher and EP A2A overlap the source names, else what the row's recipe ran (mbridge_moe_dispatch.yaml)
+        ep_overlap=named["ep_overlap"] or moe_dispatch_of(e).get("ep_overlap", False),
         moe_node_limit=named["moe_node_limit"],
         pp_head_in_split=named["pp_head_in_split"],
         moe_force_balance=named["moe_force_balance"],
-        moe_dispatcher=named["moe_dispatcher"] or "alltoall",
+        moe_dispatcher=named["moe_dispatcher"] or moe_dispatch_of(e).get("moe_dispatcher", "alltoall"),
         overlap_param_gather=named["overlap_param_gather"],
         compute_dtype="fp8" if "float8" in prec or "fp8" in prec else "bf16",
         tp_overlap=named["tp_overlap"] if named["tp_overlap"] else tp_default,
@@ -433,6 +434,22 @@ def cuda_graph_scopes_of(e: dict) -> tuple[str, ...]:
     """The CUDA-graph scopes a Megatron-Bridge row's recipe captured (data/mbridge_cuda_graphs.yaml, read from the
     release tag's workload presets); () for other rows (eager)."""
     return tuple(_mbridge_cuda_graphs().get(e["id"], {}).get("cuda_graph_scopes") or ())
+
+
+MBRIDGE_MOE_DISPATCH = ROOT / "benchmarks" / "data" / "mbridge_moe_dispatch.yaml"
+
+
+@lru_cache(maxsize=1)
+def _mbridge_moe_dispatch() -> dict:
+    return yaml.safe_load(MBRIDGE_MOE_DISPATCH.read_text()) or {}
+
+
+def moe_dispatch_of(e: dict, table: dict | None = None) -> dict:
+    """The MoE dispatcher (`moe_dispatcher`: alltoall|deepep|hybridep) and EP all-to-all overlap (`ep_overlap`) a
+    Megatron-Bridge row's recipe ran (data/mbridge_moe_dispatch.yaml, read from the release tag's workload presets;
+    `table` replaces that file); {} for other rows (the Options defaults: alltoall, no overlap)."""
+    entry = (_mbridge_moe_dispatch() if table is None else table).get(e["id"]) or {}
+    return {k: entry[k] for k in ("moe_dispatcher", "ep_overlap") if k in entry}
 
 
 def _attention_kernel(text: str, titan: bool) -> str:

@@ -10,7 +10,7 @@ from meshplan.cost.efficiency import default_efficiency
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.config import LayoutArrays, ParallelConfig
-from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.costmodel import MOE_DISPATCHERS, CostModel, Options
 from meshplan.train.frameworks import options_from_notes
 from meshplan.train.space import Problem
 
@@ -127,3 +127,36 @@ def test_megatron_export_carries_force_balance_and_deepep() -> None:
     job = train_module("megatron").load(text, 16)
     back = job.resolved_options(Options())
     assert back.moe_force_balance and back.moe_dispatcher == "deepep"
+
+
+def test_harness_reads_the_recipes_dispatcher_and_ep_overlap(monkeypatch) -> None:
+    """benchmarks/data/mbridge_moe_dispatch.yaml (each Megatron-Bridge row's `moe_flex_dispatcher_backend` /
+    `moe_a2a_overlap`, read from its release tag's presets) reaches Options; hand-written rows first, then two
+    entries of the file: the 26.06 Qwen3-30B-A3B GB200 MXFP8 preset (v0.5.0, QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1:
+    hybridep, moe_a2a_overlap=True) and the 25.11 GPT-OSS-120B B200 one (v0.2.0: the builder takes no backend,
+    alltoall, no overlap)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _measurements as H
+
+    table = {"hand_a": {"moe_dispatcher": "hybridep", "ep_overlap": True, "recipe": "hand-written"},
+             "hand_b": {"moe_dispatcher": "deepep", "ep_overlap": False, "recipe": "hand-written"}}
+    assert H.moe_dispatch_of({"id": "hand_a"}, table) == {"moe_dispatcher": "hybridep", "ep_overlap": True}
+    assert H.moe_dispatch_of({"id": "hand_b"}, table) == {"moe_dispatcher": "deepep", "ep_overlap": False}
+    assert H.moe_dispatch_of({"id": "not_listed"}, table) == {}
+    # options_of passes them on (a reference-set row renamed to the hand-written ids)
+    monkeypatch.setattr(H, "_mbridge_moe_dispatch", lambda: table)
+    base = H.load_entries()[0]
+    a, b, c = (H.options_of(dict(base, id=i)) for i in ("hand_a", "hand_b", "not_listed"))
+    assert (a.moe_dispatcher, a.ep_overlap) == ("hybridep", True)
+    assert (b.moe_dispatcher, b.ep_overlap) == ("deepep", False)
+    assert (c.moe_dispatcher, c.ep_overlap) == ("alltoall", False)
+    monkeypatch.undo()
+    assert H.moe_dispatch_of({"id": "mbridge_26p06_qwen3-30b-a3b_gb200_8_mxfp8"}) == {"moe_dispatcher": "hybridep",
+                                                                                       "ep_overlap": True}
+    assert H.moe_dispatch_of({"id": "mbridge_25p11_gpt-oss-120b_b200_64_bf16"}) == {"moe_dispatcher": "alltoall",
+                                                                                     "ep_overlap": False}
+    for entry in H._mbridge_moe_dispatch().values():
+        assert entry["moe_dispatcher"] in MOE_DISPATCHERS and isinstance(entry["ep_overlap"], bool)

@@ -365,11 +365,11 @@ def test_fsdp_buffers_whole_block_on_gpu_one_weight_at_a_time_on_tpu_and_deepspe
 
 def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:
     """Without overlap the four all-to-alls per MoE layer (dispatch and combine, forward and backward) are
-    exposed (GShard); with DualPipe-style overlap only their excess over the layer's compute shows."""
+    exposed (GShard); with the A2A overlap only what the partner micro-batch's compute cannot cover shows."""
     from meshplan.train.config import LayoutArrays, ParallelConfig
     from meshplan.train.costmodel import CostModel
 
-    prob = problem("mixtral-8x7b", "h100-sxm", 16, 4096, 16)
+    prob = problem("mixtral-8x7b", "h100-sxm", 16, 4096, 64)
     eff = default_efficiency(prob.chip)
     L = LayoutArrays.from_configs([ParallelConfig(dp=16, ep=16 // 2, microbatch=1, recompute="full")])
     out = {}
@@ -381,10 +381,35 @@ def test_ep_overlap_hides_the_all_to_alls_behind_layer_compute() -> None:
     plain, (lapped, ct, g) = out[False][0], out[True]
     assert float(plain["ep_mb"][0]) == pytest.approx(float(plain["ep_link_mb"][0]))
     assert float(lapped["ep_link_mb"][0]) == pytest.approx(float(plain["ep_link_mb"][0]))
-    layer = float((ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"])[0])
-    per_layer = float(plain["ep_link_mb"][0]) / float(g["layers_stage"][0])
-    assert float(lapped["ep_mb"][0]) == pytest.approx(float(g["layers_stage"][0]) * max(per_layer - layer, 0.0))
-    assert float(lapped["ep_mb"][0]) < float(plain["ep_mb"][0])
+    # full recompute: 6 all-to-alls a layer, 2 in the forward, 4 (backward + recompute) in the backward
+    a2a = float(plain["ep_link_mb"][0]) / float(g["layers_stage"][0]) / 6
+    fwd, bwd = float(ct["layer_fwd"][0]), float((ct["layer_bwd"] + ct["layer_recompute"])[0])
+    paired = max(2 * a2a - bwd, 0.0) + max(4 * a2a - fwd, 0.0)
+    nm = float(g["n_micro"][0])  # dp 16, global batch 64, micro-batch 1: 4 micro-batches, F0 and B3 unpaired
+    assert nm == 4
+    expect = (1 - 1 / nm) * paired + 1 / nm * 6 * a2a
+    assert float(lapped["ep_mb"][0]) == pytest.approx(float(g["layers_stage"][0]) * expect)
+
+
+def test_ep_overlap_pairs_forward_with_backward_by_hand() -> None:
+    """Megatron-Core combined 1F1B: the forward's dispatch+combine hide behind the partner's backward, the
+    backward's behind the partner's forward; unpaired forwards/backwards show in full. By hand, all-to-all 1 ms,
+    layer forward 1.5 ms, backward 1.0 ms, no recompute:
+    paired = max(2 - 1.0, 0) + max(2 - 1.5, 0) = 1.5 ms (the old sum rule, max(4 - 2.5, 0), also gave 1.5 ms).
+    No pipeline, 4 micro-batches: F0 and B3 unpaired, 1/4: 0.75·1.5 + 0.25·4 = 2.125 ms.
+    PP 4, VPP 2, 8 micro-batches: warm-up (4-1)·2 + (2-1)·4 = 10 chunks of 16: 0.375·1.5 + 0.625·4 = 3.0625 ms."""
+    import numpy as np
+
+    from meshplan.train.costmodel import CostModel
+
+    ct = {"layer_fwd": np.array([1.5e-3]), "layer_bwd": np.array([1.0e-3]), "layer_recompute": np.array([0.0])}
+    g = {"pp": np.array([1]), "vpp": np.array([1]), "n_micro": np.array([4])}
+    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(2.125e-3)
+    g = {"pp": np.array([4]), "vpp": np.array([2]), "n_micro": np.array([8])}
+    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(3.0625e-3)
+    # many micro-batches: the pairing alone, 1.5 ms (2 - 1.0 behind the backward, 2 - 1.5 behind the forward)
+    g = {"pp": np.array([1]), "vpp": np.array([1]), "n_micro": np.array([10**9])}
+    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(1.5e-3, rel=1e-6)
 
 
 def test_moe_under_sequence_parallelism_dispatches_the_tp_slice_and_gathers_k_copies() -> None:

@@ -796,12 +796,29 @@ class CostModel:
         g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * g["bubble_runs"] * n_a2a * sent)
         out["ep_link_mb"] = nl * n_a2a * a2a
         if self.opt.ep_overlap:
-            # DeepSeek-V3's DualPipe (arXiv:2412.19437 §3.2.1) and Megatron-Core's A2A overlap run one
-            # micro-batch's dispatch/combine beside another's layer compute: only the excess shows
-            layer = ct["layer_fwd"] + ct["layer_bwd"] + ct["layer_recompute"]
-            out["ep_mb"] = nl * np.maximum(n_a2a * a2a - layer, 0)
+            out["ep_mb"] = nl * self._ep_overlap_exposed(g, ct, a2a, n_a2a)
         else:
             out["ep_mb"] = out["ep_link_mb"]
+
+    @staticmethod
+    def _ep_overlap_exposed(g: dict, ct: Terms, a2a, n_a2a):
+        """Exposed all-to-all seconds per layer per micro-batch under EP A2A overlap. Megatron-Core's combined 1F1B
+        (core.pipeline_parallel.combined_1f1b, `--overlap-moe-expert-parallel-comm`: "the forward pass of Transformer
+        layers for one micro-batch runs in parallel with the backward pass of another ... EP A2A in forward step is
+        hidden by the attention/mlp computation in the backward step, and vice versa") and DualPipe's forward/backward
+        chunk pairs (DeepSeek-V3, arXiv:2412.19437 §3.2.1): a forward's dispatch + combine (2 all-to-alls) hide behind
+        the partner's backward compute (with its recompute), the backward's (and a recompute's) behind the partner's
+        forward compute; only each side's excess shows. A forward or backward with no partner shows its all-to-alls
+        in full: the first forward and last backward of a step without pipelining (F0, (F1,B0), ..., B_last), the
+        warm-up forwards and cool-down backwards of an interleaved pipeline ((pp - 1)·2 + (vpp - 1)·pp chunks on
+        the first rank, Megatron-Core schedules.py; as _pp_terms): a fraction max(warm-up, 1) / (n_micro·vpp)."""
+        fwd_a2a, bwd_a2a = 2 * a2a, (n_a2a - 2) * a2a
+        paired = (np.maximum(fwd_a2a - (ct["layer_bwd"] + ct["layer_recompute"]), 0)
+                  + np.maximum(bwd_a2a - ct["layer_fwd"], 0))
+        pp, vpp = g["pp"], g["vpp"]
+        warmup = np.maximum((pp - 1) * 2 + (vpp - 1) * pp, 1)
+        unpaired = np.minimum(warmup / (g["n_micro"] * vpp), 1.0)
+        return (1 - unpaired) * paired + unpaired * n_a2a * a2a
 
     def _dispatch_copies(self, copies, ep, stride):
         """Copies of a token one dispatch sends. Megatron-Core's alltoall dispatcher: one per routed expert
