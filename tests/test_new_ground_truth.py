@@ -100,3 +100,12 @@ def test_serving_entries_all_plan() -> None:
     rows = serving_accuracy.run(entries=SERVING)["rows"]
     assert [r["id"] for r in rows if "skipped" in r] == []
     assert all(r["predicted"]["output_tokens_per_s"] > 0 for r in rows)
+
+
+def test_tuning_only_loads_no_validation_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--tuning-only` (both accuracy scripts) sets MESHPLAN_TUNING_ONLY=1: the loaders then return exactly the
+    tuning entries of the full files, so the validation half is never on screen while constants are chosen."""
+    monkeypatch.setenv(_split.TUNING_ONLY_ENV, "1")
+    for loaded, full in ((_split.load_new_training(), TRAINING), (_split.load_new_serving(), SERVING)):
+        assert [e["id"] for e in loaded] == [e["id"] for e in full if e["split"] == "tuning"]
+        assert 0 < len(loaded) < len(full)
