@@ -128,11 +128,25 @@ def nccl_sm_slowdown(chip: Chip) -> float | None:
     channel, each on an SM of its own (NVIDIA/nccl#689), so the compute keeps sm_count - channels SMs and takes
     sm_count / (sm_count - channels) times as long: a slow-down of channels / (sm_count - channels).
     E.g. H100: 16 channels of 132 SMs -> 16 / 116 = 0.138. None where the chip has no SM count (TPUs)."""
+    return sm_slowdown(overlap_constant("nccl_channels", chip), chip)
+
+
+def sm_slowdown(sms_taken: float, chip: Chip) -> float | None:
+    """Fractional slow-down of a GPU's compute while a communication kernel holds `sms_taken` SMs beside it: the
+    compute keeps sm_count - sms_taken SMs, a slow-down of sms_taken / (sm_count - sms_taken) (NVIDIA/nccl#689:
+    communication CTAs hold their SMs). None where the chip has no SM count (TPUs) or nothing is taken."""
     sms = chip.on_chip_memory.get("sm_count")
-    channels = overlap_constant("nccl_channels", chip)
-    if chip.kind != "gpu" or not sms or not channels:
+    if chip.kind != "gpu" or not sms or not sms_taken:
         return None
-    return channels / (sms - channels)
+    return sms_taken / (sms - sms_taken)
+
+
+def dispatcher_sm_slowdown(dispatcher: str, chip: Chip) -> float | None:
+    """The slow-down of compute beside a flex MoE dispatcher's own all-to-all kernels (DeepEP/HybridEP hold the SM
+    count `dispatcher_sms` gives, not NCCL's channels): sm_slowdown of that count. E.g. HybridEP on H100: 32 of 132
+    SMs -> 32 / 100 = 0.32. None for a dispatcher without an entry (NCCL's all-to-all) or a chip without SMs."""
+    entry = _moe_overlap_table()["overlap"]["dispatcher_sms"].get(dispatcher)
+    return None if entry is None else sm_slowdown(float(entry["value"]), chip)
 
 
 def comm_hbm_share(chip: Chip) -> float:

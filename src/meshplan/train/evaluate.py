@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from meshplan.cost.efficiency import comm_hbm_share
+from meshplan.cost.efficiency import comm_hbm_share, dispatcher_sm_slowdown
 from meshplan.math import transformer as tm
 from meshplan.train.config import LayoutArrays
 from meshplan.train.costmodel import CostModel, Terms
@@ -51,6 +51,23 @@ def _bubble(cm: CostModel, g: dict, ct, per_mb):
     if cm.opt.pp_spmd_loop:  # the bubble iterations run the stage's layers, not the head outside the loop (MaxText)
         return (pp - 1) / g["vpp"] * (per_mb - ct["loss_s"])
     return (pp - 1) / g["vpp"] * per_mb
+
+
+def _hidden_sm_slowdown(cm: CostModel, cc: Terms, m):
+    """SM slow-down of compute over the hidden (overlapped) collective time: each family's own slow-down weighted by
+    its hidden seconds (link time less exposed time). NCCL families hold NCCL's channels (comm_compute_interference,
+    efficiency.nccl_sm_slowdown on GPUs); the EP all-to-all under a DeepEP/HybridEP dispatcher holds the dispatcher's
+    SMs (efficiency.dispatcher_sm_slowdown). E.g. 1 ms hidden DP reduce-scatter and 1 ms hidden HybridEP all-to-all
+    on H100: (16/116 + 32/100) / 2 over 2 ms, the same as 16/116 * 1 ms + 32/100 * 1 ms."""
+    nccl = cm.eff.comm_compute_interference
+    ep = dispatcher_sm_slowdown(cm.opt.moe_dispatcher, cm.p.chip)
+    ep = nccl if ep is None else ep
+    hidden = {k: np.clip(m * (cc[f"{k}_link_mb"] - cc[f"{k}_mb"]), 0, None) for k in ("tp", "cp", "ep", "pp")}
+    hidden["fsdp"] = np.clip(m * (cc["fsdp_link_mb"] - cc["fsdp_mb"]) + cc["fsdp_link_step"] - cc["fsdp_step"], 0, None)
+    hidden["dp"] = np.clip(cc["dp_link_step"] - cc["dp_step"], 0, None)
+    total = sum(hidden.values())
+    weighted = nccl * (total - hidden["ep"]) + ep * hidden["ep"]
+    return np.where(total > 0, weighted / np.maximum(total, 1e-30), nccl)
 
 
 def evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
@@ -104,14 +121,14 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
         + cc["dp_link_step"] + cc["fsdp_link_step"]
     exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"] + cc["pp_mb"]) + step_comm
     hidden = np.clip(link_total - exposed_total, 0, None)
-    # SMs: the NCCL channels' SMs are missing from every kernel beside them (comm_compute_interference, derived from
-    # the channel count on GPUs: efficiency.nccl_sm_slowdown). HBM: the collective's memory traffic takes a share
+    # SMs: each collective's SMs are missing from every kernel beside it; over the hidden time, each family's
+    # slow-down weighted by its hidden seconds (_hidden_sm_slowdown). HBM: the collective's memory traffic takes a share
     # of HBM bandwidth (efficiency.comm_hbm_share) from the HBM-bound part of the layer (the pointwise kernels, what
     # is neither GEMM nor attention core), which runs that much slower (NVIDIA/nccl#1428).
     layer = np.maximum(ct["layer_fwd"], 1e-30)
     hbm_bound = np.clip(1 - (ct["layer_matmul_fwd"] + ct["layer_core_fwd"]) / layer, 0, 1)
     share = comm_hbm_share(p.chip)
-    interference = e.comm_compute_interference + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
+    interference = _hidden_sm_slowdown(cm, cc, m) + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
     contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
