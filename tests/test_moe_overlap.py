@@ -96,3 +96,58 @@ def test_hidden_collectives_slow_compute_by_sms_and_hbm(monkeypatch) -> None:
     sm_part, hbm_part = compute["sm"] - compute["none"], compute["both"] - compute["sm"]
     assert sm_part > 0
     assert hbm_part / sm_part == pytest.approx(hbm_bound * (0.40299 / 0.59701) / (16 / 116), rel=1e-6)
+
+
+def test_dispatcher_sms_take_sms_from_compute() -> None:
+    # the flex dispatcher's own kernels hold its configured SMs (moe_overlap.yaml dispatcher_sms): HybridEP 32
+    # (Megatron-Bridge perf scripts), DeepEP 20 (Megatron-Core default); H100 132 SMs, B200/GB200 148
+    from meshplan.cost.efficiency import dispatcher_sm_slowdown
+
+    assert dispatcher_sm_slowdown("hybridep", load_chip("h100-sxm")) == pytest.approx(32 / 100)
+    assert dispatcher_sm_slowdown("hybridep", load_chip("gb200-nvl72")) == pytest.approx(32 / 116)
+    assert dispatcher_sm_slowdown("deepep", load_chip("h100-sxm")) == pytest.approx(20 / 112)
+    assert dispatcher_sm_slowdown("alltoall", load_chip("h100-sxm")) is None  # NCCL's all-to-all: NCCL's channels
+    assert dispatcher_sm_slowdown("hybridep", load_chip("tpu-v5p")) is None
+
+
+def _overlap_model(dispatcher: str):
+    prob = Problem(load_model("qwen3-30b-a3b"), load_chip("h100-sxm"), 8, 4096, 64)  # 8 micro-batches per rank
+    return CostModel(prob, default_efficiency(prob.chip), Options(moe_dispatcher=dispatcher, ep_overlap=True))
+
+
+def test_hidden_time_charges_each_family_its_own_sms() -> None:
+    """1 ms hidden DP reduce-scatter (NCCL: 16 of 132 SMs) and 1 ms hidden HybridEP all-to-all (32 of 132 SMs) on
+    H100: 16/116 · 1 ms + 32/100 · 1 ms = 0.13793 + 0.32 = 0.45793 ms of compute lost, i.e. a slow-down of
+    0.45793 / 2 = 0.228966 over the 2 hidden ms. With the NCCL all-to-all both hold 16 SMs: 16/116."""
+    from meshplan.train.costmodel import Terms
+    from meshplan.train.evaluate import _hidden_sm_slowdown
+
+    zero = np.zeros(1)
+    cc = Terms({f"{k}_{s}": zero for k in ("tp", "cp", "ep", "pp", "fsdp") for s in ("mb", "link_mb")})
+    cc.update(fsdp_step=zero, fsdp_link_step=zero, dp_step=zero, dp_link_step=np.array([1e-3]),
+              ep_link_mb=np.array([0.5e-3]))  # two micro-batches of 0.5 ms each, nothing exposed
+    s = _hidden_sm_slowdown(_overlap_model("hybridep"), cc, 2)
+    assert float(s[0]) * 2e-3 == pytest.approx(16 / 116 * 1e-3 + 32 / 100 * 1e-3)
+    assert float(s[0]) == pytest.approx(0.228966, rel=1e-5)
+    assert float(_hidden_sm_slowdown(_overlap_model("alltoall"), cc, 2)[0]) == pytest.approx(16 / 116)
+    # the exposed part of a family is not hidden: 0.3 ms of each EP micro-batch exposed leaves 0.4 ms hidden:
+    # (16/116 · 1 + 32/100 · 0.4) / 1.4 = (0.137931 + 0.128) / 1.4 = 0.189951
+    cc["ep_mb"] = np.array([0.3e-3])
+    assert float(_hidden_sm_slowdown(_overlap_model("hybridep"), cc, 2)[0]) == pytest.approx(0.189951, rel=1e-5)
+
+
+def test_hybridep_overlap_slows_compute_by_its_sms(monkeypatch) -> None:
+    """Qwen3-30B-A3B on 8 H100, EP 8 with the all-to-all overlapped: HybridEP's 32 SMs in place of NCCL's 16 add
+    (32/100 - 16/116) of the hidden EP seconds (its link time less its exposed time) to the compute, nothing else."""
+    import meshplan.train.evaluate as ev
+
+    cm = _overlap_model("hybridep")
+    L = LayoutArrays.from_configs([ParallelConfig(dp=8, ep=8, microbatch=1, recompute="none")])
+    hybrid = float(ev.evaluate(cm, L).time["compute"][0])
+    cc = cm.comm_terms(L, cm.geometry(L), cm.compute_terms(L, cm.geometry(L)))
+    n_micro = float(np.asarray(cm.geometry(L)["n_micro"]).ravel()[0])
+    hidden_ep = n_micro * float((cc["ep_link_mb"] - cc["ep_mb"])[0])
+    assert hidden_ep > 0
+    monkeypatch.setattr(ev, "dispatcher_sm_slowdown", lambda dispatcher, chip: None)  # as if NCCL's channels
+    nccl = float(ev.evaluate(cm, L).time["compute"][0])
+    assert hybrid - nccl == pytest.approx((32 / 100 - 16 / 116) * hidden_ep, rel=1e-6)
