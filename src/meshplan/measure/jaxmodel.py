@@ -628,19 +628,28 @@ def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConf
     return logz - target if per_token else jnp.mean(logz - target)
 
 
-def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized") -> Callable:
+def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized",
+              prevent_cse: bool = True) -> Callable:
     return jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
-                          policy=remat_policy(recompute), prevent_cse=True)
+                          policy=remat_policy(recompute), prevent_cse=prevent_cse)
 
 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
             recompute: str, attention: str = "materialized", per_token: bool = False) -> jax.Array:
     """Mean next-token cross-entropy over the global batch (`per_token`: the [B,T] cross-entropies). batch:
-    tokens/targets [B,T] int32, pos [T]."""
+    tokens/targets [B,T] int32, pos [T]. Stacked layers (a dict of [L, ...] arrays, `Program.stacked`) run as a
+    `lax.scan` whose body is one checkpointed layer (MaxText's `scan_layers`, its default: the while loop's
+    backward re-materialises and differentiates one layer at a time); a list of layers runs unrolled."""
     x = embed_tokens(params, batch["tokens"], sh)
-    layer = _layer_fn(model, sh, recompute, attention)
-    for lp in params["layers"]:
-        x = layer(lp, x, batch["pos"])
+    if isinstance(params["layers"], dict):
+        # inside a loop body CSE cannot merge the recomputation with the forward (jax.checkpoint's prevent_cse
+        # docstring), so it is off as in MaxText's scanned decoder
+        layer = _layer_fn(model, sh, recompute, attention, prevent_cse=False)
+        x, _ = jax.lax.scan(lambda h, lp: (layer(lp, h, batch["pos"]), None), x, params["layers"])
+    else:
+        layer = _layer_fn(model, sh, recompute, attention)
+        for lp in params["layers"]:
+            x = layer(lp, x, batch["pos"])
     return head_loss(params, x, batch["targets"], model, sh, per_token)
 
 
@@ -925,16 +934,20 @@ class Program:
     param_shardings: Params
     opt_shardings: dict[str, Any]
     batch_shardings: dict[str, NamedSharding]
+    scan_layers: bool = True  # the layers' weights stacked and run as a `lax.scan` (`loss_fn`)
 
     @property
     def stacked(self) -> bool:
-        return self.layout.pp > 1
+        return self.layout.pp > 1 or self.scan_layers
 
 
 def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                  devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None) -> Program:
+                  devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None,
+                  scan_layers: bool = True) -> Program:
     """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet);
-    `attention` and `compute_dtype` as in `make_train_step`."""
+    `attention` and `compute_dtype` as in `make_train_step`. `scan_layers` (MaxText's default): the layers'
+    weights stacked [L, ...] and scanned (`loss_fn`); False: a list of layers, unrolled (the pipeline always
+    stacks)."""
     layout = layout.resolved()
     check_supported(model, layout, seq_len, global_batch)
     if attention not in ATTENTION_CORES:
@@ -944,7 +957,7 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
                             "'materialized'")
     mesh = make_mesh(layout, devices)
     sh = make_sharder(layout, model, mesh)
-    stacked = layout.pp > 1
+    stacked = layout.pp > 1 or scan_layers
     ps = param_shardings(model, sh, stacked)
     zs = ps
     if layout.zero in (1, 2):
@@ -955,7 +968,7 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
     step = jax.jit(make_train_step(model, sh, layout, global_batch, ps, zs, attention, compute_dtype),
                    in_shardings=(ps, os_, bs),
                    out_shardings=(ps, os_, NamedSharding(mesh, P())), donate_argnums=(0, 1))
-    return Program(model, layout, mesh, sh, step, ps, os_, bs)
+    return Program(model, layout, mesh, sh, step, ps, os_, bs, scan_layers)
 
 
 def abstract_inputs(prog: Program, seq_len: int, global_batch: int, dtype: Any = jnp.float32) -> tuple:
