@@ -261,10 +261,16 @@ def _folded_all_reduces(instrs: dict[str, Instr], users: dict[str, list[Instr]])
     whose contracted dims are sharded over two mesh axes (batch over `data`, sequence over `context`), and XLA's
     GPU and TPU pipelines fold them right after partitioning, before any combiner (AllReduceFolder,
     xla/hlo/transforms/simplifiers/all_reduce_folder.cc, first in gpu_compiler.cc's "collective-optimizations"
-    pipeline); the CPU pipeline does not, and its all-reduce combiner may then put them in tuples with others."""
+    pipeline); the CPU pipeline does not, and its all-reduce combiner may then put them in tuples with others.
+    Not folded: a B whose results are only dynamic-sliced to 1/n (`_scattered_bytes`), i.e. a reduce-scatter that
+    the partitioner wrote as all-reduce + slice (under a layer scan, where a layer's gradient is sliced into the
+    stacked gradient); the unrolled program has the reduce-scatter there, after A."""
     out: dict[str, tuple[str, list[int]]] = {}
     for b in instrs.values():
         if b.op != "all-reduce":
+            continue
+        n = replica_groups(b.rest, 0).shape[1] if "replica_groups" in b.rest else 0
+        if n > 1 and _scattered_bytes(b, n, instrs, users) >= shape_bytes(b.shape) - 0.5:
             continue
         srcs: dict[str, list[int]] = {}
         for i, o in enumerate(b.operands):

@@ -24,6 +24,7 @@ gathered again in the backward, as ZeRO-3 and Megatron-SP do.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -594,6 +595,10 @@ def remat_policy(recompute: str) -> Callable:
             return False
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
+        if os.environ.get("EXP_DOTS") == "1":
+            return prim.name == "dot_general"
+        if os.environ.get("EXP_DOTS") == "2":
+            return prim.name == "dot_general" or prim.name == "name"
         return True
 
     return policy
@@ -645,7 +650,15 @@ def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh:
         # inside a loop body CSE cannot merge the recomputation with the forward (jax.checkpoint's prevent_cse
         # docstring), so it is off as in MaxText's scanned decoder
         layer = _layer_fn(model, sh, recompute, attention, prevent_cse=False)
-        x, _ = jax.lax.scan(lambda h, lp: (layer(lp, h, batch["pos"]), None), x, params["layers"])
+        dims = param_dims(model, stacked=True)["layers"]
+
+        def body(h: jax.Array, lp: Params) -> tuple[jax.Array, None]:
+            # one layer's weights in their own sharding: the transpose lays each weight gradient out so before it
+            # is added into the stacked gradient (a reduce-scatter under FSDP, as for an unstacked weight)
+            lp = jax.tree.map(lambda w, d: sh.constrain(w, d[1:]), lp, dims, is_leaf=_is_dims)
+            return layer(lp, h, batch["pos"]), None
+
+        x, _ = jax.lax.scan(body, x, params["layers"])
     else:
         layer = _layer_fn(model, sh, recompute, attention)
         for lp in params["layers"]:
