@@ -296,6 +296,29 @@ ENTRY %main (p: f32[4,8], q: f32[], r: f32[2]) -> (f32[4,8], f32[], f32[2]) {
     assert sorted((c.axes, c.bytes) for c in unfolded) == [(("data",), 140.0), (("stage",), 132.0)]
 
 
+def test_hlo_reads_a_sliced_all_reduce_of_an_all_reduce_as_a_reduce_scatter():
+    """An all-reduce %b of an all-reduce %a whose result is only dynamic-sliced to 1/4 (its group size) is the
+    partitioner's reduce-scatter (a layer scan's weight gradient sliced into the stacked gradient), not an AR+AR
+    chain to fold: %a stays an all-reduce over `stage` of f32[4,8] = 128 B; %b is a reduce-scatter over `data` of
+    the same 128 B (operand bytes, as a real reduce-scatter counts). Mesh (data=4, stage=2) as above."""
+    from meshplan.measure.hlo import parse_collectives
+
+    hlo = """HloModule m
+ENTRY %main (p: f32[4,8], i: s32[]) -> f32[1,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %a = f32[4,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %b = f32[4,8]{1,0} all-reduce(%a), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  ROOT %s = f32[1,8]{1,0} dynamic-slice(%b, %i, %z), dynamic_slice_sizes={1,8}
+}
+"""
+    coords = {2 * d + s: (d, s) for d in range(4) for s in range(2)}
+    got = sorted((c.kind, c.axes, c.bytes, c.note) for c in parse_collectives(hlo, coords, ("data", "stage")))
+    assert got == [("all-reduce", ("stage",), 128.0, ""),
+                   ("reduce-scatter", ("data",), 128.0, "all-reduce+dynamic-slice")]
+
+
 def test_hlo_counts_a_loop_body_once_per_iteration():
     """A collective and a dot inside a while body with known_trip_count 3 (a `lax.scan` over 3 micro-batches)
     count 3 times per step: the reduce-scatter 3 × (f32[2,8] × 4 devices = 256 B) = 768 B; the dot
