@@ -65,7 +65,7 @@ FLOP_RESIDUALS: set[str] = set()
 # a transposed copy of the gathered weight for the CPU's dot (FSDP8, +21.4%), recomputation the CPU schedule hoists
 # ahead of the previous layer's backward, the backward's score-sized transients of materialised attention. (ep8, a
 # residual at +17.3% after the XLA peak rules, holds since the softmax saves only its output: +13.4%.)
-MEMORY_RESIDUALS = {"fsdp8", "tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
+MEMORY_RESIDUALS = {"tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
                     "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_ep4", "pp2_cp2_tp2_ring",
                     "pp2_fsdp4"}
