@@ -14,7 +14,8 @@ shard_map), ZeRO-1/2 (AdamW state, and for ZeRO-2 the accumulated gradients, sha
 reduce-scattered, updated parameters all-gathered), gradient accumulation over micro-batches, and pipeline
 parallelism (MaxText's SPMD loop, GPipe or circular/interleaved: `stage` manual under shard_map, layers stacked
 and split over it, activations passed stage to stage by ppermute, M·v + pp − 1 iterations so the bubble is in
-the program; `pipeline_layers`).
+the program; `pipeline_layers`). Without pipelining the layers are stacked too and run as a `lax.scan` over one
+checkpointed layer (MaxText's `scan_layers`; `loss_fn`).
 
 Recompute policies map onto `jax.checkpoint` policies (see `remat_policy`). Communication results
 (all-gathers, sharding constraints) are never saved: FSDP weights and SP/CP gathered activations are
