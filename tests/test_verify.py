@@ -60,11 +60,11 @@ COLLECTIVE_RESIDUALS: set[tuple[str, str]] = set()
 # (the SPMD pipeline's bubble FLOPs, replicated embedding/head and `stage` all-reduce are in the maxtext/jax ledger
 # since Options.pp_spmd_loop: no FLOP residual is left)
 FLOP_RESIDUALS: set[str] = set()
-# Temp memory the planner's peak rules do not hold (docs/verify.md "Memory", read from the CPU buffer assignment):
-# the gathered SP inputs kept whole into the backward and reduce-scatters left as all-reduce + dynamic-slice (TP),
-# a transposed copy of the gathered weight for the CPU's dot (FSDP8, +21.4%), recomputation the CPU schedule hoists
-# ahead of the previous layer's backward, the backward's score-sized transients of materialised attention. (ep8, a
-# residual at +17.3% after the XLA peak rules, holds since the softmax saves only its output: +13.4%.)
+# Temp memory the planner's peak rules do not hold (docs/verify.md "Memory", read from the CPU buffer assignment of
+# the program with its layers scanned): materialised attention's score-sized transients in a layer's backward (TP8),
+# the fused gate/up output held four times in the MLP's backward (FSDP4×TP2 full recompute), a temp that does not
+# fall with the recompute policy (FSDP4×TP2), reduce-scatters left as all-reduce + dynamic-slice on the CPU; the
+# pipeline layouts' unrolled loop. (fsdp8 holds since the layers are a scan: +21.4% → +13.0%.)
 MEMORY_RESIDUALS = {"tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
                     "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_ep4", "pp2_cp2_tp2_ring",
