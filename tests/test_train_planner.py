@@ -62,7 +62,7 @@ def check_plan_invariants(p: dict, chips: int, peak: float) -> None:
     assert sum(p["time_s"].values()) == pytest.approx(p["step_time_s"], rel=1e-9)
     assert p["mfu"] == pytest.approx(p["model_flops_per_step"] / (p["step_time_s"] * chips * peak), rel=1e-9)
     b = p["bottleneck"]
-    assert b in ("compute", "bubble", "other") or (b.startswith("comm/") and b.split("/", 1)[1] in COMM_KINDS), b
+    assert b in ("compute", "bubble", "other", "host") or (b.startswith("comm/") and b.split("/", 1)[1] in COMM_KINDS), b
     assert isinstance(p["explanation"], str) and p["explanation"].strip()
 
 
@@ -696,3 +696,18 @@ def test_moe_pays_the_token_permutation() -> None:
     router_bytes, router_s = 5 * 4 * 4096 * 8, 20 * 4e-6
     assert elem["moe"] - elem["dense"] == pytest.approx((2 * 4096 * 2 * 3 * 4096 + act_extra + router_bytes) / hbm
                                                         + router_s, rel=1e-9)
+
+
+def test_a_launch_bound_plan_names_the_host_as_its_bottleneck() -> None:
+    """llama3-8b with TP 8 on 8 H100s at 512 tokens, one sequence per micro-batch: each GPU's GEMM shards are 512
+    tokens × 4096 × 512..3584 (2 × 512 × 4096 × 512 = 2.1 GFLOP, 2.9 µs at 0.75 × 989 TFLOP/s, up to 20 µs for the
+    MLP's fused up-projection), and the norms, RoPE and casts between them take a few µs each, while an eager
+    framework spends 20 µs issuing every kernel (cost/data/host_overhead.yaml): the CPU, not the GPU, sets the pace.
+    The plan says `host` and points at CUDA graphs. The name extends DESIGN.md's bottleneck list (compute, bubble,
+    other, comm/<kind>)."""
+    prob = problem("llama3-8b", "h100-sxm", 8, 512, 8)
+    res = plan(prob, Pins(tp=8, microbatch=1, recompute="full"), default_efficiency(prob.chip), top=1)
+    p = res.plans[0]
+    check_plan_invariants(p, 8, H100_PEAK_BF16)
+    assert p["bottleneck"] == "host", p["bottleneck"]
+    assert "--cuda-graph" in p["explanation"]
