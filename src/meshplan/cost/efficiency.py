@@ -123,6 +123,21 @@ def default_efficiency(chip: Chip) -> Efficiency:
     return Efficiency(**values, origin="defaults", sources=sources)
 
 
+def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused") -> float:
+    """A GPU attention kernel's FLOP rate at `head_dim` relative to head dim 128 (efficiency.yaml
+    attention_head_dim_rate, by kernel: `fused` cuDNN, `fa2`): linear between the published points, the narrowest
+    point's rate below them, 1 at and above 128. E.g. fused, head dim 64: 0.596; 96: (0.596 + 1.0) / 2 = 0.798.
+    1 on TPUs (their MXU fill is modelled in train/costmodel.py) and for a chip or kernel without points."""
+    table = _table()["attention_head_dim_rate"]
+    entry = table.get(chip.name) or table.get(chip.kind)
+    points = (entry or {}).get(kernel)
+    if chip.kind != "gpu" or not points:
+        return 1.0
+    dims = sorted(float(d) for d in points)
+    rates = [float(points[int(d)]) for d in dims]
+    return float(np.interp(head_dim, dims, rates))
+
+
 def nccl_sm_slowdown(chip: Chip) -> float | None:
     """Fractional slow-down of a GPU's compute while an NCCL collective runs beside it: NCCL runs one CTA per
     channel, each on an SM of its own (NVIDIA/nccl#689), so the compute keeps sm_count - channels SMs and takes

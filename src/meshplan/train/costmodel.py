@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from meshplan.cost.collectives import ragged_destinations
-from meshplan.cost.efficiency import Efficiency, host_constant, moe_constant
+from meshplan.cost.efficiency import Efficiency, attention_head_dim_rate, host_constant, moe_constant
 from meshplan.errors import unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
@@ -431,10 +431,11 @@ class CostModel:
         should be padded to >= 128 (>= 256 on v6e)"; efficiency.yaml matmul_half_dim is the MXU width on TPUs:
         128 on v4/v5e/v5p, 256 on v6e). The attention fractions (efficiency.yaml, splash attention on v5e at head
         dim 128) are for a filled array: head dim 128 on v6e's 256x256 MXU runs at half of them. GPUs' fractions
-        are measured at their head dims: 1."""
-        if self.p.chip.kind != "tpu":
-            return 1.0
+        are measured at head dim 128: a narrower head runs at the published rate of its kernel at that width
+        (efficiency.attention_head_dim_rate; gpt-oss's 64: 0.596 for cuDNN)."""
         head = tm.attention_pair_width(self.p.model) / 2  # mean of the QKᵀ and AV widths
+        if self.p.chip.kind != "tpu":
+            return attention_head_dim_rate(self.p.chip, head, self.opt.attention_kernel)
         return min(1.0, head / self.eff.matmul_half_dim)
 
     def _pointwise_term(self, g: dict) -> dict:
