@@ -19,7 +19,7 @@ from meshplan.cost.topology import default_slice_shape, make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip, match_chip
-from meshplan.specs.model import ModelConfig, validate_model
+from meshplan.specs.model import ModelConfig, load_model, preset_models, validate_model
 from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import (
     FRAMEWORKS,
@@ -155,9 +155,30 @@ def model_of(e: dict) -> ModelConfig:
                  or _first(moe_block, "first_k_dense_replace", "first_dense_layers"))
     if dense and fields.get("n_experts"):
         fields.update(first_dense_layers=dense, dense_d_ff=_int(m.get("ffn")))
-    model = ModelConfig(**fields)
+    model = _catalog_architecture(ModelConfig(**fields))
     validate_model(model)  # a missing or zero size is a clear error, not a NaN step time
     return model
+
+
+# Architecture the measurement schema has no field for, taken from the catalog model of the same name when its
+# sizes are the entry's (the catalog file is the model's Hugging Face config.json, its `_source`): gpt-oss's
+# alternating 128-token sliding window, attention sinks and linear biases (gpt-oss model card; the entries'
+# model_source: "not expressible in the schema")
+CATALOG_ONLY_FIELDS = ("layer_windows", "window_kind", "attention_sinks", "linear_bias", "qkv_bias", "out_bias",
+                       "router_bias")
+_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "n_experts",
+                "experts_per_token")
+
+
+def _catalog_architecture(model: ModelConfig) -> ModelConfig:
+    """`model` with CATALOG_ONLY_FIELDS from the catalog model named like it, where every size agrees."""
+    key = model.name.lower()
+    if key not in preset_models():
+        return model
+    cat = load_model(key)
+    if any(getattr(cat, f) != getattr(model, f) for f in _SIZE_FIELDS):
+        return model
+    return replace(model, **{f: getattr(cat, f) for f in CATALOG_ONLY_FIELDS})
 
 
 def chip_of(e: dict):
@@ -379,10 +400,11 @@ def options_of(e: dict) -> Options:
                                                           "fp8_recipe", "cp_impl")} if titan else {}
     if nemo:
         # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
-        # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP
+        # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP,
+        # Megatron-Core's unfused expert biases
         nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
-                                                "fsdp_copies")}
+                                                "fsdp_copies", "unfused_expert_bias")}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
     # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)

@@ -258,6 +258,10 @@ class Options:
     # (host_op_s each, cost/data/host_overhead.yaml). Megatron-Bridge recipes name theirs (`cuda_graph_impl`,
     # `cuda_graph_scope` in scripts/performance/configs/*/..._workload_base_configs.py)
     cuda_graph_scopes: tuple[str, ...] = ()
+    # Megatron-Core's path for linear biases in an MoE model (`_expert_bias_bytes`): the experts' fc2 bias added
+    # outside the grouped GEMM and the attention output's bias outside a fused bias-dropout-add. On for the
+    # Megatron-Core frameworks (train/frameworks.py); no effect on a model without linear biases
+    unfused_expert_bias: bool = False
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -396,9 +400,20 @@ class CostModel:
                     "moe_permute": 0.0, "moe": 0.0}
         router, pre = moe_constant("router_scope_kernels_fwd"), moe_constant("preprocess_scope_kernels_fwd")
         share = c["moe_share"]
+        bias_k, bias_layer = self._expert_bias_kernels()
         return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
                 "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
-                "moe": share * m.n_experts / g["ep"] * moe_constant("grouped_gemm_gemms_per_expert_fwd")}
+                "moe": share * (m.n_experts / g["ep"] * (moe_constant("grouped_gemm_gemms_per_expert_fwd") + bias_k)
+                                + bias_layer)}
+
+    def _expert_bias_kernels(self) -> tuple[float, float]:
+        """(launches per local expert, per layer) of Megatron-Core's unfused fc2 bias (`_expert_bias_bytes`): the
+        product b·p and the add for each local expert; one torch.cat, and the cast back where the probabilities are
+        fp32 (flex dispatchers)."""
+        m = self.p.model
+        if not (self.opt.unfused_expert_bias and m.is_moe and m.linear_bias):
+            return 0.0, 0.0
+        return 2.0, 2.0 if self.opt.moe_dispatcher in ("deepep", "hybridep") else 1.0
 
     def _attention_core_term(self, g: dict) -> dict:
         """QKᵀ, softmax and AV: causal and load-balanced over cp with a fused kernel (ATTENTION_KERNELS), or
@@ -447,10 +462,30 @@ class CostModel:
         elem_bytes = act * t * tm.pointwise_elements_per_token(self.p.model, tp=tp, sp=sp_div)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
-        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g)
+        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g) + self._expert_bias_bytes(g)
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         return dict(f_s=elem_bytes / self.hbm + kernels * e.kernel_overhead_s, hbm=elem_bytes)
+
+    def _expert_bias_bytes(self, g: dict):
+        """HBM bytes per layer forward of Megatron-Core's unfused bias adds in an MoE model with linear biases
+        (gpt-oss; Options.unfused_expert_bias). TEGroupedMLP builds linear_fc2 with skip_bias_add=True and adds the
+        bias in `_apply_bias` (megatron/core/transformer/moe/experts.py @ Megatron-LM 0d8e0714, b0cc2706, d7288711,
+        458c8d0e, the Megatron-Bridge v0.2.0, v0.3.0, v0.4.1, v0.5.1 pins): per local expert `t + b * p` (p the
+        routing probability), then torch.cat and `.to` the activation dtype. Per routed copy of D elements: b·p
+        writes P bytes, the add reads A + P and writes P, cat reads and writes P, the cast (P != A only) reads P and
+        writes A; P = 4 (fp32) under the flex dispatchers, which cast the probabilities to fp32
+        (token_dispatcher.py: "HybridEP only supports float32 probs"; DeepEP asserts float32), else A (the router's
+        softmax `.type_as(logits)`, moe_utils.py). The same assertion forbids bias_dropout_fusion with biased
+        experts, so the attention output's bias is its own add (read and write D; fused_bias_dropout.py
+        `_bias_dropout_add_func`; dropout at p = 0 launches nothing). The backward mirrors it (_pointwise_term)."""
+        m, c = self.p.model, self.c
+        if not (self.opt.unfused_expert_bias and m.is_moe and m.linear_bias):
+            return 0.0
+        a = self.opt.act_bytes
+        p_b = 4.0 if self.opt.moe_dispatcher in ("deepep", "hybridep") else a
+        per_elem = p_b + (a + 2 * p_b) + 2 * p_b + ((p_b + a) if p_b != a else 0.0)
+        return g["t_mb"] * c["D"] * (c["moe_share"] * c["k"] * per_elem + 2 * a)
 
     def _moe_router_bytes(self, g: dict):
         """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores

@@ -22,7 +22,7 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
     # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False),
+                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
     # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
     # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
@@ -32,7 +32,7 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # Bridge training/comm_overlap.py sets overlap_p2p_comm whenever vpp > 1), Megatron-FSDP without copies
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
-                 pp_overlap=True, fsdp_copies=False),
+                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
