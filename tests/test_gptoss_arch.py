@@ -1,0 +1,99 @@
+"""Issue #14, gpt-oss: the architecture the cost model had treated as a plain MoE. Head dim 64 attention at the
+published cuDNN rate (FlashAttention-3 paper Fig. 5), Megatron-Core's unfused expert/attention bias adds
+(megatron/core/transformer/moe/experts.py `_apply_bias`), and the benchmark harness reading the sliding windows,
+sinks and biases from the catalog config. Every expected value is worked by hand in the comments."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshplan.cost.efficiency import attention_head_dim_rate, default_efficiency
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import LayoutArrays, ParallelConfig
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.frameworks import FRAMEWORKS
+from meshplan.train.space import Problem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _cm(model, hardware: str, chips: int, ep: int, mb: int, opts: Options, seq: int = 4096):
+    prob = Problem(model, load_chip(hardware), chips, seq, chips * mb)
+    cm = CostModel(prob, default_efficiency(prob.chip), opts)
+    L = LayoutArrays.from_configs([ParallelConfig(dp=chips, ep=ep, microbatch=mb, recompute="none")])
+    return cm, cm.geometry(L)
+
+
+def _first(x) -> float:
+    return float(np.asarray(x, dtype=float).ravel()[0])
+
+
+def test_attention_rate_by_head_dim() -> None:
+    h100 = load_chip("h100-sxm")
+    # FA3 paper Fig. 5, H100, 4k: cuDNN 363 TFLOP/s at head dim 64, 609 at 128 -> 0.596; FA2 284 / 368 -> 0.772
+    assert attention_head_dim_rate(h100, 64) == pytest.approx(0.596)
+    assert attention_head_dim_rate(h100, 64, "fa2") == pytest.approx(0.772)
+    # linear between the points: 96 is half-way, (0.596 + 1) / 2 = 0.798; 1 at and above 128; the 64 rate below it
+    assert attention_head_dim_rate(h100, 96) == pytest.approx(0.798)
+    assert attention_head_dim_rate(h100, 128) == 1.0
+    assert attention_head_dim_rate(h100, 256) == 1.0
+    assert attention_head_dim_rate(h100, 32) == pytest.approx(0.596)
+    assert attention_head_dim_rate(h100, 64, "sdpa") == 1.0  # no published points for that kernel
+    assert attention_head_dim_rate(load_chip("tpu-v5p"), 64) == 1.0  # TPUs: the MXU fill instead
+
+
+def test_gptoss_attention_core_time() -> None:
+    """gpt-oss-120b (N 64 heads, head dim 64, alternating 128-token windows) at 4096 tokens, one sequence on H100:
+    mean attended keys over the two layer kinds = (S/2 + (w - w²/(2S))) / 2 = (2048 + 128 - 2) / 2 = 1087;
+    forward FLOPs 2·4096·1087·64·(64 + 64) = 7.2947e10; at 989e12 · 0.62 (h100 fused fwd) · 0.596 (head dim 64):
+    7.2947e10 / 3.6546e14 = 0.19960 ms."""
+    cm, g = _cm(load_model("gpt-oss-120b"), "h100-sxm", 8, ep=8, mb=1, opts=Options())
+    f_core = 2 * 4096 * 1087 * 64 * 128
+    assert _first(cm._attention_core_term(g)["flops_f"]) == pytest.approx(f_core)
+    assert _first(cm._attention_core_term(g)["f_s"]) == pytest.approx(f_core / (989e12 * 0.62 * 0.596), rel=1e-6)
+    assert f_core / (989e12 * 0.62 * 0.596) == pytest.approx(0.19960e-3, rel=1e-4)
+
+
+def test_unfused_expert_bias_bytes() -> None:
+    """gpt-oss-120b, micro-batch 4 of 4096 tokens (t = 16384), D 2880, top-4. Per routed copy and element, under
+    HybridEP (fp32 probabilities, P = 4, A = 2): b·p writes 4, the add reads 2 + 4 and writes 4, cat reads and
+    writes 4, the cast reads 4 and writes 2: 28 B; four copies, plus the attention bias add (read and write D in
+    bf16, 4 B): 16384·2880·(4·28 + 4) = 5.4736e9 B. With NCCL's all-to-all the probabilities stay bf16 (P = A = 2,
+    no cast): 2 + 6 + 4 = 12 B a copy, 16384·2880·(4·12 + 4) = 2.4536e9 B."""
+    on = Options(unfused_expert_bias=True, moe_dispatcher="hybridep")
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
+    assert _first(cm._expert_bias_bytes(g)) == pytest.approx(16384 * 2880 * 116)
+    assert 16384 * 2880 * 116 == pytest.approx(5.4736e9, rel=1e-4)
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=replace(on, moe_dispatcher="alltoall"))
+    assert _first(cm._expert_bias_bytes(g)) == pytest.approx(16384 * 2880 * 52)
+    # launches: 128/64 = 2 local experts × (2 GEMMs + b·p and the add) + cat + cast (fp32 probabilities) = 10
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
+    assert _first(cm.layer_kernels_fwd(g)["moe"]) == pytest.approx(2 * (2 + 2) + 2)
+    # off: not a Megatron-Core run, or a model without linear biases (Qwen3-30B-A3B)
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=Options(moe_dispatcher="hybridep"))
+    assert cm._expert_bias_bytes(g) == 0.0
+    cm, g = _cm(load_model("qwen3-30b-a3b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
+    assert cm._expert_bias_bytes(g) == 0.0
+    assert FRAMEWORKS["nemo"]["unfused_expert_bias"] and FRAMEWORKS["megatron"]["unfused_expert_bias"]
+
+
+def test_benchmark_model_reads_catalog_architecture() -> None:
+    """A measurement entry's model block has no field for windows, sinks or biases; the harness takes them from the
+    catalog config of the same name when every size agrees, and leaves a differently sized model alone."""
+    from _measurements import model_of
+
+    block = dict(name="gpt-oss-120b", layers=36, d_model=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880,
+                 ffn_act="swiglu", vocab=201088, seq_len=4096,
+                 moe=dict(num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880))
+    entry = {"id": "x", "model": block, "training": {"seq_len": 4096}}
+    m = model_of(entry)
+    assert m.layer_windows[:4] == (128, 0, 128, 0) and len(m.layer_windows) == 36
+    assert m.attention_sinks and m.linear_bias and m.router_bias
+    other = model_of({"id": "y", "model": dict(block, layers=24), "training": {"seq_len": 4096}})
+    assert other.layer_windows == () and not other.linear_bias
