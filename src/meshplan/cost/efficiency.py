@@ -123,14 +123,15 @@ def default_efficiency(chip: Chip) -> Efficiency:
     return Efficiency(**values, origin="defaults", sources=sources)
 
 
-def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused") -> float:
+def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused", direction: str = "fwd") -> float:
     """A GPU attention kernel's FLOP rate at `head_dim` relative to head dim 128 (efficiency.yaml
-    attention_head_dim_rate, by kernel: `fused` cuDNN, `fa2`): linear between the published points, the narrowest
-    point's rate below them, 1 at and above 128. E.g. fused, head dim 64: 0.596; 96: (0.596 + 1.0) / 2 = 0.798.
-    1 on TPUs (their MXU fill is modelled in train/costmodel.py) and for a chip or kernel without points."""
+    attention_head_dim_rate, by kernel, `fused` cuDNN or `fa2`, and pass, `fwd` or `bwd`): linear between the
+    published points, the narrowest point's rate below them, 1 at and above 128. E.g. fused forward, head dim 64:
+    0.670; 96: (0.670 + 1.0) / 2 = 0.835. 1 on TPUs (their MXU fill is modelled in train/costmodel.py) and for a chip
+    or kernel without points."""
     table = _table()["attention_head_dim_rate"]
     entry = table.get(chip.name) or table.get(chip.kind)
-    points = (entry or {}).get(kernel)
+    points = (entry or {}).get(f"{kernel}_{direction}")
     if chip.kind != "gpu" or not points:
         return 1.0
     dims = sorted(float(d) for d in points)

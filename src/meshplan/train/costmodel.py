@@ -423,8 +423,9 @@ class CostModel:
         # causal, load-balanced over cp (book ch.4): 2·t·(S/2)·N·(QKᵀ + AV widths); windowed layers attend fewer keys
         f_core = 2.0 * t * tm.mean_attended_keys(m, S) * c["N"] * tm.attention_pair_width(m) / tp
         if self.opt.flash_attention:
-            fwd_frac, bwd_frac = (self._attention_mxu_fill() * getattr(e, a)
-                                  for a in ATTENTION_KERNEL_FRACTIONS[self.opt.attention_kernel])
+            fwd_frac, bwd_frac = (self._attention_mxu_fill(d) * getattr(e, a)
+                                  for a, d in zip(ATTENTION_KERNEL_FRACTIONS[self.opt.attention_kernel],
+                                                  ("fwd", "bwd"), strict=True))
             bwd_flops = f_core * e.attention_bwd_flops_ratio
             out = dict(f_s=f_core / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
                        flops_f=f_core, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
@@ -440,17 +441,17 @@ class CostModel:
             out["b_s"] = out["b_s"] + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
         return out
 
-    def _attention_mxu_fill(self) -> float:
+    def _attention_mxu_fill(self, direction: str = "fwd") -> float:
         """Share of a TPU's systolic array an attention kernel's dots fill: QKᵀ contracts over the head width and
         AV produces it, so a head narrower than the MXU leaves the rest of the array idle (book ch.2: "tensor dims
         should be padded to >= 128 (>= 256 on v6e)"; efficiency.yaml matmul_half_dim is the MXU width on TPUs:
         128 on v4/v5e/v5p, 256 on v6e). The attention fractions (efficiency.yaml, splash attention on v5e at head
         dim 128) are for a filled array: head dim 128 on v6e's 256x256 MXU runs at half of them. GPUs' fractions
         are measured at head dim 128: a narrower head runs at the published rate of its kernel at that width
-        (efficiency.attention_head_dim_rate; gpt-oss's 64: 0.596 for cuDNN)."""
+        and pass (efficiency.attention_head_dim_rate; gpt-oss's 64 on cuDNN: 0.670 forward, 0.836 backward)."""
         head = tm.attention_pair_width(self.p.model) / 2  # mean of the QKᵀ and AV widths
         if self.p.chip.kind != "tpu":
-            return attention_head_dim_rate(self.p.chip, head, self.opt.attention_kernel)
+            return attention_head_dim_rate(self.p.chip, head, self.opt.attention_kernel, direction)
         return min(1.0, head / self.eff.matmul_half_dim)
 
     def _pointwise_term(self, g: dict) -> dict:
