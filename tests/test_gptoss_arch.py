@@ -71,22 +71,32 @@ def test_unfused_expert_bias_bytes() -> None:
     """gpt-oss-120b, micro-batch 4 of 4096 tokens (t = 16384), D 2880, top-4. Per routed copy and element, under
     HybridEP (fp32 probabilities, P = 4, A = 2): b·p writes 4, the add reads 2 + 4 and writes 4, cat reads and
     writes 4, the cast reads 4 and writes 2: 28 B; four copies, plus the attention bias add (read and write D in
-    bf16, 4 B): 16384·2880·(4·28 + 4) = 5.4736e9 B. With NCCL's all-to-all the probabilities stay bf16 (P = A = 2,
-    no cast): 2 + 6 + 4 = 12 B a copy, 16384·2880·(4·12 + 4) = 2.4536e9 B."""
+    bf16, 4 B): 16384·2880·(4·28 + 4) = 5.4736e9 B forward. Backward: two casts 2·6, the split's cat 4, b's and p's
+    gradients 12 each = 40 B a copy, plus the attention bias gradient's read (2 B): 16384·2880·(4·40 + 2) = 7.6441e9.
+    With NCCL's all-to-all the probabilities stay bf16 (P = A = 2, no casts): forward 2 + 6 + 4 = 12 B a copy,
+    16384·2880·(4·12 + 4) = 2.4536e9; backward 4 + 6 + 6 = 16 B a copy, 16384·2880·(4·16 + 2) = 3.1142e9."""
     on = Options(unfused_expert_bias=True, moe_dispatcher="hybridep")
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
-    assert _first(cm._expert_bias_bytes(g)) == pytest.approx(16384 * 2880 * 116)
+    fwd, bwd = (_first(x) for x in cm._expert_bias_bytes(g))
+    assert (fwd, bwd) == (pytest.approx(16384 * 2880 * 116), pytest.approx(16384 * 2880 * 162))
     assert 16384 * 2880 * 116 == pytest.approx(5.4736e9, rel=1e-4)
-    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=replace(on, moe_dispatcher="alltoall"))
-    assert _first(cm._expert_bias_bytes(g)) == pytest.approx(16384 * 2880 * 52)
+    assert 16384 * 2880 * 162 == pytest.approx(7.6441e9, rel=1e-4)
+    # the pointwise term carries them: backward = 2 × the rest of the forward bytes + the bias backward
+    elem = cm._pointwise_term(g)
+    rest = _first(elem["hbm"]) - fwd
+    assert _first(elem["hbm_b"]) == pytest.approx(2 * rest + bwd)
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4,
+                opts=replace(on, moe_dispatcher="alltoall"))
+    fwd, bwd = (_first(x) for x in cm._expert_bias_bytes(g))
+    assert (fwd, bwd) == (pytest.approx(16384 * 2880 * 52), pytest.approx(16384 * 2880 * 66))
     # launches: 128/64 = 2 local experts × (2 GEMMs + b·p and the add) + cat + cast (fp32 probabilities) = 10
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
     assert _first(cm.layer_kernels_fwd(g)["moe"]) == pytest.approx(2 * (2 + 2) + 2)
     # off: not a Megatron-Core run, or a model without linear biases (Qwen3-30B-A3B)
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=Options(moe_dispatcher="hybridep"))
-    assert cm._expert_bias_bytes(g) == 0.0
+    assert cm._expert_bias_bytes(g) == (0.0, 0.0)
     cm, g = _cm(load_model("qwen3-30b-a3b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
-    assert cm._expert_bias_bytes(g) == 0.0
+    assert cm._expert_bias_bytes(g) == (0.0, 0.0)
     assert FRAMEWORKS["nemo"]["unfused_expert_bias"] and FRAMEWORKS["megatron"]["unfused_expert_bias"]
 
 

@@ -463,13 +463,18 @@ class CostModel:
         elem_bytes = act * t * tm.pointwise_elements_per_token(self.p.model, tp=tp, sp=sp_div)
         if not self.opt.fused_elementwise:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
-        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g) + self._expert_bias_bytes(g)
+        elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g)
+        # the backward mirrors all of that (twice the bytes and launches), except the unfused bias adds, whose
+        # autograd backward is counted op by op (_expert_bias_bytes)
+        bias_f, bias_b = self._expert_bias_bytes(g)
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
-        return dict(f_s=elem_bytes / self.hbm + kernels * e.kernel_overhead_s, hbm=elem_bytes)
+        f_s = (elem_bytes + bias_f) / self.hbm + kernels * e.kernel_overhead_s
+        b_s = (2 * elem_bytes + bias_b) / self.hbm + 2 * kernels * e.kernel_overhead_s
+        return dict(f_s=f_s, b_s=b_s, hbm=elem_bytes + bias_f, hbm_b=2 * elem_bytes + bias_b)
 
     def _expert_bias_bytes(self, g: dict):
-        """HBM bytes per layer forward of Megatron-Core's unfused bias adds in an MoE model with linear biases
+        """(forward, backward) HBM bytes per layer of Megatron-Core's unfused bias adds in an MoE model with linear biases
         (gpt-oss; Options.unfused_expert_bias). TEGroupedMLP builds linear_fc2 with skip_bias_add=True and adds the
         bias in `_apply_bias` (megatron/core/transformer/moe/experts.py @ Megatron-LM 0d8e0714, b0cc2706, d7288711,
         458c8d0e, the Megatron-Bridge v0.2.0, v0.3.0, v0.4.1, v0.5.1 pins): per local expert `t + b * p` (p the
@@ -479,14 +484,21 @@ class CostModel:
         (token_dispatcher.py: "HybridEP only supports float32 probs"; DeepEP asserts float32), else A (the router's
         softmax `.type_as(logits)`, moe_utils.py). The same assertion forbids bias_dropout_fusion with biased
         experts, so the attention output's bias is its own add (read and write D; fused_bias_dropout.py
-        `_bias_dropout_add_func`; dropout at p = 0 launches nothing). The backward mirrors it (_pointwise_term)."""
+        `_bias_dropout_add_func`; dropout at p = 0 launches nothing).
+        Backward (PyTorch autograd of the same ops), per routed element: the cast's gradient back to P (reads A, writes
+        P) and the add's gradient to the bf16 GEMM output cast to A (reads P, writes A), both only where P != A; the
+        split's gradient concatenated (reads and writes A); b's gradient (g·p written, read back by the sum over
+        tokens: 3·P) and p's (g·b, summed over D: 3·P). The attention bias's gradient is a sum over tokens (reads A)."""
         m, c = self.p.model, self.c
         if not (self.opt.unfused_expert_bias and m.is_moe and m.linear_bias):
-            return 0.0
+            return 0.0, 0.0
         a = self.opt.act_bytes
         p_b = 4.0 if self.opt.moe_dispatcher in ("deepep", "hybridep") else a
-        per_elem = p_b + (a + 2 * p_b) + 2 * p_b + ((p_b + a) if p_b != a else 0.0)
-        return g["t_mb"] * c["D"] * (c["moe_share"] * c["k"] * per_elem + 2 * a)
+        casts = (p_b + a) if p_b != a else 0.0
+        fwd = p_b + (a + 2 * p_b) + 2 * p_b + casts
+        bwd = 2 * casts + 2 * a + 6 * p_b
+        routed = g["t_mb"] * c["D"] * c["moe_share"] * c["k"]
+        return routed * fwd + g["t_mb"] * c["D"] * 2 * a, routed * bwd + g["t_mb"] * c["D"] * a
 
     def _moe_router_bytes(self, g: dict):
         """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores
@@ -541,10 +553,10 @@ class CostModel:
                  "cast": self._fp8_cast_term(g)}
         mm, core, elem, cast = parts["mm"], parts["core"], parts["elem"], parts["cast"]
         loss = self._loss_term(g)
-        # the backward's pointwise work mirrors the forward's (2·elem) and casts its own operands (cast b_s); a
-        # recomputed forward casts its GEMM inputs again
+        # the backward's pointwise work mirrors the forward's (elem b_s: twice the bytes, but the unfused bias adds'
+        # own backward) and casts its own operands (cast b_s); a recomputed forward casts its GEMM inputs again
         full = mm["f_s"] + core["f_s"] + elem["f_s"] + cast["f_s"]
-        layer_bwd = 2 * mm["f_s"] + core["b_s"] + 2 * elem["f_s"] + cast["b_s"]
+        layer_bwd = 2 * mm["f_s"] + core["b_s"] + elem["b_s"] + cast["b_s"]
         rc_s, rc_mm, rc_core, rc_hbm = [], [], [], []
         for policy in tm.RECOMPUTE_POLICIES:
             w = self._recompute_parts(policy)
@@ -571,7 +583,7 @@ class CostModel:
         led.flops("matmul", nm * (nl * (3 * mm["flops"] + np.select(pick, rc_mm, 0.0)) + 3 * loss["flops"]))
         led.flops("attention", nm * nl * (core["flops_f"] + core["flops_b"] + np.select(pick, rc_core, 0.0)))
         led.flops("other", 0.0)  # pointwise work is costed by its HBM bytes, not its FLOPs
-        led.add("hbm", nm * (nl * (3 * elem["hbm"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
+        led.add("hbm", nm * (nl * (elem["hbm"] + elem["hbm_b"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
         nl = g["layers_stage"]
         # the loss on the last stage: on top of its layers, or in one layer's place (Options.pp_head_in_split), where
