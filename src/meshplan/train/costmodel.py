@@ -1144,6 +1144,15 @@ class CostModel:
         # DualPipe keeps PP + 1 (DeepSeek-V3 Table 2); zero-bubble ZB-H1 as many as 1F1B
         depth = pp + 1 if self.opt.pp_schedule == "dualpipe" else pp
         inflight = np.where(pp > 1, np.minimum(depth, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
+        # MaxText's SPMD pipeline (Options.pp_spmd_loop) is no 1F1B: its forward is a loop of M·v + pp − 1
+        # iterations, each running one repeat's layers (layers_stage / v) on one micro-batch, and the backward is
+        # jax's autodiff of that loop, so every iteration's saved residuals (bubble iterations' too) stay live until
+        # the backward reaches them, as in GPipe (Huang et al. 2019 §2.3) (MaxText layers/pipeline.py: the
+        # iteration is `jax.checkpoint`ed under the remat policy and the loop is unrolled or scanned forward;
+        # verify PP2×DP4, 4 micro-batches: the peak at the start of the backward holds five iterations' saved
+        # gate/up outputs, docs/verify.md "Memory")
+        spmd_iters = (g["n_micro"] * vpp + pp - 1) / vpp
+        inflight = np.where(self._spmd_pp(g), spmd_iters, inflight)
         if self.opt.kept_projections:
             # MaxText's custom policy keeps the named projection outputs beside the layer input (_kept_projections)
             kept = self.opt.act_bytes * g["t_mb"] * self._kept_projections(g)[2]
