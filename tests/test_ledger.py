@@ -9,6 +9,7 @@ it). Tiny LLaMA: L=2, D=256, N=8 query heads, K=4 KV heads, H=32, F=512 (SwiGLU)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -221,6 +222,22 @@ def test_maxtext_spmd_pipeline_sends_every_iteration_but_the_last():
     c = ledger(ParallelConfig(pp=4, dp=2, microbatch=2), model=model,
                options=framework_options("jax", Options(), {}))["collective_bytes"]
     assert c["permute/stage"] == 12 * 262144
+
+
+def test_maxtext_spmd_pipeline_keeps_every_iterations_activations():
+    """PP2 × DP4, micro-batch 1, jax (fp32, materialised attention, no recompute): one layer a stage saves per
+    micro-batch of 128 tokens, per token (Korthikanti 2022 §4, gated MLP, GQA): two norm inputs 2D = 512, the QKV
+    input D = 256, its outputs q + 2·K·H = 256 + 256, the O-projection input 256, the MLP input 256 and the 4F = 2048
+    of the gated MLP: 3840 values · 4 B · 128 = 1966080, plus the softmax output 4 B · N · s² = 4·8·128·128 = 524288:
+    2490368 B. MaxText's SPMD loop differentiated by autodiff keeps all M + p − 1 = 5 iterations' (docs/verify.md
+    "Memory"), 1F1B min(p, M) = 2 micro-batches': 3 · 2490368 more; with 32 sequences (M = 8, 9 iterations) 4 more."""
+    cfg = ParallelConfig(pp=2, dp=4, microbatch=1)
+    jax = framework_options("jax", Options(), {})
+    acts = ledger(cfg, options=jax)["memory_bytes"]["activations"]
+    one_f_one_b = ledger(cfg, options=dataclasses.replace(jax, pp_spmd_loop=False))["memory_bytes"]["activations"]
+    assert acts - one_f_one_b == pytest.approx(3 * 2490368, rel=1e-12)
+    m8 = ledger(cfg, options=jax, batch=32)["memory_bytes"]["activations"]
+    assert m8 - acts == pytest.approx(4 * 2490368, rel=1e-12)
 
 
 def test_ring_cp_kv_passes_by_framework():
