@@ -1168,7 +1168,10 @@ class CostModel:
         loss_bytes = (LOSS_SOFTMAX_BYTES + self.opt.act_bytes) * (1 if self.opt.fused_loss else 2)
         if xla and self.opt.fused_loss:
             loss_bytes = XLA_LOSS_BYTES_PER_LOGIT
-        logits = loss_bytes * g["t_mb"] * self.c["V"] / g["tp"]
+        # MaxText's SPMD pipeline returns all M micro-batches' outputs reshaped to the device's whole batch and the
+        # head and loss run once on it after the loop (layers/pipeline.py: `final_output` reshaped to
+        # micro_batch_size_to_train_on): the loss buffers hold M micro-batches' logits (verify PP2×DP4: [512, 512])
+        logits = loss_bytes * g["t_mb"] * np.where(self._spmd_pp(g), g["n_micro"], 1.0) * self.c["V"] / g["tp"]
         saved = acts
         # the layer being rematerialised is what the backward computes with: it stays on the device under offload
         # (on TPUs `_xla_activations` holds it, as the larger of the step's two peaks)
