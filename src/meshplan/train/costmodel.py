@@ -1147,8 +1147,8 @@ class CostModel:
         # MaxText's SPMD pipeline (Options.pp_spmd_loop) is no 1F1B: its forward is a loop of M·v + pp − 1
         # iterations, each running one repeat's layers (layers_stage / v) on one micro-batch, and the backward is
         # jax's autodiff of that loop, so every iteration's saved residuals (bubble iterations' too) stay live until
-        # the backward reaches them, as in GPipe (Huang et al. 2019 §2.3) (MaxText layers/pipeline.py: the
-        # iteration is `jax.checkpoint`ed under the remat policy and the loop is unrolled or scanned forward;
+        # the backward reaches them, as in GPipe (Huang et al. 2019) (MaxText layers/pipeline.py: each
+        # iteration is `nn.remat`ed under get_pipeline_remat_policy and the loop is unrolled or `nn.scan`ned;
         # verify PP2×DP4, 4 micro-batches: the peak at the start of the backward holds five iterations' saved
         # gate/up outputs, docs/verify.md "Memory")
         spmd_iters = (g["n_micro"] * vpp + pp - 1) / vpp
