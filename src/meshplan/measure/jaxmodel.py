@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -358,6 +359,105 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, p
     return jnp.einsum("bkgqs,bskh->bqkgh", p, v).reshape(B, Tq, N, H)
 
 
+# Blocks per sequence of the flash core: FlashAttention-2 tiles Q and K/V into blocks of 64-128 rows (Dao 2023
+# §3.1, Algorithm 1); the tiny twins' 128-token sequences take 8 blocks of 16 so that the causal skip of the
+# blocks above the diagonal shows: (n + 1)/(2n) of the score matrix is computed (9/16 at n = 8; 1/2 is the
+# planner's causal count, whose kernel also skips only whole blocks)
+FLASH_BLOCKS = 8
+
+
+def _flash_block(t: int) -> int:
+    n = FLASH_BLOCKS if t % FLASH_BLOCKS == 0 else 1
+    return t // n
+
+
+def _flash_rows(j: int, b: int, causal_order: bool) -> int:
+    """First query row that K/V block j can reach: with positions in natural order (q and k alike) the rows of
+    the blocks above the diagonal see none of its keys and are skipped; otherwise every row is computed."""
+    return j * b if causal_order else 0
+
+
+def _flash_fwd_impl(q, k, v, pos_q, pos_k, causal_order):
+    """FlashAttention-2's forward (Dao 2023, Algorithm 1) over K/V blocks: a running max m, normaliser l and
+    output o per query row (online softmax, Milakov & Gimelshein 2018). q [B,K,G,Tq,H], k/v [B,Tk,K,H].
+    Returns o (normalised) and the per-row log-sum-exp m + log l."""
+    B, K, G, Tq, H = q.shape
+    Tk = k.shape[1]
+    b = _flash_block(Tk)
+    low = jnp.finfo(q.dtype).min
+    m = jnp.full((B, K, G, Tq), low, q.dtype)
+    ell = jnp.zeros((B, K, G, Tq), q.dtype)
+    o = jnp.zeros((B, K, G, Tq, H), q.dtype)
+    for j in range(Tk // b):
+        r = _flash_rows(j, b, causal_order)
+        kb, vb = k[:, j * b:(j + 1) * b], v[:, j * b:(j + 1) * b]
+        s = jnp.einsum("bkgqh,bskh->bkgqs", q[:, :, :, r:], kb) * (H ** -0.5)
+        mask = (pos_q[r:, None] >= pos_k[None, j * b:(j + 1) * b])[None, None, None]
+        s = jnp.where(mask, s, low)
+        m_new = jnp.maximum(m[..., r:], jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m[..., r:] - m_new)
+        ell = ell.at[..., r:].set(ell[..., r:] * corr + jnp.sum(p, axis=-1))
+        o = o.at[..., r:, :].set(o[..., r:, :] * corr[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p, vb))
+        m = m.at[..., r:].set(m_new)
+    return o / ell[..., None], m + jnp.log(ell)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, pos_q, pos_k, causal_order):
+    return _flash_fwd_impl(q, k, v, pos_q, pos_k, causal_order)[0]
+
+
+def _flash_fwd(q, k, v, pos_q, pos_k, causal_order):
+    o, lse = _flash_fwd_impl(q, k, v, pos_q, pos_k, causal_order)
+    return o, (q, k, v, pos_q, pos_k, o, lse)  # no score-sized residual
+
+
+def _flash_bwd(causal_order, res, do):
+    """FlashAttention-2's backward (Dao 2023, Algorithm 2): the scores of each K/V block are recomputed from q, k
+    and the saved log-sum-exp (QKᵀ again), then dV = PᵀdO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ += dS K,
+    dK = dSᵀ Q: five block matmuls against the forward's two (efficiency.yaml attention_bwd_flops_ratio 2.5)."""
+    q, k, v, pos_q, pos_k, o, lse = res
+    B, K, G, Tq, H = q.shape
+    Tk = k.shape[1]
+    b = _flash_block(Tk)
+    scale = H ** -0.5
+    delta = jnp.sum(do * o, axis=-1)  # rowsum(dO∘O) [B,K,G,Tq]
+    dq = jnp.zeros_like(q)
+    dks, dvs = [], []
+    for j in range(Tk // b):
+        r = _flash_rows(j, b, causal_order)
+        kb, vb = k[:, j * b:(j + 1) * b], v[:, j * b:(j + 1) * b]
+        qr, dor = q[:, :, :, r:], do[:, :, :, r:]
+        s = jnp.einsum("bkgqh,bskh->bkgqs", qr, kb) * scale
+        mask = (pos_q[r:, None] >= pos_k[None, j * b:(j + 1) * b])[None, None, None]
+        p = jnp.where(mask, jnp.exp(s - lse[..., r:, None]), 0.0)
+        dvs.append(jnp.einsum("bkgqs,bkgqh->bskh", p, dor))
+        dp = jnp.einsum("bkgqh,bskh->bkgqs", dor, vb)
+        ds = p * (dp - delta[..., r:, None]) * scale
+        dq = dq.at[:, :, :, r:].add(jnp.einsum("bkgqs,bskh->bkgqh", ds, kb))
+        dks.append(jnp.einsum("bkgqs,bkgqh->bskh", ds, qr))
+    zero_pos = np.zeros(pos_q.shape, jax.dtypes.float0), np.zeros(pos_k.shape, jax.dtypes.float0)
+    return (dq, jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)) + zero_pos
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array,
+                             causal_order: bool = False) -> jax.Array:
+    """Causal GQA attention as FlashAttention-2 computes it, in fp32: blockwise over K/V with an online softmax,
+    under a custom VJP that saves q, k, v, the output and the per-row log-sum-exp (no score-sized buffer) and
+    recomputes each block's scores in the backward. q [B,Tq,N,H], k/v [B,Tk,K,H]. The mask compares absolute
+    positions, so any token order is right (CP load balancing); `causal_order` (q and k both in natural order,
+    Tq = Tk: no CP) also skips the blocks above the diagonal, as the kernel does."""
+    B, Tq, N, H = q.shape
+    K = k.shape[2]
+    qg = jnp.transpose(q.reshape(B, Tq, K, N // K, H), (0, 2, 3, 1, 4))
+    o = _flash(qg, k, v, pos_q, pos_k, causal_order)
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(B, Tq, N, H)
+
+
 def flash_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Array, pos_k: jax.Array,
                          implementation: str | None = None) -> jax.Array:
     """Causal GQA attention by `jax.nn.dot_product_attention` (query head n reads KV head n // (N/K), as
@@ -368,10 +468,12 @@ def flash_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, pos_q: jax.Ar
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-# attention kernels of the reference model: "materialized" (the default; what `verify` compiles), "dpa"
+# attention kernels of the reference model: "materialized" (scores in memory), "flash" (blockwise, online softmax;
+# what `verify` compiles where the planner's options say flash, PROGRAM_FACTS), "dpa"
 # (jax.nn.dot_product_attention, kernel chosen by JAX), "cudnn" (cuDNN flash attention, GPUs only)
 ATTENTION_CORES: dict[str, Callable] = {
     "materialized": attention_core,
+    "flash": blockwise_attention_core,
     "dpa": flash_attention_core,
     "cudnn": lambda q, k, v, pq, pk: flash_attention_core(q, k, v, pq, pk, implementation="cudnn"),
 }
@@ -489,6 +591,8 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     k, v = (sh.constrain(qkv[:, :, :, i], ("batch", "seq", "act_kv_heads", None)) for i in (G2 - 2, G2 - 1))
     q, k = rotary(q, pos), rotary(k, pos)
     core = ATTENTION_CORES[attention]
+    if attention == "flash" and sh.axis_size("context") == 1:  # tokens in natural order: skip masked blocks
+        core = partial(core, causal_order=True)
     if recompute == "selective":  # Korthikanti §5: recompute the attention core only (scores and softmax)
         core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
     if sh.axis_size("context") > 1 and sh.cp_impl == "ring":
@@ -962,7 +1066,7 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
     check_supported(model, layout, seq_len, global_batch)
     if attention not in ATTENTION_CORES:
         raise MeshplanError(f"unknown attention kernel '{attention}' (known: {', '.join(ATTENTION_CORES)})")
-    if attention != "materialized" and layout.cp > 1:
+    if attention not in ("materialized", "flash") and layout.cp > 1:
         raise MeshplanError(f"attention '{attention}' masks by token order: context parallelism needs "
                             "'materialized'")
     mesh = make_mesh(layout, devices)
