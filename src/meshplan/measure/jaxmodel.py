@@ -51,7 +51,11 @@ CP_KV = "cp_kv"  # the K/V all-gathered over `context`
 # fusion does for the unrolled program; saved, each becomes a materialised [L, ...] output of the forward loop
 # (measured: DP8 54.1 MiB, +28% over the ledger, against 46.2). JAX's `checkpoint_dots` plus the collectives.
 SCAN_SAVED_PRIMS = ("dot_general", "all_to_all", "ppermute", "psum", "psum_invariant", "reduce_scatter")
-GEMM_OUTPUTS = ("qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
+# The flash core's output and per-row log-sum-exp, the residuals its backward reads (besides q, k, v): named so
+# that the layer's policy saves them and not the blocks' dot outputs inside its forward, which the JVP of the custom
+# VJP leaves as ordinary equations of the layer
+FLASH_RESIDUALS = ("flash_out", "flash_lse")
+GEMM_OUTPUTS = (*FLASH_RESIDUALS, "qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
 
 
@@ -409,7 +413,8 @@ def _flash(q, k, v, pos_q, pos_k, causal_order):
 
 
 def _flash_fwd(q, k, v, pos_q, pos_k, causal_order):
-    o, lse = _flash_fwd_impl(q, k, v, pos_q, pos_k, causal_order)
+    o, lse = (checkpoint_name(x, n) for x, n in zip(_flash_fwd_impl(q, k, v, pos_q, pos_k, causal_order),
+                                                      FLASH_RESIDUALS, strict=True))
     return o, (q, k, v, pos_q, pos_k, o, lse)  # no score-sized residual
 
 
@@ -707,7 +712,7 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
         if scanned:
-            return prim.name in SCAN_SAVED_PRIMS
+            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
         return True
 
     return policy

@@ -101,9 +101,18 @@ VERIFY_HARDWARE = "tpu-v5p"  # the chip the ledger is costed on: an XLA target (
 def program_options(framework: str = "jax") -> Options:
     """The cost model's Options that describe the compiled reference program: a framework's schedule
     (train/frameworks.py; "jax" = MaxText's, the one XLA's program follows) with the program's own facts
-    (PROGRAM_FACTS: fp32, materialised attention, all-gathered CP, no runtime reserve). Another framework shows
+    (PROGRAM_FACTS: fp32, flash attention, all-gathered CP, no runtime reserve). Another framework shows
     where its schedule differs from the compiled one."""
     return replace(framework_options(framework, Options(), {}), **PROGRAM_FACTS)
+
+
+def program_attention(layout: Layout, options: Options | None = None) -> str:
+    """The attention core the program compiles (jaxmodel.ATTENTION_CORES) for the planner's option: "flash"
+    (blockwise, online softmax, no score buffer) where `options.flash_attention` says so, except under CP, whose
+    per-device query chunks (load-balanced order) would need per-device block skipping: CP layouts compile the
+    materialised core, and their ledger is the planner's materialised one (`plan_ledger`)."""
+    options = options or program_options()
+    return "flash" if options.flash_attention and layout.cp == 1 else "materialized"
 
 
 # Whether measure/jaxmodel.py loops over micro-batches (gradient accumulation, pipeline micro-batches) when
@@ -139,6 +148,7 @@ def plan_ledger(model: ModelConfig, layout: Layout, seq_len: int, global_batch: 
     options = options or program_options()
     if getattr(layout, "cp_impl", None):  # the CP form the program was built with
         options = replace(options, cp_impl=layout.cp_impl)
+    options = replace(options, flash_attention=program_attention(layout, options) == "flash")
     cm = CostModel(problem, default_efficiency(chip), options)
     ev = evaluate(cm, LayoutArrays.from_configs([program_config(layout, global_batch)]))
     return ev.ledger.plan(0)
@@ -173,13 +183,16 @@ def device_coords(mesh: Any) -> dict[int, tuple[int, ...]]:
     return {int(d.id): tuple(int(i) for i in idx) for idx, d in np.ndenumerate(mesh.devices)}
 
 
-def compile_step(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> tuple[Any, Any]:
-    """Lower and compile the sharded train step on simulated CPU devices (nothing runs). (program, compiled)"""
+def compile_step(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                 attention: str | None = None) -> tuple[Any, Any]:
+    """Lower and compile the sharded train step on simulated CPU devices (nothing runs). (program, compiled);
+    `attention`: the core (default `program_attention(layout)`)."""
     ensure_host_devices(layout.devices)
     jax = import_jax()
     from meshplan.measure import jaxmodel as jm
 
-    prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices("cpu"))
+    prog = jm.build_program(model, layout, seq_len, global_batch, jax.devices("cpu"),
+                            attention or program_attention(layout))
     compiled = prog.step.lower(*jm.abstract_inputs(prog, seq_len, global_batch)).compile()
     return prog, compiled
 
@@ -233,7 +246,7 @@ def causal_balance(seq_len: int, cp: int, load_balanced: bool = True) -> float:
 
 def loss_check(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int = 3,
                rtol: float = 1e-4, compiled: tuple[Any, Any] | None = None,
-               reference: list[float] | None = None) -> dict[str, Any]:
+               reference: list[float] | None = None, attention: str | None = None) -> dict[str, Any]:
     """Run `steps` AdamW steps sharded and on one device (no recompute) from the same init and data; compare
     the losses. `compiled`: (program, executable) from `compile_step` to reuse; `reference`: one-device
     losses already computed for this model and shapes."""
@@ -242,7 +255,8 @@ def loss_check(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     from meshplan.measure import jaxmodel as jm
 
     devs = jax.devices("cpu")
-    prog, exe = compiled or (jm.build_program(model, layout, seq_len, global_batch, devs), None)
+    attention = attention or program_attention(layout)
+    prog, exe = compiled or (jm.build_program(model, layout, seq_len, global_batch, devs, attention), None)
     sharded = jm.run_steps(prog, seq_len, global_batch, steps, compiled=exe)
     if reference is None:
         reference = jm.run_steps(jm.build_program(model, Layout(), seq_len, global_batch, devs), seq_len,
@@ -296,7 +310,8 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     jm.check_supported(model, layout, seq_len, global_batch)  # a layout the program cannot build: refused first
     say(f"compiling {model.name} (L={model.n_layers}, D={model.d_model}) on {layout.devices} CPU devices ...")
     t0 = time.perf_counter()
-    prog, compiled = compile_step(model, layout, seq_len, global_batch)
+    attention = program_attention(layout, options)
+    prog, compiled = compile_step(model, layout, seq_len, global_batch, attention)
     compile_s = time.perf_counter() - t0
     say(f"compiled in {compile_s:.1f} s; reading the HLO ...")
     measured = measure_compiled(prog, compiled)
@@ -307,7 +322,7 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         "collectives": summarize_collectives(colls),
         "reduce_scatters_from_all_reduce": sum(1 for c in colls if c.note == "all-reduce+dynamic-slice"),
         "all_reduces_folded": sum(1 for c in colls if c.note == "all-reduce+all-reduce"),
-        "dtypes": _dtype_note(colls, BYTES_PER_ELEMENT), "compile_s": compile_s,
+        "dtypes": _dtype_note(colls, BYTES_PER_ELEMENT), "compile_s": compile_s, "attention": attention,
     }
     if layout.cp > 1:
         out["cp_causal_balance"] = {"load_balanced": causal_balance(seq_len, layout.cp),
@@ -317,7 +332,7 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         say(f"running {steps} steps sharded and on one device to compare the losses ...")
         same = loss_model == model and (loss_seq_len, loss_batch) == (seq_len, global_batch)
         check = loss_check(loss_model, layout, loss_seq_len, loss_batch, steps,
-                           compiled=(prog, compiled) if same else None, reference=reference)
+                           compiled=(prog, compiled) if same else None, reference=reference, attention=attention)
         out["loss_check"] = check
         out["loss_matches_unsharded"] = check["matches"]
     return out
