@@ -67,7 +67,8 @@ FLOP_RESIDUALS: set[str] = set()
 # pipeline layouts (whose iterations' saved activations the ledger now holds, M·v + pp − 1 of them) the unrolled
 # loop's per-iteration weight-gradient partials and weight copies, TP's gathered inputs, the loss's extra
 # logit-sized buffers. (fsdp8 holds since the layers are a scan: +21.4% → +13.0%; pp2_ep4 and pp2_fsdp4 since the
-# SPMD pipeline's rule: +46.4% → +4.1%, +55.9% → +1.5%.)
+# SPMD pipeline's rule: +46.4% → +4.1%, +55.9% → +1.5%.) With the flash core (`*_flash`, `verify --attention flash`):
+# TP8's all-reduce in place of a reduce-scatter, the flash backward's blocks scheduled all at once, padded MLP copies.
 MEMORY_RESIDUALS = {"tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
                     "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
                     "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_cp2_tp2_ring"}
