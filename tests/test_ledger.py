@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import run_cli
@@ -117,17 +118,22 @@ def test_context_parallel_allgather_form():
 
 def test_matmul_flops_and_jax_full_recompute():
     """DP8, 256 tokens per device: 6 · 256 · (2 · 589824 layer matmul weights + 131072 unembedding) =
-    2013265920 matmul FLOPs; flash attention (the JAX program's core, PROGRAM_FACTS), causal: 2·t·(S/2)·N·2H per
-    layer forward = 2·256·64·8·64 = 16777216, the backward 2.5× that (FlashAttention-2's recompute of QKᵀ included),
-    ×2 layers: 3.5 · 2 · 16777216. JAX full recompute adds each layer's forward matmuls but the MLP
-    down-projection, 2·256·(589824 − 131072) · 2 layers = 469762048, and reruns the flash forward whole:
-    2 · 16777216."""
+    2013265920 matmul FLOPs; materialised non-causal attention (the JAX program) 2·2·t·S·N·H per layer forward
+    = 2·2·256·128·8·32 = 33554432, ×3 with the backward, ×2 layers. JAX full recompute adds each layer's forward
+    matmuls but the MLP down-projection: 2·256·(589824 − 131072) · 2 layers = 469762048."""
     opts = framework_options("jax", Options(), {})
     fl = ledger(ParallelConfig(dp=8, microbatch=2), options=opts)["flops"]
     assert fl["matmul"] == pytest.approx(2013265920, rel=1e-12)
-    assert fl["attention"] == pytest.approx(3.5 * 2 * 16777216, rel=1e-12)
+    assert fl["attention"] == pytest.approx(3 * 2 * 33554432, rel=1e-12)
     full = ledger(ParallelConfig(dp=8, microbatch=2, recompute="full"), options=opts)["flops"]
     assert full["matmul"] - fl["matmul"] == pytest.approx(469762048, rel=1e-12)
+    assert full["attention"] - fl["attention"] == pytest.approx(2 * 33554432, rel=1e-12)
+    # the flash core (`verify --attention flash`), causal: 2·t·(S/2)·N·2H = 2·256·64·8·64 = 16777216 per layer
+    # forward, the backward 2.5× that (FlashAttention-2's QKᵀ recompute included); full recompute reruns it whole
+    fo = replace(opts, flash_attention=True)
+    fl = ledger(ParallelConfig(dp=8, microbatch=2), options=fo)["flops"]
+    assert fl["attention"] == pytest.approx(3.5 * 2 * 16777216, rel=1e-12)
+    full = ledger(ParallelConfig(dp=8, microbatch=2, recompute="full"), options=fo)["flops"]
     assert full["attention"] - fl["attention"] == pytest.approx(2 * 16777216, rel=1e-12)
 
 

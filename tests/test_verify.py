@@ -33,6 +33,9 @@ CASES = {
     "fsdp4_tp2_selective": ("llama3-8b", dict(fsdp=4, tp=2, recompute="selective"), False),
     "fsdp4_tp2_full": ("llama3-8b", dict(fsdp=4, tp=2, recompute="full"), True),
     "fsdp4_tp2_gemm_last": ("llama3-8b", dict(fsdp=4, tp=2, recompute="gemm-last"), False),
+    # the flash core (`verify --attention flash`; `attention` is taken out of the layout): the planner's flash ledger
+    "tp8_flash": ("llama3-8b", dict(tp=8, attention="flash"), True),
+    "fsdp4_tp2_flash": ("llama3-8b", dict(fsdp=4, tp=2, attention="flash"), False),
     # the layouts of issue 13 item 3 (their losses are checked in tests/test_verify_layouts.py)
     "zero1_dp8": ("llama3-8b", dict(dp=8, zero=1), False),
     "zero2_dp8_2mb": ("llama3-8b", dict(dp=8, zero=2, microbatch=1), False),
@@ -70,11 +73,13 @@ FLOP_RESIDUALS: set[str] = set()
 # SPMD pipeline's rule: +46.4% → +4.1%, +55.9% → +1.5%.) With the flash core (`*_flash`, `verify --attention flash`):
 # TP8's all-reduce in place of a reduce-scatter, the flash backward's blocks scheduled all at once, padded MLP copies.
 MEMORY_RESIDUALS = {"tp8", "fsdp4_tp2", "dp2_tp2_cp2", "fsdp4_tp2_selective", "fsdp4_tp2_full",
-                    "fsdp4_tp2_gemm_last", "zero2_dp8_2mb", "cp4_tp2_allgather", "cp4_tp2_ring", "pp2_dp4",
-                    "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2", "pp2_cp2_tp2_ring"}
+                    "fsdp4_tp2_gemm_last", "tp8_flash", "fsdp4_tp2_flash", "zero2_dp8_2mb", "cp4_tp2_allgather",
+                    "cp4_tp2_ring", "pp2_dp4", "pp2_tp2_dp2", "pp4_dp2_vpp2", "pp2_cp4", "pp2_cp2_tp2",
+                    "pp2_cp2_tp2_ring"}
 
 _SCRIPT = r"""
 import json, sys
+from dataclasses import replace
 from meshplan.measure import verify as v
 v.ensure_host_devices(8)  # before JAX starts: device count and the memory-minimising CPU schedule
 import jax
@@ -86,12 +91,13 @@ S, B, STEPS = 128, 16, 2
 refs = {}
 out = {}
 for name, (model, kw, loss) in cases.items():
+    flash = kw.pop("attention", "materialized") == "flash"
     lay = Layout(**kw).resolved()
     m = v.tiny_model(load_model(model), layers=max(2, lay.pp * lay.vpp), min_kv_heads=lay.tp)  # as the CLI
     if loss and m not in refs:  # one-device losses, no recompute: every layout and policy must reproduce them
         refs[m] = jm.run_steps(jm.build_program(m, Layout(), S, B, jax.devices()), S, B, STEPS)
     rep = v.run_verify(m, lay, S, B, loss_model=m if loss else None, loss_seq_len=S, loss_batch=B, steps=STEPS,
-                       reference=refs.get(m))
+                       reference=refs.get(m), options=replace(v.program_options(), flash_attention=flash))
     out[name] = {k: rep.get(k) for k in ("rows", "loss_check", "collectives", "cp_causal_balance", "compile_s",
                                          "ledger")}
 print("JSON" + json.dumps(out))

@@ -139,13 +139,10 @@ def test_zero1_vs_zero2_with_accumulation(results):
 def test_gradient_accumulation_reduces_once(results):
     """Plain DP8 with 2 micro-batches: the replicas accumulate locally and all-reduce the gradients once per
     step (PARAM_BYTES), not once per micro-batch; the matmul FLOPs equal one pass over the batch:
-    3 (fwd+bwd) × 256 tokens × (2 layers × 2·589824 (weights) + 2·D·V = 262144 (the head)) plus the flash core
-    (the program's attention, `verify.program_attention`): 8 blocks of 16 tokens, the blocks above the diagonal
-    skipped, so a query meets (8 + 1)/2 × 16 = 72 keys on average; forward QKᵀ and AV 2·2·72·N·H = 73728 per
-    token (N·H = 256), backward 2.5× (FlashAttention-2's five block matmuls against two): 256 tokens × 2 layers
-    × 3.5 × 73728 = 132120576."""
+    3 (fwd+bwd) × 256 tokens × (2 layers × 1310720 + 262144) = 2214592512, where a layer's forward is
+    2·589824 (weights) + 2·2·T·N·H = 131072 (materialised QKᵀ and AV) per token and the head 2·D·V = 262144."""
     assert _bytes(results, "dp8_mb1", "all-reduce", "data") == PARAM_BYTES + 4  # + the loss mean
-    assert results["dp8_mb1"]["measured"]["matmul flops"] == 3 * 256 * (2 * 2 * 589824 + 262144) + 132120576
+    assert results["dp8_mb1"]["measured"]["matmul flops"] == 3 * 256 * (2 * 1310720 + 262144)
 
 
 def test_zero3_is_fsdp_over_the_data_ranks(results):

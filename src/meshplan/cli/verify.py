@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -96,6 +97,10 @@ def verify(
     recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 1 optimizer state, 2 also gradients "
                                            "sharded; 3 compiles FSDP over the data ranks.")] = 0,
+    attention: Annotated[str, typer.Option(
+        help="Attention core of the program: materialized (scores in memory) or flash (blockwise, online softmax, "
+             "FlashAttention-2's backward; the ledger is then the planner's flash one; CP layouts stay "
+             "materialized).")] = "materialized",
     framework: Annotated[str, typer.Option(
         help="Whose schedule the planner's ledger assumes: jax (default; = maxtext, the one XLA's program follows), "
              "or megatron / nemo / torchtitan to see where theirs differs from the compiled program.")] = "jax",
@@ -110,6 +115,8 @@ def verify(
         fail("meshplan verify needs the jax extra: pip install 'meshplan[jax]'")
     from meshplan.measure import verify as mv
 
+    if attention not in ("materialized", "flash"):
+        fail(f"--attention must be materialized or flash, got '{attention}'")
     if plan_file is not None:
         problem, config = read_plan(plan_file, rank)
         model_name, devices = str(problem["model"]), int(problem.get("chips", devices))
@@ -134,7 +141,7 @@ def verify(
     big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))
     report = mv.run_verify(big, layout, seq_len, global_batch, loss_model=None if no_loss else small,
                            loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16,
-                           options=mv.program_options(framework),
+                           options=replace(mv.program_options(framework), flash_attention=attention == "flash"),
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     report["framework"] = framework
     if json_out:

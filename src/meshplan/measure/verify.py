@@ -101,7 +101,7 @@ VERIFY_HARDWARE = "tpu-v5p"  # the chip the ledger is costed on: an XLA target (
 def program_options(framework: str = "jax") -> Options:
     """The cost model's Options that describe the compiled reference program: a framework's schedule
     (train/frameworks.py; "jax" = MaxText's, the one XLA's program follows) with the program's own facts
-    (PROGRAM_FACTS: fp32, flash attention, all-gathered CP, no runtime reserve). Another framework shows
+    (PROGRAM_FACTS: fp32, materialised attention, all-gathered CP, no runtime reserve). Another framework shows
     where its schedule differs from the compiled one."""
     return replace(framework_options(framework, Options(), {}), **PROGRAM_FACTS)
 

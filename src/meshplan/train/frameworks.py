@@ -56,12 +56,12 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 }
 # The JAX reference program `meshplan verify` compiles (measure/jaxmodel.py): MaxText's XLA behaviour, with the
 # program's own facts: fp32 weights, activations, gradients and collectives (its CPU twin; AdamW moments fp32 and
-# no separate master copy), flash attention (jaxmodel.blockwise_attention_core: FlashAttention-2's blockwise online
-# softmax, no score matrix in memory; CP layouts compile the materialised core, measure/verify.py
-# `program_attention`), context parallelism by all-gathered K/V (its ring form, `--cp-impl ring`, saves the K/V blocks it received for the
+# no separate master copy), attention materialised (softmax over the full score matrix; the program's flash core,
+# jaxmodel.blockwise_attention_core, is opt-in: `verify --attention flash`, docs/verify.md), context
+# parallelism by all-gathered K/V (its ring form, `--cp-impl ring`, saves the K/V blocks it received for the
 # backward: the autodiff of ppermute passes only dK/dV back), no runtime reserve on the CPU.
 PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
-                                     grad_reduce_bytes=4.0, flash_attention=True, runtime_reserve=False,
+                                     grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
                                      cp_impl="allgather", ring_saves_kv=True)
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
