@@ -76,3 +76,10 @@ def test_flash_core_dot_flops_by_hand(flash):
     attention_bwd_flops_ratio)."""
     assert flash["fwd_flops"] == 2 * 8 * 9216 * 4 * 16
     assert flash["bwd_flops"] == 2.5 * flash["fwd_flops"]
+
+
+def test_verify_refuses_an_unknown_attention_core(capsys):
+    from conftest import run_cli
+
+    code, _, err = run_cli(["verify", "--model", "llama3-8b", "--attention", "bogus"], capsys)
+    assert code == 2 and err.startswith("error: --attention must be materialized or flash")
