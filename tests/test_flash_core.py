@@ -83,3 +83,12 @@ def test_verify_refuses_an_unknown_attention_core(capsys):
 
     code, _, err = run_cli(["verify", "--model", "llama3-8b", "--attention", "bogus"], capsys)
     assert code == 2 and err.startswith("error: --attention must be materialized or flash")
+
+
+def test_verify_refuses_running_flash_under_fsdp(capsys):
+    """The measured deadlock (docs/verify.md) is refused with one line before anything compiles or runs."""
+    from conftest import run_cli
+
+    code, _, err = run_cli(["verify", "--model", "llama3-8b", "--devices", "8", "--fsdp", "8", "--attention", "flash"],
+                           capsys)
+    assert code == 2 and err.startswith("error: --attention flash with FSDP") and "--no-loss-check" in err
