@@ -18,6 +18,7 @@ from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
 from meshplan.infer.config import default_token_budget
+from meshplan.specs._load import read_text
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.config import ParallelConfig
@@ -258,11 +259,7 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
                profile: str | None, json_out: bool) -> None:
     from meshplan.cli.serve import plan_serving
 
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MeshplanError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    sj = load_engine(text)
+    sj = load_engine(read_text(Path(path), "serving command"))
     name = model or preset_for(sj.model)
     if name is None:
         fail(f"the {sj.framework} command serves '{sj.model}', which is not a meshplan model: give --model")

@@ -12,6 +12,7 @@ from types import ModuleType
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.export import deepspeed, maxtext, megatron, nemo, torchtitan
 from meshplan.export.common import Job, PlanToExport, check_expressible
+from meshplan.specs._load import read_text
 
 TRAIN: dict[str, ModuleType] = {m.NAME: m for m in (torchtitan, megatron, nemo, maxtext, deepspeed)}
 SERVE = ("vllm", "sglang", "trtllm")
@@ -66,12 +67,7 @@ def detect_train_format(path: Path, text: str) -> str:
 
 
 def load_train(path: Path, chips: int | None) -> Job:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise MeshplanError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise MeshplanError(f"{path} is not a text file") from None
+    text = read_text(path, "training config")
     return TRAIN[detect_train_format(path, text)].load(text, chips)
 
 

@@ -14,14 +14,19 @@ from meshplan.errors import MeshplanError
 DATA_DIR = Path(__file__).parent / "data"
 
 
-def read_mapping(path: Path, what: str) -> dict[str, Any]:
-    """Parse a YAML or JSON file into a mapping, or raise a one-line MeshplanError."""
+def read_text(path: Path, what: str) -> str:
+    """A user's file as text, or a one-line MeshplanError (unreadable, or not text)."""
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise MeshplanError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise MeshplanError(f"malformed {what} file '{path}': not valid text") from None
+
+
+def read_mapping(path: Path, what: str) -> dict[str, Any]:
+    """Parse a YAML or JSON file into a mapping, or raise a one-line MeshplanError."""
+    text = read_text(path, what)
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
