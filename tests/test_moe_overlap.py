@@ -120,20 +120,23 @@ def test_hidden_time_charges_each_family_its_own_sms() -> None:
     H100: 16/116 · 1 ms + 32/100 · 1 ms = 0.13793 + 0.32 = 0.45793 ms of compute lost, i.e. a slow-down of
     0.45793 / 2 = 0.228966 over the 2 hidden ms. With the NCCL all-to-all both hold 16 SMs: 16/116."""
     from meshplan.train.costmodel import Terms
-    from meshplan.train.evaluate import _hidden_sm_slowdown
+    from meshplan.train.evaluate import _hidden_sm_slowdown, comm_per_step
+
+    def slowdown(dispatcher: str, cc: Terms) -> float:
+        return float(_hidden_sm_slowdown(_overlap_model(dispatcher), *comm_per_step(cc, 2))[0])
 
     zero = np.zeros(1)
     cc = Terms({f"{k}_{s}": zero for k in ("tp", "cp", "ep", "pp", "fsdp") for s in ("mb", "link_mb")})
     cc.update(fsdp_step=zero, fsdp_link_step=zero, dp_step=zero, dp_link_step=np.array([1e-3]),
               ep_link_mb=np.array([0.5e-3]))  # two micro-batches of 0.5 ms each, nothing exposed
-    s = _hidden_sm_slowdown(_overlap_model("hybridep"), cc, 2)
-    assert float(s[0]) * 2e-3 == pytest.approx(16 / 116 * 1e-3 + 32 / 100 * 1e-3)
-    assert float(s[0]) == pytest.approx(0.228966, rel=1e-5)
-    assert float(_hidden_sm_slowdown(_overlap_model("alltoall"), cc, 2)[0]) == pytest.approx(16 / 116)
+    s = slowdown("hybridep", cc)
+    assert s * 2e-3 == pytest.approx(16 / 116 * 1e-3 + 32 / 100 * 1e-3)
+    assert s == pytest.approx(0.228966, rel=1e-5)
+    assert slowdown("alltoall", cc) == pytest.approx(16 / 116)
     # the exposed part of a family is not hidden: 0.3 ms of each EP micro-batch exposed leaves 0.4 ms hidden:
     # (16/116 · 1 + 32/100 · 0.4) / 1.4 = (0.137931 + 0.128) / 1.4 = 0.189951
     cc["ep_mb"] = np.array([0.3e-3])
-    assert float(_hidden_sm_slowdown(_overlap_model("hybridep"), cc, 2)[0]) == pytest.approx(0.189951, rel=1e-5)
+    assert slowdown("hybridep", cc) == pytest.approx(0.189951, rel=1e-5)
 
 
 def test_hybridep_overlap_slows_compute_by_its_sms(monkeypatch) -> None:

@@ -13,6 +13,7 @@ from meshplan.train.costmodel import CostModel, Terms
 from meshplan.train.ledger import Ledger
 
 COMM_KINDS = ("tp", "cp", "ep", "pp", "fsdp", "dp")
+MB_KINDS = COMM_KINDS[:5]  # the families with per-micro-batch terms (DP reduces once a step)
 
 
 @dataclass
@@ -53,18 +54,29 @@ def _bubble(cm: CostModel, g: dict, ct, per_mb):
     return (pp - 1) / g["vpp"] * per_mb
 
 
-def _hidden_sm_slowdown(cm: CostModel, cc: Terms, m):
+def comm_per_step(cc: Terms, m) -> tuple[Terms, Terms]:
+    """Each collective family's seconds per step, from the cost model's per-micro-batch and once-a-step terms
+    (CostModel.comm_terms): on its links (hidden or not), and exposed (not hidden behind compute). FSDP has both
+    kinds of term; DP only the once-a-step one."""
+    link = Terms({k: m * cc[f"{k}_link_mb"] for k in MB_KINDS})
+    exposed = Terms({k: m * cc[f"{k}_mb"] for k in MB_KINDS})
+    link["fsdp"] = link["fsdp"] + cc["fsdp_link_step"]
+    exposed["fsdp"] = exposed["fsdp"] + cc["fsdp_step"]
+    link["dp"], exposed["dp"] = cc["dp_link_step"], cc["dp_step"]
+    return link, exposed
+
+
+def _hidden_sm_slowdown(cm: CostModel, links: Terms, exposed: Terms):
     """SM slow-down of compute over the hidden (overlapped) collective time: each family's own slow-down weighted by
-    its hidden seconds (link time less exposed time). NCCL families hold NCCL's channels (comm_compute_interference,
-    efficiency.nccl_sm_slowdown on GPUs); the EP all-to-all under a DeepEP/HybridEP dispatcher holds the dispatcher's
-    SMs (efficiency.dispatcher_sm_slowdown). E.g. 1 ms hidden DP reduce-scatter and 1 ms hidden HybridEP all-to-all
-    on H100: (16/116 + 32/100) / 2 over 2 ms, the same as 16/116 * 1 ms + 32/100 * 1 ms."""
+    its hidden seconds (its link time less its exposed time, comm_per_step). NCCL families hold NCCL's
+    channels (comm_compute_interference, efficiency.nccl_sm_slowdown on GPUs); the EP all-to-all under a
+    DeepEP/HybridEP dispatcher holds the dispatcher's SMs (efficiency.dispatcher_sm_slowdown). E.g. 1 ms hidden DP
+    reduce-scatter and 1 ms hidden HybridEP all-to-all on H100: (16/116 + 32/100) / 2 over 2 ms, the same as
+    16/116 * 1 ms + 32/100 * 1 ms."""
     nccl = cm.eff.comm_compute_interference
     ep = dispatcher_sm_slowdown(cm.opt.moe_dispatcher, cm.p.chip)
     ep = nccl if ep is None else ep
-    hidden = {k: np.clip(m * (cc[f"{k}_link_mb"] - cc[f"{k}_mb"]), 0, None) for k in ("tp", "cp", "ep", "pp")}
-    hidden["fsdp"] = np.clip(m * (cc["fsdp_link_mb"] - cc["fsdp_mb"]) + cc["fsdp_link_step"] - cc["fsdp_step"], 0, None)
-    hidden["dp"] = np.clip(cc["dp_link_step"] - cc["dp_step"], 0, None)
+    hidden = {k: np.clip(links[k] - exposed[k], 0, None) for k in COMM_KINDS}
     total = sum(hidden.values())
     weighted = nccl * (total - hidden["ep"]) + ep * hidden["ep"]
     return np.where(total > 0, weighted / np.maximum(total, 1e-30), nccl)
@@ -102,7 +114,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # optimizer offload: each micro-batch's gradients go out during its backward (the other direction of the link
     # from the activations and weights coming in)
     offload_exposed = offload_exposed + np.maximum(g["grad_copy_mb_s"] - ct["bwd"], 0)
-    per_mb_comm = sum(cc[f"{k}_mb"] for k in ("tp", "cp", "ep", "pp", "fsdp"))
+    per_mb_comm = sum(cc[f"{k}_mb"] for k in MB_KINDS)
     per_mb = ct["fwd"] + ct["bwd"] + cc["fsdp_copy_mb"] + per_mb_comm + offload_exposed
     # the CPU issues every kernel of an eager step: where it is slower than the GPU, the GPU waits (host_bound_per_mb)
     gpu_mb = per_mb
@@ -117,10 +129,8 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
                               opt_update)
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
-    link_total = m * (cc["tp_link_mb"] + cc["cp_link_mb"] + cc["fsdp_link_mb"] + cc["ep_link_mb"] + cc["pp_link_mb"]) \
-        + cc["dp_link_step"] + cc["fsdp_link_step"]
-    exposed_total = m * (cc["tp_mb"] + cc["cp_mb"] + cc["fsdp_mb"] + cc["ep_mb"] + cc["pp_mb"]) + step_comm
-    hidden = np.clip(link_total - exposed_total, 0, None)
+    links, exposed = comm_per_step(cc, m)
+    hidden = np.clip(sum(links.values()) - sum(exposed.values()), 0, None)
     # SMs: each collective's SMs are missing from every kernel beside it; over the hidden time, each family's
     # slow-down weighted by its hidden seconds (_hidden_sm_slowdown). HBM: the collective's memory traffic takes a share
     # of HBM bandwidth (efficiency.comm_hbm_share) from the HBM-bound part of the layer (the pointwise kernels, what
@@ -128,15 +138,13 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     layer = np.maximum(ct["layer_fwd"], 1e-30)
     hbm_bound = np.clip(1 - (ct["layer_matmul_fwd"] + ct["layer_core_fwd"]) / layer, 0, 1)
     share = comm_hbm_share(p.chip)
-    interference = _hidden_sm_slowdown(cm, cc, m) + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
+    interference = _hidden_sm_slowdown(cm, links, exposed) + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
     contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
     time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * (offload_exposed + host_wait))
-    for k in ("tp", "cp", "ep", "pp", "fsdp"):
-        time[f"exposed_comm/{k}"] = m * cc[f"{k}_mb"]
-    time["exposed_comm/dp"] = cc["dp_step"]
-    time["exposed_comm/fsdp"] = time["exposed_comm/fsdp"] + cc["fsdp_step"]
+    for k in COMM_KINDS:
+        time[f"exposed_comm/{k}"] = exposed[k]
     time["other/offload"] = m * offload_exposed
     time["other/host"] = m * host_wait
     time["other/offload_optimizer"] = np.where(L.offload_optimizer == 1, opt_update, 0.0)
@@ -152,8 +160,6 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     hw_flops = model_flops + rc_flops[L.recompute]
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
-    links = Terms(tp=m * cc["tp_link_mb"], cp=m * cc["cp_link_mb"], fsdp=m * cc["fsdp_link_mb"] + cc["fsdp_link_step"],
-                  dp=cc["dp_link_step"], ep=m * cc["ep_link_mb"], pp=m * cc["pp_link_mb"])
     hbm_fits = mem["total"] <= budget
     # offloaded activations and model state live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
     # catalog) bounds them; a chip without that figure is not limited here
