@@ -758,17 +758,12 @@ def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
             recompute: str, attention: str = "materialized", per_token: bool = False) -> jax.Array:
     """Mean next-token cross-entropy over the global batch (`per_token`: the [B,T] cross-entropies). batch:
-    tokens/targets [B,T] int32, pos [T]. Stacked layers (a dict of [L, ...] arrays, `Program.stacked`) run as a
-    `lax.scan` whose body is one checkpointed layer (MaxText's `scan_layers`, its default: the while loop's
-    backward re-materialises and differentiates one layer at a time); a list of layers runs unrolled."""
+    tokens/targets [B,T] int32, pos [T]. The stacked layers (a dict of [L, ...] arrays) run as a `lax.scan` whose
+    body is one checkpointed layer (MaxText's `scan_layers`, its default: the while loop's backward re-materialises
+    and differentiates one layer at a time)."""
     x = embed_tokens(params, batch["tokens"], sh)
-    if isinstance(params["layers"], dict):
-        layer = _layer_fn(model, sh, recompute, attention, scanned=True)
-        x, _ = jax.lax.scan(lambda h, lp: (layer(lp, h, batch["pos"]), None), x, params["layers"])
-    else:
-        layer = _layer_fn(model, sh, recompute, attention)
-        for lp in params["layers"]:
-            x = layer(lp, x, batch["pos"])
+    layer = _layer_fn(model, sh, recompute, attention, scanned=True)
+    x, _ = jax.lax.scan(lambda h, lp: (layer(lp, h, batch["pos"]), None), x, params["layers"])
     return head_loss(params, x, batch["targets"], model, sh, per_token)
 
 
@@ -1053,20 +1048,13 @@ class Program:
     param_shardings: Params
     opt_shardings: dict[str, Any]
     batch_shardings: dict[str, NamedSharding]
-    scan_layers: bool = True  # the layers' weights stacked and run as a `lax.scan` (`loss_fn`)
-
-    @property
-    def stacked(self) -> bool:
-        return self.layout.pp > 1 or self.scan_layers
 
 
 def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                  devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None,
-                  scan_layers: bool = True) -> Program:
+                  devices: list | None = None, attention: str = "materialized", compute_dtype: Any = None) -> Program:
     """Mesh, shardings and the jitted train step for this model and layout (nothing is compiled yet);
-    `attention` and `compute_dtype` as in `make_train_step`. `scan_layers` (MaxText's default): the layers'
-    weights stacked [L, ...] and scanned (`loss_fn`); False: a list of layers, unrolled (the pipeline always
-    stacks)."""
+    `attention` and `compute_dtype` as in `make_train_step`. The layers' weights are stacked [L, ...]: scanned
+    (`loss_fn`, MaxText's `scan_layers`) or split over the pipeline's stages (`pipeline_layers`)."""
     layout = layout.resolved()
     check_supported(model, layout, seq_len, global_batch)
     if attention not in ATTENTION_CORES:
@@ -1076,18 +1064,17 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
                             "'materialized'")
     mesh = make_mesh(layout, devices)
     sh = make_sharder(layout, model, mesh)
-    stacked = layout.pp > 1 or scan_layers
-    ps = param_shardings(model, sh, stacked)
+    ps = param_shardings(model, sh, stacked=True)
     zs = ps
     if layout.zero in (1, 2):
-        zs = jax.tree.map(zero_sharding, ps, param_shapes(model, stacked), is_leaf=lambda x: isinstance(x, NamedSharding))
+        zs = jax.tree.map(zero_sharding, ps, param_shapes(model, stacked=True), is_leaf=lambda x: isinstance(x, NamedSharding))
     os_ = {"m": zs, "v": zs, "step": NamedSharding(mesh, P())}
     bs = {"tokens": sh.sharding(("batch", "seq")), "targets": sh.sharding(("batch", "seq")),
           "pos": sh.sharding(("seq",))}
     step = jax.jit(make_train_step(model, sh, layout, global_batch, ps, zs, attention, compute_dtype),
                    in_shardings=(ps, os_, bs),
                    out_shardings=(ps, os_, NamedSharding(mesh, P())), donate_argnums=(0, 1))
-    return Program(model, layout, mesh, sh, step, ps, os_, bs, scan_layers)
+    return Program(model, layout, mesh, sh, step, ps, os_, bs)
 
 
 def abstract_inputs(prog: Program, seq_len: int, global_batch: int, dtype: Any = jnp.float32) -> tuple:
@@ -1095,7 +1082,7 @@ def abstract_inputs(prog: Program, seq_len: int, global_batch: int, dtype: Any =
     def sds(shape, dt, sharding):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    shapes = param_shapes(prog.model, prog.stacked)
+    shapes = param_shapes(prog.model, stacked=True)
     params = jax.tree.map(lambda s, shd: sds(s, dtype, shd), shapes, prog.param_shardings, is_leaf=_is_dims)
     moments = jax.tree.map(lambda s, shd: sds(s, jnp.float32, shd), shapes, prog.opt_shardings["m"],
                            is_leaf=_is_dims)
@@ -1123,8 +1110,8 @@ def place_batch(prog: Program, batch: dict[str, np.ndarray]) -> dict[str, jax.Ar
 
 def init_state(prog: Program, seed: int = 0, dtype: Any = jnp.float32) -> tuple[Params, dict[str, Any]]:
     """Params and AdamW state created directly in their shardings."""
-    order = pipeline_layer_order(prog.model.n_layers, prog.layout.pp, prog.layout.vpp) if prog.stacked else None
-    init = jax.jit(lambda k: init_params(prog.model, k, dtype, prog.stacked, order),
+    order = pipeline_layer_order(prog.model.n_layers, prog.layout.pp, prog.layout.vpp)
+    init = jax.jit(lambda k: init_params(prog.model, k, dtype, stacked=True, order=order),
                    out_shardings=prog.param_shardings)
     params = init(jax.random.key(seed))
     opt = jax.jit(init_opt_state, out_shardings=prog.opt_shardings)(params)
