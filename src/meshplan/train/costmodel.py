@@ -263,6 +263,15 @@ class Options:
     # Megatron-Core frameworks (train/frameworks.py); no effect on a model without linear biases
     unfused_expert_bias: bool = False
 
+    def __post_init__(self) -> None:
+        """Names are checked where the options are made (CLI, --from, harness, Python), once, not in the cost terms."""
+        for name in self.cuda_graph_scopes:
+            if name not in CUDA_GRAPH_SCOPES:
+                raise unknown_name_error("CUDA-graph scope", name, CUDA_GRAPH_SCOPES)
+        for name in self.kept_projections:
+            if name not in KEPT_PROJECTIONS:
+                raise unknown_name_error("MaxText checkpoint name", name, KEPT_PROJECTIONS)
+
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
         TP collectives into collective matmuls and reduces scanned-layer gradients after the backward; PyTorch on
@@ -618,8 +627,6 @@ class CostModel:
         widths = {"q": c["N"] / tp * c["H"], "kv": np.maximum(c["K"] / tp, 1.0) * c["H"], "o": c["D"]}
         seconds = flops = width = 0.0
         for name in self.opt.kept_projections:
-            if name not in KEPT_PROJECTIONS:
-                raise unknown_name_error("MaxText checkpoint name", name, KEPT_PROJECTIONS)
             out = widths[KEPT_PROJECTIONS[name]]
             inner = c["N"] * c["H"] / tp if name == "out_proj" else c["D"]
             f = 2 * t * inner * out
@@ -1265,9 +1272,6 @@ class CostModel:
         dense part of an MoE layer; of a dense layer `attn` and `mlp` each half of it; `moe` the whole MoE block
         (router, dispatch, experts); `full_iteration` everything (0 launches per layer)."""
         scopes = set(self.opt.cuda_graph_scopes)
-        for name in scopes:
-            if name not in CUDA_GRAPH_SCOPES:
-                raise unknown_name_error("CUDA-graph scope", name, CUDA_GRAPH_SCOPES)
         if "full_iteration" in scopes:
             return 0.0
         k, moe = self.layer_kernels_fwd(g), self.p.model.is_moe
