@@ -9,9 +9,32 @@ from typing import Any
 
 import yaml
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, unknown_name_error
+from meshplan.validate import check_name
 
 DATA_DIR = Path(__file__).parent / "data"
+SPEC_SUFFIXES = (".json", ".yaml", ".yml")  # what a path to a user's spec file ends in
+
+
+def find_spec(name_or_path: str, kind: str, presets_dir: Path, preset_suffix: str, presets: Callable[[], list[str]],
+              file_what: str, dir_file: str | None = None) -> Path:
+    """The file a `--model`/`--hardware` value names: the preset `presets_dir/<name, lower case><preset_suffix>`, or a
+    path to a JSON/YAML file (with `dir_file`, also a folder holding that file). One-line errors: an empty or
+    overlong name, a path to no file ("<file_what> '<path>' does not exist"), an unknown preset (the closest names)."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise MeshplanError(f"{kind} name is empty")
+    key = check_name(name_or_path.strip(), kind)
+    preset = presets_dir / f"{key.lower()}{preset_suffix}"
+    if preset.is_file():
+        return preset
+    p = Path(key)
+    if dir_file and p.is_dir():
+        p = p / dir_file
+    elif not (p.suffix.lower() in SPEC_SUFFIXES or p.is_file()):
+        raise unknown_name_error(kind, key, presets())
+    if not p.is_file():
+        raise MeshplanError(f"{file_what} '{key}' does not exist")
+    return p
 
 
 def read_text(path: Path, what: str) -> str:

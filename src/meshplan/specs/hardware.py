@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError, unknown_name_error
-from meshplan.specs._load import DATA_DIR, FieldReader, read_mapping
-from meshplan.validate import check_name, hardware_rule
+from meshplan.specs._load import DATA_DIR, FieldReader, find_spec, read_mapping
+from meshplan.validate import hardware_rule
 
 HARDWARE_DIR = DATA_DIR / "hardware"
 DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
@@ -243,18 +243,8 @@ def _load_path(path: str) -> Chip:
 
 def load_chip(name_or_path: str) -> Chip:
     """A preset name (`h100-sxm`) or a path to a YAML file of the same schema."""
-    if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise MeshplanError("hardware name is empty")
-    key = check_name(name_or_path.strip(), "hardware")
-    preset = HARDWARE_DIR / f"{key.lower()}.yaml"
-    if preset.is_file():
-        return _load_path(str(preset))
-    p = Path(key)
-    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.is_file():
-        if not p.is_file():
-            raise MeshplanError(f"hardware file '{key}' does not exist")
-        return _load_path(str(p.resolve()))
-    raise unknown_name_error("hardware", key, preset_chips())
+    p = find_spec(name_or_path, "hardware", HARDWARE_DIR, ".yaml", preset_chips, "hardware file")
+    return _load_path(str(p.resolve()))
 
 
 # Marketing names in published papers -> catalog presets, most specific first. Each rule is (words that must all

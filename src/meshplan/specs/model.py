@@ -15,9 +15,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from meshplan.errors import MeshplanError, unknown_name_error
-from meshplan.specs._load import DATA_DIR, read_mapping
-from meshplan.validate import MAX_PARAMS, check_name
+from meshplan.errors import MeshplanError
+from meshplan.specs._load import DATA_DIR, find_spec, read_mapping
+from meshplan.validate import MAX_PARAMS
 
 MODELS_DIR = DATA_DIR / "models"
 MLP_ACTS = ("swiglu", "geglu", "gelu", "relu", "silu")
@@ -504,18 +504,6 @@ def _load_path(path: str, name: str) -> ModelConfig:
 
 
 def load_model(name_or_path: str) -> ModelConfig:
-    """A preset name or a path to a Hugging Face style config.json."""
-    if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise MeshplanError("model name is empty")
-    key = check_name(name_or_path.strip(), "model")
-    preset = MODELS_DIR / f"{key.lower()}.json"
-    if preset.is_file():
-        return _load_path(str(preset), key.lower())
-    p = Path(key)
-    if p.suffix.lower() in (".json", ".yaml", ".yml") or p.is_file() or p.is_dir():
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise MeshplanError(f"model config '{key}' does not exist")
-        return _load_path(str(p.resolve()), p.parent.name if p.name == "config.json" else p.stem)
-    raise unknown_name_error("model", key, preset_models())
+    """A preset name or a path to a Hugging Face style config.json (or the folder holding it)."""
+    p = find_spec(name_or_path, "model", MODELS_DIR, ".json", preset_models, "model config", dir_file="config.json")
+    return _load_path(str(p.resolve()), p.parent.name if p.name == "config.json" else p.stem)
