@@ -130,7 +130,8 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     # overlapped collectives slow the compute they hide behind (SM/HBM contention on GPUs)
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
     links, exposed = comm_per_step(cc, m)
-    hidden = np.clip(sum(links.values()) - sum(exposed.values()), 0, None)
+    exposed_total = sum(exposed.values())
+    hidden = np.clip(sum(links.values()) - exposed_total, 0, None)
     # SMs: each collective's SMs are missing from every kernel beside it; over the hidden time, each family's
     # slow-down weighted by its hidden seconds (_hidden_sm_slowdown). HBM: the collective's memory traffic takes a share
     # of HBM bandwidth (efficiency.comm_hbm_share) from the HBM-bound part of the layer (the pointwise kernels, what
@@ -141,7 +142,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     interference = _hidden_sm_slowdown(cm, links, exposed) + hbm_bound * share / max(1 - share, 1e-9)  # guard: share < 1 on every chip
     contention = interference * np.minimum(hidden, compute)
     step = m * per_mb + bubble + step_comm + cc["fsdp_copy_step"] + opt_update + e.step_overhead_s + contention
-    time = Terms(compute=compute + contention, exposed_comm=m * per_mb_comm + step_comm,
+    time = Terms(compute=compute + contention, exposed_comm=exposed_total,
                  bubble=bubble, other=opt_update + e.step_overhead_s + m * (offload_exposed + host_wait))
     for k in COMM_KINDS:
         time[f"exposed_comm/{k}"] = exposed[k]
