@@ -78,7 +78,8 @@ def predict(e: dict, rules: dict) -> dict:
     # the engine's step token budget: the one the source's server command sets, else the engine's default
     budget = e.get("max_num_batched_tokens") or engine_token_budget(e.get("engine") or "default", chip)
     cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e),
-                      max_num_batched_tokens=budget, engine=e.get("engine") or "default")
+                      max_num_batched_tokens=budget, engine=e.get("engine") or "default",
+                      overlap_scheduling=e.get("async_scheduling"))  # the source's server flag, else the engine's
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)

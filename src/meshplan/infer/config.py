@@ -54,6 +54,10 @@ class ServeConfig:
     # the engine preset (ENGINES) whose defaults apply beyond the token budget (serving.yaml engine_*): how it sizes
     # the KV cache, whether it reserves a request's full length, chunks prompts, caps sequences in flight
     engine: str = "default"
+    # whether the engine schedules step n+1 while step n runs (SGLang's overlap scheduler, TensorRT-LLM's PyTorch
+    # overlap scheduler, vLLM --async-scheduling); None = the engine preset's default (serving.yaml
+    # engine_overlap_scheduler)
+    overlap_scheduling: bool | None = None
 
     @property
     def chips_per_replica(self) -> int:
@@ -143,6 +147,16 @@ def first_token_decode_step(cfg: ServeConfig, chip: Chip) -> bool:
     step (serving.yaml engine_first_token_decode_step: LMDeploy TurboMind's context decoder); default: the prefill
     pass samples the first token from its last position."""
     return bool(_engine_entry("engine_first_token_decode_step", cfg.engine, chip))
+
+
+def schedules_ahead(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine picks the batch of step n+1 while step n runs (the layout's own choice, else serving.yaml
+    engine_overlap_scheduler; default: it schedules each step after the previous one ends). Such an engine admits a
+    request that arrives during step n into step n+2, one step later than a serial scheduler (SGLang v0.4 blog: 'the
+    scheduler runs one batch ahead'; TensorRT-LLM docs, Overlap Scheduler: 'introduces one extra decoding step')."""
+    if cfg.overlap_scheduling is not None:
+        return cfg.overlap_scheduling
+    return bool(_engine_entry("engine_overlap_scheduler", cfg.engine, chip))
 
 
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:

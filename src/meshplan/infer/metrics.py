@@ -22,6 +22,7 @@ from meshplan.infer.config import (
     chunked_prefill,
     first_token_decode_step,
     kv_reserved_per_sequence,
+    schedules_ahead,
     step_token_budget,
 )
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
@@ -88,12 +89,16 @@ class ServePoint:
         }
 
 
-def scheduler_wait_s(busy_step_s: float, others: float) -> float:
+def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False) -> float:
     """Wait of a new request for the engine's next iteration: iteration-level scheduling (Orca, Yu et al. OSDI'22;
     vLLM/TensorRT-LLM/SGLang schedulers) admits it only at a step boundary, so one arriving at a random moment
     while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2.
+    An engine that schedules one step ahead (`ahead`, config.schedules_ahead) has already picked the next step's
+    batch when the request arrives, so it also waits that whole step: busy_step_s / 2 + busy_step_s.
     An idle engine (no other sequence) starts it at once."""
-    return busy_step_s / 2.0 if others > 0 else 0.0
+    if others <= 0:
+        return 0.0
+    return busy_step_s / 2.0 + (busy_step_s if ahead else 0.0)
 
 
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
@@ -112,7 +117,7 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         chunk = float(max(prompt, 1))
     n_chunks = math.ceil(prompt / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
-    ttft = scheduler_wait_s(busy_step_s, others) + n_chunks * s.time_s
+    ttft = scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip)) + n_chunks * s.time_s
     if first_decode:
         ttft += decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context).time_s
     return ttft

@@ -21,7 +21,14 @@ import numpy as np
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, chunked_prefill, first_token_decode_step, step_token_budget
+from meshplan.infer.config import (
+    ServeConfig,
+    Workload,
+    chunked_prefill,
+    first_token_decode_step,
+    schedules_ahead,
+    step_token_budget,
+)
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -89,6 +96,7 @@ class _Replica:
         # output token (serving.yaml engine_first_token_decode_step)
         self.short = 1 if first_token_decode_step(cfg, chip) else 0
         self.concurrency = concurrency
+        self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
         self._cache: dict[tuple, float] = {}
 
     def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int, n_chunks: int = 0) -> float:
@@ -103,15 +111,26 @@ class _Replica:
             for r in reqs[self.concurrency:]:
                 r.arrival = math.inf
         waiting, running, t, i, done = [], [], 0.0, 0, 0
+        start = None  # when the step that just ended began (None: the engine was idle)
         while i < len(reqs) or waiting or running:
-            while i < len(reqs) and reqs[i].arrival <= t:
+            # The batch of the step starting at t was picked at `horizon`: at t by a serial loop (vLLM V1
+            # EngineCore.run_busy_loop: schedule -> execute -> update outputs, in turn), at the start of the
+            # previous step by one that schedules ahead (config.schedules_ahead). A request is in it only if it
+            # arrived before that instant: a closed-loop client's next request, sent once the previous request's
+            # last token has left the engine, misses the step the engine schedules at that same moment (vLLM
+            # benchmark_serving --max-concurrency sends it after the previous stream ends). An idle engine
+            # starts whatever has arrived.
+            idle = not running and not waiting
+            horizon = start if (self.ahead and start is not None and not idle) else t
+            while i < len(reqs) and (reqs[i].arrival < horizon or (idle and reqs[i].arrival <= t)):
                 waiting.append(reqs[i])
                 i += 1
             while waiting and len(running) < self.max_batch:
                 running.append(waiting.pop(0))
             if not running:
-                t = reqs[i].arrival
+                t, start = max(t, reqs[i].arrival), None
                 continue
+            start = t
             t = self._step(running, t)
             finished = sum(r.finish >= 0 for r in running)
             running = [r for r in running if r.finish < 0]
