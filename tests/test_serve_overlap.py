@@ -1,0 +1,69 @@
+"""When a new request can join a step (issue #14, TTFT under load): a closed-loop client's next request misses the
+step the engine schedules as its predecessor ends, and an engine that schedules one step ahead (SGLang's overlap
+scheduler, vLLM --async-scheduling) admits a request one step later. Expected values derived by hand below."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.infer.config import ServeConfig, Workload, schedules_ahead
+from meshplan.infer.metrics import scheduler_wait_s, ttft_continuous
+from meshplan.infer.simulate import _Replica, _Req
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+H100 = load_chip("h100-sxm")
+EFF = default_efficiency(H100)
+M8 = load_model("llama3.1-8b")
+
+
+def test_engines_that_schedule_ahead():
+    assert schedules_ahead(ServeConfig(engine="sglang"), H100)  # SGLang v0.4+: overlap scheduler on by default
+    assert not schedules_ahead(ServeConfig(engine="vllm"), H100)  # vLLM: --async-scheduling is opt-in
+    assert not schedules_ahead(ServeConfig(engine="trtllm"), H100)  # C++ executor: serial executionLoop
+    assert not schedules_ahead(ServeConfig(), H100)
+    assert schedules_ahead(ServeConfig(engine="vllm", overlap_scheduling=True), H100)  # the layout's own flag wins
+    assert not schedules_ahead(ServeConfig(engine="sglang", overlap_scheduling=False), H100)
+
+
+def test_scheduler_wait_of_an_engine_one_step_ahead():
+    # random arrival into a 20 ms step: residual 10 ms; the next step's batch is already chosen: + 20 ms = 30 ms
+    assert scheduler_wait_s(0.020, others=3, ahead=True) == pytest.approx(0.030)
+    assert scheduler_wait_s(0.020, others=3) == pytest.approx(0.010)
+    assert scheduler_wait_s(0.020, others=0, ahead=True) == 0.0  # an idle engine starts it at once
+
+
+def test_continuous_ttft_of_an_overlap_engine_waits_one_more_step():
+    w = Workload(1000, 200)
+    ahead = ttft_continuous(M8, H100, ServeConfig(engine="sglang"), EFF, w, 65, busy_step_s=0.030)
+    serial = ttft_continuous(M8, H100, ServeConfig(engine="sglang", overlap_scheduling=False), EFF, w, 65,
+                             busy_step_s=0.030)
+    assert ahead - serial == pytest.approx(0.030)
+
+
+def _closed_loop_run(cfg: ServeConfig) -> list[_Req]:
+    """Two closed-loop clients, every step 1 s (the step cost is replaced): request 0 wants 3 tokens, requests 1 and
+    2 want 1 token; prompts of 1 token."""
+    reqs = [_Req(0.0, 1, 3), _Req(0.0, 1, 1), _Req(0.0, 1, 1)]
+    rep = _Replica(M8, H100, cfg, EFF, 64, concurrency=2)
+    rep._cost = lambda *args, **kwargs: 1.0
+    rep.run(reqs)
+    return reqs
+
+
+def test_closed_loop_request_misses_the_step_scheduled_as_its_predecessor_ends():
+    r0, r1, r2 = _closed_loop_run(ServeConfig())
+    # step [0, 1]: both prompts; r1's only token ends it, so client 2 sends r2 at t = 1. The engine schedules the
+    # step [1, 2] at that same instant (r0's decode), without r2; r2 rides step [2, 3] beside r0's last decode
+    assert r1.finish == pytest.approx(1.0) and r2.arrival == pytest.approx(1.0)
+    assert r2.first_token == pytest.approx(3.0)  # TTFT = 2 steps: the missed one, then its own prompt step
+    assert r0.finish == pytest.approx(3.0)
+
+
+def test_closed_loop_request_on_an_engine_one_step_ahead():
+    r0, _, r2 = _closed_loop_run(ServeConfig(overlap_scheduling=True))
+    # r2 arrives at t = 1; step [1, 2] was chosen at t = 0 and step [2, 3] at t = 1 (as step [1, 2] began): neither
+    # holds r2. r0 finishes at t = 3, the engine is then idle and starts r2 at once: its token at t = 4
+    assert r0.finish == pytest.approx(3.0)
+    assert r2.first_token - r2.arrival == pytest.approx(3.0)
