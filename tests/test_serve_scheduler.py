@@ -67,8 +67,11 @@ def test_ttft_chunks_a_prompt_by_the_step_budget():
 def test_continuous_ttft_includes_the_wait_for_the_running_step():
     w, b = Workload(1000, 200), 32
     p = evaluate(M8, H100, 1, ServeConfig(), EFF, w, b)
-    # steady state: the running step is the mixed step (= TPOT); the new request waits half of it
-    assert p.ttft_s == pytest.approx(p.tpot_s / 2 + ttft_continuous(M8, H100, ServeConfig(), EFF, w, b))
+    # steady state: the running step is the mixed step (= TPOT); the new request waits half of it, and behind the
+    # prompts of the other 31 sequences, each replaced every 200 steps (31 / (200 x TPOT) per second)
+    queue = ttft_continuous(M8, H100, ServeConfig(), EFF, w, b, 0.0, 31 / (200 * p.tpot_s))
+    assert p.ttft_s == pytest.approx(p.tpot_s / 2 + queue)
+    assert queue > ttft_continuous(M8, H100, ServeConfig(), EFF, w, b)
 
 
 def test_activation_workspace_scales_with_the_budget():

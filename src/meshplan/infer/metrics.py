@@ -101,9 +101,25 @@ def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False) -> 
     return busy_step_s / 2.0 + (busy_step_s if ahead else 0.0)
 
 
+def prefill_queue_wait_s(arrivals_per_s: float, work_s: float, others: float) -> float:
+    """Mean wait of a prompt behind the prompts that arrived before it: the engine serves prompt work first come,
+    first served (vLLM/Sarathi FCFS waiting queue; TensorRT-LLM's FCFS capacity scheduler), each prompt a fixed
+    `work_s` of prefill time beyond the decodes, prompts arriving at random at `arrivals_per_s`: an M/D/1 queue,
+    whose mean wait is the Pollaczek-Khinchine formula with a deterministic service time,
+    W = lambda S^2 / (2 (1 - rho)), rho = lambda S (Kleinrock, Queueing Systems vol. 1, 1975, §5.6). The prompts
+    come from `others` other clients, so no more than all of theirs can be ahead (finite source): W <= others * S,
+    which is also the wait when rho >= 1."""
+    rho = arrivals_per_s * work_s
+    if rho <= 0.0:
+        return 0.0
+    most = others * work_s
+    return most if rho >= 1.0 else min(arrivals_per_s * work_s**2 / (2.0 * (1.0 - rho)), most)
+
+
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
-                    batch: int, busy_step_s: float = 0.0) -> float:
-    """The wait for the next iteration (scheduler_wait_s of the running batch's step `busy_step_s`), then the
+                    batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0) -> float:
+    """The wait for the next iteration (scheduler_wait_s of the running batch's step `busy_step_s`), the wait
+    behind the other clients' prompts (prefill_queue_wait_s at `others_arrivals_per_s`), then the
     prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
     tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
     Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget)."""
@@ -118,6 +134,10 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     n_chunks = math.ceil(prompt / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
     ttft = scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip)) + n_chunks * s.time_s
+    if others_arrivals_per_s > 0:
+        # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway
+        dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
+        ttft += prefill_queue_wait_s(others_arrivals_per_s, n_chunks * max(s.time_s - dec, 0.0), others)
     if first_decode:
         ttft += decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context).time_s
     return ttft
@@ -128,7 +148,10 @@ def _continuous(m, chip, cfg, eff, w, batch):
     mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch,
                       prefill_seqs=batch / w.output_len)
     pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
-    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s)
+    # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
+    # (B-1) / (O * TPOT) per second and queue ahead of a new one (a single client never waits behind itself)
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s,
+                           max(batch - 1, 0) / (w.output_len * mixed.time_s))
     frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
