@@ -91,7 +91,8 @@ def predict(e: dict, rules: dict) -> dict:
         return _simulated(e, m, chip, cfg, eff, w, mb, how)
     if e.get("batch"):
         b = min(int(e["batch"]), mb)
-        p = evaluate(m, chip, e["chips"], cfg, eff, w, b, md)
+        # a 'concurrency' source is a closed-loop client holding the batch (mode above)
+        p = evaluate(m, chip, e["chips"], cfg, eff, w, b, md, closed_loop=md == "continuous" and e["regime"] == "fixed_batch")
     else:
         p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
     return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,

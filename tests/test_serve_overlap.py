@@ -93,3 +93,16 @@ def test_closed_form_ttft_matches_the_simulated_queue(rate):
     assert p.ttft_s == pytest.approx(sim["ttft_s"]["mean"], rel=0.10)
     no_queue = ttft_continuous(M8, H100, cfg, EFF, w, batch, p.tpot_s)
     assert no_queue < 0.8 * sim["ttft_s"]["mean"]
+
+
+def test_closed_loop_client_waits_a_whole_step():
+    # the next request is sent as a step ends, after the engine picked the next batch: the whole 20 ms step
+    assert scheduler_wait_s(0.020, others=3, closed_loop=True) == pytest.approx(0.020)
+    assert scheduler_wait_s(0.020, others=3, ahead=True, closed_loop=True) == pytest.approx(0.040)
+    assert scheduler_wait_s(0.020, others=0, closed_loop=True) == 0.0  # one client: the engine is idle
+    # steady state at batch 32: the running step is the mixed step (= TPOT), so the closed loop adds half of it
+    w = Workload(1000, 200)
+    open_ = evaluate(M8, H100, 1, ServeConfig(), EFF, w, 32)
+    closed = evaluate(M8, H100, 1, ServeConfig(), EFF, w, 32, closed_loop=True)
+    assert closed.ttft_s - open_.ttft_s == pytest.approx(open_.tpot_s / 2)
+    assert closed.tpot_s == open_.tpot_s

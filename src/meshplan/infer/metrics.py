@@ -89,16 +89,20 @@ class ServePoint:
         }
 
 
-def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False) -> float:
+def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, closed_loop: bool = False) -> float:
     """Wait of a new request for the engine's next iteration: iteration-level scheduling (Orca, Yu et al. OSDI'22;
     vLLM/TensorRT-LLM/SGLang schedulers) admits it only at a step boundary, so one arriving at a random moment
     while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2.
+    A closed-loop client (`closed_loop`: a fixed number of clients, each sending its next request when the previous
+    one's last token arrives) sends it just as a step ends, after the engine has picked the next step's batch (vLLM
+    V1 EngineCore.run_busy_loop and TensorRT-LLM's Executor::Impl::executionLoop schedule the next step right after
+    handing out the last one's tokens), so it waits that whole step: busy_step_s.
     An engine that schedules one step ahead (`ahead`, config.schedules_ahead) has already picked the next step's
-    batch when the request arrives, so it also waits that whole step: busy_step_s / 2 + busy_step_s.
+    batch when the request arrives, so it also waits one more whole step.
     An idle engine (no other sequence) starts it at once."""
     if others <= 0:
         return 0.0
-    return busy_step_s / 2.0 + (busy_step_s if ahead else 0.0)
+    return (busy_step_s if closed_loop else busy_step_s / 2.0) + (busy_step_s if ahead else 0.0)
 
 
 def prefill_queue_wait_s(arrivals_per_s: float, work_s: float, others: float) -> float:
@@ -117,7 +121,8 @@ def prefill_queue_wait_s(arrivals_per_s: float, work_s: float, others: float) ->
 
 
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
-                    batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0) -> float:
+                    batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0,
+                    closed_loop: bool = False) -> float:
     """The wait for the next iteration (scheduler_wait_s of the running batch's step `busy_step_s`), the wait
     behind the other clients' prompts (prefill_queue_wait_s at `others_arrivals_per_s`), then the
     prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
@@ -133,7 +138,7 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         chunk = float(max(prompt, 1))
     n_chunks = math.ceil(prompt / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
-    ttft = scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip)) + n_chunks * s.time_s
+    ttft = scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop) + n_chunks * s.time_s
     if others_arrivals_per_s > 0:
         # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway
         dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
@@ -143,7 +148,7 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     return ttft
 
 
-def _continuous(m, chip, cfg, eff, w, batch):
+def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False):
     prefill = batch * w.input_len / w.output_len  # steady state: B/O requests replaced per step
     mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch,
                       prefill_seqs=batch / w.output_len)
@@ -151,7 +156,7 @@ def _continuous(m, chip, cfg, eff, w, batch):
     # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
     # (B-1) / (O * TPOT) per second and queue ahead of a new one (a single client never waits behind itself)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s,
-                           max(batch - 1, 0) / (w.output_len * mixed.time_s))
+                           max(batch - 1, 0) / (w.output_len * mixed.time_s), closed_loop)
     frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
@@ -159,7 +164,7 @@ def _continuous(m, chip, cfg, eff, w, batch):
     return ttft, tpot, batch / mixed.time_s, frac, mixed
 
 
-def _static(m, chip, cfg, eff, w, batch):
+def _static(m, chip, cfg, eff, w, batch, closed_loop=False):  # one batch from t = 0: no arrivals to wait
     # an engine whose first token comes from a decode step (engine_first_token_decode_step, LMDeploy TurboMind)
     # prefills input_len - 1 tokens and runs output_len decode steps; the others sample the first token in the prefill
     first_decode = first_token_decode_step(cfg, chip)
@@ -175,15 +180,17 @@ def _static(m, chip, cfg, eff, w, batch):
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
-             batch: int, mode: str = "continuous") -> ServePoint:
-    """Metrics of `batch` sequences per replica on every replica of the deployment."""
+             batch: int, mode: str = "continuous", closed_loop: bool = False) -> ServePoint:
+    """Metrics of `batch` sequences per replica on every replica of the deployment. `closed_loop`: the batch is held
+    by that many clients, each sending its next request when the previous one ends (benchmark concurrency), which
+    changes when a new request can join a step (scheduler_wait_s)."""
     if mode not in MODES:
         raise MeshplanError(f"unknown batching mode '{mode}' (known: {', '.join(MODES)})")
     if batch <= 0:
         raise MeshplanError(f"batch must be positive, got {batch}")
     replicas = n_chips // cfg.chips_per_replica
     ttft, tpot, per_replica, frac, step = (_continuous if mode == "continuous" else _static)(
-        m, chip, cfg, eff, w, batch)
+        m, chip, cfg, eff, w, batch, closed_loop)
     out = replicas * per_replica
     return ServePoint(
         config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,
