@@ -9,7 +9,9 @@ Requests go to replicas round-robin. Seeded: the same inputs give the same perce
 Arrivals, as serving benchmarks issue them: a Poisson process at `rate` requests/s; `rate = inf` sends every
 request at t = 0 (TensorRT-LLM's "QPS INF", vLLM benchmark_serving's default --request-rate inf); `concurrency`
 C makes the client closed-loop (vLLM --max-concurrency, NIM/GenAI-Perf concurrency): C requests in flight, each
-finished one replaced at once by the next, the first C all sent at t = 0.
+finished one replaced at once by the next, the first C all sent at t = 0. A request joins the first step scheduled
+after it arrives: a replacement misses the step the engine schedules as its predecessor ends, and an engine that
+schedules one step ahead (config.schedules_ahead) picks each step's batch as the previous step starts.
 """
 
 from __future__ import annotations
