@@ -353,10 +353,11 @@ class CostModel:
             disp_s, disp_flops, f_capacity = self._capacity_einsum_moe(g, f_routed)
             mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + disp_s
             return dict(f_s=mlp_s + proj_s, flops=f_mlp - f_routed + f_capacity + disp_flops + proj_flops,
-                        down_s=0.0, down_flops=0.0)
+                        down_s=0.0, down_flops=0.0, mlp_s=mlp_s, out_proj_s=self._out_projection_s(t, tp))
         mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + self._grouped_gemm_s(g, f_routed)
         return dict(f_s=mlp_s + proj_s, flops=f_mlp + proj_flops,
-                    down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down)
+                    down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down, mlp_s=mlp_s,
+                    out_proj_s=self._out_projection_s(t, tp))
 
     def _capacity_einsum_moe(self, g: dict, f_routed):
         """MaxText's dropping MoE without sparse kernels (layers/moe.py `dense_matmul`, megablox and sparse_matmul
@@ -605,6 +606,7 @@ class CostModel:
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
+            layer_mlp_mm_fwd=mm["mlp_s"], layer_out_proj_fwd=mm["out_proj_s"],
             loss_s=loss_f + loss_b,
             fwd=nl * full + loss_f,
             bwd=nl * (layer_bwd + recompute) + loss_b,
@@ -633,6 +635,13 @@ class CostModel:
             seconds, flops, width = seconds + self._matmul_time(f, t, out, inner), flops + f, width + out
         return seconds, flops, width
 
+    def _out_projection_s(self, t, tp):
+        """Seconds of one layer's attention output projection, the GEMM whose output the attention's reduce-scatter
+        (all-reduce without SP) sums over TP: [t, heads·v/tp]·[heads·v/tp, D]."""
+        c, m = self.c, self.p.model
+        width = m.n_heads * m.v_dim if m.is_mla else c["N"] * c["H"]
+        return self._matmul_time(2 * t * c["D"] * width / tp, t, c["D"], width / tp)
+
     def _attention_projections(self, t, tp):
         """(seconds, FLOPs) of one layer's attention projections, each GEMM timed at its own shape."""
         c, m = self.c, self.p.model
@@ -640,8 +649,7 @@ class CostModel:
             qkv_width = self._qkv_width(tp)
             f_qkv = 2 * t * c["D"] * qkv_width
             f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
-            return (self._matmul_time(f_qkv, t, qkv_width, c["D"])
-                    + self._matmul_time(f_o, t, c["D"], c["N"] * c["H"] / tp)), f_qkv + f_o
+            return self._matmul_time(f_qkv, t, qkv_width, c["D"]) + self._out_projection_s(t, tp), f_qkv + f_o
         # MLA (DeepSeek-V2 §2.1): the latent down-projections are computed whole on every TP rank; the per-head
         # up-projections and the output projection split over the heads
         w, N = m.mla_weights(), m.n_heads
@@ -653,7 +661,7 @@ class CostModel:
             flops = flops + 2 * t * w["q_down"]
         t_s = t_s + self._matmul_time(2 * t * w["q_up"] / tp, t, N * m.qk_head_dim / tp, q_in)
         t_s = t_s + self._matmul_time(2 * t * w["kv_up"] / tp, t, N * (m.head_dim + m.v_dim) / tp, m.kv_lora_rank)
-        return t_s + self._matmul_time(2 * t * w["o"] / tp, t, c["D"], N * m.v_dim / tp), flops
+        return t_s + self._out_projection_s(t, tp), flops
 
     def _materialized_attention(self, g: dict, f_core) -> dict:
         """Attention without a flash kernel (Megatron 2020-21, BLOOM, the JAX reference of `verify`): QKᵀ and AV as
@@ -707,10 +715,11 @@ class CostModel:
         pairs = 1 + c["k"]  # collective pairs per layer pass
         tp_layer = np.where(sp, pairs * (ag + rs), 2 * ar)
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
-        # the tp steps cannot overlap.
-        hidden_f = np.maximum(tp_layer - ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
-        hidden_b = np.maximum(tp_layer - 2 * ct["layer_matmul_fwd"], 0) + tp_layer / np.maximum(tp, 1)
-        tp_exp = (np.where(self.tp_overlap, hidden_f, tp_layer) + np.where(self.tp_overlap, hidden_b, tp_layer))
+        # the tp steps cannot overlap. Each collective hides only behind the GEMM it is decomposed with
+        # (_collective_matmul_exposed), not behind the layer's GEMMs as one pool.
+        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, ag, rs, ar, c["k"])
+        last = tp_layer / np.maximum(tp, 1)
+        tp_exp = (np.where(self.tp_overlap, hidden_f + last, tp_layer) + np.where(self.tp_overlap, hidden_b + last, tp_layer))
         # the backward's re-gather of the inputs runs beside the input-gradient GEMMs (the forward GEMMs' FLOPs)
         regather = np.where(sp, pairs * ag, 0.0)
         # JAX remat (`remat_dce`) under full recompute reruns the attention output's reduce-scatter (it feeds the
@@ -741,6 +750,32 @@ class CostModel:
         data, expert = self._norm_replicas(L, g)
         led.collective("all_reduce", [("data", data), ("expert", expert), ("context", self._norm_context(g)),
                                       ("tensor", tp)], np.where(sp, norms, 0.0) - alone)
+
+    def _collective_matmul_exposed(self, ct: Terms, sp, ag, rs, ar, k):
+        """(forward, backward) seconds per layer of TP collectives left over by a collective matmul, pairing each
+        collective with the one GEMM it is decomposed with: the consumer of an all-gather, the producer of a
+        reduce-scatter (Wang et al. 2023 §3: a collective overlaps its *dependent* einsum). Transformer Engine's
+        userbuffers name the pairs (NeMo's tp_overlap configs, e.g. userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192):
+        forward, the all-gathers with qkv_fprop and fc1_fprop (ring_exchange), the reduce-scatters with proj_fprop
+        and fc2_fprop (pipeline); backward, the output gradients' all-gathers with proj_dgrad and fc2_dgrad
+        (ring_exchange), the input gradients' reduce-scatters with qkv_wgrad and fc1_wgrad (bulk); PyTorch's
+        async TP fuses the same pairs (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter).
+        The MLP's first GEMM (fc1) is (mult - 1)/mult of its FLOPs, fc2 the rest. Without SP the all-reduces
+        follow the producers (proj, fc2) forward and the input-gradient GEMMs (qkv, fc1 dgrad) backward.
+        E.g. a 5 ms all-gather into a 4 ms QKV GEMM leaves 1 ms, however long the MLP's GEMMs are."""
+        out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
+        in_s = ct["layer_matmul_fwd"] - out_s - mlp  # the attention's input projections (QKV; MLA's down/up)
+        mult = self.c["mult"]
+        fc1, fc2 = mlp * (mult - 1) / mult, mlp / mult
+
+        def left(comm, gemm):
+            return np.maximum(comm - gemm, 0)
+
+        fwd_sp = left(ag, in_s) + left(rs, out_s) + left(k * ag, fc1) + left(k * rs, fc2)
+        bwd_sp = left(ag, out_s) + left(rs, in_s) + left(k * ag, fc2) + left(k * rs, fc1)
+        fwd_ar = left(ar, out_s) + left(ar, fc2)
+        bwd_ar = left(ar, in_s) + left(ar, fc1)
+        return np.where(sp, fwd_sp, fwd_ar), np.where(sp, bwd_sp, bwd_ar)
 
     def _spmd_pp(self, g: dict):
         """The layers run in MaxText's SPMD pipeline loop (Options.pp_spmd_loop with pp > 1)."""
