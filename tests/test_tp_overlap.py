@@ -34,9 +34,9 @@ def test_each_collective_pairs_with_its_own_gemm_by_hand() -> None:
     cm = _cm()
     assert cm.c["mult"] == 3
     ct = Terms(layer_matmul_fwd=np.array([10.0]), layer_out_proj_fwd=np.array([1.0]), layer_mlp_mm_fwd=np.array([6.0]))
-    f, b = cm._collective_matmul_exposed(ct, np.array([True]), 2.5, 2.5, 4.0, 1)
+    f, b = cm._collective_matmul_exposed(ct, np.array([True]), (2.5, 2.5), 2.5, 4.0, 1)
     assert (f[0], b[0]) == pytest.approx((2.0, 2.0))
-    f, b = cm._collective_matmul_exposed(ct, np.array([False]), 2.5, 2.5, 4.0, 1)
+    f, b = cm._collective_matmul_exposed(ct, np.array([False]), (2.5, 2.5), 2.5, 4.0, 1)
     assert (f[0], b[0]) == pytest.approx((5.0, 1.0))
 
 
@@ -68,3 +68,28 @@ def test_async_tp_gain_matches_the_published_speedup() -> None:
     sync = evaluate(_cm(chip="h100-sxm-96gb", opts=replace(base, tp_overlap=False)), L).step_time_s[0]
     async_ = evaluate(_cm(chip="h100-sxm-96gb", opts=replace(base, tp_overlap=True)), L).step_time_s[0]
     assert 1.04 <= sync / async_ <= 1.09
+
+
+@pytest.mark.parametrize(("opts", "chip", "fp8_gather"), [
+    (Options(compute_dtype="fp8", fp8_fused_casts=True), "h100-sxm", True),  # Transformer Engine, delayed
+    (Options(compute_dtype="fp8", fp8_fused_casts=True, fp8_recipe="blockwise"), "h100-sxm", True),  # TE, MXFP8/1x128
+    (Options(compute_dtype="fp8", fp8_fused_casts=False, fp8_recipe="tensorwise"), "h100-sxm", True),  # torchao TP
+    (Options(compute_dtype="fp8", fp8_fused_casts=False, fp8_recipe="rowwise"), "h100-sxm", False),  # torchao rowwise
+    (Options(), "h100-sxm", False),  # bf16
+])
+def test_fp8_frameworks_gather_one_byte_per_element(opts: Options, chip: str, fp8_gather: bool) -> None:
+    """The tiny 2-layer model of test_ledger (D = 256) at TP 8, micro-batch 16 x 128 tokens (t = 2048): per layer
+    pass 3 all-gathers per pair (forward, output gradient, re-gather), 2 pairs, plus 2 outside the layers (the
+    logits' input, bf16): bf16 14·v with v = 2·2048·256 B; where the framework gathers FP8 (1 B per element)
+    12·v/2 + 2·v = 8·v. The reduce-scatters stay bf16: (2 layers · 2 · 2 + 2)·v = 10·v."""
+    from meshplan.specs.model import ModelConfig
+
+    tiny = ModelConfig(name="tiny", n_layers=2, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=512,
+                       vocab_size=512)
+    prob = Problem(tiny, load_chip(chip), 8, 128, 16)
+    ev = evaluate(CostModel(prob, default_efficiency(prob.chip), opts),
+                  LayoutArrays.from_configs([ParallelConfig(tp=8, microbatch=16)]))
+    c = ev.ledger.plan(0)["collective_bytes"]
+    v = 2 * 2048 * 256
+    assert c["all_gather/tensor"] == (8 * v if fp8_gather else 14 * v)
+    assert c["reduce_scatter/tensor"] == 10 * v

@@ -48,6 +48,17 @@ XLA_LOSS_BYTES_PER_LOGIT = 4.0
 # reduce dtype. XLA on TPU gathers and reduces in place.
 FSDP_COPY_OUT_BYTES = 2.0 * 2.0
 FSDP_COPY_IN_READ_BYTES = 2.0
+# Bytes of an FP8 element on a TP all-gather's wire. Transformer Engine quantises before it gathers, under every recipe:
+# the norm's output for qkv/fc1 (layernorm_linear.py: the input quantizer is handed to `gather_along_first_dim` /
+# `fill_userbuffers_buffer_for_all_gather`; TE v1.8 already wrote `ln_out` as uint8), the saved input for the
+# weight-gradient re-gather, and the output gradient for proj/fc2 dgrad (module/base.py `grad_output_preprocess`;
+# distributed.py `_all_gather_fp8`, `_all_gather_mxfp8`, the 1-D block case of `_start_all_gather_fp8_blockwise`;
+# TransformerEngine @ d0067d0d and v1.8). torchao's float8 TP does the same for tensorwise scaling only
+# (float8_tensor_parallel.py `PrepareFloat8ModuleInput`: "all-gather in float8. This currently assumes tensorwise
+# scaling"; Float8RowwiseParallel casts the output gradient to float8 in the backward). Scales (one per tensor, or
+# 1 B per 32 / 4 B per 128 elements under block scaling: 3%) are left out, as in fp8_recipes.yaml. Reduce-scatters
+# carry the GEMMs' bf16 outputs.
+FP8_GATHER_BYTES = 1.0
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 # PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
 # it) merges each ring step's attention output into an fp32 running output and accumulates gradients in fp32
@@ -713,15 +724,21 @@ class CostModel:
         rs = comm.time("reducescatter", v_tp, tp, 1)
         ar = comm.time("allreduce", v_tp, tp, 1)
         pairs = 1 + c["k"]  # collective pairs per layer pass
-        tp_layer = np.where(sp, pairs * (ag + rs), 2 * ar)
+        # the layers' gathers feed linears, in FP8 where the framework gathers FP8 (_tp_gather_elem_bytes); an MoE
+        # layer's routed tokens are gathered by the token dispatcher before any quantisation
+        v_ag = self._tp_gather_elem_bytes() * g["t_mb"] * c["D"]
+        v_ag_mlp = v_tp if self.p.model.is_moe else v_ag
+        ag_attn, ag_mlp = comm.time("allgather", v_ag, tp, 1), comm.time("allgather", v_ag_mlp, tp, 1)
+        ag_layer = ag_attn + c["k"] * ag_mlp
+        tp_layer = np.where(sp, ag_layer + pairs * rs, 2 * ar)
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
         # the tp steps cannot overlap. Each collective hides only behind the GEMM it is decomposed with
         # (_collective_matmul_exposed), not behind the layer's GEMMs as one pool.
-        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, ag, rs, ar, c["k"])
+        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, c["k"] * ag_mlp), rs, ar, c["k"])
         last = tp_layer / np.maximum(tp, 1)
         tp_exp = (np.where(self.tp_overlap, hidden_f + last, tp_layer) + np.where(self.tp_overlap, hidden_b + last, tp_layer))
         # the backward's re-gather of the inputs runs beside the input-gradient GEMMs (the forward GEMMs' FLOPs)
-        regather = np.where(sp, pairs * ag, 0.0)
+        regather = np.where(sp, ag_layer, 0.0)
         # JAX remat (`remat_dce`) under full recompute reruns the attention output's reduce-scatter (it feeds the
         # recomputed MLP norm); its gathers are the backward's re-gathers, and the MLP output only feeds the residual
         rc_rs = np.where(sp & (L.recompute == 2) & self.opt.remat_dce, rs, 0.0)
@@ -736,9 +753,10 @@ class CostModel:
         out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs) + outside + ce + norm_ar / nm)
         axes = [("tensor", tp)]
         nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations run the layers' collectives too
-        n_ag = nlr * 3 * pairs + 2
         n_rs = nlr * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
-        led.collective("all_gather", axes, np.where(sp, nm * n_ag * v_tp, 0.0))
+        # per layer pass: forward, output-gradient and re-gather all-gathers; outside: the logits' input, each way
+        ag_bytes = nlr * 3 * (v_ag + c["k"] * v_ag_mlp) + 2 * v_tp
+        led.collective("all_gather", axes, np.where(sp, nm * ag_bytes, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
         led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
         # the norm scales' gradients are partial sums over the tokens' shards on `tensor` and, with context
@@ -751,6 +769,14 @@ class CostModel:
         led.collective("all_reduce", [("data", data), ("expert", expert), ("context", self._norm_context(g)),
                                       ("tensor", tp)], np.where(sp, norms, 0.0) - alone)
 
+    def _tp_gather_elem_bytes(self) -> float:
+        """Bytes per element of the layers' TP all-gathers: FP8_GATHER_BYTES where the framework quantises before
+        gathering (Transformer Engine, `fp8_fused_casts`, any recipe; torchao float8 with tensorwise scaling), else
+        the activations' bytes."""
+        o = self.opt
+        fp8 = o.compute_dtype == "fp8" and self.p.chip.kind == "gpu"
+        return FP8_GATHER_BYTES if fp8 and (o.fp8_fused_casts or o.fp8_scaling == "tensorwise") else o.act_bytes
+
     def _collective_matmul_exposed(self, ct: Terms, sp, ag, rs, ar, k):
         """(forward, backward) seconds per layer of TP collectives left over by a collective matmul, pairing each
         collective with the one GEMM it is decomposed with: the consumer of an all-gather, the producer of a
@@ -762,6 +788,7 @@ class CostModel:
         async TP fuses the same pairs (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter).
         The MLP's first GEMM (fc1) is (mult - 1)/mult of its FLOPs, fc2 the rest. Without SP the all-reduces
         follow the producers (proj, fc2) forward and the input-gradient GEMMs (qkv, fc1 dgrad) backward.
+        `ag` is (attention's all-gather, the MLP's k all-gathers together), as `_tp_terms` times them.
         E.g. a 5 ms all-gather into a 4 ms QKV GEMM leaves 1 ms, however long the MLP's GEMMs are."""
         out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
         in_s = ct["layer_matmul_fwd"] - out_s - mlp  # the attention's input projections (QKV; MLA's down/up)
@@ -771,8 +798,9 @@ class CostModel:
         def left(comm, gemm):
             return np.maximum(comm - gemm, 0)
 
-        fwd_sp = left(ag, in_s) + left(rs, out_s) + left(k * ag, fc1) + left(k * rs, fc2)
-        bwd_sp = left(ag, out_s) + left(rs, in_s) + left(k * ag, fc2) + left(k * rs, fc1)
+        ag_attn, ag_mlp = ag
+        fwd_sp = left(ag_attn, in_s) + left(rs, out_s) + left(ag_mlp, fc1) + left(k * rs, fc2)
+        bwd_sp = left(ag_attn, out_s) + left(rs, in_s) + left(ag_mlp, fc2) + left(k * rs, fc1)
         fwd_ar = left(ar, out_s) + left(ar, fc2)
         bwd_ar = left(ar, in_s) + left(ar, fc1)
         return np.where(sp, fwd_sp, fwd_ar), np.where(sp, bwd_sp, bwd_ar)
