@@ -184,3 +184,19 @@ def test_cli_cuda_graph_flag(capsys) -> None:
     rc, out, err = run_cli(args + ["--cuda-graph", "attn,everything"], capsys)
     assert rc == 2
     assert err.startswith("error: --cuda-graph must be one of")
+
+
+def test_grace_host_issues_slower_than_x86() -> None:
+    """A GB200's host is a Grace CPU: NVIDIA/TransformerEngine#2053 measured the CPU time of one torch.nn.Linear
+    forward (same script) at 37.08 µs on GB200 against 13.48 µs on an H100 DGX (Xeon 8480C), a ratio of 2.7507.
+    The x86 figure (HTA, 20 µs per launch) times that ratio: 55.0 µs. Qwen3-30B-A3B at EP 8 eager issues 67 launches
+    a layer forward (test above), 48 layers, recompute none: CPU forward 48·67·55e-6 = 0.17688 s, backward twice that,
+    0.35376 s; issue per micro-batch 0.53064 s on GB200 against 48·67·3·20e-6 = 0.19296 s on a DGX B200 (x86)."""
+    gpu = host_constant("host_op_s", load_chip("b200"))
+    grace = host_constant("host_op_s", load_chip("gb200-nvl72"))
+    assert gpu == pytest.approx(20e-6)
+    assert grace == pytest.approx(20e-6 * 37.08 / 13.48, rel=2e-3)
+    for hw, issue in (("gb200-nvl72", 0.53064), ("b200", 0.19296)):
+        cm, L, g = _cm("qwen3-30b-a3b", hardware=hw, ep=8)
+        g, ct = _fake(L, g, 48, 0.04, 0.08)
+        assert _f(cm.host_bound_per_mb(L, g, ct, np.array([0.12]))[1]) == pytest.approx(issue, rel=2e-3), hw
