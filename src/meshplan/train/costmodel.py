@@ -486,8 +486,11 @@ class CostModel:
             elem_bytes = elem_bytes * e.unfused_elementwise_factor
         elem_bytes = elem_bytes + self._moe_permute_bytes(g) + self._moe_router_bytes(g)
         # the backward mirrors all of that (twice the bytes and launches), except the unfused bias adds, whose
-        # autograd backward is counted op by op (_expert_bias_bytes)
+        # autograd backward is counted op by op (_expert_bias_bytes), and the dispatcher's regrouping copies, whose
+        # backward is the same copy with the inverse index (_moe_regroup_bytes)
         bias_f, bias_b = self._expert_bias_bytes(g)
+        regroup = self._moe_regroup_bytes(g)
+        bias_f, bias_b = bias_f + regroup, bias_b + regroup
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         f_s = (elem_bytes + bias_f) / self.hbm + kernels * e.kernel_overhead_s
@@ -538,6 +541,23 @@ class CostModel:
             return 0.0
         # in the mean layer: DeepSeek's leading dense layers permute nothing (moe_share)
         return self.c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
+
+    def _moe_regroup_bytes(self, g: dict):
+        """HBM bytes per layer of Megatron-Core's alltoall dispatcher regrouping what the all-to-all delivered
+        (rank-major) by local expert: "Permutation 2: Sort tokens by local expert" after the dispatch and
+        "Unpermutation 2" before the combine (token_dispatcher.py `sort_chunks_by_idxs`, with moe_permute_fusion a TE
+        moe_sort_chunks_by_index copy), run whenever num_local_experts > 1 (NVIDIA/Megatron-LM @ 0d8e0714, b0cc2706,
+        d7288711, 458c8d0e, the Megatron-Bridge v0.2.0 .. v0.5.1 pins). Each reads and writes the rank's k routed
+        copies of D (balanced routing: as many as it sent): 2 copies x 2 passes x k·D per token, in the forward and
+        again in the backward (the same copy with the inverse index). The flex dispatchers have no such pass:
+        HybridEP permutes inside its dispatch/combine (fused_a2a.py dispatch_with_permute / combine_with_unpermute),
+        DeepEP's one permute after its dispatch is the gather of _moe_permute_bytes."""
+        m, c, ep = self.p.model, self.c, g["ep"]
+        if not m.is_moe or self.opt.moe_dispatcher != "alltoall":
+            return 0.0
+        local_experts = m.n_experts / np.maximum(ep, 1)
+        regroups = (ep > 1) & (local_experts > 1)
+        return np.where(regroups, c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 4 * c["k"] * c["D"], 0.0)
 
     def _fp8_cast_term(self, g: dict) -> dict:
         """FP8 casts of the GEMM operands (FP8_CASTS by `fp8_fused_casts`, bytes by `fp8_recipe`); zero in bf16."""
