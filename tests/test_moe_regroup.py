@@ -1,5 +1,6 @@
 """Issue #14: Megatron-Core's alltoall dispatcher regroups the tokens an all-to-all delivered by local expert
-("Permutation 2" / "Unpermutation 2", token_dispatcher.py sort_chunks_by_idxs); worked by hand."""
+("Permutation 2" / "Unpermutation 2", token_dispatcher.py sort_chunks_by_idxs), and FP8 casts quantise every
+routed copy of a token (Transformer Engine GroupedLinear); worked by hand."""
 
 from __future__ import annotations
 
@@ -64,3 +65,35 @@ def test_no_regroup_with_one_expert_per_rank() -> None:
     assert _f(cm._moe_regroup_bytes(g)) == 0.0
     cm4, g4 = _cm(model="mixtral-8x7b", ep=4)  # 2 local experts: 2 B x 4096 x 4 x 2 x 4096 (D) = 268,435,456 B
     assert _f(cm4._moe_regroup_bytes(g4)) == pytest.approx(2 * 4096 * 4 * 2 * 4096)
+
+
+def _fp8(model: str = "qwen3-30b-a3b"):
+    prob = Problem(load_model(model), load_chip("b200"), 8, 4096, 8)
+    cm = CostModel(prob, default_efficiency(prob.chip), Options(compute_dtype="fp8", fp8_recipe="blockwise"))
+    L = LayoutArrays.from_configs([ParallelConfig(dp=8, ep=8, microbatch=1, zero=1)])
+    return cm, cm.geometry(L)
+
+
+def test_fp8_casts_quantise_every_routed_copy(monkeypatch) -> None:
+    """Transformer Engine's GroupedLinear quantises its permuted input, k copies of D per token, and the fc2 output
+    gradient per copy, where a dense MLP has one row; none of the routed copies comes straight from the norm.
+    Qwen3-30B-A3B (k 8, D 2048, no shared expert), 4096 tokens, blockwise (4 B per element cast-transposed,
+    fp8_recipes.yaml): against a dense-shaped count, the forward casts (a_in - normed) grow by 7 + 1 rows of D,
+    4 x 8 x 4096 x 2048 = 268,435,456 B; the backward (g_out + normed) by 7 - 1 rows, 4 x 6 x 4096 x 2048 =
+    201,326,592 B."""
+    cm, g = _fp8()
+    assert cm._fp8_mlp_rows() == (8.0, 0.0)
+    got = cm._fp8_cast_term(g)
+    monkeypatch.setattr(CostModel, "_fp8_mlp_rows", lambda self: (1.0, 1.0))  # a dense MLP's rows
+    before = cm._fp8_cast_term(g)
+    assert _f(got["hbm_f"]) - _f(before["hbm_f"]) == pytest.approx(4 * 8 * 4096 * 2048)
+    assert _f(got["hbm_b"]) - _f(before["hbm_b"]) == pytest.approx(4 * 6 * 4096 * 2048)
+
+
+def test_fp8_mlp_rows_dense_and_shared_experts() -> None:
+    """A dense model quantises one normed row per token. DeepSeek-V3 (top-8 and one shared expert; 3 of 61 layers
+    dense) in the mean layer: 58/61 x (8 + 1) + 3/61 = 525/61 rows, of which 58/61 x 1 + 3/61 = 1 leaves the norm."""
+    assert _fp8("llama3-8b")[0]._fp8_mlp_rows() == (1.0, 1.0)
+    rows, normed = _fp8("deepseek-v3")[0]._fp8_mlp_rows()
+    assert rows == pytest.approx(525 / 61)
+    assert normed == pytest.approx(1.0)

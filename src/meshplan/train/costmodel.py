@@ -564,15 +564,31 @@ class CostModel:
         if self.opt.compute_dtype != "fp8":
             return dict(hbm_f=0.0, hbm_b=0.0, f_s=0.0, b_s=0.0)
         c, t, tp = self.c, g["t_mb"], g["tp"]
-        # the four linear inputs and the output gradients of the forward's GEMMs
-        a_in = t * (2 * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
-        g_out = t * (self._qkv_width(tp) + 2 * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
+        mlp_in, mlp_normed = self._fp8_mlp_rows()
+        # the four linear inputs and the output gradients of the forward's GEMMs (the MLP's first input and last
+        # output: `mlp_in` rows of D per token)
+        a_in = t * (c["D"] + mlp_in * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
+        g_out = t * (self._qkv_width(tp) + c["D"] + mlp_in * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
         # Transformer Engine casts a weight once per step and reuses it over the micro-batches
         # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
         w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
         recipe = fp8_recipes()[self.opt.fp8_scaling]
-        hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, t * 2 * c["D"], a_in, g_out, w_local)
+        normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
+        hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, normed, a_in, g_out, w_local)
         return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
+
+    def _fp8_mlp_rows(self) -> tuple[float, float]:
+        """Rows of D per token that the MLP's first GEMM quantises as its input (and its last GEMM's output gradient
+        has), and how many of them come straight from the pre-MLP norm, in the mean layer. Dense: 1 and 1. An MoE
+        layer quantises each token's k routed copies, the permuted input of every expert GEMM (Transformer Engine
+        GroupedLinear: `split_quantize` of the [sum(m_splits), D] input, one quantizer per expert; the fc2 output
+        gradient likewise per copy), plus the normed token once for the shared experts if any; only that one is the
+        norm's output (the routed copies pass through the permutation first)."""
+        m, c = self.p.model, self.c
+        if not m.is_moe:
+            return 1.0, 1.0
+        share, shared = c["moe_share"], 1.0 if m.n_shared_experts else 0.0
+        return share * (c["k"] + shared) + (1 - share), share * shared + (1 - share)
 
     def _loss_term(self, g: dict) -> dict:
         """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit)."""
