@@ -171,12 +171,6 @@ class Options:
     # FP8 scaling recipe (fp8_recipes.yaml): tensorwise | rowwise | blockwise | delayed; None = delayed when the casts
     # are fused (Transformer Engine's default), tensorwise when not (torchao's default)
     fp8_recipe: str | None = None
-    # The LM head (unembedding GEMM) in FP8 too. Off: FP8 training casts only the transformer layers' linears and the
-    # output projection stays BF16 (Megatron-Core gpt_model.py: `output_layer` is tensor_parallel.ColumnParallelLinear, a
-    # BF16 module outside the layers' fp8 context, unless the opt-in MXFP8 `fp8_output_proj`, default False, added
-    # @3f6a2ed 2026-05-31; torchtitan float8.py @3f20451 2024-12: `module_filter_fn=lambda mod, fqn: fqn != "output"`,
-    # later `filter_fqns=["output"]`)
-    fp8_lm_head: bool = False
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # Benchmark routing with random router logits (Megatron-Core `--moe-router-force-load-balancing`: router.py
@@ -364,9 +358,8 @@ class CostModel:
     # --- compute -------------------------------------------------------------------------------
     # Each term function returns one layer's (or the loss's) work for one micro-batch: seconds forward (`f_s`)
     # and backward (`b_s`), FLOPs and HBM bytes; `compute_terms` adds them up and writes the ledger.
-    def _matmul_time(self, flops, m_, n_, k_, peak=None):
-        """Seconds of a GEMM at its shape: at the layers' matmul rate (`mm_peak`: fp8 or bf16), or at `peak`."""
-        return flops / ((self.mm_peak if peak is None else peak) * self.eff.matmul(m_, n_, k_))
+    def _matmul_time(self, flops, m_, n_, k_):
+        return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
 
     def _matmul_term(self, g: dict) -> dict:
         """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape: the
@@ -609,13 +602,11 @@ class CostModel:
         return share * (c["k"] + shared) + (1 - share), share * shared + (1 - share)
 
     def _loss_term(self, g: dict) -> dict:
-        """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit). Under FP8 the
-        unembedding runs in BF16 unless `fp8_lm_head` (Options: Megatron-Core and torchtitan keep it out of FP8)."""
+        """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit)."""
         c, t, tp = self.c, g["t_mb"], g["tp"]
         f_un = 2 * t * c["D"] * c["V"] / tp
         hbm = 12.0 * t * c["V"] / tp
-        peak = None if self.opt.fp8_lm_head else self.peak_bf16
-        return dict(f_s=self._matmul_time(f_un, t, c["V"] / tp, c["D"], peak) + hbm / self.hbm, flops=f_un, hbm=hbm)
+        return dict(f_s=self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + hbm / self.hbm, flops=f_un, hbm=hbm)
 
     def _recompute_parts(self, policy: str) -> dict[str, float]:
         """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
