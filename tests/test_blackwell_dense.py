@@ -38,6 +38,15 @@ def test_blackwell_gemm_fractions_follow_their_sources(chip: str, field: str, wa
     assert getattr(default_efficiency(load_chip(chip)), field) == pytest.approx(want, abs=6e-4)
 
 
+@pytest.mark.parametrize("field, gpu", [("attention_fwd_fraction", 0.55), ("attention_bwd_fraction", 0.45),
+                                        ("attention_fa2_fwd_fraction", 0.55), ("attention_sdpa_bwd_fraction", 0.45)])
+def test_gb200_attention_runs_at_the_clock_its_gemms_do(field: str, gpu: float) -> None:
+    """The generic GPU fraction times GB200's MAMF ratio to B200 (1822/2500)/(1745/2250) = 0.9397: 0.517, 0.423."""
+    assert getattr(default_efficiency(load_chip("gb200-nvl72")), field) == pytest.approx(
+        gpu * (1822 / 2500) / (1745 / 2250), abs=6e-4)
+    assert getattr(default_efficiency(load_chip("b200")), field) == gpu
+
+
 def test_gb200_is_not_its_datasheet_ratio_faster_than_b200() -> None:
     """A large BF16 GEMM on GB200 runs 1822/1745 = 1.044x a B200's (MAMF), not the datasheet's 2.5/2.25 = 1.111x."""
     rate = {c: load_chip(c).peak("bf16") * default_efficiency(load_chip(c)).matmul(8192, 8192, 8192)
