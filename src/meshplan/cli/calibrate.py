@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from meshplan.cli.app import app, console, err_console, fail, print_json
+from meshplan.cost.efficiency import read_profile_json
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import Chip, load_chip
 from meshplan.units import fmt_bytes, fmt_rate, fmt_time
@@ -148,12 +149,7 @@ def _print_efficiency(profile: dict[str, Any], chip: Chip | None) -> None:
 
 
 def load_profile_file(path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise MeshplanError(f"cannot read profile '{path}': {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MeshplanError(f"malformed profile '{path}': {exc}") from None
+    data = read_profile_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
         raise MeshplanError(f"profile '{path}' is not a meshplan-profile/1 file")
     return data

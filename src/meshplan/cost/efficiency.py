@@ -174,15 +174,20 @@ def comm_hbm_share(chip: Chip) -> float:
     return min(factor * link / chip.hbm_bandwidth_bytes_per_s, 1.0) if chip.kind == "gpu" else 0.0
 
 
-def load_profile(path: str | Path, chip: Chip) -> Efficiency:
-    """Read a calibrated profile; refuse one measured on another device kind (exit 2 at the CLI)."""
-    p = Path(path)
+def read_profile_json(path: str | Path) -> Any:
+    """The parsed JSON of a profile file, or a MeshplanError naming what is wrong with the file."""
     try:
-        data = json.loads(p.read_text())
+        return json.loads(Path(path).read_text())
     except OSError as exc:
         raise MeshplanError(f"cannot read profile '{path}': {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MeshplanError(f"malformed profile '{path}': {exc}") from None
+
+
+def load_profile(path: str | Path, chip: Chip) -> Efficiency:
+    """Read a calibrated profile; refuse one measured on another device kind (exit 2 at the CLI)."""
+    p = Path(path)
+    data = read_profile_json(path)
     if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
         raise MeshplanError(f"profile '{path}' is not a {PROFILE_SCHEMA} file")
     measured_on = data.get("chip")
