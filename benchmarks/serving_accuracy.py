@@ -89,10 +89,12 @@ def predict(e: dict, rules: dict) -> dict:
     md = mode(e)
     if e.get("arrivals"):  # the benchmark's own arrival process, replayed by the simulator
         return _simulated(e, m, chip, cfg, eff, w, mb, how)
-    if e.get("batch"):
-        b = min(int(e["batch"]), mb)
-        # a 'concurrency' source is a closed-loop client holding the batch (mode above)
-        p = evaluate(m, chip, e["chips"], cfg, eff, w, b, md, closed_loop=md == "continuous" and e["regime"] == "fixed_batch")
+    if e.get("batch") and md == "continuous" and e["regime"] == "fixed_batch":
+        # a 'concurrency' source is a closed loop of that many clients (mode above): the engine holds at most mb
+        # sequences per replica, the other clients wait for a slot (metrics.admission_queue_wait_s)
+        p = evaluate(m, chip, e["chips"], cfg, eff, w, mb, md, clients=int(e["batch"]))
+    elif e.get("batch"):
+        p = evaluate(m, chip, e["chips"], cfg, eff, w, min(int(e["batch"]), mb), md)
     else:
         p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
     return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,

@@ -11,6 +11,7 @@ from meshplan.cost.efficiency import default_efficiency
 from meshplan.infer.config import ServeConfig, Workload, schedules_ahead
 from meshplan.infer.metrics import evaluate, prefill_queue_wait_s, scheduler_wait_s, ttft_continuous
 from meshplan.infer.simulate import SimSpec, _Replica, _Req, simulate
+from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -100,9 +101,14 @@ def test_closed_loop_client_waits_a_whole_step():
     assert scheduler_wait_s(0.020, others=3, closed_loop=True) == pytest.approx(0.020)
     assert scheduler_wait_s(0.020, others=3, ahead=True, closed_loop=True) == pytest.approx(0.040)
     assert scheduler_wait_s(0.020, others=0, closed_loop=True) == 0.0  # one client: the engine is idle
-    # steady state at batch 32: the running step is the mixed step (= TPOT), so the closed loop adds half of it
+    # steady state at batch 32: the closed loop waits a whole (mean) step, B / (output tokens/s), where a random
+    # arrival waits the mean residual E[S^2] / (2 E[S]) of steps of which 16% carry a 1000-token prompt (32 x 1000 /
+    # 200 = 160 prompt tokens per step; test_serve_scheduler derives these by hand)
     w = Workload(1000, 200)
     open_ = evaluate(M8, H100, 1, ServeConfig(), EFF, w, 32)
     closed = evaluate(M8, H100, 1, ServeConfig(), EFF, w, 32, closed_loop=True)
-    assert closed.ttft_s - open_.ttft_s == pytest.approx(open_.tpot_s / 2)
+    step = 32 / open_.throughput_tokens_per_s
+    long = step_cost(M8, H100, ServeConfig(), EFF, 32, 1100.0, 1000, 500.0, 32, prefill_seqs=1.0).time_s
+    short = step_cost(M8, H100, ServeConfig(), EFF, 32, 1100.0).time_s
+    assert closed.ttft_s - open_.ttft_s == pytest.approx(step - (0.16 * long**2 + 0.84 * short**2) / (2 * step))
     assert closed.tpot_s == open_.tpot_s

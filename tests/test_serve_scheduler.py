@@ -67,10 +67,18 @@ def test_ttft_chunks_a_prompt_by_the_step_budget():
 def test_continuous_ttft_includes_the_wait_for_the_running_step():
     w, b = Workload(1000, 200), 32
     p = evaluate(M8, H100, 1, ServeConfig(), EFF, w, b)
-    # steady state: the running step is the mixed step (= TPOT); the new request waits half of it, and behind the
-    # prompts of the other 31 sequences, each replaced every 200 steps (31 / (200 x TPOT) per second)
-    queue = ttft_continuous(M8, H100, ServeConfig(), EFF, w, b, 0.0, 31 / (200 * p.tpot_s))
-    assert p.ttft_s == pytest.approx(p.tpot_s / 2 + queue)
+    # steady state: 32 x 1000 / 200 = 160 prompt tokens per step on average, but a step carries a whole 1000-token
+    # prompt (the 8192 budget holds it) or none: 16% of the steps carry one (metrics.mean_step_s)
+    long = step_cost(M8, H100, ServeConfig(), EFF, 32, 1100.0, 1000, 500.0, 32, prefill_seqs=1.0).time_s
+    short = step_cost(M8, H100, ServeConfig(), EFF, 32, 1100.0).time_s
+    step = 0.16 * long + 0.84 * short
+    assert 32 / p.throughput_tokens_per_s == pytest.approx(step)
+    # a random arrival waits the mean residual of the running step, E[S^2] / (2 E[S]) (length-biased), and behind
+    # the prompts of the other 31 sequences, each replaced every 200 steps (31 / (200 x step) per second)
+    residual = (0.16 * long**2 + 0.84 * short**2) / (2 * step)
+    assert residual > step / 2
+    queue = ttft_continuous(M8, H100, ServeConfig(), EFF, w, b, 0.0, 31 / (200 * step))
+    assert p.ttft_s == pytest.approx(residual + queue)
     assert queue > ttft_continuous(M8, H100, ServeConfig(), EFF, w, b)
 
 

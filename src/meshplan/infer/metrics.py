@@ -89,20 +89,37 @@ class ServePoint:
         }
 
 
-def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, closed_loop: bool = False) -> float:
+def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, closed_loop: bool = False,
+                     queued: bool = False, residual_s: float | None = None) -> float:
     """Wait of a new request for the engine's next iteration: iteration-level scheduling (Orca, Yu et al. OSDI'22;
     vLLM/TensorRT-LLM/SGLang schedulers) admits it only at a step boundary, so one arriving at a random moment
-    while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2.
+    while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2
+    (`residual_s` where the steps differ in length: step_residual_s).
     A closed-loop client (`closed_loop`: a fixed number of clients, each sending its next request when the previous
     one's last token arrives) sends it just as a step ends, after the engine has picked the next step's batch (vLLM
     V1 EngineCore.run_busy_loop and TensorRT-LLM's Executor::Impl::executionLoop schedule the next step right after
     handing out the last one's tokens), so it waits that whole step: busy_step_s.
     An engine that schedules one step ahead (`ahead`, config.schedules_ahead) has already picked the next step's
     batch when the request arrives, so it also waits one more whole step.
+    A request that was already waiting for a slot (`queued`: more clients than the engine's batch limit) is admitted
+    into the step the engine schedules as the slot frees: no wait beyond the queue's (admission_queue_wait_s); an
+    engine one step ahead sees the freed slot one step later (its next batch was picked before the step ended).
     An idle engine (no other sequence) starts it at once."""
     if others <= 0:
         return 0.0
-    return (busy_step_s if closed_loop else busy_step_s / 2.0) + (busy_step_s if ahead else 0.0)
+    if queued:
+        return busy_step_s if ahead else 0.0
+    random = busy_step_s / 2.0 if residual_s is None else residual_s
+    return (busy_step_s if closed_loop else random) + (busy_step_s if ahead else 0.0)
+
+
+def step_residual_s(share: float, long_s: float, short_s: float) -> float:
+    """Mean wait of a request arriving at a random moment for the running step to end, when a share of the steps
+    lasts long_s and the rest short_s: the mean residual life of a renewal process, E[S^2] / (2 E[S]) (Kleinrock,
+    Queueing Systems vol. 1, 1975, §5.2): a random moment more likely falls in a long step (length-biased
+    sampling). Equal steps give S / 2."""
+    mean = share * long_s + (1.0 - share) * short_s
+    return (share * long_s**2 + (1.0 - share) * short_s**2) / (2.0 * mean) if mean > 0 else 0.0
 
 
 def prefill_queue_wait_s(arrivals_per_s: float, work_s: float, others: float) -> float:
@@ -120,10 +137,27 @@ def prefill_queue_wait_s(arrivals_per_s: float, work_s: float, others: float) ->
     return most if rho >= 1.0 else min(arrivals_per_s * work_s**2 / (2.0 * (1.0 - rho)), most)
 
 
+def admission_queue_wait_s(clients: float, slots: int, requests_per_s: float) -> float:
+    """Mean wait for a slot when a closed loop of `clients` runs against an engine that holds at most `slots`
+    sequences (vLLM max_num_seqs, TensorRT-LLM max_batch_size, or its KV capacity): at steady state the slots stay
+    full and the other clients - slots requests wait FCFS (vLLM's waiting queue, TensorRT-LLM's capacity
+    scheduler). Little's law on the waiting queue (Little 1961; Kleinrock, Queueing Systems vol. 1, 1975, §2.1):
+    W = (requests waiting) / (throughput) = (C - B) / X, X = the engine's request throughput, which equals
+    C / X - (time in service) with X = B / (time in service). Zero when every client has a slot."""
+    if clients <= slots:
+        return 0.0
+    if requests_per_s <= 0:
+        raise MeshplanError(f"request throughput must be positive, got {requests_per_s}")
+    return (clients - slots) / requests_per_s
+
+
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
                     batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0,
-                    closed_loop: bool = False) -> float:
-    """The wait for the next iteration (scheduler_wait_s of the running batch's step `busy_step_s`), the wait
+                    closed_loop: bool = False, queue_wait_s: float | None = None,
+                    residual_s: float | None = None) -> float:
+    """The wait for a slot (`queue_wait_s`, admission_queue_wait_s, when more clients than slots: the request is
+    then admitted as a slot frees), else the wait for the next iteration (scheduler_wait_s of the running batch's
+    step `busy_step_s`), the wait
     behind the other clients' prompts (prefill_queue_wait_s at `others_arrivals_per_s`), then the
     prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
     tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
@@ -138,7 +172,9 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         chunk = float(max(prompt, 1))
     n_chunks = math.ceil(prompt / chunk)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
-    ttft = scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop) + n_chunks * s.time_s
+    queued = queue_wait_s is not None
+    ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
+                                                    queued, residual_s) + n_chunks * s.time_s
     if others_arrivals_per_s > 0:
         # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway
         dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
@@ -148,23 +184,63 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     return ttft
 
 
-def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False):
-    prefill = batch * w.input_len / w.output_len  # steady state: B/O requests replaced per step
-    mixed = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, prefill, w.input_len / 2.0, batch,
-                      prefill_seqs=batch / w.output_len)
+def mean_step_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload, batch: int,
+                prompts_per_step: float) -> StepCost:
+    """The mean step (its time and each term, averaged over the steps) of `batch` decoding sequences when
+    `prompts_per_step` prompts of w.input_len arrive per step. Prompt tokens are not spread evenly over the steps: the
+    engine schedules the decodes first and fills the rest of the step token budget with the waiting prompt
+    (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2; vLLM V1 Scheduler.schedule: running requests, then waiting ones
+    up to max_num_batched_tokens), so a step carries one chunk of min(budget - decodes, prompt) tokens (a whole
+    prompt where the engine does not chunk) or none; only when prompts arrive faster than one chunk per step does
+    every step carry them. A share p = (prompt tokens per step) / (tokens a prompt-carrying step holds) of the steps
+    carries a chunk, the rest are pure decodes, and the mean step is p x chunk step + (1 - p) x decode step: each
+    inter-token gap is one step, so a request's mean ITL is this mean (vLLM benchmark_serving TPOT = (e2e - TTFT)
+    / (output - 1); genai-perf ITL alike). A step that carries a chunk is longer than the decode step by more than
+    its share of the prompt when the decode is HBM-bound and the chunk compute-bound, so this mean is above the
+    cost of a step carrying the mean prompt tokens (the earlier mean-field step)."""
+    share, step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step)
+    parts = {k: share * step.parts.get(k, 0.0) + (1.0 - share) * pure.parts.get(k, 0.0)
+             for k in step.parts.keys() | pure.parts.keys()}
+    return StepCost(share * step.time_s + (1.0 - share) * pure.time_s, parts, max(parts, key=parts.get))
+
+
+def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step) -> tuple[float, StepCost, StepCost]:
+    """(share of the steps that carry prompt tokens, such a step, a pure decode step): mean_step_s."""
+    mean_tokens = prompts_per_step * w.input_len
     pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
+    if mean_tokens <= 0:
+        return 0.0, pure, pure
+    chunk = max(step_token_budget(chip, cfg) - batch, 1) if chunked_prefill(cfg, chip) else w.input_len
+    carried = max(min(chunk, w.input_len), mean_tokens)
+    share = mean_tokens / carried
+    step = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, carried, w.input_len / 2.0, batch,
+                     prefill_seqs=prompts_per_step / share)
+    return share, step, pure
+
+
+def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
+    # steady state: B/O requests replaced per step, each with its prompt (mean_step_s); a request's own inter-token
+    # gaps carry the prompts of the other B-1 sequences (its own prompt is its TTFT)
+    mixed = mean_step_s(m, chip, cfg, eff, w, batch, batch / w.output_len)
+    step_s = mixed.time_s
+    share, chunk_step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, batch / w.output_len)
+    # each of the B slots turns over every O steps, one more on an engine one step ahead (it reuses a freed slot a
+    # step later: scheduler_wait_s)
+    requests_per_s = batch / ((w.output_len + schedules_ahead(cfg, chip)) * step_s)
+    # clients beyond the batch limit wait for a slot (Little's law at the engine's request throughput)
+    queue = admission_queue_wait_s(clients, batch, requests_per_s) if clients is not None and clients > batch else None
     # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
-    # (B-1) / (O * TPOT) per second and queue ahead of a new one (a single client never waits behind itself)
-    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, mixed.time_s,
-                           max(batch - 1, 0) / (w.output_len * mixed.time_s), closed_loop)
-    frac = max(mixed.time_s - pure.time_s, 0.0) / mixed.time_s
+    # (B-1) / (O * step) per second and queue ahead of a new one (a single client never waits behind itself)
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (w.output_len * step_s),
+                           closed_loop, queue, step_residual_s(share, chunk_step.time_s, pure.time_s))
+    frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
-    tpot = mixed.time_s if w.output_len > 1 else pure.time_s
-    return ttft, tpot, batch / mixed.time_s, frac, mixed
+    tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / w.output_len).time_s if w.output_len > 1 else pure.time_s
+    return ttft, tpot, batch / step_s, frac, mixed
 
 
-def _static(m, chip, cfg, eff, w, batch, closed_loop=False):  # one batch from t = 0: no arrivals to wait
+def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # one batch from t = 0
     # an engine whose first token comes from a decode step (engine_first_token_decode_step, LMDeploy TurboMind)
     # prefills input_len - 1 tokens and runs output_len decode steps; the others sample the first token in the prefill
     first_decode = first_token_decode_step(cfg, chip)
@@ -176,21 +252,32 @@ def _static(m, chip, cfg, eff, w, batch, closed_loop=False):  # one batch from t
     # the cost split charges generation at least one decode step: with --output-len 1 the one output token (its LM
     # head and sampling) is not free (issue #18: $0.00 per million output tokens)
     frac = pre.time_s / (pre.time_s + max(n_decode, 1) * dec.time_s)
+    if clients is not None and clients > batch:  # the clients beyond the batch wait for whole batches to end
+        ttft += admission_queue_wait_s(clients, batch, batch / e2e)
     return ttft, dec.time_s, batch * w.output_len / e2e, frac, dec
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
-             batch: int, mode: str = "continuous", closed_loop: bool = False) -> ServePoint:
+             batch: int, mode: str = "continuous", closed_loop: bool = False,
+             clients: int | None = None) -> ServePoint:
     """Metrics of `batch` sequences per replica on every replica of the deployment. `closed_loop`: the batch is held
     by that many clients, each sending its next request when the previous one ends (benchmark concurrency), which
-    changes when a new request can join a step (scheduler_wait_s)."""
+    changes when a new request can join a step (scheduler_wait_s). `clients`: a closed loop of that many clients
+    over the whole deployment (clients // replicas on each, as simulate spreads them); `batch` is then the engine's
+    limit per replica and each replica runs min(batch, clients / replicas) sequences, the other clients waiting
+    for a slot (admission_queue_wait_s)."""
     if mode not in MODES:
         raise MeshplanError(f"unknown batching mode '{mode}' (known: {', '.join(MODES)})")
     if batch <= 0:
         raise MeshplanError(f"batch must be positive, got {batch}")
+    if clients is not None and clients <= 0:
+        raise MeshplanError(f"clients must be positive, got {clients}")
     replicas = n_chips // cfg.chips_per_replica
+    per_replica_clients = None if clients is None else max(clients // max(replicas, 1), 1)
+    if per_replica_clients is not None:
+        batch, closed_loop = min(batch, per_replica_clients), True
     ttft, tpot, per_replica, frac, step = (_continuous if mode == "continuous" else _static)(
-        m, chip, cfg, eff, w, batch, closed_loop)
+        m, chip, cfg, eff, w, batch, closed_loop, per_replica_clients)
     out = replicas * per_replica
     return ServePoint(
         config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,

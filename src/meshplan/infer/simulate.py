@@ -100,6 +100,7 @@ class _Replica:
         self.concurrency = concurrency
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
         self._cache: dict[tuple, float] = {}
+        self.last_ctx = 0.0  # mean decode context of the last step
 
     def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int, n_chunks: int = 0) -> float:
         key = (n_dec, round(ctx / 64), round(n_pre / 16), round(pre_ctx / 64), seqs, n_chunks)
@@ -114,6 +115,7 @@ class _Replica:
                 r.arrival = math.inf
         waiting, running, t, i, done = [], [], 0.0, 0, 0
         start = None  # when the step that just ended began (None: the engine was idle)
+        held = 0  # slots of sequences that ended in the step just run, still held by an engine one step ahead
         while i < len(reqs) or waiting or running:
             # The batch of the step starting at t was picked at `horizon`: at t by a serial loop (vLLM V1
             # EngineCore.run_busy_loop: schedule -> execute -> update outputs, in turn), at the start of the
@@ -127,8 +129,15 @@ class _Replica:
             while i < len(reqs) and (reqs[i].arrival < horizon or (idle and reqs[i].arrival <= t)):
                 waiting.append(reqs[i])
                 i += 1
-            while waiting and len(running) < self.max_batch:
+            # a waiting request takes a free slot FCFS (vLLM's waiting queue, TensorRT-LLM's capacity scheduler).
+            # An engine one step ahead picked this step's batch before the last step ended, while the sequences that
+            # ended in it still held their slots (SGLang event_loop_overlap: get_next_batch_to_run, then
+            # process_batch_result of the previous batch): their slots are reused one step later
+            while waiting and len(running) < self.max_batch - held:
                 running.append(waiting.pop(0))
+            if not running and waiting:  # every slot held by an ended sequence: that step decodes only them
+                start, t, held = t, t + self._cost(held, self.last_ctx, 0, 0.0, held), 0
+                continue
             if not running:
                 t, start = max(t, reqs[i].arrival), None
                 continue
@@ -136,6 +145,7 @@ class _Replica:
             t = self._step(running, t)
             finished = sum(r.finish >= 0 for r in running)
             running = [r for r in running if r.finish < 0]
+            held = finished if self.ahead else 0
             if self.concurrency is not None:
                 for j in range(done + self.concurrency, min(done + finished + self.concurrency, len(reqs))):
                     reqs[j].arrival = t
@@ -159,6 +169,7 @@ class _Replica:
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
+        self.last_ctx = ctx
         n_pre = sum(c for _, c in chunks)
         pre_ctx = float(np.mean([r.prefilled + c / 2 for r, c in chunks])) if chunks else 0.0
         t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks))
