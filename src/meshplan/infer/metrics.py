@@ -197,8 +197,12 @@ def mean_step_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w
     inter-token gap is one step, so a request's mean ITL is this mean (vLLM benchmark_serving TPOT = (e2e - TTFT)
     / (output - 1); genai-perf ITL alike). A step that carries a chunk is longer than the decode step by more than
     its share of the prompt when the decode is HBM-bound and the chunk compute-bound, so this mean is above the
-    cost of a step carrying the mean prompt tokens (the earlier mean-field step)."""
-    share, step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step)
+    cost of one step carrying the mean prompt tokens."""
+    return _mix(*_prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step))
+
+
+def _mix(share: float, step: StepCost, pure: StepCost) -> StepCost:
+    """The mean of `step` in a share of the steps and `pure` in the others, term by term."""
     parts = {k: share * step.parts.get(k, 0.0) + (1.0 - share) * pure.parts.get(k, 0.0)
              for k in step.parts.keys() | pure.parts.keys()}
     return StepCost(share * step.time_s + (1.0 - share) * pure.time_s, parts, max(parts, key=parts.get))
@@ -221,12 +225,12 @@ def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step) -> tuple[float,
 def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # steady state: B/O requests replaced per step, each with its prompt (mean_step_s); a request's own inter-token
     # gaps carry the prompts of the other B-1 sequences (its own prompt is its TTFT)
-    mixed = mean_step_s(m, chip, cfg, eff, w, batch, batch / w.output_len)
-    step_s = mixed.time_s
     share, chunk_step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, batch / w.output_len)
+    mixed = _mix(share, chunk_step, pure)
+    step_s = mixed.time_s
     # each of the B slots turns over every O steps, one more on an engine one step ahead (it reuses a freed slot a
     # step later: scheduler_wait_s)
-    requests_per_s = batch / ((w.output_len + schedules_ahead(cfg, chip)) * step_s)
+    requests_per_s = batch / ((w.output_len + int(schedules_ahead(cfg, chip))) * step_s)
     # clients beyond the batch limit wait for a slot (Little's law at the engine's request throughput)
     queue = admission_queue_wait_s(clients, batch, requests_per_s) if clients is not None and clients > batch else None
     # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
