@@ -837,7 +837,7 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     pp, M, tp = sh.axis_size("stage"), xs.shape[0], sh.axis_size("tensor")
     sp = tp > 1 and "tensor" in sh.rules["seq_sp"]
     per = model.n_layers // (pp * vpp)
-    layer = _layer_fn(model, sh, recompute, attention)
+    layer = _layer_fn(model, sh, recompute, attention, scanned=True)
     act = ("batch", "seq_sp", "act_embed")
     region = frozenset({"stage"} | {a for a in (*REPLICA_AXES, "fsdp") if sh.axis_size(a) > 1})
     dims = param_dims(model, stacked=True)["layers"]
@@ -863,25 +863,55 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
                     NamedSharding(jax.sharding.get_abstract_mesh(), P(None, "tensor", None)))
         ws = jax.tree.map(lambda a: a.reshape(vpp, per, *a.shape[1:]), layers)  # this stage's [v, L/(pp·v), ...]
         s = jax.lax.axis_index("stage")
-        state = sh.constrain(jnp.zeros_like(xs[0]), act)
-        arrived: list[jax.Array] = []  # the state after each rotation: on stage 0, the last stage's previous output
-        outs = []
-        for i in range(n_iter):
-            if i < M:
-                state = jnp.where(s == 0, xs[i], state)
-            elif i < M * vpp and pp < M:  # a later repeat's input, rotated in M − pp iterations ago
-                state = jnp.where(s == 0, arrived[i - M + pp - 1], state)
+        # a later repeat's input on stage 0 is the state that arrived `delay` iterations before the previous one
+        # (MaxText's circ_storage): a ring of that many states, slot j mod delay holding the state that arrived
+        # after iteration j
+        delay = M - pp if vpp > 1 else 0
+        ring = jnp.zeros((max(delay, 1), *xs.shape[1:]), xs.dtype)
+
+        def run(state: jax.Array, ring: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """Iteration i on this stage: its input (a new micro-batch, a later repeat's, or the rotated state) and
+            its repeat's layers."""
+            if delay > 0:  # pp < M: store the state that arrived after iteration i − 1, take the one from i − 1 − delay
+                slot = (i - 1) % delay
+                earlier = jax.lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False)
+                ring = jax.lax.dynamic_update_index_in_dim(ring, state, slot, 0)
+                state = jnp.where((s == 0) & (i >= M) & (i < M * vpp), earlier, state)
+            state = jnp.where((s == 0) & (i < M), xs[jnp.minimum(i, M - 1)], state)
             repeat = jnp.clip((i - s) // M, 0, vpp - 1)
-            w = jax.tree.map(lambda a, r=repeat: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False),
-                             ws)
+            w = jax.tree.map(lambda a: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, repeat, 0, False), ws)
             for j in range(per):
                 state = layer(jax.tree.map(lambda a, j=j: a[j], w), state, pos)
-            if i >= (vpp - 1) * M + pp - 1:  # the last stage finished micro-batch i − (v − 1)·M − (pp − 1)
-                outs.append(state)
-            if i < n_iter - 1:
-                state = jax.lax.ppermute(state, "stage", [(k, (k + 1) % pp) for k in range(pp)])
-                arrived.append(state)
-        return jax.lax.psum(jnp.where(s == pp - 1, jnp.stack(outs), 0.0), "stage")  # the last stage's, to all
+            return state, ring
+
+        first = (vpp - 1) * M + pp - 1  # the last stage finishes micro-batch i − first at iteration i ≥ first
+
+        def iteration(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+            state, ring, outs = carry
+            state, ring = run(state, ring, i)
+            # the finished micro-batches are kept in an [M, ...] carry (a stacked scan output would hold every
+            # iteration's state, and XLA then all-reduces the backward's zero-padded [n_iter − 1, ...] cotangent)
+            k = jnp.clip(i - first, 0, M - 1)
+            outs = jax.lax.dynamic_update_index_in_dim(
+                outs, jnp.where(i >= first, state, jax.lax.dynamic_index_in_dim(outs, k, 0, False)), k, 0)
+            return (jax.lax.ppermute(state, "stage", [(k, (k + 1) % pp) for k in range(pp)]), ring, outs), None
+
+        def vary(x: jax.Array) -> jax.Array:  # a carry varies over every manual axis, as the layers' output does
+            return _pvary(x, region - set(jax.typeof(x).mat.varying))
+
+        # the iterations run as a `lax.scan` (MaxText's `scan_pipeline_iterations`), the last one after it (it sends
+        # nothing on): the backward is the scan's transpose, one iteration's rematerialisation and backward at a
+        # time, the weights' gradients accumulated in its carry, and what crosses from the forward to the backward is
+        # exactly what the layer's policy saves, stacked [n_iter − 1, ...] (see "Layers as a scan", docs/verify.md)
+        state = sh.constrain(jnp.zeros_like(xs[0]), act)
+        carry = tuple(vary(x) for x in (state, ring, jnp.zeros_like(xs)))
+        # the micro-batches made varying over `stage` once, outside the loop: the transpose (a sum of their
+        # gradients over `stage`, M × A_mb) then runs once, not in each of the n_iter − 1 iterations that read them
+        xs = vary(xs)
+        (state, ring, outs), _ = jax.lax.scan(iteration, carry, jnp.arange(n_iter - 1))
+        state, _ = run(state, ring, jnp.asarray(n_iter - 1))
+        outs = jax.lax.dynamic_update_index_in_dim(outs, state, M - 1, 0)
+        return jax.lax.psum(jnp.where(s == pp - 1, outs, 0.0), "stage")  # the last stage's, to all
 
     def spec(d: tuple[str | None, ...]) -> P:
         return P(*[tuple(a for a in _axes_of(sh, e) if a in region) or None for e in d])
