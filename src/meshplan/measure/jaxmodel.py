@@ -837,7 +837,18 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     pp, M, tp = sh.axis_size("stage"), xs.shape[0], sh.axis_size("tensor")
     sp = tp > 1 and "tensor" in sh.rules["seq_sp"]
     per = model.n_layers // (pp * vpp)
-    layer = _layer_fn(model, sh, recompute, attention, scanned=True)
+
+    def one_layer(ws: Params, repeat: jax.Array, j: int, x: jax.Array, pos: jax.Array) -> jax.Array:
+        """Layer j of the iteration's repeat. Its weights are picked from the stage's [v, L/(pp·v), ...] inside the
+        layer's checkpoint (as MaxText's iteration picks its stage weights inside the remat), so the backward picks
+        them again: picked outside, the pick is an input the scan saves, a copy of the layer's weights stacked per
+        iteration (PP4×DP2×v2: 10 × 3.06 MiB)."""
+        lp = jax.tree.map(lambda a: (a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, repeat, 0, False))[j], ws)
+        return decoder_layer(lp, x, pos, model, sh, recompute, attention)
+
+    # inside a loop body CSE cannot merge the recomputation with the forward (`_layer_fn`)
+    layer = jax.checkpoint(one_layer, policy=remat_policy(recompute, scanned=True), prevent_cse=False,
+                           static_argnums=(2,))
     act = ("batch", "seq_sp", "act_embed")
     region = frozenset({"stage"} | {a for a in (*REPLICA_AXES, "fsdp") if sh.axis_size(a) > 1})
     dims = param_dims(model, stacked=True)["layers"]
@@ -879,9 +890,8 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
                 state = jnp.where((s == 0) & (i >= M) & (i < M * vpp), earlier, state)
             state = jnp.where((s == 0) & (i < M), xs[jnp.minimum(i, M - 1)], state)
             repeat = jnp.clip((i - s) // M, 0, vpp - 1)
-            w = jax.tree.map(lambda a: a[0] if vpp == 1 else jax.lax.dynamic_index_in_dim(a, repeat, 0, False), ws)
             for j in range(per):
-                state = layer(jax.tree.map(lambda a, j=j: a[j], w), state, pos)
+                state = layer(ws, repeat, j, state, pos)
             return state, ring
 
         first = (vpp - 1) * M + pp - 1  # the last stage finishes micro-batch i − first at iteration i ≥ first
