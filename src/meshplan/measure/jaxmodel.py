@@ -620,6 +620,26 @@ def _act(model: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x)
 
 
+@jax.custom_vjp
+def unstack_pair(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x[:, :, 0], x[:, :, 1] of the fused gate/up output [b, t, 2, f], with the gradient stacked back into one
+    [b, t, 2, f] buffer. Differentiated as two slices, the gradient is two zero-padded [b, t, 2, f] buffers and their
+    sum (the slices' transposes, pads, and add_any), three gate/up-sized buffers in the MLP's backward where a fused
+    kernel (Megatron's `bias_swiglu`, its backward writes one [.., 2F] gradient) has one."""
+    return x[:, :, 0], x[:, :, 1]
+
+
+def _unstack_pair_fwd(x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+    return unstack_pair(x), None
+
+
+def _unstack_pair_bwd(_: None, g: tuple[jax.Array, jax.Array]) -> tuple[jax.Array]:
+    return (jnp.stack(g, axis=2),)
+
+
+unstack_pair.defvjp(_unstack_pair_fwd, _unstack_pair_bwd)
+
+
 def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
     """Dense MLP: SwiGLU (gated) or plain GELU/ReLU. h [B,T,D] → [B,T,D]."""
     h = gather_seq(h, sh)
@@ -627,7 +647,7 @@ def mlp_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
         w = gather_weight(lp["w_gate_up"], ("embed", None, "mlp"), sh)
         gu = jnp.einsum("btd,dcf->btcf", h, w)
         gu = checkpoint_name(sh.constrain(gu, ("batch", "seq", None, "act_mlp")), "mlp_up_out")
-        gate, up = (sh.constrain(gu[:, :, i], ("batch", "seq", "act_mlp")) for i in (0, 1))
+        gate, up = (sh.constrain(x, ("batch", "seq", "act_mlp")) for x in unstack_pair(gu))
         up = _act(model, gate) * up
     else:
         w_up = gather_weight(lp["w_up"], ("embed", "mlp"), sh)
