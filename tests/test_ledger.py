@@ -173,6 +173,19 @@ def test_zero2_reduce_scatters_every_micro_batch():
     assert z2["all_gather/data"] == z1["all_gather/data"] == 2 * PARAMS
 
 
+def test_zero2_under_xla_holds_the_micro_batchs_whole_gradients():
+    """ZeRO-2 DP8 on the 1443072-parameter twin, fp32 gradients. DeepSpeed/Megatron reduce-scatter bucket by bucket
+    inside the backward: the 1/8 shard, 4 · 1443072 / 8 = 721536 B. XLA (framework jax: replicas reduced after the
+    backward) writes each micro-batch's whole gradient, 4 · 1443072 = 5772288 B, beside the accumulated shard of
+    the earlier micro-batches when there are two (16 / (8·1) = 2): 5772288 + 721536; with one micro-batch
+    (micro-batch 2) the whole gradient alone, as ZeRO-1's."""
+    jax = framework_options("jax", Options(), {})
+    assert ledger(ParallelConfig(dp=8, microbatch=1, zero=2), options=jax)["memory_bytes"]["grads"] == 5772288 + 721536
+    assert ledger(ParallelConfig(dp=8, microbatch=2, zero=2), options=jax)["memory_bytes"]["grads"] == 5772288
+    ds = framework_options("deepspeed", Options(), {})
+    assert ledger(ParallelConfig(dp=8, microbatch=1, zero=2), options=ds)["memory_bytes"]["grads"] == 721536
+
+
 def test_cp_tp_norm_gradients_reduce_over_context_and_tensor():
     """CP4×TP2 with SP: the 5 norm scales (2 per layer + final, 5 · 256 = 1280 fp32 gradients = 5120 B) are reduced
     over context+tensor at once; the other 1443072 − 1280 parameters' gradients over `context` (XLA's program:

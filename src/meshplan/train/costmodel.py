@@ -1338,6 +1338,16 @@ class CostModel:
         gathered_stage = np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
         # unsharded accumulation under pipelining; gradients take the weights' dtype where it is set (JAX)
         grads = (w_bytes or self.opt.grad_reduce_bytes) * P * np.where(once, 1.0, 1.0 / shard_g)
+        if xla and not self.dp_overlap:
+            # XLA reduces the scanned layers' gradients across the replicas after the backward (MaxText; dp_overlap
+            # off): the backward's loop writes the micro-batch's whole (1/fs) gradients, so under ZeRO-2 they are
+            # live beside the 1/(fs·replicas) accumulator of the earlier micro-batches (none with one micro-batch)
+            # until the reduce-scatter after it (verify ZeRO-2 DP8, 2 micro-batches: the stacked [L, ...] layer
+            # gradients and the output layer's, docs/verify.md "Memory"); DeepSpeed's and Megatron's ZeRO-2 reduce
+            # bucket by bucket inside the backward (`overlap_comm`) and keep the 1/dp rule
+            whole = (w_bytes or self.opt.grad_reduce_bytes) * P / fs
+            z2 = (zero >= 2) & (rep > 1) & ~once
+            grads = np.where(z2, whole + np.where(g["n_micro"] > 1, grads, 0.0), grads)
         # under optimizer offload the gradients go to the host as the backward produces them, bucket by bucket, and
         # accumulate there (fp32): the device holds one layer's (ZeRO-Offload §4.1: the GPU keeps the fp16 weights)
         grads = np.where(opt_off, self.opt.grad_reduce_bytes * g["params_layer_local"], grads)
