@@ -186,6 +186,24 @@ def test_zero2_under_xla_holds_the_micro_batchs_whole_gradients():
     assert ledger(ParallelConfig(dp=8, microbatch=1, zero=2), options=ds)["memory_bytes"]["grads"] == 721536
 
 
+def test_context_parallel_keeps_the_other_ranks_kv_for_the_backward():
+    """DP2×CP2×TP2, one micro-batch of 16 / 2 = 8 sequences, jax (fp32): each rank holds 8 · 128 / 2 = 512 tokens of
+    K and V on 4 / 2 = 2 KV heads of 32, 2 · 4 B · 512 · 64 = 262144 B. The all-gather form saves the gathered K/V
+    for the backward (it does not gather again): (cp − 1) · 262144 B a layer beyond the local K/V, two layers
+    524288 B more than a ring that passes K/V again in its backward (Transformer Engine's); the ring that sends only
+    dK/dV back keeps the blocks it received, the same bytes; full recompute gathers again and keeps none."""
+    cfg = ParallelConfig(dp=2, cp=2, tp=2, microbatch=8)
+    jax = framework_options("jax", Options(), {})
+    te_ring = dataclasses.replace(jax, cp_impl="ring", ring_saves_kv=False)
+
+    def acts(options, recompute="none"):
+        return ledger(dataclasses.replace(cfg, recompute=recompute), options=options)["memory_bytes"]["activations"]
+
+    assert acts(jax) - acts(te_ring) == 2 * 262144
+    assert acts(dataclasses.replace(jax, cp_impl="ring")) == acts(jax)
+    assert acts(jax, "full") == acts(te_ring, "full")
+
+
 def test_cp_tp_norm_gradients_reduce_over_context_and_tensor():
     """CP4×TP2 with SP: the 5 norm scales (2 per layer + final, 5 · 256 = 1280 fp32 gradients = 5120 B) are reduced
     over context+tensor at once; the other 1443072 − 1280 parameters' gradients over `context` (XLA's program:

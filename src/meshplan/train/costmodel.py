@@ -1255,6 +1255,14 @@ class CostModel:
             none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
             full = self.activation_per_layer(L, g, np.full_like(L.recompute, 2))
             act_layer = np.where(L.recompute == 1, 0.5 * (none + full), act_layer)
+        # Context parallelism that keeps the other ranks' K/V for the backward: the all-gather form saves the gathered
+        # K/V (its backward reduce-scatters their gradients without gathering again, `_allgather_cp_terms`), a ring
+        # that sends only dK/dV back the cp − 1 blocks it received (`ring_saves_kv`); a fully recomputed layer
+        # gathers again. Beyond the local K/V the activation formula counts: (cp − 1) · the local K/V bytes a layer
+        # (verify DP2×TP2×CP2: two layers' [8, 128, 1, 32] K and V saved, 0.5 MiB, 0.25 of them other ranks')
+        keeps_kv = self.opt.cp_impl == "allgather" or (self.opt.cp_impl == "ring" and self.opt.ring_saves_kv)
+        if keeps_kv:
+            act_layer = act_layer + np.where(L.recompute != 2, (g["cp"] - 1) * self._kv_bytes(g), 0.0)
         pp, vpp = g["pp"], g["vpp"]
         # 1F1B: the first stage holds min(pp, micro-batches) in flight; interleaving multiplies by
         # 1 + (p-1)/(p·v) (Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3).
