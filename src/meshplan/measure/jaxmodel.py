@@ -846,7 +846,7 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
     accumulation), not once per use; under SP the layer norm scales get one copy per `tensor` rank for the same
     reason, and under FSDP the stage is gathered once before the loop (see below).
 
-    The loop runs M·v + pp − 1 iterations, unrolled: at iteration i stage s runs micro-batch (i − s) mod M through
+    The loop runs M·v + pp − 1 iterations, a `lax.scan` and its last iteration after it: at iteration i stage s runs micro-batch (i − s) mod M through
     its repeat (i − s) // M. Stage 0 takes micro-batch i for i < M, later the last stage's output of the previous
     repeat, which the rotation brought to it M − pp iterations before (a local buffer, MaxText's circ_storage; needs
     M ≥ pp when v > 1). Every stage computes in every iteration, its pp − 1 bubble iterations on filler data, so the
