@@ -321,9 +321,11 @@ def pins_of(e: dict) -> Pins:
         # torchtitan (2024) and the 2020 Megatron runs had no gradient accumulation: the local batch is the
         # micro-batch; with pipelining torchtitan splits it into pp micro-batches
         mb = max(1, global_batch_of(e) // dp_total // (pp if pp > 1 else 1))
+    recipe = mbridge_recipe_of(e)  # what a Megatron-Bridge row's recipe ran where the table prints no recompute
+    offload = 1.0 if _maxtext_custom_offload(str(t.get("recompute") or "").lower()) else recipe.get("offload", 0.0)
     return Pins(dp=dp, fsdp=fs, tp=tp, pp=pp, cp=cp, ep=_int(p.get("ep")) or 1, vpp=_vpp_of(p.get("vpp")),
-                microbatch=mb, recompute=recompute_of(e), zero=z, sequence_parallel=_sequence_parallel(e, tp),
-                offload=1.0 if _maxtext_custom_offload(str(t.get("recompute") or "").lower()) else 0.0,
+                microbatch=mb, recompute=recompute_of(e) or recipe.get("recompute"), zero=z,
+                sequence_parallel=_sequence_parallel(e, tp), offload=offload,
                 offload_optimizer=0, offload_params=0)  # no published run offloads model state
 
 
@@ -406,6 +408,10 @@ def options_of(e: dict) -> Options:
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
                                                 "fsdp_copies", "unfused_expert_bias")}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
+        # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
+        recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items() if k in ("tp_overlap", "overlap_param_gather")}
+        framework_kw.update(recipe_kw)
+        tp_default = recipe_kw.get("tp_overlap", tp_default)
     # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
     if recipe is not None:
@@ -456,6 +462,23 @@ def cuda_graph_scopes_of(e: dict) -> tuple[str, ...]:
     """The CUDA-graph scopes a Megatron-Bridge row's recipe captured (data/mbridge_cuda_graphs.yaml, read from the
     release tag's workload presets); () for other rows (eager)."""
     return tuple(_mbridge_cuda_graphs().get(e["id"], {}).get("cuda_graph_scopes") or ())
+
+
+MBRIDGE_RECIPES = ROOT / "benchmarks" / "data" / "mbridge_recipes.yaml"
+
+
+@lru_cache(maxsize=1)
+def _mbridge_recipes() -> dict:
+    return yaml.safe_load(MBRIDGE_RECIPES.read_text()) or {}
+
+
+def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
+    """What a Megatron-Bridge row's recipe ran (data/mbridge_recipes.yaml, read from the release tag's recipe and
+    workload preset; `table` replaces that file): `recompute` (a meshplan policy; absent where meshplan has none),
+    `tp_overlap`, `overlap_param_gather`, `offload` (fraction of the saved activations on the host); {} for other rows."""
+    entry = (_mbridge_recipes() if table is None else table).get(e["id"]) or {}
+    return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload")
+            if entry.get(k) is not None}
 
 
 MBRIDGE_MOE_DISPATCH = ROOT / "benchmarks" / "data" / "mbridge_moe_dispatch.yaml"

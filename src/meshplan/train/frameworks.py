@@ -134,6 +134,21 @@ FA2_WORDS = ("fa2", "flashattention-2", "flash-attention-2", "flash attention 2"
 DEEPSPEED_ALLGATHER_SINCE_YYMM = 2105
 
 
+# words that turn a feature's name into its absence when they stand right before it ("vanilla TP (no async TP)")
+NEGATIONS = ("no ", "without ", "not ", "non-", "w/o ")
+
+
+def names(text: str, words: tuple[str, ...]) -> bool:
+    """Whether `text` names one of `words` other than as its negation ('no async tp', 'without userbuffers')."""
+    for w in words:
+        start = text.find(w)
+        while start >= 0:
+            if not text[:start].endswith(NEGATIONS):
+                return True
+            start = text.find(w, start + 1)
+    return False
+
+
 def options_from_notes(text: str) -> dict[str, Any]:
     """Behaviour a run's description names in words (lower-case text): TP and MoE overlap, ZeRO parameter-gather
     overlap, node-limited routing, force-balanced (benchmark) routing, the MoE dispatcher, the pipeline schedule
@@ -143,9 +158,9 @@ def options_from_notes(text: str) -> dict[str, Any]:
     # DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used
     schedule = ("dualpipe" if "dualpipe" in text else
                 "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
-    return dict(tp_overlap=True if any(k in text for k in TP_OVERLAP_WORDS) else None,
-                ep_overlap=any(k in text for k in EP_OVERLAP_WORDS),
-                overlap_param_gather=any(k in text for k in PARAM_GATHER_WORDS),
+    return dict(tp_overlap=True if names(text, TP_OVERLAP_WORDS) else None,
+                ep_overlap=names(text, EP_OVERLAP_WORDS),
+                overlap_param_gather=names(text, PARAM_GATHER_WORDS),
                 pp_head_in_split=any(k in text for k in HEAD_IN_SPLIT_WORDS),
                 moe_node_limit=node_limit, pp_schedule=schedule,
                 moe_force_balance=any(k in text for k in FORCE_BALANCE_WORDS),
