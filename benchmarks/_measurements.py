@@ -26,6 +26,7 @@ from meshplan.train.frameworks import (
     attention_kernel_of,
     fp8_recipe_of,
     grad_reduce_bytes_of,
+    megatron_selective_policy,
     options_from_notes,
     preset,
     torchtitan_selective_flavor,
@@ -231,6 +232,10 @@ def recompute_of(e: dict) -> str | None:
     r = str(e["training"].get("recompute") or "").lower().strip()
     if _maxtext_custom_offload(r):
         return "full"
+    listed = re.search(r"selective\s*\(([^)]*)\)", r)
+    if listed and not set(w.strip() for w in listed.group(1).split(",")) <= {"op", "layer"}:
+        # Megatron-Core's recompute modules as printed ('selective (norm, act)'); torchtitan's '(op)'/'(layer)' below
+        return megatron_selective_policy([w.strip() for w in listed.group(1).split(",")])
     if "selective" in r or "partial" in r:
         return "selective"
     if "full" in r:
@@ -412,6 +417,11 @@ def options_of(e: dict) -> Options:
         recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items() if k in ("tp_overlap", "overlap_param_gather")}
         framework_kw.update(recipe_kw)
         tp_default = recipe_kw.get("tp_overlap", tp_default)
+    if e.get("framework") == "megatron":
+        # Megatron-LM launched directly (the MoE model zoo's sbatch_benchmarking.sh): the "megatron" preset's interleaved
+        # pipeline sends overlapped, Megatron-FSDP without copies, unfused expert biases; parameter gather as named
+        mg = preset("megatron")
+        framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias")}
     # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
     if recipe is not None:

@@ -208,6 +208,24 @@ def grad_reduce_bytes_of(deepspeed: bool, fp16: bool) -> float:
     return 2.0 if deepspeed and fp16 else 4.0
 
 
+# Megatron-Core's `--recompute-modules` (megatron/core/transformer/transformer_config.py `recompute_modules`, default
+# ["core_attn"]): what a selective recompute reruns. core_attn is meshplan's selective (Korthikanti et al. 2022); norms
+# and activations alone ("layernorm", "moe_act"; the MoE model zoo prints them "norm, act") rerun only pointwise ops and
+# keep every GEMM output, meshplan's gemm-last. The others (mla_up_proj, mlp, moe, shared_experts) rerun GEMMs that no
+# meshplan policy names.
+MEGATRON_POINTWISE_MODULES = ("layernorm", "norm", "moe_act", "act")
+
+
+def megatron_selective_policy(modules: list[str] | None) -> str | None:
+    """meshplan's --recompute for Megatron-Core's selective recompute over `modules` (None = its default, core_attn;
+    [] = nothing recomputed); None where no meshplan policy matches."""
+    if modules is None or list(modules) == ["core_attn"]:
+        return "selective"
+    if not modules:
+        return "none"
+    return "gemm-last" if all(m in MEGATRON_POINTWISE_MODULES for m in modules) else None
+
+
 def torchtitan_selective_flavor(recompute_text: str) -> str:
     """torchtitan's selective AC as printed: '(op)' = the per-op policy, '(layer)' = every n-th layer
     (selective_ac_option 'op' or an integer; job_config.py)."""
