@@ -1,0 +1,112 @@
+"""The accuracy harness plans each published run with the flags its job ran (issue #14): a few rows' derived flags
+against the values in their sources, each cited. Flags only: no prediction is compared here."""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshplan.math.transformer import RECOMPUTE_POLICIES
+from meshplan.train.frameworks import megatron_selective_policy, names, options_from_notes
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _measurements as H  # noqa: E402  (the benchmark harness, not part of the package)
+
+DATA = ROOT / "benchmarks" / "data"
+
+
+@lru_cache(maxsize=1)
+def _rows() -> dict[str, dict]:
+    return {e["id"]: e for e in yaml.safe_load((DATA / "training_measurements_new.yaml").read_text())}
+
+
+def _row(ident: str) -> dict:
+    return dict(_rows()[ident], group=_rows()[ident].get("group", "ungrouped"))
+
+
+def test_a_negated_feature_is_not_named() -> None:
+    # torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: the "vanilla TP" column ran without AsyncTP
+    assert options_from_notes("fsdp=8 x tp=8; vanilla tp (no async tp)")["tp_overlap"] is None
+    assert options_from_notes("fsdp=8 x tp=8; asynctp")["tp_overlap"] is True
+    assert not names("without userbuffer overlap", ("userbuffer",))
+    assert names("no ep overlap; tp comm overlap", ("tp comm overlap",))
+    # a later, un-negated mention still counts
+    assert names("no async tp in warm-up, async tp after", ("async tp",))
+
+
+def test_torchtitan_async_tp_rows_differ_only_in_tp_overlap() -> None:
+    vanilla = _row("torchtitan_asynctp_202506_llama3p1-70b_bf16_vanilla")
+    asynctp = _row("torchtitan_asynctp_202506_llama3p1-70b_bf16_async")
+    ov, oa = H.options_of(vanilla), H.options_of(asynctp)
+    assert not ov.overlaps("gpu")[0] and oa.overlaps("gpu")[0]
+    assert H.pins_of(vanilla) == H.pins_of(asynctp)
+
+
+def test_megatron_recompute_modules_as_meshplan_policies() -> None:
+    # megatron/core/transformer/transformer_config.py: recompute_modules defaults to ["core_attn"]
+    assert megatron_selective_policy(None) == "selective"
+    assert megatron_selective_policy(["core_attn"]) == "selective"
+    # Megatron-Bridge v0.5.0 GPT_OSS_120B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: recompute_modules=[] (nothing rerun)
+    assert megatron_selective_policy([]) == "none"
+    # GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2: ["layernorm", "moe_act"]; model zoo "norm, act"
+    assert megatron_selective_policy(["layernorm", "moe_act"]) == "gemm-last"
+    assert megatron_selective_policy(["norm", "act"]) == "gemm-last"
+    # DeepSeek-V3 presets: ["mla_up_proj"] reruns GEMMs no meshplan policy names
+    assert megatron_selective_policy(["mla_up_proj"]) is None
+
+
+def test_recipe_file_covers_every_megatron_bridge_row() -> None:
+    recipes = yaml.safe_load((DATA / "mbridge_recipes.yaml").read_text())
+    mbridge = {i for i, e in _rows().items() if e["source"]["key"].startswith("megatron-bridge-perf")}
+    assert set(recipes) == mbridge
+    for entry in recipes.values():
+        assert entry["recompute"] in (*RECOMPUTE_POLICIES, None)
+        assert isinstance(entry["tp_overlap"], bool) and isinstance(entry["overlap_param_gather"], bool)
+        assert 0.0 <= entry.get("offload", 0.0) <= 1.0 and " @ v0." in entry["recipe"]
+
+
+@pytest.mark.parametrize("ident, recompute, tp_overlap, param_gather, offload", [
+    # Megatron-Bridge v0.5.0 LLAMA31_405B_PRETRAIN_CONFIG_GB200_FP8_CS_V2 (tp4 pp16 vpp4, no recompute override);
+    # recipes/llama/llama3.py llama31_405b_pretrain_config: recompute_granularity None, CommOverlapConfig(
+    # tp_comm_overlap=True), ddp.overlap_param_gather True
+    ("mbridge_26p06_llama3p1-405b_gb200_256_fp8", "none", True, True, 0.0),
+    # v0.4.0 qwen3_llm_pretrain.py qwen3_235b_a22b_pretrain_config_h100: CommOverlapConfig(tp_comm_overlap=False);
+    # set_qwen3_common_configs: recompute_granularity None
+    ("mbridge_26p04_qwen3-235b-a22b_h100_256_fp8", "none", False, True, 0.0),
+    # v0.2.0 llama31_llm_pretrain.py llama31_405b_b200_config: fp8_mx turns overlap_param_gather off ("NaN grad norm")
+    ("mbridge_25p11_llama3p1-405b_b200_128_fp8-mx", "none", True, False, 0.0),
+    # v0.4.0 GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2: recompute_modules ["layernorm", "moe_act"]
+    ("mbridge_26p04_gpt-oss-120b_gb200_64_bf16", "gemm-last", False, True, 0.0),
+    # v0.3.0 LLAMA3_70B_PRETRAIN_CONFIG_GB200_FP8_CS_V2: use_megatron_fsdp, cpu_offloading_num_layers=40 of 80 layers
+    ("mbridge_26p02_llama3-70b_gb200_64_fp8", "none", True, True, 0.5),
+])
+def test_megatron_bridge_rows_run_their_recipe(ident, recompute, tp_overlap, param_gather, offload) -> None:
+    e = _row(ident)
+    pins, opts = H.pins_of(e), H.options_of(e)
+    assert pins.recompute == recompute
+    assert pins.offload == offload
+    assert opts.overlap_param_gather is param_gather
+    if pins.tp > 1:
+        assert opts.tp_overlap is tp_overlap
+
+
+def test_an_unexpressible_recipe_recompute_is_left_to_meshplan() -> None:
+    # v0.5.0 DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2: selective over ["mla_up_proj"]
+    assert H.pins_of(_row("mbridge_26p06_deepseek-v3_gb200_256_mxfp8")).recompute is None
+
+
+def test_model_zoo_rows_carry_the_launch_flags() -> None:
+    # yanring/Megatron-MoE-ModelZoo @ e8650517: the H100 table's recompute "norm, act" (run_h100_235b.sh:
+    # --recompute-modules moe_act layernorm); sbatch_benchmarking.sh adds --tp-comm-overlap for bf16;
+    # model_configs/benchmarking/Qwen3-235B-A22B.yaml: --overlap-param-gather, --account-for-*-in-pipeline-split;
+    # Megatron-LM overlaps interleaved pipeline sends by default (the "megatron" preset)
+    e = _row("moezoo_qwen3_235b_h100_256_0")
+    pins, opts = H.pins_of(e), H.options_of(e)
+    assert (pins.tp, pins.pp, pins.vpp, pins.ep, pins.recompute) == (2, 8, 4, 32, "gemm-last")
+    assert opts.tp_overlap and opts.overlap_param_gather and opts.pp_head_in_split and opts.pp_overlap
+    assert opts.moe_dispatcher == "deepep"
