@@ -422,6 +422,13 @@ def options_of(e: dict) -> Options:
         # pipeline sends overlapped, Megatron-FSDP without copies, unfused expert biases; parameter gather as named
         mg = preset("megatron")
         framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias")}
+    if e.get("framework") == "maxtext":
+        # MaxText on TPU (the "maxtext" preset): JAX remat reruns only what the backward reads, folded all-reduces,
+        # the SPMD pipeline loop; the TP and DP overlap defaults are already the TPU's
+        framework_kw = {k: FRAMEWORKS["maxtext"][k] for k in ("remat_dce", "fold_all_reduces", "pp_spmd_loop")}
+    if titan and any(w in prec for w in FSDP_FP8_GATHER_WORDS):
+        # torchtitan's float8.enable_fsdp_float8_all_gather: FSDP2 gathers the float8 weights (1 byte per parameter)
+        framework_kw["fsdp_param_bytes"] = 1.0
     # the FP8 recipe the source names (its fp8_recipe field, else its precision text); unnamed: the framework's
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
     if recipe is not None:
@@ -458,6 +465,11 @@ def options_of(e: dict) -> Options:
         cuda_graph_scopes=cuda_graph_scopes_of(e),
         grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
     ), **framework_kw)
+
+
+# torchtitan's `float8.enable_fsdp_float8_all_gather` as run descriptions name it (torchtitan docs/float8.md: FSDP2
+# all-gathers the weights already cast to float8, with `precompute_float8_dynamic_scale_for_fsdp`)
+FSDP_FP8_GATHER_WORDS = ("fsdp float8 all-gather", "fsdp float8 all gather", "enable_fsdp_float8_all_gather")
 
 
 MBRIDGE_CUDA_GRAPHS = ROOT / "benchmarks" / "data" / "mbridge_cuda_graphs.yaml"

@@ -110,3 +110,14 @@ def test_model_zoo_rows_carry_the_launch_flags() -> None:
     assert (pins.tp, pins.pp, pins.vpp, pins.ep, pins.recompute) == (2, 8, 4, 32, "gemm-last")
     assert opts.tp_overlap and opts.overlap_param_gather and opts.pp_head_in_split and opts.pp_overlap
     assert opts.moe_dispatcher == "deepep"
+
+
+def test_maxtext_and_torchtitan_rows_get_their_presets() -> None:
+    # framework: maxtext -> the "maxtext" preset's JAX behaviour (train/frameworks.py: remat_dce on for maxtext/jax)
+    tpu = H.options_of(_row("tpurecipes_v6e_mistral-7b_8x1"))
+    assert tpu.remat_dce and tpu.fold_all_reduces
+    # torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: "fsdp float8 all-gather" -> 1-byte gathers
+    titan = H.options_of(_row("torchtitan_trainy_h200_llama3p1_8b_32"))
+    assert titan.fsdp_param_bytes == 1.0 and titan.fp8_recipe == "tensorwise"
+    # the async-TP benchmark names no float8 all-gather: bf16 gathers
+    assert H.options_of(_row("torchtitan_asynctp_202506_llama3p1-8b_float8_tensorwise_async")).fsdp_param_bytes == 2.0
