@@ -411,17 +411,18 @@ def options_of(e: dict) -> Options:
         # Megatron-Core's unfused expert biases
         nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
-                                                "fsdp_copies", "unfused_expert_bias")}
+                                                "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params")}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
         # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
-        recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items() if k in ("tp_overlap", "overlap_param_gather")}
+        recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items()
+                     if k in ("tp_overlap", "overlap_param_gather", "pp_head_in_split")}
         framework_kw.update(recipe_kw)
         tp_default = recipe_kw.get("tp_overlap", tp_default)
     if e.get("framework") == "megatron":
         # Megatron-LM launched directly (the MoE model zoo's sbatch_benchmarking.sh): the "megatron" preset's interleaved
         # pipeline sends overlapped, Megatron-FSDP without copies, unfused expert biases; parameter gather as named
         mg = preset("megatron")
-        framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias")}
+        framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias", "glu_saves_input")}
     if e.get("framework") == "maxtext":
         # MaxText on TPU (the "maxtext" preset): JAX remat reruns only what the backward reads, folded all-reduces,
         # the SPMD pipeline loop; the TP and DP overlap defaults are already the TPU's
@@ -497,9 +498,10 @@ def _mbridge_recipes() -> dict:
 def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
     """What a Megatron-Bridge row's recipe ran (data/mbridge_recipes.yaml, read from the release tag's recipe and
     workload preset; `table` replaces that file): `recompute` (a meshplan policy; absent where meshplan has none),
-    `tp_overlap`, `overlap_param_gather`, `offload` (fraction of the saved activations on the host); {} for other rows."""
+    `tp_overlap`, `overlap_param_gather`, `offload` (fraction of the saved activations on the host), `pp_head_in_split`;
+    {} for other rows."""
     entry = (_mbridge_recipes() if table is None else table).get(e["id"]) or {}
-    return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload")
+    return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload", "pp_head_in_split")
             if entry.get(k) is not None}
 
 

@@ -335,6 +335,8 @@ def activation_bytes_per_layer(
     flash_attention: bool = True,
     dropout: bool = False,
     act_bytes: float = 2.0,
+    glu_saves_input: bool = False,
+    gemm_input_bytes: float | None = None,
 ) -> dict[str, float]:
     """Bytes saved for the backward pass by one transformer layer, by tensor (sums to 'total').
 
@@ -349,6 +351,15 @@ def activation_bytes_per_layer(
     output, MLP up-projections) and drops norm outputs, the activation output and the gated product,
     which the backward of the following matmul needs but which are cheap to rebuild. No matmul FLOPs
     are added.
+
+    `glu_saves_input`: a fused gated activation that saves only its input (the two up-projections) and recomputes
+    the activation in its backward (Megatron-Core `bias_swiglu_impl`: SwiGLUFunction.forward saves `input` alone,
+    megatron/core/fusions/fused_bias_swiglu.py @d98e8a6); the product is kept once, as the down-projection's input.
+    `gemm_input_bytes`: bytes per element of the copy a GEMM saves of its input when it saves a quantised one
+    (Transformer Engine under FP8: Linear/LayerNormLinear keep the FP8 input in the one usage the backward needs,
+    `update_usage(rowwise_usage=False)`, module/linear.py and layernorm_linear.py @d0067d0): the norm outputs that
+    feed qkv and the up-projections and the down-projection's input take it; the attention output is saved twice,
+    in bf16 by the attention kernel (its backward reads O) and quantised by the output projection.
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise MeshplanError(f"unknown recompute policy '{recompute}' (known: {', '.join(RECOMPUTE_POLICIES)})")
@@ -384,15 +395,19 @@ def activation_bytes_per_layer(
         parts["attn/o_proj_out"] = a * sb * D * rep
         parts["mlp/up_out"] = a * sb * f * (2 if m.gated else 1)
     else:
+        g = a if gemm_input_bytes is None else gemm_input_bytes  # a GEMM's saved input
         parts["norm/inputs"] = 2 * a * sb * D * rep
-        parts["attn/qkv_in"] = a * sb * D * rep
+        parts["attn/qkv_in"] = g * sb * D * rep
         parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
         if not flash_attention and recompute == "none":
             # softmax output (a·N·s²·b) and, with dropout, its mask and the dropped-out probabilities
             parts["attn/scores"] = (a + mask * (1 + a)) * heads * s * seq_len * micro_batch
-        parts["attn/o_proj_in"] = a * sb * q
-        parts["mlp/up_in"] = a * sb * D * rep
-        parts["mlp/hidden"] = a * sb * f * (4 if m.gated else 2)
+        parts["attn/o_proj_in"] = (a + (0.0 if gemm_input_bytes is None else g)) * sb * q
+        parts["mlp/up_in"] = g * sb * D * rep
+        # the activation's saved tensors (gated: gate and up outputs, the activation output; or only the two
+        # up-projections when fused) and the down-projection's input
+        before_down = (2 if glu_saves_input else 3) if m.gated else 1
+        parts["mlp/hidden"] = (a * before_down + g) * sb * f
     if dropout:
         parts["dropout/masks"] = 2 * mask * sb * D * rep
     parts["total"] = sum(parts.values())

@@ -59,6 +59,8 @@ FSDP_COPY_IN_READ_BYTES = 2.0
 # 1 B per 32 / 4 B per 128 elements under block scaling: 3%) are left out, as in fp8_recipes.yaml. Reduce-scatters
 # carry the GEMMs' bf16 outputs.
 FP8_GATHER_BYTES = 1.0
+FP8_ELEMENT_BYTES = 1.0  # an E4M3/E5M2 element
+FP8_BLOCK_SCALE_BYTES = 1.0 / 32  # per element: MXFP8's E8M0 scale per 32 (OCP MX v1.0), TE blockwise fp32 per 128
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 # PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
 # it) merges each ring step's attention output into an fp32 running output and accumulates gradients in fp32
@@ -284,6 +286,17 @@ class Options:
     # outside the grouped GEMM and the attention output's bias outside a fused bias-dropout-add. On for the
     # Megatron-Core frameworks (train/frameworks.py); no effect on a model without linear biases
     unfused_expert_bias: bool = False
+    # Megatron-Core's fused SwiGLU (`bias_activation_fusion`: `bias_swiglu_impl`) saves only its input and reruns the
+    # activation in its backward (megatron/core/fusions/fused_bias_swiglu.py @d98e8a6; Megatron-Bridge's Llama provider
+    # sets it, models/llama/llama_bridge.py, and the Qwen3 performance configs, @v0.5.0): math/transformer
+    # activation_bytes_per_layer `glu_saves_input`. On for the Megatron-Core frameworks
+    glu_saves_input: bool = False
+    # Megatron's `fp8_param_gather` (DistributedDataParallelConfig: "keep the compute param in fp8 (do not use any other
+    # intermediate dtype) and perform the param all-gather in fp8", megatron/core/distributed/
+    # distributed_data_parallel_config.py @d98e8a6): the working weights are Transformer Engine FP8 tensors beside the
+    # distributed optimizer's fp32 master; Megatron-Bridge's FP8 recipes set it (training/mixed_precision.py
+    # bf16_with_fp8_current_scaling_mixed, bf16_with_mxfp8_mixed @v0.5.0). Only with --dtype fp8
+    fp8_params: bool = False
 
     def __post_init__(self) -> None:
         """Names are checked where the options are made (CLI, --from, harness, Python), once, not in the cost terms."""
@@ -1238,14 +1251,52 @@ class CostModel:
                 self.p.model, self.p.seq_len, mb, tm.RECOMPUTE_POLICIES[rc], tp=tp,
                 sequence_parallel=L.sequence_parallel and tp > 1, cp=cp,
                 flash_attention=self.opt.flash_attention, dropout=self.opt.dropout,
-                act_bytes=self.opt.act_bytes)["total"]
+                act_bytes=self.opt.act_bytes, glu_saves_input=self.opt.glu_saves_input,
+                gemm_input_bytes=self._fp8_saved_input_bytes())["total"]
             for tp, cp, mb, rc in combos])
         return vals[inv.ravel()]
+
+    def _fp8_saved_input_bytes(self) -> float | None:
+        """Bytes per element of the FP8 copy a Transformer Engine GEMM saves of its input for the backward (one
+        usage, `update_usage`, module/linear.py @d0067d0), with its block scales where the recipe has them (MXFP8: one
+        E8M0 byte per 32 elements, OCP Microscaling Formats spec v1.0 §5.2; TE's 1×128 blocks: one fp32 per 128, the
+        same 1/32 B); None where the saved input is the bf16 activation (bf16, or torchao's float8, which saves the
+        high-precision input: Options.fp8_fused_casts False)."""
+        if self.opt.compute_dtype != "fp8" or not self.opt.fp8_fused_casts:
+            return None
+        return FP8_ELEMENT_BYTES + (FP8_BLOCK_SCALE_BYTES if self.opt.fp8_scaling == "blockwise" else 0.0)
+
+    def _fp8_param_bytes(self) -> float:
+        """Bytes per parameter of FP8 primary weights (Options.fp8_params): one FP8 copy where the chip's FP8 GEMMs
+        take either operand layout and one scale covers the tensor (fp8_recipes.yaml any_layout_chips), else a second,
+        column-wise copy for the backward's data-gradient GEMM (Hopper's transpose; MXFP8 and block scales along the
+        other axis: TE quantises weights with `set_usage(rowwise=True, columnwise=True)`, layernorm_linear.py
+        @d0067d0), with block scales where the recipe has them."""
+        per_tensor = self.opt.fp8_scaling in ("tensorwise", "delayed")
+        copies = 1.0 if per_tensor and self.p.chip.name in _fp8_table()["any_layout_chips"] else 2.0
+        return copies * (self._fp8_saved_input_bytes() or FP8_ELEMENT_BYTES)
+
+    def _head_in_split_relief(self, g: dict):
+        """Layer passes fewer in flight on the busiest stage when the embedding and the loss take a layer's slot each
+        (Options.pp_head_in_split). In Megatron-Core's 1F1B, rank r runs p − r − 1 warm-up forwards, interleaved
+        2(p − r − 1) + (v − 1)·p chunk forwards (schedules.py `get_forward_backward_func`, microbatch_group_size_per_
+        vp_stage = p), and holds those plus one at its peak: rank 0 holds the formula's count, layers_stage·p·(1 +
+        (p − 1)/(p·v)) layer passes, but its first chunk runs one layer fewer (the embedding's slot), which its 2p − 1
+        (interleaved; p plain) in-flight first-chunk forwards each carry; rank 1 holds full chunks and two chunk
+        forwards fewer (one micro-batch fewer without interleaving). The busiest is the larger of the two."""
+        pp, vpp, chunk = g["pp"], g["vpp"], g["layers_stage"] / g["vpp"]
+        full = g["n_micro"] >= pp  # a steady state: every warm-up forward runs
+        first = np.where(vpp > 1, 2 * pp - 1, pp)
+        second = np.where(vpp > 1, 2 * chunk, g["layers_stage"])
+        return np.where(g["head_in_split"] & full & ~self._spmd_pp(g), np.minimum(first, second), 0.0)
 
     def memory_terms(self, L: LayoutArrays, g: dict) -> Terms:
         """Bytes per chip on the busiest stage: params, grads, optimizer, activations, other."""
         fs, rep, zero = g["shard"], g["replicas"], L.zero
-        P = g["params_stage_local"]
+        # the busiest stage's weights: with the embedding and the loss in the split (Options.pp_head_in_split) the first
+        # and last stages hold one layer fewer beside them, so a full middle stage or the end one holds the most
+        P = g["params_stage_local"] - np.where(g["head_in_split"],
+                                               np.minimum(g["params_embed_local"], g["params_layer_local"]), 0.0)
         shard_g = fs * np.where(zero >= 2, rep, 1)
         shard_o = fs * np.where(zero >= 1, rep, 1)
         act_layer = self.activation_per_layer(L, g, L.recompute)
@@ -1282,7 +1333,10 @@ class CostModel:
             # MaxText's custom policy keeps the named projection outputs beside the layer input (_kept_projections)
             kept = self.opt.act_bytes * g["t_mb"] * self._kept_projections(g)[2]
             act_layer = act_layer + np.where(L.recompute == 2, kept, 0.0)
-        acts = g["layers_stage"] * act_layer * inflight
+        stage_layers = g["layers_stage"] * inflight  # layer passes whose activations the busiest stage holds
+        if self.opt.pp_schedule in ("1f1b", "zb1p"):
+            stage_layers = stage_layers - self._head_in_split_relief(g)
+        acts = stage_layers * act_layer
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
@@ -1318,7 +1372,8 @@ class CostModel:
         other = reserve + fsdp_buf + self._torch_cp_buffer(g)
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
-        p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, self.opt.param_bytes)
+        working_bytes = self._fp8_param_bytes() if self.opt.fp8_params and self.opt.compute_dtype == "fp8" else None
+        p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, working_bytes or self.opt.param_bytes)
         o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
         w_bytes = self.opt.weight_dtype_bytes
         if w_bytes:

@@ -21,18 +21,23 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # (megatron/training/arguments.py `--fp8-recipe`, default "delayed"); the interleaved schedule overlaps its
     # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
     # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies)
+    # and its fused SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-
+    # fusion` turns it off)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True),
+                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True,
+                     glu_saves_input=True),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
     # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
     # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
     # current amax, Transformer Engine's Float8CurrentScaling. Its performance recipes reduce gradients in bf16
     # (Megatron-Bridge scripts/performance `_benchmark_common`/`set_llama3_common_configs`: grad_reduce_in_fp32 =
     # False, 2025-11 to 2026-07) and run Megatron-Core underneath: interleaved pipeline sends overlapped (Megatron-
-    # Bridge training/comm_overlap.py sets overlap_p2p_comm whenever vpp > 1), Megatron-FSDP without copies
+    # Bridge training/comm_overlap.py sets overlap_p2p_comm whenever vpp > 1), Megatron-FSDP without copies, the fused
+    # SwiGLU; its FP8 recipes keep the weights in FP8 (Options.fp8_params: training/mixed_precision.py
+    # bf16_with_fp8_current_scaling_mixed and bf16_with_mxfp8_mixed set fp8_param_gather, v0.2.0 to v0.5.0)
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
-                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True),
+                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True, glu_saves_input=True, fp8_params=True),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
@@ -72,8 +77,9 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then; NeMo 1.x's GPT config kept
     # blocking pipeline sends (examples/nlp/language_modeling/conf/megatron_gpt_config.yaml, July 2024:
     # overlap_p2p_comm False, batch_p2p_comm True) and nothing says its gradients were reduced in bf16 (the Options
-    # default, fp32, stays)
-    "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0), "26.06": {}},
+    # default, fp32, stays); FP8 primary weights came later (NeMo 1.x's `fp8_params` defaulted to False)
+    "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0, fp8_params=False),
+             "26.06": {}},
     # torchtitan's December 2024 performance runs (docs/performance.md): torchao float8 tensorwise, its only recipe
     # then (rowwise came with pytorch/ao#1629, January 2025); June 2025 (docs/benchmarks, torchao 0.11): tensorwise
     # by default, rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset. No option differs.
