@@ -121,3 +121,12 @@ def test_maxtext_and_torchtitan_rows_get_their_presets() -> None:
     assert titan.fsdp_param_bytes == 1.0 and titan.fp8_recipe == "tensorwise"
     # the async-TP benchmark names no float8 all-gather: bf16 gathers
     assert H.options_of(_row("torchtitan_asynctp_202506_llama3p1-8b_float8_tensorwise_async")).fsdp_param_bytes == 2.0
+
+
+def test_megatron_bridge_fp8_rows_get_fp8_weights_fused_swiglu_and_the_405b_split() -> None:
+    """mixed_precision.py bf16_with_fp8_current_scaling_mixed / bf16_with_mxfp8_mixed: fp8_param_gather; the Llama
+    provider's bias_activation_fusion; llama31_405b_pretrain_config: account_for_{embedding,loss}_in_pipeline_split
+    (Megatron-Bridge @v0.5.0). The 70B recipe sets no split."""
+    opts = H.options_of(_row("mbridge_26p06_llama3p1-405b_gb200_256_fp8"))
+    assert opts.pp_head_in_split and opts.glu_saves_input and opts.fp8_params and opts.compute_dtype == "fp8"
+    assert not H.options_of(_row("mbridge_26p04_llama3-70b_h100_64_fp8")).pp_head_in_split
