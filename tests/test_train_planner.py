@@ -454,6 +454,22 @@ def test_fit_uses_the_memory_the_driver_exposes() -> None:
     assert load_chip("tpu-v5e").usable_hbm_bytes == load_chip("tpu-v5e").hbm_bytes
 
 
+@pytest.mark.parametrize(("chip_name", "mib", "marketed_bytes"), [
+    ("gb200-nvl72", 189471, 186e9),  # nvidia-smi "0MiB / 189471MiB" per GPU (vllm-project/vllm#24272)
+    ("b200", 183359, 180e9),  # nvidia-smi "166593MiB / 183359MiB" (NVIDIA/TensorRT-LLM#10278)
+])
+def test_blackwell_fit_uses_the_driver_total(chip_name: str, mib: int, marketed_bytes: float) -> None:
+    """Blackwell parts expose more than the marketed figure: GB200 189,471 MiB = 185.0 GiB = 198.7e9 B (not
+    186e9), B200 183,359 MiB = 179.1 GiB = 192.3e9 B (not 180e9). The fit budget is the driver's total less the
+    headroom; the catalog keeps the marketed capacity."""
+    chip = load_chip(chip_name)
+    assert chip.hbm_bytes == marketed_bytes
+    assert chip.usable_hbm_bytes == mib * 2**20  # exact: MiB x 2^20 from the printout
+    prob = problem("llama3-8b", chip_name, 8, 4096, 8)
+    ev, _, _ = search(prob, full_pins(fsdp=8), default_efficiency(prob.chip), Options(headroom=0.05))
+    assert ev.hbm_budget_bytes == pytest.approx(0.95 * mib * 2**20)
+
+
 def test_tpu_replica_reduction_runs_after_the_backward() -> None:
     """Two v5e slices (DCN between them): XLA reduces the scanned layers' gradients after the backward loop, so
     the cross-slice all-reduce is exposed whole; on GPUs bucketed DDP hides it behind the backward."""
