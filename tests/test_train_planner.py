@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
+from meshplan.infer.config import ServeConfig, serving_constant
+from meshplan.infer.memory import memory_budget_bytes
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import Options
@@ -468,6 +470,10 @@ def test_blackwell_fit_uses_the_driver_total(chip_name: str, mib: int, marketed_
     prob = problem("llama3-8b", chip_name, 8, 4096, 8)
     ev, _, _ = search(prob, full_pins(fsdp=8), default_efficiency(prob.chip), Options(headroom=0.05))
     assert ev.hbm_budget_bytes == pytest.approx(0.95 * mib * 2**20)
+    # serving sizes its KV pool from the same figure: vLLM's gpu_memory_utilization x the driver's total
+    cfg = ServeConfig(tp=8)
+    assert memory_budget_bytes(chip, cfg, 0.0) == pytest.approx(serving_constant("memory_utilization", chip) * mib
+                                                                * 2**20)
 
 
 def test_tpu_replica_reduction_runs_after_the_backward() -> None:
