@@ -57,6 +57,9 @@ SCAN_SAVED_PRIMS = ("dot_general", "all_to_all", "ppermute", "psum", "psum_invar
 FLASH_RESIDUALS = ("flash_out", "flash_lse")
 GEMM_OUTPUTS = (*FLASH_RESIDUALS, "qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
+# Selective recompute in the scanned layer: the matmul outputs outside the attention core, by name where a dot has a
+# batch dimension (the MoE experts'), and the core's output; not the scores nor the flash residuals (remat_policy)
+SELECTIVE_SAVED = tuple(n for n in GEMM_OUTPUTS if n not in (*FLASH_RESIDUALS, ATTN_SCORES))
 
 
 # --- mesh and sharding rules -----------------------------------------------------------------------
@@ -592,8 +595,11 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     qkv = jnp.einsum("btd,dkgh->btkgh", h, w)
     qkv = checkpoint_name(sh.constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), "qkv_out")
     B, T, K, G2, H = qkv.shape
-    q = sh.constrain(qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
-    k, v = (sh.constrain(qkv[:, :, :, i], ("batch", "seq", "act_kv_heads", None)) for i in (G2 - 2, G2 - 1))
+    # one split (its transpose is one concatenate into the qkv gradient; slicing each part would transpose into a
+    # zero-padded qkv-sized buffer per part, summed: docs/verify.md "Memory")
+    q, k, v = jnp.split(qkv, [G2 - 2, G2 - 1], axis=3)
+    q = sh.constrain(q.reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
+    k, v = (sh.constrain(jnp.squeeze(x, 3), ("batch", "seq", "act_kv_heads", None)) for x in (k, v))
     q, k = rotary(q, pos), rotary(k, pos)
     core = ATTENTION_CORES[attention]
     if attention == "flash" and sh.axis_size("context") == 1:  # tokens in natural order: skip masked blocks
@@ -717,7 +723,7 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
     """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
     never saved. none: everything else saved (`scanned`: the matmul and other communication outputs,
     SCAN_SAVED_PRIMS; see there). selective: the attention core sits in its own nothing-saveable
-    checkpoint (scores/softmax recomputed), everything else saved. full: nothing saved but the layer input.
+    checkpoint (scores/softmax recomputed), everything else saved (`scanned`: as none, less the core's dots). full: nothing saved but the layer input.
     gemm-last: only matmul outputs saved (GEMM_OUTPUTS; with materialised attention that includes QKᵀ), the
     cheap ops after them (norms, RoPE, softmax, activations) recomputed."""
     keep_names = recompute == "gemm-last"
@@ -731,6 +737,13 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
             return False
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
+        if scanned and recompute == "selective":
+            # the attention core is recomputed (Korthikanti §5): its dots (QKᵀ, PV: the dots with batch dimensions,
+            # JAX's `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal") and the flash residuals are not
+            # saved, its output is (attn_out); the MoE expert dots have a batch dimension too and are kept by name
+            if prim.name == "dot_general":
+                return not params["dimension_numbers"][1][0]
+            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in SELECTIVE_SAVED)
         if scanned:
             return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
         return True
