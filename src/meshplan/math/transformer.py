@@ -323,6 +323,13 @@ def pointwise_elements_per_token(m: ModelConfig, tp: float = 1, sp: float = 1, f
 
 # --- activations ---------------------------------------------------------------------------------
 
+def attention_score_bytes(m: ModelConfig, seq_len: int, micro_batch: float, *, tp: float = 1, cp: float = 1,
+                          act_bytes: float = 2.0) -> float:
+    """Bytes of one layer's materialised attention score matrix on one device: [b, N/tp, s/cp, s] (the query rows
+    this device holds against every key; Korthikanti et al. 2022 §4's 2·a·s²·b at 16 bits, per head group)."""
+    return act_bytes * m.n_heads / tp * seq_len / cp * seq_len * micro_batch
+
+
 def activation_bytes_per_layer(
     m: ModelConfig,
     seq_len: int,
@@ -391,7 +398,7 @@ def activation_bytes_per_layer(
         parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
         parts["attn/core_out"] = a * sb * q
         if not flash_attention:
-            parts["attn/scores"] = a * heads * s * seq_len * micro_batch
+            parts["attn/scores"] = attention_score_bytes(m, seq_len, micro_batch, tp=tp, cp=cp, act_bytes=a)
         parts["attn/o_proj_out"] = a * sb * D * rep
         parts["mlp/up_out"] = a * sb * f * (2 if m.gated else 1)
     else:
@@ -401,7 +408,8 @@ def activation_bytes_per_layer(
         parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
         if not flash_attention and recompute == "none":
             # softmax output (a·N·s²·b) and, with dropout, its mask and the dropped-out probabilities
-            parts["attn/scores"] = (a + mask * (1 + a)) * heads * s * seq_len * micro_batch
+            parts["attn/scores"] = (1 + mask * (1 + a) / a) * attention_score_bytes(m, seq_len, micro_batch, tp=tp, cp=cp,
+                                                                                  act_bytes=a)
         parts["attn/o_proj_in"] = (a + (0.0 if gemm_input_bytes is None else g)) * sb * q
         parts["mlp/up_in"] = g * sb * D * rep
         # the activation's saved tensors (gated: gate and up outputs, the activation output; or only the two

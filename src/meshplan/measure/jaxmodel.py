@@ -57,9 +57,13 @@ SCAN_SAVED_PRIMS = ("dot_general", "all_to_all", "ppermute", "psum", "psum_invar
 FLASH_RESIDUALS = ("flash_out", "flash_lse")
 GEMM_OUTPUTS = (*FLASH_RESIDUALS, "qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
-# Selective recompute in the scanned layer: the matmul outputs outside the attention core, by name where a dot has a
-# batch dimension (the MoE experts'), and the core's output; not the scores nor the flash residuals (remat_policy)
+ATTN_PROBS = "attn_probs"  # the materialised core's softmax output P
+# What the scanned layer saves by name beside the dots with no batch dimension (remat_policy): the matmul outputs
+# whose dot has a batch dimension (the attention core's output, the MoE experts'). Selective recompute: not the
+# core's scores nor its flash residuals; none: the softmax output P (Korthikanti's residual; the backward reads P,
+# never the scores S) and the flash residuals
 SELECTIVE_SAVED = tuple(n for n in GEMM_OUTPUTS if n not in (*FLASH_RESIDUALS, ATTN_SCORES))
+NONE_SAVED = (*SELECTIVE_SAVED, ATTN_PROBS, *FLASH_RESIDUALS)
 
 
 # --- mesh and sharding rules -----------------------------------------------------------------------
@@ -341,7 +345,9 @@ def softmax_last(s: jax.Array) -> jax.Array:
 
 
 def _softmax_fwd(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    y = jax.nn.softmax(s, axis=-1)
+    # named where it is made: the residual the backward reads is this value (a remat policy that saves the name
+    # saves it; a name on softmax_last's output would not reach the custom VJP's residual)
+    y = checkpoint_name(jax.nn.softmax(s, axis=-1), ATTN_PROBS)
     return y, y
 
 
@@ -719,7 +725,7 @@ def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
 
 # --- layers, loss, step --------------------------------------------------------------------------
 
-def remat_policy(recompute: str, scanned: bool = False) -> Callable:
+def remat_policy(recompute: str, scanned: bool = False, ring: bool = False) -> Callable:
     """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
     never saved. none: everything else saved (`scanned`: the matmul and other communication outputs,
     SCAN_SAVED_PRIMS; see there). selective: the attention core sits in its own nothing-saveable
@@ -737,14 +743,16 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
             return False
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
-        if scanned and recompute == "selective":
-            # the attention core is recomputed (Korthikanti §5): its dots (QKᵀ, PV: the dots with batch dimensions,
-            # JAX's `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal") and the flash residuals are not
-            # saved, its output is (attn_out); the MoE expert dots have a batch dimension too and are kept by name
+        if scanned and not (recompute == "none" and ring):
+            # the dots with no batch dimension (the projections and the MLP: JAX's
+            # `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal"), the collectives, and by name the rest the
+            # policy keeps (NONE_SAVED, SELECTIVE_SAVED): not the attention core's dots (batch dimensions), whose
+            # scores S no backward reads (none saves P) or which selective recomputes (Korthikanti §5)
             if prim.name == "dot_general":
                 return not params["dimension_numbers"][1][0]
-            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in SELECTIVE_SAVED)
-        if scanned:
+            saved = SELECTIVE_SAVED if recompute == "selective" else NONE_SAVED
+            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in saved)
+        if scanned:  # ring CP, none: each hop's online softmax reads its scores (saved, as dots)
             return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
         return True
 
@@ -790,7 +798,8 @@ def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = 
     # inside a loop body CSE cannot merge the recomputation with the forward (jax.checkpoint's prevent_cse
     # docstring), so `scanned` turns it off, as MaxText's scanned decoder does
     return jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
-                          policy=remat_policy(recompute, scanned), prevent_cse=not scanned)
+                          policy=remat_policy(recompute, scanned, ring=sh.axis_size("context") > 1 and sh.cp_impl == "ring"),
+                          prevent_cse=not scanned)
 
 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,

@@ -1340,6 +1340,8 @@ class CostModel:
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
+        if xla:
+            working = self._xla_layer_backward(L, g, act_layer)
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
         # kernel) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
@@ -1433,6 +1435,25 @@ class CostModel:
         led.add("memory/temp", t["other"])  # transient buffers: gathered weights, CP buffers, the runtime's reserve
         led.add("host/memory", t["host"])
         return t
+
+    def _xla_layer_backward(self, L: LayoutArrays, g: dict, saved_layer):
+        """Bytes one layer's backward holds beside every layer's saved activations and the gradients, in the program
+        XLA compiles (`_xla_activations`' `working`; verify's buffer assignments put the step's peak there, docs/verify.md
+        "Memory"). Korthikanti et al. 2022 count only what is saved; the backward of the layer also holds:
+        - the values of the layer its policy did not save, rebuilt for it: the no-recompute set less the saved one
+          (all of it under full recompute); under gemm-last also the softmax output P, rebuilt from the saved scores;
+        - under sequence parallelism the layer's two inputs (attention's and the MLP's) re-gathered over `tensor`
+          (XLA never saves a gathered value: GATHER_PRIMS in measure/jaxmodel.py) at the start of its backward and
+          both live until their weight gradients at its end: [b, s, D] each where the saved shard is 1/tp of it;
+        - with a materialised attention core, dP = dO·Vᵀ and dS = P∘(dP − rowsum(dO∘O)), two score-sized buffers
+          (Dao et al. 2022, Appendix B.2, Algorithm 3: the standard attention backward writes P, dP and dS to HBM)."""
+        tp, t, a = g["tp"], g["t_mb"], self.opt.act_bytes
+        none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
+        score = 0.0 if self.opt.flash_attention else tm.attention_score_bytes(
+            self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
+        rebuilt = np.maximum(none - saved_layer, 0.0) + np.where(L.recompute == 3, score, 0.0)
+        gathered = np.where(g["sp"], 2 * a * t * self.c["D"] * (1 - 1 / tp), 0.0)
+        return rebuilt + gathered + 2 * score
 
     def _xla_activations(self, g: dict, fs, grads_held, grads, logits, working):
         """Activation bytes beyond the saved (kept) ones in the program XLA compiles (TPU): the step's two peaks
