@@ -271,12 +271,14 @@ def test_maxtext_spmd_pipeline_keeps_every_iterations_activations():
     2490368 B. MaxText's SPMD loop differentiated by autodiff keeps all M + p − 1 = 5 iterations' (docs/verify.md
     "Memory"), 1F1B min(p, M) = 2 micro-batches': 3 · 2490368 more; with 32 sequences (M = 8, 9 iterations) 4 more.
     The head and loss run once after the loop on the device's whole batch: the fp32 loss buffer holds M · 128 tokens'
-    logits, 4 B · 512 · V = 1048576 (1F1B one micro-batch's, 4 · 128 · 512 = 262144); at M = 8, 4 · 1024 · 512."""
+    logits, 4 B · 512 · V = 1048576 (1F1B one micro-batch's, 4 · 128 · 512 = 262144); at M = 8, 4 · 1024 · 512.
+    The larger of that loss peak and one layer's backward working set counts (test_xla_peak_is_in_one_layers_backward:
+    here dP and dS, 2 · 4 B · 8 · 128² = 1048576): 1048576 for both M = 4 schedules, 2097152 at M = 8."""
     cfg = ParallelConfig(pp=2, dp=4, microbatch=1)
     jax = framework_options("jax", Options(), {})
     acts = ledger(cfg, options=jax)["memory_bytes"]["activations"]
     one_f_one_b = ledger(cfg, options=dataclasses.replace(jax, pp_spmd_loop=False))["memory_bytes"]["activations"]
-    assert acts - one_f_one_b == pytest.approx(3 * 2490368 + 1048576 - 262144, rel=1e-12)
+    assert acts - one_f_one_b == pytest.approx(3 * 2490368 + 1048576 - 1048576, rel=1e-12)
     m8 = ledger(cfg, options=jax, batch=32)["memory_bytes"]["activations"]
     assert m8 - acts == pytest.approx(4 * 2490368 + 4 * 1024 * 512 - 1048576, rel=1e-12)
 
@@ -291,3 +293,28 @@ def test_ring_cp_kv_passes_by_framework():
     assert mega["permute/context"] == 2 * 9 * 131072
     jax = ledger(cfg, options=framework_options("jax", Options(), {"cp_impl": "ring"}))["collective_bytes"]
     assert jax["permute/context"] == 2 * 6 * 262144
+
+
+@pytest.mark.parametrize(("recompute", "flash", "expected"), [
+    ("none", False, 2 * 3407872 + (4980736 - 3407872) + 524288 + 2 * 1048576),
+    ("selective", False, 2 * 2359296 + (4980736 - 2359296) + 524288 + 2 * 1048576),
+    ("full", False, 2 * 262144 + (4980736 - 262144) + 524288 + 2 * 1048576),
+    ("gemm-last", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576),
+    ("none", True, 2 * 2359296 + (3932160 - 2359296) + 524288),
+])
+def test_xla_peak_is_in_one_layers_backward(recompute, flash, expected):
+    """FSDP4 × TP2 with SP, micro-batch 4 (512 tokens a device), jax (fp32): the activations at the step's peak are
+    every layer's saved ones plus one layer's backward working set (docs/verify.md "Memory"). Per layer, 4 B per
+    value, 512 tokens: Korthikanti's no-recompute set = two norm inputs 2·512·256/2 = 131072 values, QKV input 65536,
+    its output 512·(128 + 2·64) = 131072, the softmax output N/tp·s²·b = 4·128·128·4 = 262144, the O-projection input
+    512·128 = 65536, the MLP input 65536 and the gated MLP's 4·512·256 = 524288 → 1245184 values = 4980736 B (flash:
+    3932160, no softmax output); the score matrix 1048576 B. XLA's scanned layer saves the matmul outputs: layer input
+    262144, QKV output 524288, core output 262144, scores (none: P instead) 1048576, O-projection output 262144, gate/up
+    output 4·512·512 = 1048576 → 3407872 under none and gemm-last, 3407872 − 1048576 = 2359296 under selective (and
+    none with flash); full: the layer input 262144. The working set: the rest of Korthikanti's set, rebuilt (gemm-last
+    also P from the saved scores), the two SP inputs re-gathered, 2 · 4 · 512 · 256 · (1 − 1/2) = 524288, and dP, dS
+    of the materialised core, 2 · 1048576. The loss's peak (0.5 MiB of logits + the gathered output layer, less the
+    not-yet-made gradients) is smaller in every case."""
+    jax = dataclasses.replace(framework_options("jax", Options(), {}), flash_attention=flash)
+    mem = ledger(ParallelConfig(fsdp=4, tp=2, microbatch=4, recompute=recompute), options=jax)["memory_bytes"]
+    assert mem["activations"] == expected

@@ -383,7 +383,6 @@ def activation_bytes_per_layer(
         # MLA keeps the up-projected per-head queries, keys (N·(H+R)) and values (N·V) for the attention backward
         q = m.n_heads * m.qk_head_dim / tp
         kv = m.n_heads * attention_pair_width(m) / 2 / tp
-    heads = m.n_heads / tp
     if m.is_moe:
         F = F * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)
     f = F / tp

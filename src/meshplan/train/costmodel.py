@@ -1306,6 +1306,9 @@ class CostModel:
             none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
             full = self.activation_per_layer(L, g, np.full_like(L.recompute, 2))
             act_layer = np.where(L.recompute == 1, 0.5 * (none + full), act_layer)
+        xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
+        if xla:
+            act_layer = self._xla_saved_layer(L, g, act_layer)
         # Context parallelism that keeps the other ranks' K/V for the backward: the all-gather form saves the gathered
         # K/V (its backward reduce-scatters their gradients without gathering again, `_allgather_cp_terms`), a ring
         # that sends only dK/dV back the cp − 1 blocks it received (`ring_saves_kv`); a fully recomputed layer
@@ -1339,7 +1342,6 @@ class CostModel:
         acts = stage_layers * act_layer
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
-        xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
         if xla:
             working = self._xla_layer_backward(L, g, act_layer)
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
@@ -1436,12 +1438,29 @@ class CostModel:
         led.add("host/memory", t["host"])
         return t
 
+    def _xla_saved_layer(self, L: LayoutArrays, g: dict, act_layer):
+        """What one layer of XLA's scanned layer stack saves for its backward under no recompute and selective: the
+        matmul outputs (gemm-last's set, `tm.activation_bytes_per_layer`) and, under none, the softmax output P in
+        place of the scores (the same size); not the norm outputs and the MLP's elementwise products Korthikanti et
+        al. 2022 count, which XLA's backward fusions rebuild from the matmul outputs (`_xla_layer_backward` counts one
+        layer's). MaxText's least-recomputing policy ("minimal": the projection and MLP outputs by name; before it
+        JAX's `checkpoint_dots_with_no_batch_dims`) and the verify program's (measure/jaxmodel.py `remat_policy`,
+        scanned) keep these; an unrolled program's fusions kept the same gate/up outputs (docs/verify.md "Memory").
+        Not under pipelining, whose iterations the program runs unrolled (MaxText's SPMD loop, Options.pp_spmd_loop)."""
+        gemm_last = self.activation_per_layer(L, g, np.full_like(L.recompute, 3))
+        score = 0.0 if self.opt.flash_attention else tm.attention_score_bytes(
+            self.p.model, self.p.seq_len, g["mb"], tp=g["tp"], cp=g["cp"], act_bytes=self.opt.act_bytes)
+        scanned = g["pp"] == 1
+        act_layer = np.where(scanned & (L.recompute == 0), gemm_last, act_layer)
+        return np.where(scanned & (L.recompute == 1), gemm_last - score, act_layer)
+
     def _xla_layer_backward(self, L: LayoutArrays, g: dict, saved_layer):
         """Bytes one layer's backward holds beside every layer's saved activations and the gradients, in the program
         XLA compiles (`_xla_activations`' `working`; verify's buffer assignments put the step's peak there, docs/verify.md
         "Memory"). Korthikanti et al. 2022 count only what is saved; the backward of the layer also holds:
         - the values of the layer its policy did not save, rebuilt for it: the no-recompute set less the saved one
-          (all of it under full recompute); under gemm-last also the softmax output P, rebuilt from the saved scores;
+          kept in HBM (all of it under full recompute; what is offloaded comes back for the layer's backward, so
+          counts here); under gemm-last also the softmax output P, rebuilt from the saved scores;
         - under sequence parallelism the layer's two inputs (attention's and the MLP's) re-gathered over `tensor`
           (XLA never saves a gathered value: GATHER_PRIMS in measure/jaxmodel.py) at the start of its backward and
           both live until their weight gradients at its end: [b, s, D] each where the saved shard is 1/tp of it;
@@ -1451,7 +1470,7 @@ class CostModel:
         none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
         score = 0.0 if self.opt.flash_attention else tm.attention_score_bytes(
             self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
-        rebuilt = np.maximum(none - saved_layer, 0.0) + np.where(L.recompute == 3, score, 0.0)
+        rebuilt = np.maximum(none - saved_layer * (1 - L.offload), 0.0) + np.where(L.recompute == 3, score, 0.0)
         gathered = np.where(g["sp"], 2 * a * t * self.c["D"] * (1 - 1 / tp), 0.0)
         return rebuilt + gathered + 2 * score
 
