@@ -330,6 +330,20 @@ def attention_score_bytes(m: ModelConfig, seq_len: int, micro_batch: float, *, t
     return act_bytes * m.n_heads / tp * seq_len / cp * seq_len * micro_batch
 
 
+def _mlp_width(m: ModelConfig) -> float:
+    """The MLP width one token's activations span: F, or under MoE the k routed experts' k·F plus the shared ones'."""
+    if m.is_moe:
+        return m.d_ff * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)
+    return m.d_ff
+
+
+def mlp_up_out_bytes(m: ModelConfig, seq_len: int, micro_batch: float, *, tp: float = 1, cp: float = 1,
+                     act_bytes: float = 2.0) -> float:
+    """Bytes of one layer's MLP up-projection output on one device (gate and up of a gated MLP): [b, s/cp, (2)F/tp];
+    its gradient in the backward has the same size."""
+    return act_bytes * seq_len / cp * micro_batch * _mlp_width(m) / tp * (2 if m.gated else 1)
+
+
 def activation_bytes_per_layer(
     m: ModelConfig,
     seq_len: int,
@@ -375,7 +389,7 @@ def activation_bytes_per_layer(
     s = seq_len / cp  # tokens of one sequence held by this device
     sb = s * micro_batch
     a = act_bytes
-    D, F = m.d_model, m.d_ff
+    D = m.d_model
     rep = 1.0 / tp if sequence_parallel else 1.0  # layer-norm region: replicated under TP unless SP
     q = m.q_dim / tp
     kv = m.kv_dim * max(m.n_kv_heads / tp, 1.0) / m.n_kv_heads  # KV heads are replicated when K < tp
@@ -383,9 +397,7 @@ def activation_bytes_per_layer(
         # MLA keeps the up-projected per-head queries, keys (N·(H+R)) and values (N·V) for the attention backward
         q = m.n_heads * m.qk_head_dim / tp
         kv = m.n_heads * attention_pair_width(m) / 2 / tp
-    if m.is_moe:
-        F = F * m.experts_per_token + m.n_shared_experts * (m.shared_expert_d_ff or m.d_ff)
-    f = F / tp
+    f = _mlp_width(m) / tp
     mask = 1.0 if dropout else 0.0
 
     if recompute == "full":
@@ -399,7 +411,7 @@ def activation_bytes_per_layer(
         if not flash_attention:
             parts["attn/scores"] = attention_score_bytes(m, seq_len, micro_batch, tp=tp, cp=cp, act_bytes=a)
         parts["attn/o_proj_out"] = a * sb * D * rep
-        parts["mlp/up_out"] = a * sb * f * (2 if m.gated else 1)
+        parts["mlp/up_out"] = mlp_up_out_bytes(m, seq_len, micro_batch, tp=tp, cp=cp, act_bytes=a)
     else:
         g = a if gemm_input_bytes is None else gemm_input_bytes  # a GEMM's saved input
         parts["norm/inputs"] = 2 * a * sb * D * rep

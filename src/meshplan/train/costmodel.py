@@ -1464,15 +1464,19 @@ class CostModel:
         - under sequence parallelism the layer's two inputs (attention's and the MLP's) re-gathered over `tensor`
           (XLA never saves a gathered value: GATHER_PRIMS in measure/jaxmodel.py) at the start of its backward and
           both live until their weight gradients at its end: [b, s, D] each where the saved shard is 1/tp of it;
-        - with a materialised attention core, dP = dO·Vᵀ and dS = P∘(dP − rowsum(dO∘O)), two score-sized buffers
-          (Dao et al. 2022, Appendix B.2, Algorithm 3: the standard attention backward writes P, dP and dS to HBM)."""
+        - the larger of two gradient peaks that come one after the other: with a materialised attention core,
+          dP = dO·Vᵀ and dS = P∘(dP − rowsum(dO∘O)), two score-sized buffers (Dao et al. 2022, Appendix B,
+          Algorithm 3: the standard attention backward writes P, dP and dS to HBM); the MLP's up-projection
+          gradient (gate and up, 2F/tp wide), held with the rebuilt activation until the gate/up weight gradient
+          (verify FSDP4×TP2 and its flash core: the peak is there, docs/verify.md "Memory")."""
         tp, t, a = g["tp"], g["t_mb"], self.opt.act_bytes
         none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
         score = 0.0 if self.opt.flash_attention else tm.attention_score_bytes(
             self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
         rebuilt = np.maximum(none - saved_layer * (1 - L.offload), 0.0) + np.where(L.recompute == 3, score, 0.0)
         gathered = np.where(g["sp"], 2 * a * t * self.c["D"] * (1 - 1 / tp), 0.0)
-        return rebuilt + gathered + 2 * score
+        d_up = tm.mlp_up_out_bytes(self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
+        return rebuilt + gathered + np.maximum(2 * score, d_up)
 
     def _xla_activations(self, g: dict, fs, grads_held, grads, logits, working):
         """Activation bytes beyond the saved (kept) ones in the program XLA compiles (TPU): the step's two peaks
