@@ -296,7 +296,7 @@ def test_ring_cp_kv_passes_by_framework():
 
 
 @pytest.mark.parametrize(("recompute", "flash", "expected"), [
-    ("none", False, 2 * 3407872 + (4980736 - 3407872) + 524288 + 2 * 1048576),
+    ("none", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576),
     ("selective", False, 2 * 2359296 + (4980736 - 2359296) + 524288 + 2 * 1048576),
     ("full", False, 2 * 262144 + (4980736 - 262144) + 524288 + 2 * 1048576),
     ("gemm-last", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576),
@@ -309,10 +309,10 @@ def test_xla_peak_is_in_one_layers_backward(recompute, flash, expected):
     its output 512·(128 + 2·64) = 131072, the softmax output N/tp·s²·b = 4·128·128·4 = 262144, the O-projection input
     512·128 = 65536, the MLP input 65536 and the gated MLP's 4·512·256 = 524288 → 1245184 values = 4980736 B (flash:
     3932160, no softmax output); the score matrix 1048576 B. XLA's scanned layer saves the matmul outputs: layer input
-    262144, QKV output 524288, core output 262144, scores (none: P instead) 1048576, O-projection output 262144, gate/up
-    output 4·512·512 = 1048576 → 3407872 under none and gemm-last, 3407872 − 1048576 = 2359296 under selective (and
-    none with flash); full: the layer input 262144. The working set: the rest of Korthikanti's set, rebuilt (gemm-last
-    also P from the saved scores), the two SP inputs re-gathered, 2 · 4 · 512 · 256 · (1 − 1/2) = 524288, and the
+    262144, QKV output 524288, core output 262144, scores 1048576, O-projection output 262144, gate/up output
+    4·512·512 = 1048576 → 3407872 under none and gemm-last, 3407872 − 1048576 = 2359296 under selective (and none
+    with flash); full: the layer input 262144. The working set: the rest of Korthikanti's set, rebuilt (none and
+    gemm-last also P, 1048576, from the saved scores), the two SP inputs re-gathered, 2 · 4 · 512 · 256 · (1 − 1/2) = 524288, and the
     larger of dP, dS of the materialised core, 2 · 1048576, and the MLP's gate/up gradient, 4 · 512 · 512 = 1048576
     (the only one with flash). The loss's peak (0.5 MiB of logits + the gathered output layer, less the
     not-yet-made gradients) is smaller in every case."""

@@ -57,13 +57,10 @@ SCAN_SAVED_PRIMS = ("dot_general", "all_to_all", "ppermute", "psum", "psum_invar
 FLASH_RESIDUALS = ("flash_out", "flash_lse")
 GEMM_OUTPUTS = (*FLASH_RESIDUALS, "qkv_out", ATTN_SCORES, "attn_out", "o_proj_out", "mlp_gate_out", "mlp_up_out", "router_out",
                 "moe_down_out")
-ATTN_PROBS = "attn_probs"  # the materialised core's softmax output P
-# What the scanned layer saves by name beside the dots with no batch dimension (remat_policy): the matmul outputs
-# whose dot has a batch dimension (the attention core's output, the MoE experts'). Selective recompute: not the
-# core's scores nor its flash residuals; none: the softmax output P (Korthikanti's residual; the backward reads P,
-# never the scores S) and the flash residuals
+# What the scanned layer saves under selective recompute by name beside the dots with no batch dimension
+# (remat_policy): the matmul outputs whose dot has a batch dimension (the attention core's output, the MoE
+# experts'), not the core's scores nor its flash residuals
 SELECTIVE_SAVED = tuple(n for n in GEMM_OUTPUTS if n not in (*FLASH_RESIDUALS, ATTN_SCORES))
-NONE_SAVED = (*SELECTIVE_SAVED, ATTN_PROBS, *FLASH_RESIDUALS)
 
 
 # --- mesh and sharding rules -----------------------------------------------------------------------
@@ -345,9 +342,7 @@ def softmax_last(s: jax.Array) -> jax.Array:
 
 
 def _softmax_fwd(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # named where it is made: the residual the backward reads is this value (a remat policy that saves the name
-    # saves it; a name on softmax_last's output would not reach the custom VJP's residual)
-    y = checkpoint_name(jax.nn.softmax(s, axis=-1), ATTN_PROBS)
+    y = jax.nn.softmax(s, axis=-1)
     return y, y
 
 
@@ -725,7 +720,7 @@ def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
 
 # --- layers, loss, step --------------------------------------------------------------------------
 
-def remat_policy(recompute: str, scanned: bool = False, ring: bool = False) -> Callable:
+def remat_policy(recompute: str, scanned: bool = False) -> Callable:
     """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
     never saved. none: everything else saved (`scanned`: the matmul and other communication outputs,
     SCAN_SAVED_PRIMS; see there). selective: the attention core sits in its own nothing-saveable
@@ -743,16 +738,15 @@ def remat_policy(recompute: str, scanned: bool = False, ring: bool = False) -> C
             return False
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
-        if scanned and not (recompute == "none" and ring):
+        if scanned and recompute == "selective":
             # the dots with no batch dimension (the projections and the MLP: JAX's
-            # `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal"), the collectives, and by name the rest the
-            # policy keeps (NONE_SAVED, SELECTIVE_SAVED): not the attention core's dots (batch dimensions), whose
-            # scores S no backward reads (none saves P) or which selective recomputes (Korthikanti §5)
+            # `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal"), the collectives, and by name the rest
+            # (SELECTIVE_SAVED): not the attention core's dots (batch dimensions), which selective recomputes
+            # (Korthikanti §5)
             if prim.name == "dot_general":
                 return not params["dimension_numbers"][1][0]
-            saved = SELECTIVE_SAVED if recompute == "selective" else NONE_SAVED
-            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in saved)
-        if scanned:  # ring CP, none: each hop's online softmax reads its scores (saved, as dots)
+            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in SELECTIVE_SAVED)
+        if scanned:
             return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
         return True
 
@@ -798,8 +792,7 @@ def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = 
     # inside a loop body CSE cannot merge the recomputation with the forward (jax.checkpoint's prevent_cse
     # docstring), so `scanned` turns it off, as MaxText's scanned decoder does
     return jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
-                          policy=remat_policy(recompute, scanned, ring=sh.axis_size("context") > 1 and sh.cp_impl == "ring"),
-                          prevent_cse=not scanned)
+                          policy=remat_policy(recompute, scanned), prevent_cse=not scanned)
 
 
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,

@@ -1440,10 +1440,10 @@ class CostModel:
 
     def _xla_saved_layer(self, L: LayoutArrays, g: dict, act_layer):
         """What one layer of XLA's scanned layer stack saves for its backward under no recompute and selective: the
-        matmul outputs (gemm-last's set, `tm.activation_bytes_per_layer`) and, under none, the softmax output P in
-        place of the scores (the same size); not the norm outputs and the MLP's elementwise products Korthikanti et
-        al. 2022 count, which XLA's backward fusions rebuild from the matmul outputs (`_xla_layer_backward` counts one
-        layer's). MaxText's least-recomputing policy ("minimal": the projection and MLP outputs by name; before it
+        matmul outputs (gemm-last's set, `tm.activation_bytes_per_layer`; under none with the scores S, from which
+        the backward rebuilds the softmax output P), not the norm outputs and the MLP's elementwise products
+        Korthikanti et al. 2022 count, which XLA's backward fusions rebuild from the matmul outputs
+        (`_xla_layer_backward` counts one layer's). MaxText's least-recomputing policy ("minimal": the projection and MLP outputs by name; before it
         JAX's `checkpoint_dots_with_no_batch_dims`) and the verify program's (measure/jaxmodel.py `remat_policy`,
         scanned) keep these; an unrolled program's fusions kept the same gate/up outputs (docs/verify.md "Memory").
         Not under pipelining, whose iterations the program runs unrolled (MaxText's SPMD loop, Options.pp_spmd_loop)."""
@@ -1460,7 +1460,7 @@ class CostModel:
         "Memory"). Korthikanti et al. 2022 count only what is saved; the backward of the layer also holds:
         - the values of the layer its policy did not save, rebuilt for it: the no-recompute set less the saved one
           kept in HBM (all of it under full recompute; what is offloaded comes back for the layer's backward, so
-          counts here); under gemm-last also the softmax output P, rebuilt from the saved scores;
+          counts here); where the saved set holds the scores S (none, gemm-last) also the softmax output P;
         - under sequence parallelism the layer's two inputs (attention's and the MLP's) re-gathered over `tensor`
           (XLA never saves a gathered value: GATHER_PRIMS in measure/jaxmodel.py) at the start of its backward and
           both live until their weight gradients at its end: [b, s, D] each where the saved shard is 1/tp of it;
@@ -1473,7 +1473,8 @@ class CostModel:
         none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
         score = 0.0 if self.opt.flash_attention else tm.attention_score_bytes(
             self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
-        rebuilt = np.maximum(none - saved_layer * (1 - L.offload), 0.0) + np.where(L.recompute == 3, score, 0.0)
+        p_again = (L.recompute == 3) | ((L.recompute == 0) & (g["pp"] == 1))  # S saved (_xla_saved_layer)
+        rebuilt = np.maximum(none - saved_layer * (1 - L.offload), 0.0) + np.where(p_again, score, 0.0)
         gathered = np.where(g["sp"], 2 * a * t * self.c["D"] * (1 - 1 / tp), 0.0)
         d_up = tm.mlp_up_out_bytes(self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
         return rebuilt + gathered + np.maximum(2 * score, d_up)
