@@ -596,11 +596,8 @@ def attention_block(lp: Params, h: jax.Array, pos: jax.Array, sh: Sharder, recom
     qkv = jnp.einsum("btd,dkgh->btkgh", h, w)
     qkv = checkpoint_name(sh.constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), "qkv_out")
     B, T, K, G2, H = qkv.shape
-    # one split (its transpose is one concatenate into the qkv gradient; slicing each part would transpose into a
-    # zero-padded qkv-sized buffer per part, summed: docs/verify.md "Memory")
-    q, k, v = jnp.split(qkv, [G2 - 2, G2 - 1], axis=3)
-    q = sh.constrain(q.reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
-    k, v = (sh.constrain(jnp.squeeze(x, 3), ("batch", "seq", "act_kv_heads", None)) for x in (k, v))
+    q = sh.constrain(qkv[:, :, :, : G2 - 2].reshape(B, T, K * (G2 - 2), H), ("batch", "seq", "act_heads", None))
+    k, v = (sh.constrain(qkv[:, :, :, i], ("batch", "seq", "act_kv_heads", None)) for i in (G2 - 2, G2 - 1))
     q, k = rotary(q, pos), rotary(k, pos)
     core = ATTENTION_CORES[attention]
     if attention == "flash" and sh.axis_size("context") == 1:  # tokens in natural order: skip masked blocks
@@ -724,7 +721,8 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
     """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
     never saved. none: everything else saved (`scanned`: the matmul and other communication outputs,
     SCAN_SAVED_PRIMS; see there). selective: the attention core sits in its own nothing-saveable
-    checkpoint (scores/softmax recomputed), everything else saved (`scanned`: as none, less the core's dots). full: nothing saved but the layer input.
+    checkpoint (scores/softmax recomputed), everything else saved (`scanned`: as none, less the core's dots).
+    full: nothing saved but the layer input.
     gemm-last: only matmul outputs saved (GEMM_OUTPUTS; with materialised attention that includes QKᵀ), the
     cheap ops after them (norms, RoPE, softmax, activations) recomputed."""
     keep_names = recompute == "gemm-last"

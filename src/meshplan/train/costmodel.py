@@ -1315,8 +1315,8 @@ class CostModel:
         # gathers again. Beyond the local K/V the activation formula counts: (cp − 1) · the local K/V bytes a layer
         # (verify DP2×TP2×CP2: two layers' [8, 128, 1, 32] K and V saved, 0.5 MiB, 0.25 of them other ranks')
         keeps_kv = self.opt.cp_impl == "allgather" or (self.opt.cp_impl == "ring" and self.opt.ring_saves_kv)
-        if keeps_kv:
-            act_layer = act_layer + np.where(L.recompute != 2, (g["cp"] - 1) * self._kv_bytes(g), 0.0)
+        other_kv = np.where(L.recompute != 2, (g["cp"] - 1) * self._kv_bytes(g), 0.0) if keeps_kv else 0.0
+        act_layer = act_layer + other_kv
         pp, vpp = g["pp"], g["vpp"]
         # 1F1B: the first stage holds min(pp, micro-batches) in flight; interleaving multiplies by
         # 1 + (p-1)/(p·v) (Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3).
@@ -1343,7 +1343,7 @@ class CostModel:
         # full recompute re-materialises one layer's activations at a time in the backward
         working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         if xla:
-            working = self._xla_layer_backward(L, g, act_layer)
+            working = self._xla_layer_backward(L, g, act_layer - other_kv)  # the other ranks' K/V: no rebuild
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
         # kernel) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
