@@ -61,7 +61,7 @@ def calibrate(
     coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
 ) -> None:
     """Microbenchmark the local accelerator(s) and fit meshplan's efficiency model (a --profile for train/serve)."""
-    if show:
+    if show is not None:  # --show '' is a missing file, not a calibration run
         show_profile(show)
         return
     names = parse_benchmarks(bench)

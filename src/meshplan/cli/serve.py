@@ -161,12 +161,14 @@ def serve(
                                              if from_file is None else ""))
     if export is None and out_dir is not None:
         fail("--out goes with --export vllm|sglang|trtllm")
+    if concurrency is not None and not do_simulate:
+        fail("--concurrency goes with --simulate (the closed-loop clients of the simulation)")
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
-        if export or plot or html or ideal or do_simulate or disaggregate_:
+        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default":
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate or --disaggregate")
+                 "--simulate, --disaggregate or --engine (the command line names its engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return

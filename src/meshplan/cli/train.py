@@ -212,10 +212,7 @@ def train(
     _check_choice("--cp-impl", cp_impl, tuple(CP_IMPLS))
     _check_choice("--moe-dispatcher", moe_dispatcher, MOE_DISPATCHERS)
     _check_choice("--pp-schedule", pp_schedule, PP_SCHEDULES)
-    graph_scopes = None if cuda_graph is None else tuple(x for x in cuda_graph.replace(" ", "").split(",")
-                                                         if x and x != "none")
-    for scope in graph_scopes or ():
-        _check_choice("--cuda-graph", scope, CUDA_GRAPH_SCOPES)
+    graph_scopes = None if cuda_graph is None else _graph_scopes(cuda_graph)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
     _check_choice("--weight-dtype", weight_dtype, ("bf16", "fp32"))
@@ -228,6 +225,8 @@ def train(
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
         cuda_graph_scopes=graph_scopes)
+    if from_file is None:
+        _check_combinations(problem, pins, dtype, explicit)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -276,6 +275,38 @@ def _check_choice(flag: str, value: str | None, choices: tuple[str, ...]) -> Non
     if value is not None and value not in choices:
         allowed = " or ".join(choices) if len(choices) == 2 else "one of " + ", ".join(choices)
         raise MeshplanError(f"{flag} must be {allowed}, got '{value}'")
+
+
+def _graph_scopes(text: str) -> tuple[str, ...]:
+    """`--cuda-graph attn,mlp` -> ("attn", "mlp"); `none` -> (); an empty item or `none` among scopes is refused."""
+    items = text.replace(" ", "").split(",")
+    if "" in items or ("none" in items and len(items) > 1):
+        raise MeshplanError(f"--cuda-graph must be none or a comma list of {', '.join(CUDA_GRAPH_SCOPES)}, got "
+                            f"'{text[:60]}'")
+    for scope in items:
+        if scope != "none":
+            _check_choice("--cuda-graph", scope, CUDA_GRAPH_SCOPES)
+    return tuple(x for x in items if x != "none")
+
+
+def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict) -> None:
+    """A flag that cannot apply to the model, chip or pinned layout is refused in one line, not ignored (flags
+    from a --framework preset are not checked: a preset applies to every model)."""
+    def given(*names: str) -> list[str]:
+        return ["--" + n.replace("_", "-") for n in names if explicit[n] not in (None, False)]
+
+    moe = given("moe_dispatcher", "moe_force_balance", "moe_node_limit", "ep_overlap")
+    if moe and not problem.model.is_moe:
+        fail(f"{moe[0]} needs a MoE model ({problem.model.name} has no experts)")
+    pp = given("pp_overlap", "pp_head_in_split") + (["--pp-schedule"] if explicit["pp_schedule"] not in (None, "1f1b")
+                                                    else [])
+    if pp and pins.pp == 1:
+        fail(f"{pp[0]} needs pipeline parallelism: drop it or --pp 1")
+    fp8 = given("fp8_recipe", "fp8_weight_cache", "fp8_fused_casts")
+    if fp8 and dtype != "fp8":
+        fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
+    if explicit["cuda_graph_scopes"] and problem.chip.kind != "gpu":
+        fail(f"--cuda-graph needs a GPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
 
 
 def assumptions(problem: Problem, opts: Options) -> str:

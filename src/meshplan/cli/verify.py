@@ -16,6 +16,7 @@ from meshplan.cli.app import app, console, err_console, fail, print_json
 from meshplan.measure.layout import Layout, describe
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_flops
+from meshplan.validate import CLI_RULES
 
 
 def _fmt(quantity: str, v: float | None) -> str:
@@ -54,10 +55,14 @@ def read_plan(source: str, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as exc:
         fail(f"--plan: cannot read {source}: {exc.strerror}")
+    except UnicodeDecodeError:
+        fail(f"--plan: {source} is not text (expected the UTF-8 JSON of `meshplan train --json`)")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         fail(f"--plan: not a `meshplan train --json` object ({exc.msg} at line {exc.lineno})")
+    except RecursionError:  # thousands of nested brackets
+        fail("--plan: not a `meshplan train --json` object (nested too deeply)")
     plans = data.get("plans") if isinstance(data, dict) else None
     if not isinstance(plans, list) or not plans:
         fail("--plan: no \"plans\" list in the JSON (expected the output of `meshplan train --json`)")
@@ -66,7 +71,11 @@ def read_plan(source: str, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     problem = data.get("problem")
     if not isinstance(problem, dict) or "model" not in problem:
         fail("--plan: the JSON has no \"problem\" (model, chips); rerun `meshplan train --json` with this version")
-    config = plans[rank - 1].get("config")
+    if not isinstance(problem["model"], str) or not problem["model"]:
+        fail(f"--plan: \"problem\".\"model\" must be a model name or config path, got {problem['model']!r:.40}")
+    if problem.get("chips") is not None:  # the chips become simulated CPU devices: the --devices bound
+        problem = {**problem, "chips": CLI_RULES["devices"].check(problem["chips"], "--plan: \"problem\".\"chips\"")}
+    config = plans[rank - 1].get("config") if isinstance(plans[rank - 1], dict) else None
     if not isinstance(config, dict):
         fail(f"--plan: plan {rank} has no \"config\"")
     return problem, config
@@ -118,14 +127,24 @@ def verify(
     if attention not in ("materialized", "flash"):
         fail(f"--attention must be materialized or flash, got '{attention}'")
     if plan_file is not None:
+        pinned = [flag for flag, v, default in (
+            ("--model", model_name, None), ("--dp", dp, None), ("--fsdp", fsdp, 1), ("--tp", tp, 1), ("--cp", cp, 1),
+            ("--ep", ep, 1), ("--pp", pp, 1), ("--vpp", vpp, 1), ("--microbatch", microbatch, 0),
+            ("--recompute", recompute, "none"), ("--zero", zero, 0)) if v != default]
+        if pinned:
+            fail(f"--plan takes the model and the layout from the JSON; drop {', '.join(pinned)}")
         problem, config = read_plan(plan_file, rank)
-        model_name, devices = str(problem["model"]), int(problem.get("chips", devices))
+        if problem.get("chips") and devices not in (8, problem["chips"]):  # 8: the --devices default
+            fail(f"--plan runs the plan's {problem['chips']} chips as devices; drop --devices {devices}")
+        model_name, devices = problem["model"], problem.get("chips") or devices
         layout = Layout.from_config(config, devices=devices)
         if layout.microbatch * layout.batch_shards >= global_batch:  # the CPU batch is one micro-batch per rank
             layout = Layout(**{**layout.as_dict(), "microbatch": 0})
     else:
         if model_name is None:
             fail("verify needs --model (with layout flags) or --plan FILE|- (a `meshplan train --json`)")
+        if rank != 1:
+            fail("--rank goes with --plan FILE|- (which plan of a `meshplan train --json`)")
         rest = fsdp * tp * cp * ep * pp
         if devices <= 0 or devices % rest:
             fail(f"--devices {devices} is not a multiple of fsdp·tp·cp·ep·pp = {rest}")

@@ -101,7 +101,7 @@ def validate_pins(p: Problem, pins: Pins) -> None:
     if pins.cp and pins.cp > 1 and p.seq_len % (2 * pins.cp):
         raise MeshplanError(f"--cp {pins.cp}: sequence length {p.seq_len} must divide into 2×cp chunks "
                             "(load-balanced causal split)")
-    if pins.recompute:
+    if pins.recompute is not None:  # '' is no policy (it was searched as if unpinned)
         check_recompute(pins.recompute)
     if pins.zero == 3 and pins.fsdp not in (None, 1) and pins.dp not in (None, 1):
         raise MeshplanError("--zero 3 shards everything over the data-parallel ranks: use --fsdp (and --dp for "
