@@ -75,11 +75,16 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
          {"-m": "name", "--hardware": "hwname", "--chips": "int", "--seq-len": "int", "--global-batch": "int",
           "--tokens": "float", "--dp": "int", "--tp": "int", "--pp": "int", "--fsdp": "int", "--zero": "int",
           "--offload": "float", "--offload-optimizer": "int", "--offload-params": "int", "--headroom": "float", "--microbatch": "int", "--recompute": "text", "--top": "int",
-          "--profile": "profile", "--slice": "text", "--vpp": "int", "--cp": "int", "--ep": "int"}),
+          "--profile": "profile", "--slice": "text", "--vpp": "int", "--cp": "int", "--ep": "int", **NEW_TRAIN}),
         (serve + ["--json"],
          {"-m": "name", "--hardware": "hwname", "--chips": "int", "--input-len": "int", "--output-len": "int",
           "--batch": "int", "--tp": "int", "--pp": "int", "--ep": "int", "--quant": "text",
-          "--tpot-target": "float", "--ttft-target": "float", "--batching": "text", "--profile": "profile"}),
+          "--tpot-target": "float", "--ttft-target": "float", "--batching": "text", "--profile": "profile",
+          "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy", "--max-num-batched-tokens": "int",
+          "--concurrency": "int"}),
+        (["train", "-m", rng.choice(["mixtral-8x7b", "qwen3-30b-a3b", "llama3.2-1b"]), "--hardware", h, "--chips",
+          rng.choice(["1", "8", "64"]), "--seq-len", "4096", "--global-batch", "256", "--top", "1", "--json"],
+         {**NEW_TRAIN, "--ep": "int", "--pp": "int", "--vpp": "int", "--chips": "int"}),
         (train + ["--export", rng.choice(["torchtitan", "megatron", "nemo", "maxtext", "deepspeed"]), "--out",
                   "OUTDIR"], {"--export": "text", "--out": "outdir", "--chips": "int", "--tp": "int"}),
         (["train", "--from", "FRAMEWORK", "--hardware", h, "--json"],
@@ -89,16 +94,31 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
         (["serve", "--from", "FRAMEWORK", "--hardware", h, "--input-len", "1024", "--output-len", "128", "--json"],
          {"--from": "framework", "--hardware": "hwname", "--input-len": "int", "--output-len": "int"}),
         (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
-         {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int"}),
+         {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int",
+          "--concurrency": "int", "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy",
+          "--max-num-batched-tokens": "int"}),
     ]
 
+
+# flags added in session 7 (train): word choices, switches (no value) and the node limit
+NEW_TRAIN = {
+    "--moe-dispatcher": "choice:alltoall,deepep,hybridep", "--cuda-graph": "choice:none,attn,attn_mlp,full_iteration",
+    "--weight-dtype": "choice:bf16,fp32", "--fp8-recipe": "choice:tensorwise,rowwise,blockwise,delayed",
+    "--framework": "choice:megatron,nemo,nemo@24.07,torchtitan@2025.06,maxtext,nemo@1", "--dtype": "choice:bf16,fp8",
+    "--pp-schedule": "choice:1f1b,zb1p,dualpipe", "--attention-kernel": "choice:fused,fa2,sdpa",
+    "--cp-impl": "choice:ring,torch,allgather", "--zero3-fetch": "choice:allgather,broadcast",
+    "--moe-node-limit": "int", "--pp-overlap": "switch", "--pp-head-in-split": "switch",
+    "--moe-force-balance": "switch", "--ep-overlap": "switch", "--no-fused": "switch",
+}
 
 # verify/calibrate/measure: invalid-only mutations (a valid call compiles or runs JAX for minutes)
 SLOW = [
     (["verify", "-m", "llama3-8b", "--devices", "8", "--tp", "2"], ["--devices", "--tp", "--seq-len", "--global-batch",
-                                                                    "--microbatch", "--zero", "--layers"]),
+                                                                    "--microbatch", "--zero", "--layers",
+                                                                    "--attention", "--framework", "--rank"]),
+    (["verify", "--plan", "PLANFILE", "--no-loss-check"], ["--rank", "--plan", "--devices", "--tp", "-m"]),
     (["measure", "-m", "llama3.2-1b", "--steps", "1"], ["--seq-len", "--steps", "--layers", "--global-batch"]),
-    (["calibrate", "--quick"], ["--bench"]),
+    (["calibrate", "--quick"], ["--bench", "--show"]),
 ]
 SLOW_BAD = ["0", "-1", "nan", "9223372036854775808", "1" + "0" * 30, "abc", ""]
 SLOW_BAD_BENCH = ["nan", "abc", "matmul,nope", ","]
@@ -176,6 +196,41 @@ class Files:
         target.write_text("\n".join(lines))
         return str(target)
 
+    def plan(self, broken: bool) -> str:
+        """A `meshplan train --json` of a small problem (made once), or a file that cannot be one (verify --plan):
+        truncated, binary, or a field of the wrong type or out of bounds."""
+        if not hasattr(self, "_plan"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), \
+                    contextlib.suppress(SystemExit):
+                main(["train", "-m", "llama3.2-1b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "2048",
+                      "--global-batch", "16", "--top", "2", "--json"])
+            self._plan = out.getvalue()
+        p = self._path(".json")
+        if not broken:
+            p.write_text(self._plan)
+            return str(p)
+        data = json.loads(self._plan)
+        edit = self.rng.randrange(8)
+        if edit == 0:
+            p.write_text(self._plan[:self.rng.randrange(len(self._plan))])
+        elif edit == 1:
+            p.write_bytes(self.rng.randbytes(self.rng.randint(1, 200)) + b"\xff")
+        elif edit == 2:
+            p.write_text("[" * 100_000)
+        else:
+            where, key, value = self.rng.choice([
+                ("problem", "chips", self.rng.choice(["eight", True, 1e30, -8, 4096, 2.5, [8]])),
+                ("problem", "model", self.rng.choice([5, "", None, ["x"], "llama3-7b"])),
+                ("top", "plans", self.rng.choice([[], [1], {}, None, [{"config": 3}]])),
+                ("top", "problem", self.rng.choice([None, [], "x"])),
+                ("config", "dp", self.rng.choice([-8, 0, 7, "x", 2**70, 8.5, None]))])
+            node = data if where == "top" else data["problem"] if where == "problem" else data["plans"][0]["config"]
+            node[key] = value
+            text = json.dumps(data)
+            p.write_text(text.replace("4096", "NaN") if value == 4096 else text)
+        return str(p)
+
     def profile(self) -> str:
         p = self._path(".json")
         p.write_text(json.dumps(self.rng.choice([{}, [], {"chip": "h100-sxm"}, {"efficiency": {"matmul": -1}},
@@ -207,6 +262,12 @@ def value_for(kind: str, rng: random.Random, files: Files) -> str:
         return rng.choice(["a=8,b=8", "a=0", "a=-1", "a=1e9", "a=nan", "=", "a=8,a=8", "", "a=99999999999999999999"])
     if kind == "sizes":
         return rng.choice(["B=1,D=1,F=1", "B=inf,D=1,F=1", "B=0", "B=nan,D=1,F=1", "B=1e400,D=1,F=1", "X", ""])
+    if kind.startswith("choice:"):
+        words = kind.removeprefix("choice:").replace("_mlp", ",mlp").split(",")
+        if odd:
+            w = rng.choice(words)
+            return rng.choice(ODD_TEXT + [w.upper(), w + ",", "," + w, w + "," + w, "none," + w, w + "@", "@" + w])
+        return rng.choice(words)
     return rng.choice(ODD_TEXT + ["none", "full", "fp8", "bf16", "static", "uniform", "16x16", "8", "0x0", "3x3x3x3"])
 
 
@@ -218,6 +279,9 @@ def mutate(args: list[str], kinds: dict[str, str], rng: random.Random, files: Fi
         if op < 0.75 and flags:
             f = rng.choice(flags)
             v = value_for(kinds[f], rng, files)
+            if kinds[f] == "switch":  # a flag without a value
+                args.append(f)
+                continue
             if f in ("model", "hardware"):  # positional
                 if len(args) > 1:
                     args[1] = v
@@ -245,9 +309,12 @@ def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
     while len(out) < n:
         if rng.random() < 0.06:
             base, flags = rng.choice(SLOW)
-            args = list(base)
+            args = [files.plan(broken=False) if a == "PLANFILE" else a for a in base]
             f = rng.choice(flags)
             bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD[1:] if f == "--zero" else SLOW_BAD)
+            if f == "--plan" or (f in ("--devices", "--tp", "-m") and "--plan" in base):
+                # a broken plan file, or a layout flag beside --plan (refused: the plan brings its own)
+                bad = files.plan(broken=True) if f == "--plan" else rng.choice(["2", "llama3-8b", "16"])
             if f in args:
                 args[args.index(f) + 1] = bad
             else:

@@ -24,7 +24,8 @@ from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
 from meshplan.train.ledger import Ledger
-from meshplan.train.space import Problem
+from meshplan.train.space import PP_SCHEDULES, Problem
+from meshplan.validate import CLI_RULES, Rule
 
 ACT_BYTES = 2.0  # bf16 activations
 PARAM_BYTES = 2.0  # bf16 working copy of the weights
@@ -306,6 +307,19 @@ class Options:
         for name in self.kept_projections:
             if name not in KEPT_PROJECTIONS:
                 raise unknown_name_error("MaxText checkpoint name", name, KEPT_PROJECTIONS)
+        # the word options (an unknown one used to end in a KeyError deep in the cost terms, or be ignored)
+        for kind, name, choices in (("matmul dtype", self.compute_dtype, ("bf16", "fp8")),
+                                    ("CP implementation", self.cp_impl, tuple(CP_IMPLS)),
+                                    ("MoE dispatcher", self.moe_dispatcher, MOE_DISPATCHERS),
+                                    ("pipeline schedule", self.pp_schedule, PP_SCHEDULES),
+                                    ("attention kernel", self.attention_kernel, ATTENTION_KERNELS),
+                                    ("ZeRO-3 fetch", self.zero3_fetch, ("allgather", "broadcast")),
+                                    ("selective recomputation", self.selective_flavor, SELECTIVE_FLAVORS),
+                                    ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes()))):
+            if name not in choices:
+                raise unknown_name_error(kind, str(name), choices)
+        for name, rule in _OPTION_RULES.items():  # the numbers, by the shared pydantic rules (meshplan.validate)
+            rule.check(getattr(self, name), f"Options.{name}")
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -321,6 +335,15 @@ class Options:
         if self.fp8_recipe is not None:
             return self.fp8_recipe
         return "delayed" if self.fp8_fused_casts else "tensorwise"
+
+
+_BYTES = Rule(0, 8, "bytes per element", integer=False)  # 0: not kept (no fp32 master, mixed precision)
+_OPTION_RULES = {"headroom": Rule(-1e9, CLI_RULES["headroom"].hi, "a fraction of HBM kept free; below 0 (more HBM than "
+                                  "the chip has) the searches that ignore memory", integer=False), "moe_node_limit": Rule(0, 1 << 20, "nodes; 0 = no limit"),
+                 "moe_capacity_factor": Rule(0, 1e3, "0 = dropless", integer=False),
+                 **{k: _BYTES for k in ("master_bytes", "weight_dtype_bytes")},
+                 **{k: Rule(0, 8, "bytes per element", integer=False, open_lo=True)
+                    for k in ("act_bytes", "param_bytes", "fsdp_param_bytes", "grad_reduce_bytes")}}
 
 
 class Terms(dict):
