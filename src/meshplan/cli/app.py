@@ -101,23 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_app(args)
     except MeshplanError as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(one_line(f"error: {exc}"), markup=False, highlight=False, soft_wrap=True)
         return _exit(2)
     except typer.Abort:
         err_console.print("error: aborted", markup=False, highlight=False)
         return _exit(130)
     except _ClickException as exc:
         msg = exc.format_message().replace("\n", " ")
-        err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(one_line(f"error: {msg}"), markup=False, highlight=False, soft_wrap=True)
         return _exit(2)
     except typer.Exit as exc:
         return _exit(exc.exit_code)
     except OSError as exc:  # the user's file system refused a path they gave (unwritable, too long, missing)
         where = f" '{exc.filename}'" if getattr(exc, "filename", None) else ""
-        err_console.print(f"error: cannot use{where}: {exc.strerror or exc}", markup=False, highlight=False,
-                          soft_wrap=True)
+        err_console.print(one_line(f"error: cannot use{where}: {exc.strerror or exc}"), markup=False,
+                          highlight=False, soft_wrap=True)
         return _exit(2)
     return _exit(result if isinstance(result, int) else 0)
+
+
+def one_line(message: str) -> str:
+    """The error line with what would break it escaped: a user's value echoed in a message may hold a newline, a
+    carriage return or another line separator (\\x1e, \\u2028, which str.splitlines() splits on) or a terminal
+    escape; each non-printable character is written as its Python escape (\\n, \\x1e, \\x1b)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def run_app(args: list[str]) -> Any:
