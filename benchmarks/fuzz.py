@@ -311,7 +311,8 @@ def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
             base, flags = rng.choice(SLOW)
             args = [files.plan(broken=False) if a == "PLANFILE" else a for a in base]
             f = rng.choice(flags)
-            bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD[1:] if f in ("--zero", "--microbatch") else SLOW_BAD)
+            valid_zero = f in ("--zero", "--microbatch")  # 0 is a valid value of these two
+            bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD[1:] if valid_zero else SLOW_BAD)
             if f == "--plan" or (f in ("--devices", "--tp", "-m") and "--plan" in base):
                 # a broken plan file, or a layout flag beside --plan (refused: the plan brings its own)
                 bad = files.plan(broken=True) if f == "--plan" else rng.choice(["2", "llama3-8b", "16"])

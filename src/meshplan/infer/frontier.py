@@ -140,6 +140,10 @@ def _why_no_layout(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, 
     """Which layouts divide this chip count, and the nearest smaller count (idle chips left over) that serves."""
     shown = ", ".join(f"tp={c.tp} pp={c.pp}" for c in tried[:3]) + (" ..." if len(tried) > 3 else "")
     why = f": the layouts that divide {n_chips} chips ({shown or 'none'}) cannot hold a replica"
+    budget = base.max_num_batched_tokens
+    if budget and any(max_batch_per_replica(m, chip, replace(c, max_num_batched_tokens=None), eff, w) >= 1
+                      for c in tried):  # it is the step's activations at this token budget that do not fit
+        return f"{why} with a step budget of {budget:,} tokens (--max-num-batched-tokens): lower it"
     for k in range(n_chips - 1, max(0, n_chips - 64), -1):  # bounded: at most 63 smaller counts
         for cfg in layouts(m, chip, k, base):
             if max_batch_per_replica(m, chip, cfg, eff, w) >= 1:
