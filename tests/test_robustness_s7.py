@@ -172,6 +172,21 @@ def test_serve_from_names_its_engine(tmp_path, capsys):
     one_error(*run_cli(from_file + ["--engine", "sglang"], capsys)[::2], "--engine (the command line names")
 
 
+def test_train_from_file_checks_the_flags_against_the_files_job(tmp_path, capsys):
+    """A torchtitan file of a dense bf16 job at pp=1 (the best plan of 8 H100s): MoE, fp8 and pipeline flags cannot
+    apply to it and are refused; --cuda-graph can, and plans."""
+    code, _, err = run_cli(DENSE[:-3] + ["--pp", "1", "--export", "torchtitan", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    base = ["train", "--from", str(tmp_path / "torchtitan.toml"), "--hardware", "h100-sxm", "-m", "llama3.2-1b",
+            "--json"]
+    for extra, needle in ((["--moe-dispatcher", "deepep"], "needs a MoE model"),
+                          (["--fp8-recipe", "rowwise"], "goes with --dtype fp8"),
+                          (["--pp-overlap"], "the layout pins pp=1")):
+        one_error(*run_cli(base + extra, capsys)[::2], needle)
+    code, out, err = run_cli(base + ["--cuda-graph", "attn"], capsys)
+    assert code == 0 and json.loads(out)["framework"] == "torchtitan", err
+
+
 @FAST
 @given(st.binary(max_size=200))
 def test_from_files_of_random_bytes(tmp_path_factory, capsys, body):

@@ -6,6 +6,7 @@ train/serve call these from small blocks, so the commands themselves stay about 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -117,8 +118,10 @@ def _agree(what: str, from_file: Any, given: Any, job: Job) -> Any:
 
 def train_from(path: str, *, model: str | None, hardware: str, chips: int | None, seq_len: int | None,
                global_batch: int | None, slice_shape: tuple[int, ...] | None, profile: str | None, headroom: float,
-               top: int, json_out: bool, pins: Pins, explicit: dict[str, Any]) -> None:
-    """Predict the job a framework file describes and show the planner's best layouts beside it."""
+               top: int, json_out: bool, pins: Pins, explicit: dict[str, Any],
+               check_flags: Callable[[Problem, Pins, str], None] | None = None) -> None:
+    """Predict the job a framework file describes and show the planner's best layouts beside it; `check_flags`
+    (problem, pins, matmul dtype) refuses command-line flags that cannot apply to the file's job."""
     job = load_train(Path(path), chips)
     m = _resolve_model(job.model, model, job.framework)
     job.finish(m)
@@ -141,6 +144,8 @@ def train_from(path: str, *, model: str | None, hardware: str, chips: int | None
     mine = replace(job.pins, **{f.name: getattr(pins, f.name) for f in fields(Pins)
                                 if getattr(pins, f.name) is not None and f.name != "sequence_parallel"})
     opts = job.resolved_options(Options(headroom=headroom), explicit)
+    if check_flags is not None:
+        check_flags(problem, mine, opts.compute_dtype)
     if opts.compute_dtype == "fp8":
         chip.peak("fp8")
     eff = resolve_efficiency(chip, profile)

@@ -230,7 +230,9 @@ def train(
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
-                   json_out=json_out, pins=pins, explicit=explicit)
+                   json_out=json_out, pins=pins, explicit=explicit,
+                   check_flags=lambda prob, file_pins, file_dtype: _check_combinations(prob, file_pins, file_dtype,
+                                                                                       explicit))
         return
     eff = resolve_efficiency(problem.chip, profile)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), explicit)
@@ -301,7 +303,7 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
     pp = given("pp_overlap", "pp_head_in_split") + (["--pp-schedule"] if explicit["pp_schedule"] not in (None, "1f1b")
                                                     else [])
     if pp and pins.pp == 1:
-        fail(f"{pp[0]} needs pipeline parallelism: drop it or --pp 1")
+        fail(f"{pp[0]} needs pipeline parallelism and the layout pins pp=1: drop it")
     fp8 = given("fp8_recipe", "fp8_weight_cache", "fp8_fused_casts")
     if fp8 and dtype != "fp8":
         fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
