@@ -53,6 +53,9 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  price: float | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
+    if engine in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
+        # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
+        fail(f"--engine {engine} runs on GPUs, not on {chip.name} (a TPU): use vllm, sglang or default")
     w = Workload(input_len, output_len)
     check_workload(w)
     if chips <= 0:

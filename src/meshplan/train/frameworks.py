@@ -92,7 +92,7 @@ def preset(name: str) -> dict[str, Any]:
     base, _, version = name.partition("@")
     if base not in FRAMEWORKS:
         raise unknown_name_error("framework", base, FRAMEWORKS)
-    if not version:
+    if "@" not in name:  # `megatron@` names no version: refused below, not read as the plain name
         return dict(FRAMEWORKS[base])
     known = VERSIONS.get(base, {})
     if version not in known:
