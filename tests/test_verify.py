@@ -39,6 +39,11 @@ CASES = {
     # the layouts of issue 13 item 3 (their losses are checked in tests/test_verify_layouts.py)
     "zero1_dp8": ("llama3-8b", dict(dp=8, zero=1), False),
     "zero2_dp8_2mb": ("llama3-8b", dict(dp=8, zero=2, microbatch=1), False),
+    # ZeRO under TP (docs/verify.md "Layouts beyond the test matrix"): the optimizer's `data` split on a dim TP leaves
+    # whole; ZeRO-2 reduces every micro-batch's gradients, the norm scales' over `tensor` with them
+    "zero2_dp4_tp2": ("llama3-8b", dict(dp=4, tp=2, zero=2), True),
+    "zero2_dp4_tp2_2mb": ("llama3-8b", dict(dp=4, tp=2, zero=2, microbatch=2), False),
+    "zero1_dp4_tp2": ("llama3-8b", dict(dp=4, tp=2, zero=1), False),
     "cp4_tp2_allgather": ("llama3-8b", dict(cp=4, tp=2, cp_impl="allgather"), False),
     # ring CP: K/V forward cp − 1 times, dK/dV back cp − 1 times (the ledger's ring_saves_kv for jax)
     "cp4_tp2_ring": ("llama3-8b", dict(cp=4, tp=2, cp_impl="ring"), False),
