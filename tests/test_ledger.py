@@ -173,6 +173,15 @@ def test_zero2_reduce_scatters_every_micro_batch():
     assert z2["all_gather/data"] == z1["all_gather/data"] == 2 * PARAMS
 
 
+def test_zero2_reduces_the_norm_scales_over_tensor_every_micro_batch():
+    """ZeRO-2 DP4×TP2 (SP), 16 / (4·2) = 2 micro-batches: the norm scales' fp32 gradients, partial sums over `tensor`,
+    are reduced with each micro-batch's gradients — (2·L + 1)·D·4 = 5·256·4 = 5120 B once more than ZeRO-1, which
+    reduces them once a step (verify DP4×TP2 ZeRO-2: all_reduce/tensor 16384 B compiled)."""
+    z2 = ledger(ParallelConfig(dp=4, tp=2, microbatch=2, zero=2))["collective_bytes"]
+    z1 = ledger(ParallelConfig(dp=4, tp=2, microbatch=2, zero=1))["collective_bytes"]
+    assert z2["all_reduce/tensor"] - z1["all_reduce/tensor"] == 5120
+
+
 def test_zero2_under_xla_holds_the_micro_batchs_whole_gradients():
     """ZeRO-2 DP8 on the 1443072-parameter twin, fp32 gradients. DeepSpeed/Megatron reduce-scatter bucket by bucket
     inside the backward: the 1/8 shard, 4 · 1443072 / 8 = 721536 B. XLA (framework jax: replicas reduced after the
