@@ -219,8 +219,10 @@ def _slices_only(value: str, nbytes: float, n: int, instrs: dict[str, Instr], us
     return True
 
 
-def _scattered_bytes(ins: Instr, n: int, instrs: dict[str, Instr], users: dict[str, list[Instr]]) -> float:
-    """Bytes of an all-reduce's results that are only ever dynamic-sliced to 1/n (see `_slices_only`)."""
+def _scattered_bytes(ins: Instr, n: int, instrs: dict[str, Instr], users: dict[str, list[Instr]],
+                     only: list[int] | None = None) -> float:
+    """Bytes of an all-reduce's results that are only ever dynamic-sliced to 1/n (see `_slices_only`); `only`: of
+    these tuple indices."""
     arrs = arrays(ins.shape)
     if not ins.shape.startswith("("):
         b = shape_bytes(ins.shape)
@@ -228,6 +230,8 @@ def _scattered_bytes(ins: Instr, n: int, instrs: dict[str, Instr], users: dict[s
     total = 0.0
     for u in users.get(ins.name, []):
         idx = re.search(r"index=(\d+)", u.rest)
+        if only is not None and (not idx or int(idx.group(1)) not in only):
+            continue
         if u.op == "get-tuple-element" and idx and int(idx.group(1)) < len(arrs):
             dt, dims = arrs[int(idx.group(1))]
             b = DTYPE_BYTES[dt] * math.prod(dims)
@@ -322,8 +326,15 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
             inner = set(group_axes(first, coords, axis_names))
             arrs = arrays(ins.shape)
             part = float(sum(DTYPE_BYTES[arrs[i][0]] * math.prod(arrs[i][1]) for i in idx)) * runs.get(ins.computation, 1)
-            out.append(replace(rec, bytes=part, group_size=gsize * first.shape[1], note="all-reduce+all-reduce",
-                               axes=tuple(a for a in axis_names if a in inner or a in axes)))
+            both = replace(rec, group_size=gsize * first.shape[1], note="all-reduce+all-reduce",
+                           axes=tuple(a for a in axis_names if a in inner or a in axes))
+            # the folded all-reduce's results only sliced to 1/(both groups): a reduce-scatter over both (ZeRO's
+            # shard over data+context; ReduceScatterCreator after AllReduceFolder)
+            scat = _scattered_bytes(ins, both.group_size, instrs, users, idx) * runs.get(ins.computation, 1.0)
+            if scat:
+                out.append(replace(both, kind="reduce-scatter", bytes=scat, note="all-reduce+all-reduce+dynamic-slice"))
+            if part - scat > 0:
+                out.append(replace(both, bytes=part - scat))
             rec = replace(rec, bytes=rec.bytes - part)
         scattered = (_scattered_bytes(ins, gsize, instrs, users) * runs.get(ins.computation, 1.0)
                      if kind == "all-reduce" and fold_reduce_scatter else 0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -81,6 +81,8 @@ class Sharder:
     mesh: Mesh
     rules: dict[str, tuple[str, ...]]
     cp_impl: str = "allgather"  # Layout.cp_impl
+    # ZeRO-1/2: (the parameters', ZeRO's) shardings of one layer's weights (`build_program`), for `layer_grads`
+    zero_layer: Any = None
 
     def spec(self, dims: tuple[str | None, ...]) -> P:
         """Inside a shard_map, the axes it made manual are left out (the array is already split over them)."""
@@ -252,10 +254,10 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data") -> NamedSharding:
-    """ZeRO-1/2 (Rajbhandari et al. 2020 §5): the same array further split over `axis` on the dim with the most
+def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...] = ("data",)) -> NamedSharding:
+    """ZeRO-1/2 (Rajbhandari et al. 2020 §5): the same array further split over `axes` (`Layout.zero_axes`) on the dim with the most
     elements per device that divides by the axis size (never the pipeline's `layers` dim), preferring a dim no other
-    axis shards. Replicated over `axis` if no dim divides.
+    axis shards. Replicated over `axes` if no dim divides.
 
     Why a free dim: ZeRO's sharding of the gradients propagates back into the scanned layers' weight-gradient dots.
     Stacked on a dim `tensor` already splits (the MLP width), it made the partitioner gather the down-projection's
@@ -264,7 +266,7 @@ def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "
     the ledger (reduce-scatter + all-gather over `data`, TP's collectives unchanged) rightly does not hold. On a free
     dim each layer's gradient is reduce-scattered over `data` and the TP program is untouched (0.0% on every row)."""
     mesh = sharding.mesh
-    n = mesh.shape[axis]
+    n = math.prod(mesh.shape[a] for a in axes)
     entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     best, best_free, best_local = None, False, 0
     for i, (e, size) in enumerate(zip(entries, shape, strict=True)):
@@ -273,7 +275,7 @@ def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "
             best, best_free, best_local = i, not e, local
     if n == 1 or best is None:
         return sharding
-    entries[best] = _axes(entries[best]) + (axis,)
+    entries[best] = _axes(entries[best]) + tuple(axes)
     return NamedSharding(mesh, P(*entries))
 
 
@@ -800,6 +802,31 @@ def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = 
                           policy=remat_policy(recompute, scanned), prevent_cse=not scanned)
 
 
+def layer_grads(lp: Params, sh: Sharder) -> Params:
+    """The identity on one layer's weights whose backward lays their gradients out as the parameters are, then
+    as ZeRO's shard (`Sharder.zero_layer`; no-op without ZeRO or inside a shard_map). Each layer's weight gradients
+    are then computed in the parameters' layout and reduce-scattered onto ZeRO's shard inside the scan's backward, as
+    they would leave a MaxText backward (its gradients are constrained to the parameters' sharding,
+    `gradient_accumulation.py`, also under `shard_optimizer_over_data`, its ZeRO-1). Left to the partitioner, ZeRO's
+    split of the stacked gradient propagates into the weight-gradient dots, which it then reshards the activations
+    for: under CP it gathered them over `data` and all-to-all'ed them over context+tensor (verify DP2×TP2×CP2 ZeRO-2,
+    all_gather/data 11.0 MiB, all_to_all 2 MiB, none in the ledger)."""
+    if sh.zero_layer is None or _manual_axes():
+        return lp
+
+    @jax.custom_vjp
+    def ident(t: Params) -> Params:
+        return t
+
+    def bwd(_: None, ct: Params) -> tuple[Params]:
+        param_sh, zero_sh = sh.zero_layer
+        wsc = jax.lax.with_sharding_constraint
+        return (jax.tree.map(lambda g, p, z: wsc(wsc(g, p), z), ct, param_sh, zero_sh),)
+
+    ident.defvjp(lambda t: (t, None), bwd)
+    return ident(lp)
+
+
 def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh: Sharder,
             recompute: str, attention: str = "materialized", per_token: bool = False) -> jax.Array:
     """Mean next-token cross-entropy over the global batch (`per_token`: the [B,T] cross-entropies). batch:
@@ -808,7 +835,7 @@ def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh:
     and differentiates one layer at a time)."""
     x = embed_tokens(params, batch["tokens"], sh)
     layer = _layer_fn(model, sh, recompute, attention, scanned=True)
-    x, _ = jax.lax.scan(lambda h, lp: (layer(lp, h, batch["pos"]), None), x, params["layers"])
+    x, _ = jax.lax.scan(lambda h, lp: (layer(layer_grads(lp, sh), h, batch["pos"]), None), x, params["layers"])
     return head_loss(params, x, batch["targets"], model, sh, per_token)
 
 
@@ -1024,7 +1051,7 @@ def make_train_step(model: ModelConfig, sh: Sharder, layout: Layout, global_batc
     parameters and all-gather it."""
     M, shards = layout.n_micro(global_batch), layout.batch_shards
     dp = layout.dp
-    zero = layout.zero if dp > 1 else 0
+    zero = layout.zero if layout.zero_axes else 0
     # jax 0.10 cannot lower a nested shard_map that shards the batch over other axes (embedding under TP/FSDP,
     # CP attention, MoE under EP) inside the replicas' one: those layouts accumulate under the partitioner,
     # which reduces the gradients after every micro-batch.
@@ -1152,7 +1179,13 @@ def build_program(model: ModelConfig, layout: Layout, seq_len: int, global_batch
     ps = param_shardings(model, sh, stacked=True)
     zs = ps
     if layout.zero in (1, 2):
-        zs = jax.tree.map(zero_sharding, ps, param_shapes(model, stacked=True), is_leaf=lambda x: isinstance(x, NamedSharding))
+        zs = jax.tree.map(lambda s, shape: zero_sharding(s, shape, layout.zero_axes), ps,
+                          param_shapes(model, stacked=True), is_leaf=lambda x: isinstance(x, NamedSharding))
+        if layout.pp == 1:  # one layer's shardings: the stacked ones less the `layers` dim
+            def one(stacked: Params) -> Params:
+                return jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), stacked["layers"],
+                                    is_leaf=lambda x: isinstance(x, NamedSharding))
+            sh = replace(sh, zero_layer=(one(ps), one(zs)))
     os_ = {"m": zs, "v": zs, "step": NamedSharding(mesh, P())}
     bs = {"tokens": sh.sharding(("batch", "seq")), "targets": sh.sharding(("batch", "seq")),
           "pos": sh.sharding(("seq",))}

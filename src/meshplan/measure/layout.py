@@ -91,6 +91,13 @@ class Layout:
         return replace(self, fsdp=self.fsdp * self.dp, dp=1, zero=0)
 
     @property
+    def zero_axes(self) -> tuple[str, ...]:
+        """Mesh axes ZeRO-1/2 shard the optimizer (and ZeRO-2 the gradients) over: the gradient replicas, `data` and,
+        without FSDP, `context` (CP ranks hold the same weights: Megatron's distributed optimizer shards over the
+        data-parallel-with-context group; the ledger's `replicas`, train/costmodel.py `geometry`)."""
+        return tuple(a for a, n in (("data", self.dp), ("context", self.cp if self.fsdp == 1 else 1)) if n > 1)
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism is in effect (it only means something with tp > 1)."""
         return self.sequence_parallel and self.tp > 1

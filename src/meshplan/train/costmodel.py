@@ -914,9 +914,11 @@ class CostModel:
 
     def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
         """(data, expert) sizes that join the context+tensor reduction of the norm scales' gradients: all replicas
-        under `fold_all_reduces` (ZeRO-0, CP×TP), else none."""
+        under `fold_all_reduces` (CP×TP), else none. Under ZeRO-1/2 too: the folded all-reduce over every rank leaves
+        each replica the whole scale gradient, which it slices to its shard (verify DP2×TP2×CP2 ZeRO-2: the scales'
+        5120 B all-reduced over data+context+tensor, none reduce-scattered)."""
         data, expert = self._replica_axes(g)
-        fold = self.opt.fold_all_reduces & (self._norm_context(g) > 1) & (L.zero == 0)
+        fold = self.opt.fold_all_reduces & (self._norm_context(g) > 1)
         return np.where(fold, data, 1.0), np.where(fold, expert, 1.0)
 
     def _kv_bytes(self, g: dict):
@@ -1205,14 +1207,17 @@ class CostModel:
         # there with the rest too, `fold_all_reduces`)
         pc = self.pc
         layer_norms = np.where(self._spmd_pp(g), 0.0, g["layers_stage"] * pc.per_layer_norms)  # see _tp_terms
-        norms = np.where((self._norm_context(g) > 1) & (zero == 0), layer_norms + pc.final_norm, 0.0)
+        norms = np.where(self._norm_context(g) > 1, layer_norms + pc.final_norm, 0.0)
         expert_ax = ("expert", np.where(carved, ep, 1))
         fold_data, fold_expert = self._norm_replicas(L, g)
         folded = np.where(fold_data * fold_expert > 1, norms, 0.0)
+        norms = np.where(zero == 0, norms, folded)  # ZeRO: only folded scales leave the replicas' reduce-scatter
         for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
                            (expert, [("data", data), ctx]), (norms - folded, [("data", data), expert_ax])):
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
             led.collective("reduce_scatter", axes, np.where(zero >= 1, n_reduce * o.grad_reduce_bytes * part, 0.0))
+        # ZeRO's all-gather of the updated parameters: every shard, the norm scales' included
+        for part, axes in ((grads - expert, [("data", data), expert_ax, ctx]), (expert, [("data", data), ctx])):
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
         # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens, once a step also
         # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
