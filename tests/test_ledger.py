@@ -182,6 +182,18 @@ def test_zero2_reduces_the_norm_scales_over_tensor_every_micro_batch():
     assert z2["all_reduce/tensor"] - z1["all_reduce/tensor"] == 5120
 
 
+def test_zero_under_cp_tp_folds_the_norm_scales_and_shards_over_data_and_context():
+    """ZeRO-1 DP2×TP2×CP2, jax (XLA folds all-reduce chains): the norm scales' fp32 gradients, (2·L + 1)·D·4 =
+    5·256·4 = 5120 B, are all-reduced once over data+context+tensor (each replica slices its shard of the result), and
+    every other gradient is reduce-scattered over the replicas data×context: the bytes of the parameters' all-gather
+    over data+context (every parameter on this TP rank, the scales included) less those 5120 B (both 4 B a value
+    here). Before: the scales over context+tensor and again in the reduce-scatter."""
+    jax = framework_options("jax", Options(), {})
+    c = ledger(ParallelConfig(dp=2, tp=2, cp=2, zero=1), options=jax)["collective_bytes"]
+    assert c["all_reduce/data+context+tensor"] == 5120 and c.get("all_reduce/context+tensor", 0) == 0
+    assert c["reduce_scatter/data+context"] == c["all_gather/data+context"] - 5120
+
+
 def test_zero2_under_xla_holds_the_micro_batchs_whole_gradients():
     """ZeRO-2 DP8 on the 1443072-parameter twin, fp32 gradients. DeepSpeed/Megatron reduce-scatter bucket by bucket
     inside the backward: the 1/8 shard, 4 · 1443072 / 8 = 721536 B. XLA (framework jax: replicas reduced after the
