@@ -266,8 +266,9 @@ def zero_sharding(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[s
     the ledger (reduce-scatter + all-gather over `data`, TP's collectives unchanged) rightly does not hold. On a free
     dim each layer's gradient is reduce-scattered over `data` and the TP program is untouched (0.0% on every row)."""
     mesh = sharding.mesh
-    n = math.prod(mesh.shape[a] for a in axes)
     entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    axes = tuple(a for a in axes if not any(a in _axes(e) for e in entries))  # an axis that splits it already: not again
+    n = math.prod(mesh.shape[a] for a in axes)
     best, best_free, best_local = None, False, 0
     for i, (e, size) in enumerate(zip(entries, shape, strict=True)):
         local = size // math.prod(mesh.shape[a] for a in _axes(e))

@@ -92,10 +92,13 @@ class Layout:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """Mesh axes ZeRO-1/2 shard the optimizer (and ZeRO-2 the gradients) over: the gradient replicas, `data` and,
-        without FSDP, `context` (CP ranks hold the same weights: Megatron's distributed optimizer shards over the
-        data-parallel-with-context group; the ledger's `replicas`, train/costmodel.py `geometry`)."""
-        return tuple(a for a, n in (("data", self.dp), ("context", self.cp if self.fsdp == 1 else 1)) if n > 1)
+        """Mesh axes ZeRO-1/2 shard the optimizer (and ZeRO-2 the gradients) over: the gradient replicas, `data`, the
+        expert ranks (replicas of the dense weights; an expert weight, already split over `expert`, is sharded over
+        the others only) and, without FSDP, `context` (CP ranks hold the same weights: Megatron's distributed
+        optimizer shards over the data-parallel-with-context group; the ledger's `replicas` and `_replica_axes`,
+        train/costmodel.py)."""
+        return tuple(a for a, n in (("data", self.dp), ("expert", self.ep),
+                                    ("context", self.cp if self.fsdp == 1 else 1)) if n > 1)
 
     @property
     def sp(self) -> bool:
