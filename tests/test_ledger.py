@@ -194,6 +194,16 @@ def test_zero_under_cp_tp_folds_the_norm_scales_and_shards_over_data_and_context
     assert c["reduce_scatter/data+context"] == c["all_gather/data+context"] - 5120
 
 
+def test_zero_shards_an_experts_state_only_over_the_replicas_that_hold_it():
+    """ZeRO-1 DP8 with EP4 carved out of it, tiny MoE (E=8, k=2): per layer attention 196608 + norms 512 + router
+    D·E = 2048 → 199168 dense; routed experts E·3·D·F = 8·3·256·512 = 3145728, a quarter on this rank. Stage on this
+    rank P = 2·199168 + 2·3145728/4 + 262400 = 2233600, of which experts E = 1572864. AdamW's fp32 master and two
+    moments, 12 B each parameter: the dense state split over all 8 replicas, the experts' over the 8/4 = 2 that hold
+    them: 12·((2233600 − 1572864)/8 + 1572864/2) = 12·869024 = 10428288 B (was 12·2233600/8 = 3350400)."""
+    z1 = ledger(ParallelConfig(dp=8, ep=4, zero=1), TINY_MOE)["memory_bytes"]["optimizer"]
+    assert z1 == 10428288
+
+
 def test_zero2_under_xla_holds_the_micro_batchs_whole_gradients():
     """ZeRO-2 DP8 on the 1443072-parameter twin, fp32 gradients. DeepSpeed/Megatron reduce-scatter bucket by bucket
     inside the backward: the 1/8 shard, 4 · 1443072 / 8 = 721536 B. XLA (framework jax: replicas reduced after the

@@ -47,6 +47,8 @@ CASES = {
     # ZeRO over the replicas data×context (Megatron's data-parallel-with-context group), each layer's gradients
     # reduce-scattered onto the shard inside the backward (jaxmodel.layer_grads)
     "zero2_dp2_tp2_cp2": ("llama3-8b", dict(dp=2, tp=2, cp=2, zero=2), True),
+    # ZeRO with EP: the dense weights' state over data×expert, the experts' over data (Megatron's expert-DP group)
+    "zero1_dp2_ep4": ("mixtral-8x7b", dict(dp=2, ep=4, zero=1), True),
     "cp4_tp2_allgather": ("llama3-8b", dict(cp=4, tp=2, cp_impl="allgather"), False),
     # ring CP: K/V forward cp − 1 times, dK/dV back cp − 1 times (the ledger's ring_saves_kv for jax)
     "cp4_tp2_ring": ("llama3-8b", dict(cp=4, tp=2, cp_impl="ring"), False),
