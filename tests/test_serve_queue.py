@@ -32,15 +32,20 @@ def test_admission_queue_wait_by_hand():
         admission_queue_wait_s(120, 100, 0.0)
 
 
+def _sixteen_slots(cfg):
+    """16 clients and 48 clients on an engine of 16 slots, and the steady step (16 tokens a step)."""
+    full = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=16)
+    over = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=48)
+    return full, over, 16 / full.throughput_tokens_per_s
+
+
 def test_closed_form_clients_beyond_the_batch_limit():
     # 48 clients over 16 slots, 1000/200 tokens: at steady state 16 run, 32 wait. Request throughput X = 16 / (200
     # steps x step) (each slot turns over every O steps), so the wait is 32 / X = 400 steps. A queued request is
     # admitted as its slot frees, so it does not wait the running step a closed-loop client with a slot waits:
     # TTFT(48) - TTFT(16) = 400 steps - 1 step = 399 steps; TPOT and throughput are those of the 16 running
     cfg = ServeConfig(engine="vllm")
-    full = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=16)
-    over = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=48)
-    step = 16 / full.throughput_tokens_per_s
+    full, over, step = _sixteen_slots(cfg)
     assert over.ttft_s - full.ttft_s == pytest.approx(399 * step)
     assert over.tpot_s == full.tpot_s and over.throughput_tokens_per_s == full.throughput_tokens_per_s
     assert over.batch == 16
@@ -58,10 +63,7 @@ def test_closed_form_queue_on_an_engine_one_step_ahead():
     # X = 16 / (201 step), the queue waits 32 x 201 / 16 = 402 steps plus the one step before the slot is seen free;
     # a closed-loop client with a slot waits the running step and the one already picked (2 steps):
     # 403 - 2 = 401 steps
-    cfg = ServeConfig(engine="sglang")
-    full = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=16)
-    over = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=48)
-    step = 16 / full.throughput_tokens_per_s
+    full, over, step = _sixteen_slots(ServeConfig(engine="sglang"))
     assert over.ttft_s - full.ttft_s == pytest.approx(401 * step)
 
 
