@@ -105,7 +105,6 @@ CONFLICTS = [
     (DENSE + ["--cuda-graph", "none,attn"], "--cuda-graph must be none or a comma list"),
     (DENSE + ["--cuda-graph", ""], "--cuda-graph must be none or a comma list"),
     (DENSE + ["--recompute", ""], "unknown recompute policy ''"),
-    (SERVE + ["--concurrency", "4"], "--concurrency goes with --simulate"),
     (SERVE[:4] + ["tpu-v5e"] + SERVE[5:] + ["--engine", "trtllm"], "--engine trtllm runs on GPUs, not on tpu-v5e"),
     (DENSE + ["--framework", "megatron@"], "unknown version '' of framework 'megatron'"),
     (SERVE + ["--simulate", "--rate", "1", "--concurrency", "0"], "--concurrency must be an integer in [1, 100000]"),
@@ -130,6 +129,7 @@ def test_flag_that_cannot_apply_is_one_error(capsys, args, needle):
     DENSE + ["--cuda-graph", "none"], DENSE + ["--framework", "megatron", "--pp", "1"],  # presets are not checked
     DENSE[:6] + ["1"] + DENSE[7:] + ["--seq-len", "1", "--global-batch", "1"],  # one chip, one token
     SERVE[:4] + ["tpu-v5e"] + SERVE[5:] + ["--engine", "vllm"],  # vLLM has a TPU backend
+    SERVE + ["--concurrency", "4"],  # closed-loop clients without --simulate: the closed form ranks under them
 ])
 def test_the_same_flags_plan_where_they_apply(capsys, args):
     code, out, err = run_cli(args, capsys)

@@ -50,8 +50,9 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
-                 price: float | None = None) -> dict:
-    """Everything `serve --json` prints except the simulation and disaggregation sections."""
+                 price: float | None = None, clients: int | None = None) -> dict:
+    """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
+    is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
     if engine in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
         # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
@@ -79,7 +80,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         check_layout(m, chip, chips, cfg)
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
-    res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch)
+    res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch, clients)
     best = res.best
     mb = max_batch_per_replica(m, chip, best.config, eff, w)
     out = best.as_dict()
@@ -96,6 +97,9 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "searched": res.searched,
         "skipped_layouts": res.skipped,  # layouts that cannot be placed on this cluster: reason -> count
     })
+    if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
+        out["clients"] = {"clients": clients, "running": best.deployment_batch,
+                          "waiting": max(clients - best.deployment_batch, 0), "queue_wait_s": best.queue_wait_s}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -132,8 +136,10 @@ def serve(
     do_simulate: Annotated[bool, typer.Option("--simulate", help="Poisson-arrival simulation.")] = False,
     rate: Annotated[float | None, typer.Option(help="Arrivals per second for --simulate.")] = None,
     requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
-    concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients for --simulate (each finished "
-                                                         "request is replaced at once).")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients over the deployment (each finished "
+                                                         "request is replaced at once): the closed form ranks every "
+                                                         "layout under them (clients beyond the batch limit wait for a "
+                                                         "slot; --json key 'clients'), and --simulate runs them.")] = None,
     engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm | lmdeploy "
                                              "(the engine's defaults: step token budget, KV sizing, kernel "
                                              "fusion, when the first token comes).")] = "default",
@@ -164,14 +170,12 @@ def serve(
                                              if from_file is None else ""))
     if export is None and out_dir is not None:
         fail("--out goes with --export vllm|sglang|trtllm")
-    if concurrency is not None and not do_simulate:
-        fail("--concurrency goes with --simulate (the closed-loop clients of the simulation)")
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
-        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default":
+        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --disaggregate or --engine (the command line names its engine)")
+                 "--simulate, --concurrency, --disaggregate or --engine (the command line names its engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return
@@ -187,7 +191,7 @@ def serve(
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
-                       max_num_batched_tokens=max_num_batched_tokens, price=price)
+                       max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
@@ -243,6 +247,10 @@ def _print_table(o: dict) -> None:
                      + next(iter(o["skipped_layouts"]))))
     for k, v in rows:
         t.add_row(k, v)
+    if "clients" in o:
+        q = o["clients"]
+        t.add_row("closed-loop clients", f"{q['clients']:,} clients, {q['running']:,} running, {q['waiting']:,} "
+                                         f"waiting; queue wait {fmt_time(q['queue_wait_s'])}")
     if "simulation" in o:
         s = o["simulation"]
         t.add_row("sim TTFT p50/p90/p99", " / ".join(fmt_time(s["ttft_s"][k]) for k in ("p50", "p90", "p99")))

@@ -45,11 +45,13 @@ def batch_grid(max_batch: int) -> list[int]:
 
 
 def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
-             mode: str = "continuous", batches: Iterable[int] | None = None) -> list[ServePoint]:
-    """Metrics at each batch on the grid (or `batches`), smallest first; only batches that fit."""
+             mode: str = "continuous", batches: Iterable[int] | None = None,
+             clients: int | None = None) -> list[ServePoint]:
+    """Metrics at each batch on the grid (or `batches`), smallest first; only batches that fit. `clients`: a closed
+    loop of that many clients, each batch then the engine's limit per replica (evaluate)."""
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
     grid = sorted(set(b for b in (batches or batch_grid(mb)) if 1 <= b <= mb))
-    return [evaluate(m, chip, n_chips, cfg, eff, w, b, mode) for b in grid]
+    return [evaluate(m, chip, n_chips, cfg, eff, w, b, mode, clients=clients) for b in grid]
 
 
 def best_point(points: Iterable[ServePoint], targets: Targets = Targets()) -> ServePoint | None:
@@ -89,8 +91,9 @@ class SearchResult:
 
 def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
            targets: Targets = Targets(), mode: str = "continuous", tp: int | None = None, pp: int | None = None,
-           ep: int | None = None, batch: int | None = None) -> SearchResult:
-    """Try layouts and batches; raise with the best reachable latency when no layout meets the targets."""
+           ep: int | None = None, batch: int | None = None, clients: int | None = None) -> SearchResult:
+    """Try layouts and batches; raise with the best reachable latency when no layout meets the targets. `clients`:
+    rank every candidate under a closed loop of that many clients (frontier, evaluate)."""
     cands = layouts(m, chip, n_chips, base, tp, pp, ep)
     if not cands:
         raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees")
@@ -98,7 +101,7 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
     skipped: Counter[str] = Counter()
     for cfg in cands:
         try:
-            pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None)
+            pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients)
         except InfeasibleError as exc:  # this layout cannot be placed here; another may be fine
             skipped[f"tp={cfg.tp} pp={cfg.pp}: {exc}"] += 1
             continue

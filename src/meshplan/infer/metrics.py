@@ -51,6 +51,7 @@ class ServePoint:
     memory: MemoryBreakdown
     step: StepCost
     price_per_chip_hour: float
+    queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
 
     @property
     def throughput_per_chip(self) -> float:
@@ -241,7 +242,7 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
     tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / w.output_len).time_s if w.output_len > 1 else pure.time_s
-    return ttft, tpot, batch / step_s, frac, mixed
+    return ttft, tpot, batch / step_s, frac, mixed, queue or 0.0
 
 
 def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # one batch from t = 0
@@ -256,9 +257,9 @@ def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # on
     # the cost split charges generation at least one decode step: with --output-len 1 the one output token (its LM
     # head and sampling) is not free (issue #18: $0.00 per million output tokens)
     frac = pre.time_s / (pre.time_s + max(n_decode, 1) * dec.time_s)
-    if clients is not None and clients > batch:  # the clients beyond the batch wait for whole batches to end
-        ttft += admission_queue_wait_s(clients, batch, batch / e2e)
-    return ttft, dec.time_s, batch * w.output_len / e2e, frac, dec
+    # the clients beyond the batch wait for whole batches to end
+    queue = admission_queue_wait_s(clients, batch, batch / e2e) if clients is not None and clients > batch else 0.0
+    return ttft + queue, dec.time_s, batch * w.output_len / e2e, frac, dec, queue
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
@@ -280,7 +281,7 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     per_replica_clients = None if clients is None else max(clients // max(replicas, 1), 1)
     if per_replica_clients is not None:
         batch, closed_loop = min(batch, per_replica_clients), True
-    ttft, tpot, per_replica, frac, step = (_continuous if mode == "continuous" else _static)(
+    ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, batch, closed_loop, per_replica_clients)
     out = replicas * per_replica
     return ServePoint(
@@ -288,4 +289,4 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         e2e_latency_s=ttft + (w.output_len - 1) * tpot, throughput_tokens_per_s=out,
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
-        price_per_chip_hour=chip.price_per_chip_hour)
+        price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue)
