@@ -59,8 +59,8 @@ FSDP_COPY_IN_READ_BYTES = 2.0
 # scaling"; Float8RowwiseParallel casts the output gradient to float8 in the backward). Scales (one per tensor, or
 # 1 B per 32 / 4 B per 128 elements under block scaling: 3%) are left out, as in fp8_recipes.yaml. Reduce-scatters
 # carry the GEMMs' bf16 outputs.
-FP8_GATHER_BYTES = 1.0
 FP8_ELEMENT_BYTES = 1.0  # an E4M3/E5M2 element
+FP8_GATHER_BYTES = FP8_ELEMENT_BYTES
 FP8_BLOCK_SCALE_BYTES = 1.0 / 32  # per element: MXFP8's E8M0 scale per 32 (OCP MX v1.0), TE blockwise fp32 per 128
 KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, residuals (a LLaMA layer)
 # PyTorch's context parallelism (torch.distributed.tensor.experimental._attention, torch 2.5-2.6, as torchtitan ran
@@ -894,9 +894,13 @@ class CostModel:
     def _carved_experts(self, g: dict):
         """Parameters of the stage's routed experts on this rank when the expert ranks are carved out of dp (else 0)."""
         ep = g["ep"]
-        carved = (g["dp"] % ep == 0) & (ep > 1)
         expert = g["layers_stage"] * self.c["expert_w"] / (g["tp"] * ep) if self.p.model.is_moe else 0.0
-        return np.where(carved, expert, 0.0)
+        return np.where(self._carved(g), expert, 0.0)
+
+    @staticmethod
+    def _carved(g: dict):
+        """The expert ranks are carved out of dp (Megatron's expert-data-parallel layout): ep > 1 and divides dp."""
+        return (g["dp"] % g["ep"] == 0) & (g["ep"] > 1)
 
     def _zero_local(self, g: dict, on, P=None):
         """Parameters of this rank's ZeRO shard of the stage (`P`, default the stage's local parameters) where `on`
@@ -925,8 +929,7 @@ class CostModel:
     def _replica_axes(self, g: dict) -> tuple:
         """(data, expert) sizes of the replica group in mesh axes: the planner's dp holds the expert ranks (carved
         out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients."""
-        ep = g["ep"]
-        carved = (g["dp"] % ep == 0) & (ep > 1)
+        ep, carved = g["ep"], self._carved(g)
         return np.where(carved, g["dp"] / ep, g["dp"]), np.where(carved, ep, 1.0)
 
     def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
@@ -1196,8 +1199,7 @@ class CostModel:
         stride_rep = np.where(sh > 1, tp * sh, tp)
         # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
         # does); the experts' own gradients are reduced only over the replicas that hold the same experts
-        ep = g["ep"]
-        carved = (g["dp"] % ep == 0) & (ep > 1)
+        data, expert_n = self._replica_axes(g)
         expert = self._carved_experts(g) / sh
         ar, rs_dp, ag_dp = (self._replica_collective(kind, nbytes * grads, nbytes * expert, g, stride_rep)
                             for kind, nbytes in (("allreduce", o.grad_reduce_bytes),
@@ -1216,14 +1218,13 @@ class CostModel:
         gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
         out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
         out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
-        data = self._replica_axes(g)[0]
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
         # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only (or
         # there with the rest too, `fold_all_reduces`)
         pc = self.pc
         layer_norms = np.where(self._spmd_pp(g), 0.0, g["layers_stage"] * pc.per_layer_norms)  # see _tp_terms
         norms = np.where(self._norm_context(g) > 1, layer_norms + pc.final_norm, 0.0)
-        expert_ax = ("expert", np.where(carved, ep, 1))
+        expert_ax = ("expert", expert_n)
         fold_data, fold_expert = self._norm_replicas(L, g)
         folded = np.where(fold_data * fold_expert > 1, norms, 0.0)
         norms = np.where(zero == 0, norms, folded)  # ZeRO: only folded scales leave the replicas' reduce-scatter
@@ -1238,7 +1239,7 @@ class CostModel:
         # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
         # compiler moves the carried all-reduce out of the loop: one all-reduce, docs/verify.md); it is
         # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
-        led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", np.where(carved, ep, 1)),
+        led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", expert_n),
                                       ("context", g["cp"])], 4.0)
 
     def _replica_collective(self, kind: str, all_bytes, expert_bytes, g: dict, stride_rep):
@@ -1392,9 +1393,10 @@ class CostModel:
             stage_layers = stage_layers - self._head_in_split_relief(g)
         acts = stage_layers * act_layer
         # full recompute re-materialises one layer's activations at a time in the backward
-        working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         if xla:
             working = self._xla_layer_backward(L, g, act_layer - other_kv)  # the other ranks' K/V: no rebuild
+        else:
+            working = np.where(L.recompute == 2, self.activation_per_layer(L, g, np.zeros_like(L.recompute)), 0)
         # the loss's peak at the start of the backward, per logit: a fused cross-entropy (Megatron's vocab-parallel
         # kernel) holds the bf16 logits and the fp32 softmax it saved and writes the gradient in place (6 B);
         # eager PyTorch (`F.cross_entropy(logits.float())`, torchtitan) also holds the fp32 gradient of the
