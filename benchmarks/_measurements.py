@@ -473,12 +473,14 @@ def options_of(e: dict) -> Options:
 FSDP_FP8_GATHER_WORDS = ("fsdp float8 all-gather", "fsdp float8 all gather", "enable_fsdp_float8_all_gather")
 
 
-MBRIDGE_CUDA_GRAPHS = ROOT / "benchmarks" / "data" / "mbridge_cuda_graphs.yaml"
+@lru_cache(maxsize=8)
+def _bench_table(name: str) -> dict:
+    """A per-row table of benchmarks/data (row id -> what its source ran), read once."""
+    return yaml.safe_load((ROOT / "benchmarks" / "data" / name).read_text()) or {}
 
 
-@lru_cache(maxsize=1)
 def _mbridge_cuda_graphs() -> dict:
-    return yaml.safe_load(MBRIDGE_CUDA_GRAPHS.read_text()) or {}
+    return _bench_table("mbridge_cuda_graphs.yaml")
 
 
 def cuda_graph_scopes_of(e: dict) -> tuple[str, ...]:
@@ -487,12 +489,8 @@ def cuda_graph_scopes_of(e: dict) -> tuple[str, ...]:
     return tuple(_mbridge_cuda_graphs().get(e["id"], {}).get("cuda_graph_scopes") or ())
 
 
-MBRIDGE_RECIPES = ROOT / "benchmarks" / "data" / "mbridge_recipes.yaml"
-
-
-@lru_cache(maxsize=1)
 def _mbridge_recipes() -> dict:
-    return yaml.safe_load(MBRIDGE_RECIPES.read_text()) or {}
+    return _bench_table("mbridge_recipes.yaml")
 
 
 def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
@@ -505,12 +503,8 @@ def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
             if entry.get(k) is not None}
 
 
-MBRIDGE_MOE_DISPATCH = ROOT / "benchmarks" / "data" / "mbridge_moe_dispatch.yaml"
-
-
-@lru_cache(maxsize=1)
 def _mbridge_moe_dispatch() -> dict:
-    return yaml.safe_load(MBRIDGE_MOE_DISPATCH.read_text()) or {}
+    return _bench_table("mbridge_moe_dispatch.yaml")
 
 
 def moe_dispatch_of(e: dict, table: dict | None = None) -> dict:
