@@ -152,20 +152,22 @@ class _Replica:
                 done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
-        prompt = {id(r): r.inp - self.short for r in running}  # tokens the prefill pass covers
-        dec = [r for r in running if r.prefilled >= prompt[id(r)]]
+        def prompt(r: _Req) -> int:  # tokens the prefill pass covers
+            return r.inp - self.short
+
+        dec = [r for r in running if r.prefilled >= prompt(r)]
         budget, chunks = max(self.budget - len(dec), 1), []
         for r in running:
-            if r.prefilled < prompt[id(r)] and budget > 0:
-                c = min(prompt[id(r)] - r.prefilled, budget)
-                if not self.chunked and c < prompt[id(r)] - r.prefilled:
+            if r.prefilled < prompt(r) and budget > 0:
+                c = min(prompt(r) - r.prefilled, budget)
+                if not self.chunked and c < prompt(r) - r.prefilled:
                     # whole prompts only (TensorRT-LLM without chunked context): FCFS, the first prompt that does not
                     # fit ends the step's prefill; the step's first prompt runs whole even past the budget (the
                     # engine's max_num_tokens must admit its longest prompt; and no prompt waits forever behind
                     # the decodes)
                     if chunks:
                         break
-                    c = prompt[id(r)] - r.prefilled
+                    c = prompt(r) - r.prefilled
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
@@ -180,7 +182,7 @@ class _Replica:
                 r.first_token = t
         for r, c in chunks:
             r.prefilled += c
-            if r.prefilled >= prompt[id(r)] and not self.short:  # the prompt's last chunk yields the first token
+            if r.prefilled >= prompt(r) and not self.short:  # the prompt's last chunk yields the first token
                 r.generated, r.first_token = 1, t
                 r.times.append(t)
         for r in running:
