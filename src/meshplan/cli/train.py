@@ -225,8 +225,6 @@ def train(
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
         cuda_graph_scopes=graph_scopes)
-    if from_file is None:
-        _check_combinations(problem, pins, dtype, explicit)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -234,6 +232,7 @@ def train(
                    check_flags=lambda prob, file_pins, file_dtype: _check_combinations(prob, file_pins, file_dtype,
                                                                                        explicit))
         return
+    _check_combinations(problem, pins, dtype, explicit)
     eff = resolve_efficiency(problem.chip, profile)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), explicit)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
