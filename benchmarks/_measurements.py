@@ -207,9 +207,12 @@ def scale_out_of(text: str, gpus_per_node: int) -> tuple[float | None, str | Non
     GPU unless the text says per node/host. None for what the text does not say."""
     t = " " + text.lower().replace("×", "x") + " "
     kind = next((k for word, k in FABRIC_KINDS if word in t), None)
-    rate = re.search(r"(\d+(?:\.\d+)?)\s*(g|t)(?:b/s|bps|bit/s|bits/s)", t)
+    # the case says the unit: 'Gb/s' / 'Gbps' are bits (the NIC rating), 'GB/s' / 'GBps' bytes (8 bits each)
+    rate = re.search(r"(\d+(?:\.\d+)?)\s*([GT])(b/s|bps|bit/s|bits/s|B/s|Bps)", " " + text.replace("×", "x") + " ",
+                     re.IGNORECASE)
     if rate:
-        bits = float(rate.group(1)) * (1e12 if rate.group(2) == "t" else 1e9)
+        unit = 8.0 if rate.group(3) in ("B/s", "Bps") else 1.0
+        bits = float(rate.group(1)) * (1e12 if rate.group(2).lower() == "t" else 1e9) * unit
     else:
         bits = next((r for name, r in LINK_RATES_BIT_PER_S.items() if name in t), None)
         if bits is None:

@@ -179,6 +179,9 @@ def test_accuracy_benchmark_survives_unseen_entries(monkeypatch, capsys) -> None
     ("8x 400Gb/s NDR InfiniBand", 50.0, "infiniband"),
     ("1.6 Tb/s per node", 25.0, None),
     ("4x HDR per node", 12.5, "infiniband"),
+    # a capital B is bytes: 8 NICs of 50 GB/s (= 400 Gb/s) each per 8-GPU node is 50 GB/s per GPU, not 6.25
+    ("InfiniBand 8x50 GB/s per node (8x 400 Gb/s)", 50.0, "infiniband"),
+    ("25 GBps per GPU", 25.0, None),
 ])
 def test_scale_out_read_from_the_published_network(text: str, gb_per_s_per_gpu: float, kind: str | None) -> None:
     bw, k = H.scale_out_of(text, 8)
