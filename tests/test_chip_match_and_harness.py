@@ -74,6 +74,20 @@ def test_nemo_convention_reproduces_the_published_flops_per_token() -> None:
         assert flops / seq == pytest.approx(per_token, rel=0.01)
 
 
+MIXTRAL = {"name": "Mixtral-8x7B", "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+           "ffn_act": "swiglu", "vocab": 32000, "seq_len": 4096,
+           "moe": {"num_experts": 8, "num_experts_per_tok": 2}}
+
+
+def test_maxtext_convention_counts_an_moe_by_its_active_parameters() -> None:
+    """AI-Hypercomputer tpu-recipes, Mixtral 8x7B on 256 v6e: MaxText printed 302.311 TFLOP/s per chip at
+    3645.203 tokens/s per chip, 82.9 GFLOP per token; 6·N_total (46.7B) would be 280 G, 6·N_active (12.9B) 77 G
+    plus the attention term."""
+    flops, hw = H.convention_flops_per_step(_entry(MIXTRAL, 4096, 1, 1, "maxtext_6N_plus_attention", {}))
+    assert not hw
+    assert flops / 4096 == pytest.approx(302.311e12 / 3645.203, rel=0.03)
+
+
 def test_palm_convention_attention_term() -> None:
     """PaLM appendix B: 540B at 2048 tokens is 45.7% MFU without the 12·L·H·Q·T term and 46.2% with it."""
     palm = {"name": "PaLM 540B", "layers": 118, "d_model": 18432, "heads": 48, "kv_heads": 1, "head_dim": 256,
