@@ -428,8 +428,11 @@ def options_of(e: dict) -> Options:
         framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias", "glu_saves_input")}
     if e.get("framework") == "maxtext":
         # MaxText on TPU (the "maxtext" preset): JAX remat reruns only what the backward reads, folded all-reduces,
-        # the SPMD pipeline loop; the TP and DP overlap defaults are already the TPU's
-        framework_kw = {k: FRAMEWORKS["maxtext"][k] for k in ("remat_dce", "fold_all_reduces", "pp_spmd_loop")}
+        # the SPMD pipeline loop, splash attention's block grid (the recipe's, data/maxtext_recipes.yaml, else the
+        # preset's base.yml default); the TP and DP overlap defaults are already the TPU's
+        framework_kw = {k: FRAMEWORKS["maxtext"][k] for k in ("remat_dce", "fold_all_reduces", "pp_spmd_loop",
+                                                             "attention_block_fwd", "attention_block_bwd")}
+        framework_kw.update(maxtext_recipe_of(e))
     if titan and any(w in prec for w in FSDP_FP8_GATHER_WORDS):
         # torchtitan's float8.enable_fsdp_float8_all_gather: FSDP2 gathers the float8 weights (1 byte per parameter)
         framework_kw["fsdp_param_bytes"] = 1.0
@@ -504,6 +507,14 @@ def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
     entry = (_mbridge_recipes() if table is None else table).get(e["id"]) or {}
     return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload", "pp_head_in_split")
             if entry.get(k) is not None}
+
+
+def maxtext_recipe_of(e: dict, table: dict | None = None) -> dict:
+    """The splash-attention block grid a tpu-recipes (MaxText) row's recipe ran (data/maxtext_recipes.yaml, read from
+    the recipe's workload details; `table` replaces that file): `attention_block_fwd`, `attention_block_bwd` as
+    (block_q, block_kv); {} for other rows (the maxtext preset's base.yml default)."""
+    entry = (_bench_table("maxtext_recipes.yaml") if table is None else table).get(e["id"]) or {}
+    return {k: tuple(int(v) for v in entry[k]) for k in ("attention_block_fwd", "attention_block_bwd") if k in entry}
 
 
 def _mbridge_moe_dispatch() -> dict:

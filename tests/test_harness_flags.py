@@ -130,3 +130,18 @@ def test_megatron_bridge_fp8_rows_get_fp8_weights_fused_swiglu_and_the_405b_spli
     opts = H.options_of(_row("mbridge_26p06_llama3p1-405b_gb200_256_fp8"))
     assert opts.pp_head_in_split and opts.glu_saves_input and opts.fp8_params and opts.compute_dtype == "fp8"
     assert not H.options_of(_row("mbridge_26p04_llama3-70b_h100_64_fp8")).pp_head_in_split
+
+
+def test_tpu_recipes_rows_get_their_splash_block_grid() -> None:
+    # tpu-recipes Llama3.1-70B-MaxText/v6e-64 README (llama3_1_70b_8192_bs2): every sa_block_* 2048; Mixtral-8x7B
+    # (mixtral_8x7b_dropped): sa_block_q and sa_block_q_dkv 2048, the kv blocks at base.yml's 512
+    assert H.options_of(_row("tpurecipes_v6e_llama3p1-70b_64x1")).attention_block_fwd == (2048, 2048)
+    mixtral = H.options_of(_row("tpurecipes_v6e_mixtral-8x7b_256x1"))
+    assert (mixtral.attention_block_fwd, mixtral.attention_block_bwd) == ((2048, 512), (2048, 512))
+    # a MaxText row the table does not list: the preset's base.yml default; a GPU row: no block grid
+    other = dict(_row("tpurecipes_v6e_mistral-7b_8x1"), id="not_in_the_table")
+    assert H.options_of(other).attention_block_fwd == (512, 512)
+    assert H.options_of(_row("torchtitan_trainy_h200_llama3p1_8b_32")).attention_block_fwd == (0, 0)
+    # every row of the table is a MaxText row of the data
+    table = yaml.safe_load((DATA / "maxtext_recipes.yaml").read_text())
+    assert all(_rows()[k]["framework"] == "maxtext" for k in table)

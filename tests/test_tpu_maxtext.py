@@ -155,3 +155,46 @@ def test_maxtext_dropping_moe_runs_capacity_buffers_and_one_hot_einsums() -> Non
                        Options(moe_capacity_factor=cf))
         flops[cf] = float(cm._matmul_term(cm.geometry(LayoutArrays.from_configs([cfg])))["flops"][0])
     assert flops[1.25] - flops[0.0] == pytest.approx(721_554_505_728 + 687_194_767_360, rel=1e-9)
+
+
+@pytest.mark.parametrize(("seq", "bq", "bkv", "ratio"), [
+    (8192, 2048, 2048, 1.25),  # 1 + 2 + 3 + 4 = 10 of 16 blocks: 10 x 2048² / (8192² / 2) = 41,943,040 / 33,554,432
+    (8192, 512, 512, 1.0625),  # 16 x 17 / 2 = 136 of 256 blocks (marin-community/marin#6332): 136 / 128
+    (4096, 2048, 512, 1.5),  # q block 0 reaches 4 kv blocks, q block 1 all 8: 12 x 2048 x 512 / (4096² / 2)
+    (1024, 2048, 2048, 2.0),  # blocks capped at S (MaxText min(sa_block_q, S)): one 1024² block over 1024² / 2
+    (8192, 0, 0, 1.0),  # no block grid: the causal half
+])
+def test_splash_attention_computes_every_causal_block_that_is_not_empty(seq: int, bq: int, bkv: int,
+                                                                        ratio: float) -> None:
+    assert tm.causal_block_visit_ratio(seq, bq, bkv) == pytest.approx(ratio, rel=1e-12)
+
+
+def test_splash_block_grid_scales_the_tpu_attention_core_only() -> None:
+    # Llama 3.1 70B, one 8192-token sequence on a v6e: forward core FLOPs 2 x 8192 tokens x 4096 keys (causal mean)
+    # x 64 heads x 256 = 1,099,511,627,776; 2048 x 2048 blocks compute 1.25 x that forward and backward (the
+    # backward 2.5 x the forward's), so every core time is 1.25 x; a 1024 x 512 forward grid 1.125 x (1, 2, ..., 8
+    # q blocks of 1024 reach 2, 4, ..., 16 kv blocks of 512: 72 x 1024 x 512 / (8192² / 2))
+    def core(hw: str, model: str, **kw) -> dict:
+        chip = load_chip(hw)
+        cm = CostModel(Problem(load_model(model), chip, 1, 8192, 1), default_efficiency(chip), Options(**kw))
+        cfg = ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=1, recompute="none", zero=0)
+        return {k: float(v[0]) if hasattr(v, "__len__") else float(v)
+                for k, v in cm._attention_core_term(cm.geometry(LayoutArrays.from_configs([cfg]))).items()}
+
+    blocks = dict(attention_block_fwd=(2048, 2048), attention_block_bwd=(2048, 2048))
+    plain, grid = core("tpu-v6e", "llama3.1-70b"), core("tpu-v6e", "llama3.1-70b", **blocks)
+    assert plain["flops_f"] == pytest.approx(1_099_511_627_776, rel=1e-12)
+    assert grid["flops_f"] == pytest.approx(1.25 * 1_099_511_627_776, rel=1e-12)
+    assert grid["flops_b"] == pytest.approx(1.25 * 2.5 * 1_099_511_627_776, rel=1e-12)
+    for key in ("f_s", "b_s", "qk_f_s"):
+        assert grid[key] == pytest.approx(1.25 * plain[key], rel=1e-12)
+    fwd_only = core("tpu-v6e", "llama3.1-70b", attention_block_fwd=(1024, 512))
+    assert fwd_only["f_s"] == pytest.approx(1.125 * plain["f_s"], rel=1e-12)
+    assert fwd_only["b_s"] == pytest.approx(plain["b_s"], rel=1e-12)
+    # GPUs (FlashAttention's own tiles) and windowed layers (gemma2: blocks follow the window) are left as they were
+    assert core("h100-sxm", "llama3.1-70b", **blocks)["f_s"] == pytest.approx(core("h100-sxm", "llama3.1-70b")["f_s"])
+    assert core("tpu-v6e", "gemma2-9b", **blocks)["f_s"] == pytest.approx(core("tpu-v6e", "gemma2-9b")["f_s"])
+    with pytest.raises(MeshplanError, match=r"attention_block_fwd must be \(block_q, block_kv\)"):
+        Options(attention_block_fwd=(2048,))
+    with pytest.raises(MeshplanError, match=r"attention_block_bwd\[1\]"):
+        Options(attention_block_bwd=(2048, -1))

@@ -7,6 +7,7 @@ T/S sequence length, b micro-batch in sequences. FLOPs count a multiply-add as 2
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.errors import MeshplanError
@@ -235,6 +236,23 @@ def mean_attended_keys(m: ModelConfig, seq_len: float, causal: bool = True) -> f
         return seq_len / 2.0 if causal else float(seq_len)
     spans = m.windows()
     return sum(attended_keys(w, seq_len, causal, m.window_kind) for w in spans) / len(spans)
+
+
+def causal_block_visit_ratio(seq_len: int, block_q: int, block_kv: int) -> float:
+    """Score entries a block-sparse causal attention kernel computes over the S²/2 the causal mask keeps (the
+    work `mean_attended_keys` counts). Splash attention on TPU (jax.experimental.pallas.ops.tpu.splash_attention,
+    splash_attention_mask_info.py: a block of the mask is empty (0, skipped), partial (1) or full (2), and every
+    block that is not empty is computed whole, the mask applied inside it) tiles the S×S scores into block_q ×
+    block_kv blocks, each capped at S (MaxText layers/attentions.py: block_q = min(sa_block_q, S)); q block i
+    reaches ceil((i+1)·block_q / block_kv) kv blocks. E.g. S 8192 in 2048 × 2048 blocks: 1 + 2 + 3 + 4 = 10 of
+    16 blocks, 10·2048² / (8192²/2) = 1.25; in 512 × 512 blocks 136 of 256 (marin-community/marin#6332 counts
+    the same), 1.0625. 1.0 when a block size is 0 (no block granularity: the kernel computes the causal half)."""
+    if block_q <= 0 or block_kv <= 0 or seq_len <= 0:
+        return 1.0
+    bq, bkv = min(block_q, seq_len), min(block_kv, seq_len)
+    n_q, n_kv = math.ceil(seq_len / bq), math.ceil(seq_len / bkv)
+    blocks = sum(min(math.ceil((i + 1) * bq / bkv), n_kv) for i in range(n_q))
+    return blocks * bq * bkv / (seq_len * seq_len / 2.0)
 
 
 def kv_cached_tokens(m: ModelConfig, context_len: float) -> float:

@@ -19,7 +19,7 @@ import yaml
 
 from meshplan.cost.collectives import ragged_destinations
 from meshplan.cost.efficiency import Efficiency, attention_head_dim_rate, host_constant, moe_constant
-from meshplan.errors import unknown_name_error
+from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
@@ -250,6 +250,11 @@ class Options:
     # (nanotron, llm-foundry); "sdpa" = PyTorch's scaled_dot_product_attention, whose bundled FA2 it picks first
     # on every GPU (torchtitan; pytorch/pytorch#142132). On Hopper both FA2s run at about half FA3's rate.
     attention_kernel: str = "fused"
+    # The block grid of a TPU splash-attention kernel, (block_q, block_kv) of its forward and of its backward (MaxText
+    # sa_block_q/sa_block_kv and sa_block_q_dkv/sa_block_kv_dkv): the causal blocks it computes whole
+    # (tm.causal_block_visit_ratio). (0, 0) = no block granularity (the causal half); read on TPUs only.
+    attention_block_fwd: tuple[int, int] = (0, 0)
+    attention_block_bwd: tuple[int, int] = (0, 0)
     # Element sizes of the program (the planner's defaults describe bf16 training with an fp32 master copy; the CPU
     # program `meshplan verify` compiles is fp32 throughout: 4, 4, 0)
     act_bytes: float = ACT_BYTES  # activations and the TP/CP/EP/PP collectives that carry them
@@ -320,6 +325,12 @@ class Options:
                 raise unknown_name_error(kind, str(name), choices)
         for name, rule in _OPTION_RULES.items():  # the numbers, by the shared pydantic rules (meshplan.validate)
             rule.check(getattr(self, name), f"Options.{name}")
+        for name in ("attention_block_fwd", "attention_block_bwd"):
+            block = getattr(self, name)
+            if len(block) != 2:
+                raise MeshplanError(f"Options.{name} must be (block_q, block_kv), got {block!r}")
+            for i, size in enumerate(block):
+                _BLOCK.check(size, f"Options.{name}[{i}]")
 
     def overlaps(self, chip_kind: str) -> tuple[bool, bool]:
         """(TP overlapped, DP reduction overlapped) with the unset ones at the chip's default: XLA on TPU decomposes
@@ -338,6 +349,7 @@ class Options:
 
 
 _BYTES = Rule(0, 8, "bytes per element", integer=False)  # 0: not kept (no fp32 master, mixed precision)
+_BLOCK = Rule(0, 1 << 24, "tokens; 0 = no block grid")  # a splash-attention block size (Options.attention_block_*)
 _OPTION_RULES = {"headroom": Rule(-1e9, CLI_RULES["headroom"].hi, "a fraction of HBM kept free; below 0 (more HBM than "
                                   "the chip has) the searches that ignore memory", integer=False), "moe_node_limit": Rule(0, 1 << 20, "nodes; 0 = no limit"),
                  "moe_capacity_factor": Rule(0, 1e3, "0 = dropless", integer=False),
@@ -494,10 +506,13 @@ class CostModel:
             fwd_frac, bwd_frac = (self._attention_mxu_fill(d) * getattr(e, a)
                                   for a, d in zip(ATTENTION_KERNEL_FRACTIONS[self.opt.attention_kernel],
                                                   ("fwd", "bwd"), strict=True))
-            bwd_flops = f_core * e.attention_bwd_flops_ratio
-            out = dict(f_s=f_core / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
-                       flops_f=f_core, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
-            out.update(qk_f_s=out["f_s"], qk_flops=f_core, qk_hbm=0.0)  # a fused kernel recomputes as a whole
+            # the causal blocks a TPU splash kernel computes whole: the fractions are its rate on the scores it computes
+            visit_f, visit_b = (self._causal_block_visits(b) for b in (self.opt.attention_block_fwd,
+                                                                         self.opt.attention_block_bwd))
+            f_core_f, bwd_flops = f_core * visit_f, f_core * e.attention_bwd_flops_ratio * visit_b
+            out = dict(f_s=f_core_f / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
+                       flops_f=f_core_f, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
+            out.update(qk_f_s=out["f_s"], qk_flops=f_core_f, qk_hbm=0.0)  # a fused kernel recomputes as a whole
         else:
             out = self._materialized_attention(g, f_core)
         if self.opt.cp_impl == "torch":
@@ -508,6 +523,14 @@ class CostModel:
             out["f_s"] = out["f_s"] + CP_TORCH_MERGE_FWD_BYTES * out_elems / self.hbm
             out["b_s"] = out["b_s"] + CP_TORCH_MERGE_BWD_BYTES * out_elems / self.hbm
         return out
+
+    def _causal_block_visits(self, block: tuple[int, int]) -> float:
+        """Scores a TPU splash kernel computes over the causal ones (tm.causal_block_visit_ratio) for its (block_q,
+        block_kv); 1 on GPUs (FlashAttention's 128-row tiles waste 1/64 of the scores at 8k) and for windowed
+        layers (their blocks follow the window, not the causal triangle: not modelled)."""
+        if self.p.chip.kind != "tpu" or self.p.model.has_windows:
+            return 1.0
+        return tm.causal_block_visit_ratio(self.p.seq_len, *block)
 
     def _attention_mxu_fill(self, direction: str = "fwd") -> float:
         """Share of a TPU's systolic array an attention kernel's dots fill: QKᵀ contracts over the head width and

@@ -51,9 +51,12 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
-    # (layers/pipeline.py, layers/decoders.py; Options.pp_spmd_loop)
+    # (layers/pipeline.py, layers/decoders.py; Options.pp_spmd_loop); its splash attention runs 512 × 512 blocks
+    # forward and backward unless a config says otherwise (configs/base.yml sa_block_q, sa_block_kv, sa_block_q_dkv,
+    # sa_block_kv_dkv: 512 at tpu-recipes-v0.1.2 and v0.1.4; Options.attention_block_fwd/_bwd, TPU only)
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True,
-                    pp_spmd_loop=True, fold_all_reduces=True),
+                    pp_spmd_loop=True, fold_all_reduces=True, attention_block_fwd=(512, 512),
+                    attention_block_bwd=(512, 512)),
     # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
     # per pointwise op, an eager loss on fp32 logits, attention through PyTorch SDPA (transformers' default
     # attn_implementation); `overlap_comm` (zero_optimization) buckets the gradient reduction behind the backward
