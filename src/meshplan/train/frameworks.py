@@ -67,10 +67,12 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 # no separate master copy), attention materialised (softmax over the full score matrix; the program's flash core,
 # jaxmodel.blockwise_attention_core, is opt-in: `verify --attention flash`, docs/verify.md), context
 # parallelism by all-gathered K/V (its ring form, `--cp-impl ring`, saves the K/V blocks it received for the
-# backward: the autodiff of ppermute passes only dK/dV back), no runtime reserve on the CPU.
+# backward: the autodiff of ppermute passes only dK/dV back), no runtime reserve on the CPU; its flash core is not
+# splash attention (no splash block grid).
 PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
                                      grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
-                                     cp_impl="allgather", ring_saves_kv=True)
+                                     cp_impl="allgather", ring_saves_kv=True, attention_block_fwd=(0, 0),
+                                     attention_block_bwd=(0, 0))
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
 # Releases whose behaviour differs from the current preset (`--framework name@version`): each the changes on top of
