@@ -151,6 +151,22 @@ def test_maxtext_file_splits_the_mesh_over_slices():
     assert doc["remat_policy"] == "full" and job.slices == 2
 
 
+def test_maxtext_file_carries_the_splash_block_grid():
+    # the maxtext preset's 512 x 512 blocks (base.yml) are written out and read back; a file's own sa_block_q /
+    # sa_block_kv (tpu-recipes Llama3.1-70B: 2048) set the forward grid, the unset dKV pair keeps base.yml's 512
+    case = dict(CASES["maxtext"], opts={"attention_block_fwd": (2048, 1024)})
+    pe, _, text, job = _roundtrip(case)
+    doc = yaml.safe_load(text)
+    assert (doc["sa_block_q"], doc["sa_block_kv"], doc["sa_block_q_dkv"], doc["sa_block_kv_dkv"]) == (2048, 1024, 512, 512)
+    opts = job.resolved_options(Options())
+    assert (opts.attention_block_fwd, opts.attention_block_bwd) == ((2048, 1024), (512, 512))
+    read = train_module("maxtext").load("sa_block_q: 2048\nsa_block_kv: 2048\nici_fsdp_parallelism: 8\n", 8)
+    assert read.options["attention_block_fwd"] == (2048, 2048) and "attention_block_bwd" not in read.options
+    assert "sa_block_q" not in read.unmodelled_keys
+    with pytest.raises(MeshplanError, match="sa_block_kv must be an integer"):
+        train_module("maxtext").load("sa_block_kv: 0\nici_fsdp_parallelism: 8\n", 8)
+
+
 # ---- refused features: one test per feature a framework cannot express -------------------------------------
 
 REFUSED = [

@@ -31,6 +31,7 @@ from meshplan.export.common import (
     whole,
     yaml_mapping,
 )
+from meshplan.train.frameworks import FRAMEWORKS
 from meshplan.train.space import Pins
 
 NAME = "maxtext"
@@ -54,6 +55,10 @@ REASONS = {
 MODEL_KEYS = {"base_num_decoder_layers": "n_layers", "base_emb_dim": "d_model", "base_num_query_heads": "n_heads",
               "base_num_kv_heads": "n_kv_heads", "base_mlp_dim": "d_ff", "head_dim": "head_dim",
               "vocab_size": "vocab_size", "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
+
+
+# splash attention's block sizes (configs/base.yml; Options.attention_block_fwd = the first two, _bwd = the dKV pair)
+SA_BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_q_dkv", "sa_block_kv_dkv")
 
 
 def _dcn_split(c, slices: int) -> dict[str, int]:
@@ -101,6 +106,9 @@ def export(plan: PlanToExport) -> str:
         doc["num_layers_per_pipeline_stage"] = -(-m.n_layers // (c.pp * c.vpp))
     if p.chip.kind == "tpu":
         doc["num_slices"] = slices
+        # splash attention's block grid (Options.attention_block_fwd/_bwd): base.yml's sa_block_* keys
+        doc.update({k: int(v) for k, v in zip(SA_BLOCK_KEYS, (*o.attention_block_fwd, *o.attention_block_bwd),
+                                                strict=True) if v > 0})
     for attr, axis in AXES:
         ici = degrees[attr] // dcn[attr] if degrees[attr] % dcn[attr] == 0 else 0
         doc[f"ici_{axis}_parallelism"], doc[f"dcn_{axis}_parallelism"] = ici, dcn[attr]
@@ -114,7 +122,7 @@ def load(text: str, chips: int | None = None) -> Job:
     known = framework_keys(NAME)
     used = {"base_config", "hardware", "model_name", "max_target_length", "per_device_batch_size",
             "gradient_accumulation_steps", "remat_policy", "dtype", "quantization", "attention",
-            "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_slices", *MODEL_KEYS}
+            "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_slices", *MODEL_KEYS, *SA_BLOCK_KEYS}
     used |= {f"{kind}_{axis}_parallelism" for kind in ("ici", "dcn")
              for axis in ("data", "fsdp", "tensor", "pipeline", "context", "sequence", "expert")}
     job = Job(NAME, Pins())
@@ -183,6 +191,11 @@ def load(text: str, chips: int | None = None) -> Job:
     job.options["compute_dtype"] = "fp8" if q.startswith("fp8") or q == "nanoo_fp8" else "bf16"
     if doc.get("attention") == "dot_product":
         job.options["flash_attention"] = False
+    # the splash block grid the file sets; an unset key keeps the maxtext preset's (base.yml's) 512
+    blocks = [whole(NAME, k, doc[k]) if k in doc else None for k in SA_BLOCK_KEYS]
+    for name, pair in (("attention_block_fwd", blocks[:2]), ("attention_block_bwd", blocks[2:])):
+        if any(b is not None for b in pair):
+            job.options[name] = tuple(d if b is None else b for b, d in zip(pair, FRAMEWORKS[NAME][name], strict=True))
     hw = str(doc.get("hardware", "tpu"))
     job.chip_kind = "gpu" if hw.startswith("gpu") else "tpu" if hw.startswith("tpu") else None
     name = doc.get("model_name")
