@@ -323,6 +323,11 @@ def pins_of(e: dict) -> Pins:
         dp, fs, z = dp_total, 1, min(zero, 2)
     mb = _int(t.get("micro_batch")) or None
     accum = _int(t.get("grad_accum"))
+    if mb is not None and _is_maxtext(e) and pp == 1 and not accum:
+        # MaxText prints per_device_batch_size, sequences per chip: a data rank (dp x fsdp) runs the tp x cp chips'
+        # share in one pass (global batch = per_device_batch_size x chips, no gradient accumulation unless
+        # gradient_accumulation_steps says so; MaxText configs/base.yml; export/maxtext.py reads a file the same way)
+        mb *= tp * cp
     if mb is None and accum > 0 and global_batch_of(e) % (dp_total * accum) == 0:
         mb = global_batch_of(e) // (dp_total * accum)  # global batch = dp × micro-batch × accumulation steps
     if mb is None and (_is_torchtitan(e) or e["group"].startswith(("megatron2020", "megatron_2020"))):
@@ -342,6 +347,11 @@ def _sequence_parallel(e: dict, tp: int) -> bool:
     axis (its `activation_embed -> tensor` rule), which divides pointwise work and saved activations by tp and
     turns TP traffic into all-gather + reduce-scatter, as sequence parallelism does."""
     return bool(e["parallel"].get("sequence_parallel")) or (_is_tpu(e) and tp > 1)
+
+
+def _is_maxtext(e: dict) -> bool:
+    """A MaxText run: the new data's `framework: maxtext`, or the reference set's MaxText groups."""
+    return e.get("framework") == "maxtext" or str(e.get("group", "")).startswith("maxtext")
 
 
 def _is_tpu(e: dict) -> bool:

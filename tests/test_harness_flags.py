@@ -145,3 +145,14 @@ def test_tpu_recipes_rows_get_their_splash_block_grid() -> None:
     # every row of the table is a MaxText row of the data
     table = yaml.safe_load((DATA / "maxtext_recipes.yaml").read_text())
     assert all(_rows()[k]["framework"] == "maxtext" for k in table)
+
+
+def test_maxtext_per_device_batch_is_one_pass_of_the_tensor_parallel_group() -> None:
+    # MaxText largest_job/128b.sh (reference maxtext_v5e_128b_*): per_device_batch_size=1, ici_fsdp 16 x
+    # ici_tensor 16 on 256 chips: global batch 256, each of the 16 FSDP ranks runs its 16 sequences in one pass
+    # (base.yml of that commit has no gradient accumulation), not 16 micro-batches of one
+    row = next(e for e in H.load_entries() if e["id"] == "maxtext_v5e_128b_1x256")
+    pins = H.pins_of(row)
+    assert (pins.fsdp, pins.tp, pins.microbatch) == (16, 16, 16)
+    # a tensor-parallel-free MaxText row keeps its per-device batch (tpu-recipes 70B on v6e-64: 2)
+    assert H.pins_of(_row("tpurecipes_v6e_llama3p1-70b_64x1")).microbatch == 2
