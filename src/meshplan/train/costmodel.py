@@ -527,7 +527,8 @@ class CostModel:
     def _causal_block_visits(self, block: tuple[int, int]) -> float:
         """Scores a TPU splash kernel computes over the causal ones (tm.causal_block_visit_ratio) for its (block_q,
         block_kv); 1 on GPUs (FlashAttention's 128-row tiles waste 1/64 of the scores at 8k) and for windowed
-        layers (their blocks follow the window, not the causal triangle: not modelled)."""
+        layers (their blocks follow the window, not the causal triangle: not modelled). The grid of the whole
+        sequence: a context-parallel shard's own grid is not modelled."""
         if self.p.chip.kind != "tpu" or self.p.model.has_windows:
             return 1.0
         return tm.causal_block_visit_ratio(self.p.seq_len, *block)
