@@ -183,6 +183,26 @@ def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
     return default_token_budget(chip)
 
 
+def prefill_len(cfg: ServeConfig, chip: Chip, input_len: int) -> int:
+    """Prompt tokens the prefill pass covers: all of them, or all but the last where the first output token comes
+    from the following decode step (first_token_decode_step: LMDeploy TurboMind)."""
+    return input_len - 1 if first_token_decode_step(cfg, chip) else input_len
+
+
+def prefill_room(cfg: ServeConfig, chip: Chip, decodes: int) -> int:
+    """Prompt tokens a step has room for beside `decodes` decode tokens: the engine schedules the decodes first and
+    fills the rest of the step token budget with prompts (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2; vLLM V1
+    Scheduler.schedule: running requests, then waiting ones up to max_num_batched_tokens); at least one token."""
+    return max(step_token_budget(chip, cfg) - decodes, 1)
+
+
+def prompt_chunk(cfg: ServeConfig, chip: Chip, remaining: int, room: int) -> int:
+    """Tokens of a prompt with `remaining` tokens left to prefill that its next step carries, given `room`
+    (prefill_room): as many as fit where the engine chunks prompts (engine_chunked_prefill), else the whole rest of
+    the prompt, which the caller schedules only in a step that has room for it (or as the step's first prompt)."""
+    return min(remaining, room) if chunked_prefill(cfg, chip) else remaining
+
+
 @dataclass(frozen=True)
 class Workload:
     """Request shape: prompt (input) and generated (output) tokens per request."""

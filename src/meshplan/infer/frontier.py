@@ -15,7 +15,7 @@ from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.infer.config import ServeConfig, Workload, check_layout
 from meshplan.infer.memory import max_batch_per_replica
-from meshplan.infer.metrics import ServePoint, evaluate
+from meshplan.infer.metrics import ServePoint, clients_per_replica, evaluate
 from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -51,7 +51,14 @@ def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     loop of that many clients, each batch then the engine's limit per replica (evaluate)."""
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
     grid = sorted(set(b for b in (batches or batch_grid(mb)) if 1 <= b <= mb))
-    return [evaluate(m, chip, n_chips, cfg, eff, w, b, mode, clients=clients) for b in grid]
+    # under `clients` every limit at or above the clients per replica runs the same batch (evaluate): one evaluation
+    # serves them all
+    cap = min(mb, clients_per_replica(n_chips, cfg, clients) or mb)
+    points: dict[int, ServePoint] = {}
+    for b in grid:
+        if min(b, cap) not in points:
+            points[min(b, cap)] = evaluate(m, chip, n_chips, cfg, eff, w, b, mode, clients=clients)
+    return [points[min(b, cap)] for b in grid]
 
 
 def best_point(points: Iterable[ServePoint], targets: Targets = Targets()) -> ServePoint | None:

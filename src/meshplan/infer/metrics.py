@@ -19,11 +19,11 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
-    chunked_prefill,
-    first_token_decode_step,
     kv_reserved_per_sequence,
+    prefill_len,
+    prefill_room,
+    prompt_chunk,
     schedules_ahead,
-    step_token_budget,
 )
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
 from meshplan.infer.step import StepCost, decode_step, prefill_step, step_cost
@@ -155,24 +155,22 @@ def admission_queue_wait_s(clients: float, slots: int, requests_per_s: float) ->
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
                     batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0,
                     closed_loop: bool = False, queue_wait_s: float | None = None,
-                    residual_s: float | None = None) -> float:
+                    residual_s: float | None = None, decode: StepCost | None = None) -> float:
     """The wait for a slot (`queue_wait_s`, admission_queue_wait_s, when more clients than slots: the request is
     then admitted as a slot frees), else the wait for the next iteration (scheduler_wait_s of the running batch's
     step `busy_step_s`), the wait
     behind the other clients' prompts (prefill_queue_wait_s at `others_arrivals_per_s`), then the
     prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
     tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
-    Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget)."""
+    Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget).
+    `decode`: the pure decode step of `batch` sequences where the caller has it (else computed here)."""
     others = max(batch - 1, 0)
     # engines whose first token comes from a decode step prefill all but the prompt's last token, then decode it
     # beside the batch (serving.yaml engine_first_token_decode_step)
-    first_decode = first_token_decode_step(cfg, chip)
-    prompt = w.input_len - 1 if first_decode else w.input_len
-    chunk = max(step_token_budget(chip, cfg) - others, 1.0)
-    if not chunked_prefill(cfg, chip):  # the whole prompt in one step (engine_chunked_prefill)
-        chunk = float(max(prompt, 1))
-    n_chunks = math.ceil(prompt / chunk)
-    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, min(prompt, chunk), prompt / 2.0, max(batch, 1))
+    prompt = prefill_len(cfg, chip, w.input_len)
+    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, others))
+    n_chunks = math.ceil(prompt / chunk) if prompt > 0 else 0
+    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1))
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
                                                     queued, residual_s) + n_chunks * s.time_s
@@ -180,13 +178,13 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway
         dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
         ttft += prefill_queue_wait_s(others_arrivals_per_s, n_chunks * max(s.time_s - dec, 0.0), others)
-    if first_decode:
-        ttft += decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context).time_s
+    if prompt < w.input_len:  # the first token from the decode step after the prefill (prefill_len)
+        ttft += (decode or decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context)).time_s
     return ttft
 
 
 def mean_step_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload, batch: int,
-                prompts_per_step: float) -> StepCost:
+                prompts_per_step: float, pure: StepCost | None = None) -> StepCost:
     """The mean step (its time and each term, averaged over the steps) of `batch` decoding sequences when
     `prompts_per_step` prompts of w.input_len arrive per step. Prompt tokens are not spread evenly over the steps: the
     engine schedules the decodes first and fills the rest of the step token budget with the waiting prompt
@@ -198,8 +196,9 @@ def mean_step_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w
     inter-token gap is one step, so a request's mean ITL is this mean (vLLM benchmark_serving TPOT = (e2e - TTFT)
     / (output - 1); genai-perf ITL alike). A step that carries a chunk is longer than the decode step by more than
     its share of the prompt when the decode is HBM-bound and the chunk compute-bound, so this mean is above the
-    cost of one step carrying the mean prompt tokens."""
-    return _mix(*_prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step))
+    cost of one step carrying the mean prompt tokens. `pure`: the pure decode step of `batch` sequences where the
+    caller has it."""
+    return _mix(*_prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step, pure))
 
 
 def _mix(share: float, step: StepCost, pure: StepCost) -> StepCost:
@@ -209,14 +208,15 @@ def _mix(share: float, step: StepCost, pure: StepCost) -> StepCost:
     return StepCost(share * step.time_s + (1.0 - share) * pure.time_s, parts, max(parts, key=parts.get))
 
 
-def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step) -> tuple[float, StepCost, StepCost]:
-    """(share of the steps that carry prompt tokens, such a step, a pure decode step): mean_step_s."""
+def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
+                  pure: StepCost | None = None) -> tuple[float, StepCost, StepCost]:
+    """(share of the steps that carry prompt tokens, such a step, a pure decode step): mean_step_s. `pure`: the pure
+    decode step of `batch` sequences where the caller has it."""
     mean_tokens = prompts_per_step * w.input_len
-    pure = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
+    pure = pure or decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     if mean_tokens <= 0:
         return 0.0, pure, pure
-    chunk = max(step_token_budget(chip, cfg) - batch, 1) if chunked_prefill(cfg, chip) else w.input_len
-    carried = max(min(chunk, w.input_len), mean_tokens)
+    carried = max(prompt_chunk(cfg, chip, w.input_len, prefill_room(cfg, chip, batch)), mean_tokens)
     share = mean_tokens / carried
     step = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, carried, w.input_len / 2.0, batch,
                      prefill_seqs=prompts_per_step / share)
@@ -237,19 +237,21 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
     # (B-1) / (O * step) per second and queue ahead of a new one (a single client never waits behind itself)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (w.output_len * step_s),
-                           closed_loop, queue, step_residual_s(share, chunk_step.time_s, pure.time_s))
+                           closed_loop, queue, step_residual_s(share, chunk_step.time_s, pure.time_s), pure)
     frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
-    tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / w.output_len).time_s if w.output_len > 1 else pure.time_s
+    tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / w.output_len, pure).time_s \
+        if w.output_len > 1 else pure.time_s
     return ttft, tpot, batch / step_s, frac, mixed, queue or 0.0
 
 
 def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # one batch from t = 0
     # an engine whose first token comes from a decode step (engine_first_token_decode_step, LMDeploy TurboMind)
     # prefills input_len - 1 tokens and runs output_len decode steps; the others sample the first token in the prefill
-    first_decode = first_token_decode_step(cfg, chip)
-    pre = prefill_step(m, chip, cfg, eff, batch, w.input_len - 1 if first_decode else w.input_len)
+    prompt = prefill_len(cfg, chip, w.input_len)
+    first_decode = prompt < w.input_len
+    pre = prefill_step(m, chip, cfg, eff, batch, prompt)
     dec = decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     n_decode = w.output_len if first_decode else w.output_len - 1
     e2e = pre.time_s + n_decode * dec.time_s
@@ -260,6 +262,12 @@ def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # on
     # the clients beyond the batch wait for whole batches to end
     queue = admission_queue_wait_s(clients, batch, batch / e2e) if clients is not None and clients > batch else 0.0
     return ttft + queue, dec.time_s, batch * w.output_len / e2e, frac, dec, queue
+
+
+def clients_per_replica(n_chips: int, cfg: ServeConfig, clients: int | None) -> int | None:
+    """The closed-loop clients each replica serves when `clients` spread over the deployment's replicas (as simulate
+    spreads them, at least one); None for no closed loop."""
+    return None if clients is None else max(clients // max(n_chips // cfg.chips_per_replica, 1), 1)
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
@@ -278,7 +286,7 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     if clients is not None and clients <= 0:
         raise MeshplanError(f"clients must be positive, got {clients}")
     replicas = n_chips // cfg.chips_per_replica
-    per_replica_clients = None if clients is None else max(clients // max(replicas, 1), 1)
+    per_replica_clients = clients_per_replica(n_chips, cfg, clients)
     if per_replica_clients is not None:
         batch, closed_loop = min(batch, per_replica_clients), True
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(

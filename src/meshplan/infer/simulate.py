@@ -26,8 +26,9 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
-    chunked_prefill,
-    first_token_decode_step,
+    prefill_len,
+    prefill_room,
+    prompt_chunk,
     schedules_ahead,
     step_token_budget,
 )
@@ -55,6 +56,7 @@ class _Req:
     inp: int
     out: int
     prefilled: int = 0
+    prompt: int = 0  # tokens the prefill pass covers (config.prefill_len), set when a replica takes the request
     generated: int = 0
     first_token: float = -1.0
     finish: float = -1.0
@@ -92,11 +94,6 @@ class _Replica:
     def __init__(self, m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, max_batch: int,
                  concurrency: int | None = None):
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
-        self.budget = step_token_budget(chip, cfg)
-        self.chunked = chunked_prefill(cfg, chip)
-        # LMDeploy TurboMind prefills all but the prompt's last token; that token's decode step yields the first
-        # output token (serving.yaml engine_first_token_decode_step)
-        self.short = 1 if first_token_decode_step(cfg, chip) else 0
         self.concurrency = concurrency
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
         self._cache: dict[tuple, float] = {}
@@ -113,6 +110,8 @@ class _Replica:
         if self.concurrency is not None:  # closed loop: request j >= C is sent when the (j-C)-th one finishes
             for r in reqs[self.concurrency:]:
                 r.arrival = math.inf
+        for r in reqs:  # LMDeploy TurboMind prefills all but the prompt's last token (config.prefill_len)
+            r.prompt = prefill_len(self.cfg, self.chip, r.inp)
         waiting, running, t, i, done = [], [], 0.0, 0, 0
         start = None  # when the step that just ended began (None: the engine was idle)
         held = 0  # slots of sequences that ended in the step just run, still held by an engine one step ahead
@@ -152,22 +151,17 @@ class _Replica:
                 done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
-        def prompt(r: _Req) -> int:  # tokens the prefill pass covers
-            return r.inp - self.short
-
-        dec = [r for r in running if r.prefilled >= prompt(r)]
-        budget, chunks = max(self.budget - len(dec), 1), []
+        dec = [r for r in running if r.prefilled >= r.prompt]
+        budget, chunks = prefill_room(self.cfg, self.chip, len(dec)), []
         for r in running:
-            if r.prefilled < prompt(r) and budget > 0:
-                c = min(prompt(r) - r.prefilled, budget)
-                if not self.chunked and c < prompt(r) - r.prefilled:
+            if r.prefilled < r.prompt and budget > 0:
+                c = prompt_chunk(self.cfg, self.chip, r.prompt - r.prefilled, budget)
+                if c > budget and chunks:
                     # whole prompts only (TensorRT-LLM without chunked context): FCFS, the first prompt that does not
                     # fit ends the step's prefill; the step's first prompt runs whole even past the budget (the
                     # engine's max_num_tokens must admit its longest prompt; and no prompt waits forever behind
                     # the decodes)
-                    if chunks:
-                        break
-                    c = prompt(r) - r.prefilled
+                    break
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
@@ -182,7 +176,7 @@ class _Replica:
                 r.first_token = t
         for r, c in chunks:
             r.prefilled += c
-            if r.prefilled >= prompt(r) and not self.short:  # the prompt's last chunk yields the first token
+            if r.prefilled >= r.prompt == r.inp:  # the prompt's last chunk yields the first token (prefill_len)
                 r.generated, r.first_token = 1, t
                 r.times.append(t)
         for r in running:
