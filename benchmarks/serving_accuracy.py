@@ -79,7 +79,8 @@ def predict(e: dict, rules: dict) -> dict:
     budget = e.get("max_num_batched_tokens") or engine_token_budget(e.get("engine") or "default", chip)
     cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e),
                       max_num_batched_tokens=budget, engine=e.get("engine") or "default",
-                      overlap_scheduling=e.get("async_scheduling"))  # the source's server flag, else the engine's
+                      overlap_scheduling=e.get("async_scheduling"),  # the source's server flag, else the engine's
+                      frontend=e.get("frontend"))  # the server path the source names (config.frontend_first_token_s)
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)

@@ -58,6 +58,9 @@ class ServeConfig:
     # overlap scheduler, vLLM --async-scheduling); None = the engine preset's default (serving.yaml
     # engine_overlap_scheduler)
     overlap_scheduling: bool | None = None
+    # the server path a request and its streamed tokens take outside the engine (FRONTENDS, serving.yaml
+    # frontend_first_token_s), e.g. 'triton-ensemble'; None = the engine measured in process, no server path
+    frontend: str | None = None
 
     @property
     def chips_per_replica(self) -> int:
@@ -88,6 +91,7 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
+FRONTENDS = ("triton-ensemble",)
 
 
 def default_token_budget(chip: Chip) -> int:
@@ -157,6 +161,23 @@ def schedules_ahead(cfg: ServeConfig, chip: Chip) -> bool:
     if cfg.overlap_scheduling is not None:
         return cfg.overlap_scheduling
     return bool(_engine_entry("engine_overlap_scheduler", cfg.engine, chip))
+
+
+def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
+    """Time the first token of a request spends outside the engine, on the server path (cfg.frontend): the request's
+    way in (HTTP/gRPC, the tokenizer) and the first token's way out (detokenizer, streamed response), which the
+    client's TTFT counts (vLLM benchmark_serving and genai-perf time TTFT from sending the request to the first
+    streamed chunk) and no engine step does. Each later token takes the same way out, so inter-token gaps do not
+    change. Zero for an engine measured in process (cfg.frontend None: gptSessionBenchmark, trtllm-bench,
+    LMDeploy profile_generation, MLPerf's in-process SUT). serving.yaml frontend_first_token_s."""
+    if cfg.frontend is None:
+        return 0.0
+    table = _table()["frontend_first_token_s"].get(cfg.frontend)
+    hit = None if table is None else (table.get(chip.name) or table.get(chip.kind))
+    if hit is None:
+        raise MeshplanError(f"no first-token latency for the '{cfg.frontend}' server path on {chip.name} "
+                            f"(known: {', '.join(FRONTENDS)} on GPUs)")
+    return float(hit["value"])
 
 
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
@@ -241,6 +262,8 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
     if cfg.engine not in ENGINES:
         raise MeshplanError(f"unknown engine '{cfg.engine}' (known: {', '.join(ENGINES)})")
+    if cfg.frontend is not None and cfg.frontend not in FRONTENDS:
+        raise MeshplanError(f"unknown server path '{cfg.frontend}' (known: {', '.join(FRONTENDS)})")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):

@@ -19,6 +19,7 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    frontend_first_token_s,
     kv_reserved_per_sequence,
     prefill_len,
     prefill_room,
@@ -291,6 +292,9 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         batch, closed_loop = min(batch, per_replica_clients), True
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, batch, closed_loop, per_replica_clients)
+    # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
+    # inter-token gaps do not change (every token takes the same way out)
+    ttft += frontend_first_token_s(cfg, chip)
     out = replicas * per_replica
     return ServePoint(
         config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,

@@ -26,6 +26,7 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    frontend_first_token_s,
     prefill_len,
     prefill_room,
     prompt_chunk,
@@ -96,6 +97,7 @@ class _Replica:
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
         self.concurrency = concurrency
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
+        self.frontend_s = frontend_first_token_s(cfg, chip)
         self._cache: dict[tuple, float] = {}
         self.last_ctx = 0.0  # mean decode context of the last step
 
@@ -146,8 +148,10 @@ class _Replica:
             running = [r for r in running if r.finish < 0]
             held = finished if self.ahead else 0
             if self.concurrency is not None:
+                # the client sees the last token after its way out of the server and its next request reaches the
+                # engine after the way in: together the server path's first-token latency (frontend_first_token_s)
                 for j in range(done + self.concurrency, min(done + finished + self.concurrency, len(reqs))):
-                    reqs[j].arrival = t
+                    reqs[j].arrival = t + self.frontend_s
                 done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
@@ -203,7 +207,10 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     conc = None if spec.concurrency is None else max(spec.concurrency // replicas, 1)
     for k in range(replicas):
         _Replica(m, chip, cfg, eff, max_batch, conc).run(reqs[k::replicas])
-    ttft = [r.first_token - r.arrival for r in reqs]
+    # a request's arrival is when the engine can see it; the client's TTFT adds the server path's ways in and out
+    # (config.frontend_first_token_s); the later tokens' gaps are the engine's
+    frontend_s = frontend_first_token_s(cfg, chip)
+    ttft = [r.first_token - r.arrival + frontend_s for r in reqs]
     tpot = [(r.finish - r.first_token) / (r.out - 1) for r in reqs if r.out > 1]
     span = max(r.finish for r in reqs) - reqs[0].arrival
     return {"rate_requests_per_s": spec.rate, "requests": spec.n_requests, "seed": spec.seed,
