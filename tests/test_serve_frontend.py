@@ -1,0 +1,106 @@
+"""The server path's first-token latency (issue #14, TTFT under load: the Triton ensemble the TensorRT-LLM online
+tables were measured through), and the one prefill/chunk rule shared by the closed form and the simulator.
+Expected values derived by hand below."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.infer.config import (
+    ServeConfig,
+    Workload,
+    check_layout,
+    frontend_first_token_s,
+    prefill_len,
+    prefill_room,
+    prompt_chunk,
+)
+from meshplan.infer.frontier import frontier
+from meshplan.infer.metrics import evaluate
+from meshplan.infer.simulate import SimSpec, _Replica, _Req, simulate
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+H100 = load_chip("h100-sxm")
+EFF = default_efficiency(H100)
+M8 = load_model("llama3.1-8b")
+TRITON = ServeConfig(engine="trtllm", frontend="triton-ensemble")
+
+
+def test_prefill_length_and_chunk_rules_by_hand():
+    vllm, trt, lmd = ServeConfig(engine="vllm", max_num_batched_tokens=8192), ServeConfig(engine="trtllm"), \
+        ServeConfig(engine="lmdeploy")
+    assert prefill_len(vllm, H100, 128) == 128
+    assert prefill_len(lmd, H100, 128) == 127  # TurboMind's context pass stops one token short
+    assert prefill_room(vllm, H100, 100) == 8192 - 100  # decodes first, the rest of the budget for prompts
+    assert prefill_room(vllm, H100, 9000) == 1  # never below one token
+    assert prompt_chunk(vllm, H100, 10_000, 8092) == 8092  # chunked: what fits
+    assert prompt_chunk(vllm, H100, 500, 8092) == 500
+    assert prompt_chunk(trt, H100, 10_000, 8092) == 10_000  # TensorRT-LLM without chunked context: the whole prompt
+
+
+def test_triton_ensemble_latency_from_its_published_measurement():
+    # tensorrtllm_backend v0.14.0 docs/encoder_decoder.md: streaming ensemble, t5-small, mean TTFT 4.69 ms and mean ITL
+    # 0.63 ms; less the encoder pass and the first decoder step (one ITL each): 4.69 - 2 x 0.63 = 3.43 ms -> 3.4 ms
+    assert frontend_first_token_s(TRITON, H100) == pytest.approx(4.69e-3 - 2 * 0.63e-3, abs=0.05e-3)
+    assert frontend_first_token_s(ServeConfig(engine="trtllm"), H100) == 0.0  # in process: no server path
+    with pytest.raises(MeshplanError, match="unknown server path"):
+        check_layout(M8, H100, 1, ServeConfig(frontend="nginx"))
+    with pytest.raises(MeshplanError, match="no first-token latency"):
+        frontend_first_token_s(TRITON, load_chip("tpu-v5e"))
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_closed_form_adds_it_to_ttft_only(mode):
+    w = Workload(467, 256)
+    base = evaluate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 16, mode)
+    served = evaluate(M8, H100, 1, TRITON, EFF, w, 16, mode)
+    assert served.ttft_s - base.ttft_s == pytest.approx(3.4e-3)
+    assert served.tpot_s == base.tpot_s and served.throughput_tokens_per_s == base.throughput_tokens_per_s
+    assert served.e2e_latency_s - base.e2e_latency_s == pytest.approx(3.4e-3)  # e2e = TTFT + (O - 1) TPOT
+
+
+def test_simulated_open_loop_ttft_shifts_by_it():
+    # Poisson arrivals reach the engine at the same moments (a constant shift of a Poisson process is one): every
+    # request's TTFT grows by exactly 3.4 ms, its inter-token gaps do not change
+    w, spec = Workload(467, 16), SimSpec(rate=4.0, n_requests=30)
+    base = simulate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 32, spec)
+    served = simulate(M8, H100, 1, TRITON, EFF, w, 32, spec)
+    for q in ("p50", "p90", "mean"):
+        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(3.4e-3)
+        assert served["tpot_s"][q] == pytest.approx(base["tpot_s"][q])
+
+
+def _one_client(cfg: ServeConfig) -> list[_Req]:
+    """One closed-loop client, every step 1 s (the step cost is replaced): two requests of a 1-token prompt and 2
+    output tokens."""
+    reqs = [_Req(0.0, 1, 2), _Req(0.0, 1, 2)]
+    rep = _Replica(M8, H100, cfg, EFF, 64, concurrency=1)
+    rep._cost = lambda *args, **kwargs: 1.0
+    rep.run(reqs)
+    return reqs
+
+
+def test_closed_loop_next_request_reaches_the_engine_after_the_server_path():
+    F = 3.4e-3
+    r0, r1 = _one_client(TRITON)
+    # r0: prompt step [0, 1] (first token), decode [1, 2] (finish). The client gets that last token and its next
+    # request reaches the engine F later, at 2 + F; the idle engine starts it then: first token at 3 + F, finish 4 + F
+    assert r0.first_token == pytest.approx(1.0) and r0.finish == pytest.approx(2.0)
+    assert r1.arrival == pytest.approx(2.0 + F)
+    assert r1.first_token == pytest.approx(3.0 + F) and r1.finish == pytest.approx(4.0 + F)
+    # the client's TTFT of r1 = engine time 1 s + F (its ways in and out)
+    assert r1.first_token - r1.arrival + F == pytest.approx(1.0 + F)
+    _, b1 = _one_client(ServeConfig(engine="trtllm"))
+    assert b1.arrival == pytest.approx(2.0) and b1.first_token == pytest.approx(3.0)
+
+
+def test_frontier_under_clients_evaluates_each_running_batch_once():
+    # 8 clients on one replica: every batch limit >= 8 runs the same 8 sequences, so those points are one evaluation
+    pts = frontier(M8, H100, 1, ServeConfig(engine="vllm"), EFF, Workload(1000, 200), clients=8)
+    capped = [p for p in pts if p.batch == 8]
+    assert len(capped) >= 2 and all(p is capped[0] for p in capped)
+    assert [p.batch for p in pts[:4]] == [1, 2, 4, 8]
+    assert pts[0].queue_wait_s > 0  # a limit of 1 with 8 clients: 7 wait for the slot
