@@ -4,6 +4,8 @@ Expected values derived by hand below."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshplan.cost.efficiency import default_efficiency
@@ -104,3 +106,19 @@ def test_frontier_under_clients_evaluates_each_running_batch_once():
     assert len(capped) >= 2 and all(p is capped[0] for p in capped)
     assert [p.batch for p in pts[:4]] == [1, 2, 4, 8]
     assert pts[0].queue_wait_s > 0  # a limit of 1 with 8 clients: 7 wait for the slot
+
+
+def test_cli_frontend_flag(capsys):
+    from conftest import run_cli
+
+    cmd = ["serve", "-m", "llama3.2-1b", "--hardware", "h100-sxm", "--chips", "1", "--tp", "1", "--batch", "16",
+           "--input-len", "512", "--output-len", "64", "--engine", "trtllm", "--json"]
+    code, out, err = run_cli(cmd, capsys)
+    assert code == 0, err
+    code, out2, err = run_cli(cmd + ["--frontend", "triton-ensemble"], capsys)
+    assert code == 0, err
+    a, b = json.loads(out), json.loads(out2)
+    assert b["ttft_s"] - a["ttft_s"] == pytest.approx(3.4e-3) and b["tpot_s"] == a["tpot_s"]
+    assert b["config"]["frontend"] == "triton-ensemble" and a["config"]["frontend"] is None
+    code, _, err = run_cli(cmd + ["--frontend", "nginx"], capsys)
+    assert code == 2 and err.startswith("error:")

@@ -12,6 +12,7 @@ from meshplan.cli.app import app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.infer.config import (
     ENGINES,
+    FRONTENDS,
     ServeConfig,
     Workload,
     check_layout,
@@ -50,7 +51,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
-                 price: float | None = None, clients: int | None = None) -> dict:
+                 price: float | None = None, clients: int | None = None, frontend: str | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
     is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
@@ -73,10 +74,10 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     if max_num_batched_tokens is None and engine != "default":
         max_num_batched_tokens = engine_token_budget(engine, chip)
     base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
-                       engine=engine)
+                       engine=engine, frontend=frontend)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if tp and pp and ep:
-        cfg = ServeConfig(tp, pp, ep, quant, kv_quant, max_num_batched_tokens=max_num_batched_tokens, engine=engine)
+        cfg = replace(base, tp=tp, pp=pp, ep=ep)
         check_layout(m, chip, chips, cfg)
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
@@ -145,6 +146,9 @@ def serve(
                                              "fusion, when the first token comes).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
+    frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
+                                                      "clients' TTFT counts: triton-ensemble (default: none, the "
+                                                      "engine in process).")] = None,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",
     output_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --output-len).")] = "fixed",
@@ -173,9 +177,11 @@ def serve(
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
-        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency:
+        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency \
+                or frontend:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate or --engine (the command line names its engine)")
+                 "--simulate, --concurrency, --disaggregate, --frontend or --engine (the command line names its "
+                 "engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return
@@ -183,6 +189,8 @@ def serve(
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
     _choice("--engine", engine, ENGINES)
+    if frontend is not None:
+        _choice("--frontend", frontend, FRONTENDS)
     if do_simulate:
         _choice("--input-dist", input_dist, DISTRIBUTIONS)
         _choice("--output-dist", output_dist, DISTRIBUTIONS)
@@ -191,7 +199,8 @@ def serve(
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
-                       max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency)
+                       max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
+                       frontend=frontend)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
