@@ -12,6 +12,9 @@ C makes the client closed-loop (vLLM --max-concurrency, NIM/GenAI-Perf concurren
 finished one replaced at once by the next, the first C all sent at t = 0. A request joins the first step scheduled
 after it arrives: a replacement misses the step the engine schedules as its predecessor ends, and an engine that
 schedules one step ahead (config.schedules_ahead) picks each step's batch as the previous step starts.
+A request's `arrival` is when the engine can see it; where the layout names a server path (config.frontend), each
+client's TTFT adds that path's first-token latency (config.frontend_first_token_s) and a closed-loop client's next
+request reaches the engine that much after its predecessor's last token.
 """
 
 from __future__ import annotations
