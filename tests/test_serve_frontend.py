@@ -122,3 +122,15 @@ def test_cli_frontend_flag(capsys):
     assert b["config"]["frontend"] == "triton-ensemble" and a["config"]["frontend"] is None
     code, _, err = run_cli(cmd + ["--frontend", "nginx"], capsys)
     assert code == 2 and err.startswith("error:")
+
+
+def test_disaggregated_ttft_counts_it_too():
+    from meshplan.infer.disagg import disaggregate
+
+    w, cfg = Workload(2048, 256), ServeConfig(engine="trtllm")
+    base = disaggregate(M8, H100, 8, cfg, cfg, EFF, w)
+    served = disaggregate(M8, H100, 8, TRITON, TRITON, EFF, w)
+    # TTFT = prefill + KV transfer (+ the server path): the pools and throughput do not change
+    assert served.ttft_s - base.ttft_s == pytest.approx(3.4e-3)
+    assert served.ttft_s == pytest.approx(served.prefill_s + served.kv_transfer_s + 3.4e-3)
+    assert (served.prefill_instances, served.decode_instances) == (base.prefill_instances, base.decode_instances)

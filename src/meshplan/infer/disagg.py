@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
 from meshplan.infer.bounds import disaggregation_ratio
-from meshplan.infer.config import ServeConfig, Workload, serving_constant
+from meshplan.infer.config import ServeConfig, Workload, frontend_first_token_s, serving_constant
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.step import decode_step, prefill_step
 from meshplan.math.transformer import kv_cache_bytes_per_sequence
@@ -82,5 +82,6 @@ def disaggregate(m: ModelConfig, chip: Chip, n_chips: int, prefill_cfg: ServeCon
         raise InfeasibleError(f"{n_chips} chips cannot hold one prefill and one decode instance")
     t_kv = kv_transfer_s(m, chip, prefill_cfg, w.input_len)
     req_rate = min(n_p / t_pre, n_d * B / (t_dec * w.output_len))
-    return DisaggPlan(n_p, n_d, prefill_cfg, decode_cfg, B, ratio, t_pre, t_kv, t_pre + t_kv, t_dec,
-                      req_rate * w.output_len)
+    # the client's TTFT also counts the server path (config.frontend_first_token_s), as in metrics.evaluate
+    ttft = t_pre + t_kv + frontend_first_token_s(prefill_cfg, chip)
+    return DisaggPlan(n_p, n_d, prefill_cfg, decode_cfg, B, ratio, t_pre, t_kv, ttft, t_dec, req_rate * w.output_len)
