@@ -204,6 +204,12 @@ def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
     return default_token_budget(chip)
 
 
+def clients_per_replica(n_chips: int, cfg: ServeConfig, clients: int | None) -> int | None:
+    """The closed-loop clients each replica serves when `clients` spread over the deployment's replicas (round-robin:
+    simulate; the closed form, metrics.evaluate), at least one; None for no closed loop."""
+    return None if clients is None else max(clients // max(n_chips // cfg.chips_per_replica, 1), 1)
+
+
 def prefill_len(cfg: ServeConfig, chip: Chip, input_len: int) -> int:
     """Prompt tokens the prefill pass covers: all of them, or all but the last where the first output token comes
     from the following decode step (first_token_decode_step: LMDeploy TurboMind)."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, check_layout
+from meshplan.infer.config import ServeConfig, Workload, check_layout, clients_per_replica
 from meshplan.infer.memory import max_batch_per_replica
-from meshplan.infer.metrics import ServePoint, clients_per_replica, evaluate
+from meshplan.infer.metrics import ServePoint, evaluate
 from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig

@@ -19,6 +19,7 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    clients_per_replica,
     frontend_first_token_s,
     kv_reserved_per_sequence,
     prefill_len,
@@ -263,12 +264,6 @@ def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # on
     # the clients beyond the batch wait for whole batches to end
     queue = admission_queue_wait_s(clients, batch, batch / e2e) if clients is not None and clients > batch else 0.0
     return ttft + queue, dec.time_s, batch * w.output_len / e2e, frac, dec, queue
-
-
-def clients_per_replica(n_chips: int, cfg: ServeConfig, clients: int | None) -> int | None:
-    """The closed-loop clients each replica serves when `clients` spread over the deployment's replicas (as simulate
-    spreads them, at least one); None for no closed loop."""
-    return None if clients is None else max(clients // max(n_chips // cfg.chips_per_replica, 1), 1)
 
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,

@@ -29,6 +29,7 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    clients_per_replica,
     frontend_first_token_s,
     prefill_len,
     prefill_room,
@@ -207,7 +208,7 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         raise MeshplanError("the simulation needs a batch limit of at least 1 sequence per replica")
     reqs = make_requests(spec, w)
     replicas = n_chips // cfg.chips_per_replica
-    conc = None if spec.concurrency is None else max(spec.concurrency // replicas, 1)
+    conc = clients_per_replica(n_chips, cfg, spec.concurrency)
     for k in range(replicas):
         _Replica(m, chip, cfg, eff, max_batch, conc).run(reqs[k::replicas])
     # a request's arrival is when the engine can see it; the client's TTFT adds the server path's ways in and out
