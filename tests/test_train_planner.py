@@ -399,7 +399,10 @@ def test_ep_overlap_pairs_forward_with_backward_by_hand() -> None:
     layer forward 1.5 ms, backward 1.0 ms, no recompute:
     paired = max(2 - 1.0, 0) + max(2 - 1.5, 0) = 1.5 ms (the old sum rule, max(4 - 2.5, 0), also gave 1.5 ms).
     No pipeline, 4 micro-batches: F0 and B3 unpaired, 1/4: 0.75·1.5 + 0.25·4 = 2.125 ms.
-    PP 4, VPP 2, 8 micro-batches: warm-up (4-1)·2 + (2-1)·4 = 10 chunks of 16: 0.375·1.5 + 0.625·4 = 3.0625 ms."""
+    PP 4, VPP 2, 8 micro-batches: warm-up (4-1)·2 + (2-1)·4 = 10 chunks, + 1 for the overlap (Megatron-Core
+    get_pp_rank_microbatches: "one extra micro-batch forward step") = 11 of 16: 0.3125·1.5 + 0.6875·4 = 3.21875 ms.
+    PP 4 without interleaving, 8 micro-batches: plain 1F1B warm-up 4 - 1 = 3 of 8 (not the interleaved count's
+    2·3 = 6): 0.625·1.5 + 0.375·4 = 2.4375 ms."""
     import numpy as np
 
     from meshplan.train.costmodel import CostModel
@@ -408,10 +411,25 @@ def test_ep_overlap_pairs_forward_with_backward_by_hand() -> None:
     g = {"pp": np.array([1]), "vpp": np.array([1]), "n_micro": np.array([4])}
     assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(2.125e-3)
     g = {"pp": np.array([4]), "vpp": np.array([2]), "n_micro": np.array([8])}
-    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(3.0625e-3)
+    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(3.21875e-3)
+    g = {"pp": np.array([4]), "vpp": np.array([1]), "n_micro": np.array([8])}
+    assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(2.4375e-3)
     # many micro-batches: the pairing alone, 1.5 ms (2 - 1.0 behind the backward, 2 - 1.5 behind the forward)
     g = {"pp": np.array([1]), "vpp": np.array([1]), "n_micro": np.array([10**9])}
     assert float(CostModel._ep_overlap_exposed(g, ct, 1e-3, 4)[0]) == pytest.approx(1.5e-3, rel=1e-6)
+
+
+def test_pipeline_warmup_forwards_follow_megatron_core() -> None:
+    """Megatron-Core schedules.py get_pp_rank_microbatches at rank 0, by hand: no pipeline 0; plain 1F1B pp - 1
+    (PP 4: 3; PP 8: 7); interleaved 2(pp - 1) + (vpp - 1)·pp (PP 4 VPP 2: 6 + 4 = 10; PP 8 VPP 8: 14 + 56 = 70), one
+    more with the EP A2A overlap (11, 71); the overlap adds nothing without interleaving."""
+    import numpy as np
+
+    from meshplan.train.costmodel import pipeline_warmup_forwards
+
+    pp, vpp = np.array([1, 4, 8, 4, 8]), np.array([1, 1, 1, 2, 8])
+    assert pipeline_warmup_forwards(pp, vpp).tolist() == [0, 3, 7, 10, 70]
+    assert pipeline_warmup_forwards(pp, vpp, ep_overlap=True).tolist() == [0, 3, 7, 11, 71]
 
 
 def test_moe_under_sequence_parallelism_dispatches_the_tp_slice_and_gathers_k_copies() -> None:

@@ -96,6 +96,18 @@ RECOMPUTE_PARTS: dict[str, dict[str, float]] = {
 SELECTIVE_FLAVORS = tuple(k.split("/")[1] for k in RECOMPUTE_PARTS if k.startswith("selective/"))
 
 
+def pipeline_warmup_forwards(pp, vpp, ep_overlap: bool = False):
+    """Forward chunks the first pipeline rank runs before its first backward (its cool-down runs as many backwards):
+    Megatron-Core's `get_pp_rank_microbatches` (megatron/core/pipeline_parallel/schedules.py @ NVIDIA/Megatron-LM
+    0d8e0714, b0cc2706, d7288711, 458c8d0e: the Megatron-Bridge v0.2.0 .. v0.5.1 pins) at rank 0: none without
+    pipelining; pp - 1 in the plain 1F1B (forward_backward_pipelining_without_interleaving); 2(pp - 1) + (vpp - 1)·pp
+    interleaved (microbatch_group_size_per_vp_stage = pp, its default), plus one with EP A2A overlap
+    (`overlap_moe_expert_parallel_comm`: "one extra micro-batch forward step before the 1f1b stages"). Before the
+    cap at the step's n_micro·vpp chunks, which the callers apply. pp and vpp may be numpy arrays."""
+    interleaved = 2 * (pp - 1) + (vpp - 1) * pp + (1 if ep_overlap else 0)
+    return np.where(pp > 1, np.where(vpp > 1, interleaved, pp - 1), 0)
+
+
 def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local):
     """Transformer Engine: one fused cast-transpose per operand writes the fp8 copy and its transpose
     (`fp8_cast_transpose_fused`); the qkv and gate/up inputs leave the norm (`normed` of `a_in`), which emits fp8
@@ -1066,14 +1078,15 @@ class CostModel:
         chunk pairs (DeepSeek-V3, arXiv:2412.19437 §3.2.1): a forward's dispatch + combine (2 all-to-alls) hide behind
         the partner's backward compute (with its recompute), the backward's (and a recompute's) behind the partner's
         forward compute; only each side's excess shows. A forward or backward with no partner shows its all-to-alls
-        in full: the first forward and last backward of a step without pipelining (F0, (F1,B0), ..., B_last), the
-        warm-up forwards and cool-down backwards of an interleaved pipeline ((pp - 1)·2 + (vpp - 1)·pp chunks on
-        the first rank, Megatron-Core schedules.py; as _pp_terms): a fraction max(warm-up, 1) / (n_micro·vpp)."""
+        in full: the first forward and last backward of a step without pipelining (F0, (F1,B0), ..., B_last:
+        combined_1f1b_schedule_for_no_pipelining), the warm-up forwards and cool-down backwards of a pipeline on its
+        first rank (pipeline_warmup_forwards with the overlap's extra forward; as _pp_terms): a fraction
+        max(warm-up, 1) / (n_micro·vpp)."""
         fwd_a2a, bwd_a2a = 2 * a2a, (n_a2a - 2) * a2a
         paired = (np.maximum(fwd_a2a - (ct["layer_bwd"] + ct["layer_recompute"]), 0)
                   + np.maximum(bwd_a2a - ct["layer_fwd"], 0))
-        pp, vpp = g["pp"], g["vpp"]
-        warmup = np.maximum((pp - 1) * 2 + (vpp - 1) * pp, 1)
+        vpp = g["vpp"]
+        warmup = np.maximum(pipeline_warmup_forwards(g["pp"], vpp, ep_overlap=True), 1)
         unpaired = np.minimum(warmup / (g["n_micro"] * vpp), 1.0)
         return (1 - unpaired) * paired + unpaired * n_a2a * a2a
 
@@ -1099,9 +1112,8 @@ class CostModel:
         interleaving with `pp_overlap` each steady-state one hidden behind the next model chunk's compute (the
         smaller, forward chunk's: layers_stage / vpp layer forwards), only the excess exposed. The warm-up forwards
         and the cool-down backwards still block (Options.pp_overlap): Megatron-Core's first rank runs
-        (pp - 1)·2 + (vpp - 1)·pp warm-up chunks (schedules.py, `num_warmup_microbatches` with
-        microbatch_group_size_per_vp_stage = pp, its default), as many cool-down ones. Per micro-batch, the step's
-        sends spread over its micro-batches; `pp_link_mb`: all of them blocking."""
+        pipeline_warmup_forwards warm-up chunks, as many cool-down ones. Per micro-batch, the step's sends spread
+        over its micro-batches; `pp_link_mb`: all of them blocking."""
         pp, tp = g["pp"], g["tp"]
         nbytes = self.opt.act_bytes * g["t_mb"] * self.c["D"] / np.where(g["sp"], tp, 1)
         stride = tp * g["cp"] * g["fsdp"] * g["dp"]
@@ -1112,7 +1124,8 @@ class CostModel:
             chunk_fwd = g["layers_stage"] / g["vpp"] * ct["layer_fwd"]
             overlapped = self.opt.pp_overlap & (g["vpp"] > 1)
             sends = 2 * g["vpp"] * nm
-            blocking = np.minimum(2 * ((pp - 1) * 2 + (g["vpp"] - 1) * pp), sends)
+            warmup = pipeline_warmup_forwards(pp, g["vpp"], ep_overlap=self.opt.ep_overlap and self.p.model.is_moe)
+            blocking = np.minimum(2 * warmup, sends)
             hidden = (blocking * p2p + (sends - blocking) * np.maximum(p2p - chunk_fwd, 0)) / nm
             out["pp_mb"] = np.where(overlapped, hidden, out["pp_link_mb"])
             led.collective("permute", [("stage", pp)], nm * 2 * g["vpp"] * nbytes)
