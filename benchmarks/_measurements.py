@@ -166,7 +166,7 @@ def model_of(e: dict) -> ModelConfig:
 # alternating 128-token sliding window, attention sinks and linear biases (gpt-oss model card; the entries'
 # model_source: "not expressible in the schema")
 CATALOG_ONLY_FIELDS = ("layer_windows", "window_kind", "attention_sinks", "linear_bias", "qkv_bias", "out_bias",
-                       "router_bias")
+                       "router_bias", "glu_limit")
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "n_experts",
                 "experts_per_token")
 
@@ -428,7 +428,7 @@ def options_of(e: dict) -> Options:
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
         # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
         recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items()
-                     if k in ("tp_overlap", "overlap_param_gather", "pp_head_in_split")}
+                     if k in ("tp_overlap", "overlap_param_gather", "pp_head_in_split", "unfused_expert_bias")}
         framework_kw.update(recipe_kw)
         tp_default = recipe_kw.get("tp_overlap", tp_default)
     if e.get("framework") == "megatron":
@@ -512,10 +512,11 @@ def _mbridge_recipes() -> dict:
 def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
     """What a Megatron-Bridge row's recipe ran (data/mbridge_recipes.yaml, read from the release tag's recipe and
     workload preset; `table` replaces that file): `recompute` (a meshplan policy; absent where meshplan has none),
-    `tp_overlap`, `overlap_param_gather`, `offload` (fraction of the saved activations on the host), `pp_head_in_split`;
-    {} for other rows."""
+    `tp_overlap`, `overlap_param_gather`, `offload` (fraction of the saved activations on the host), `pp_head_in_split`,
+    `unfused_expert_bias` (False under Transformer Engine's op fuser); {} for other rows."""
     entry = (_mbridge_recipes() if table is None else table).get(e["id"]) or {}
-    return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload", "pp_head_in_split")
+    return {k: entry[k] for k in ("recompute", "tp_overlap", "overlap_param_gather", "offload", "pp_head_in_split",
+                                  "unfused_expert_bias")
             if entry.get(k) is not None}
 
 

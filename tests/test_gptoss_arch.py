@@ -81,23 +81,57 @@ def test_unfused_expert_bias_bytes() -> None:
     assert (fwd, bwd) == (pytest.approx(16384 * 2880 * 116), pytest.approx(16384 * 2880 * 162))
     assert 16384 * 2880 * 116 == pytest.approx(5.4736e9, rel=1e-4)
     assert 16384 * 2880 * 162 == pytest.approx(7.6441e9, rel=1e-4)
-    # the pointwise term carries them: backward = 2 × the rest of the forward bytes + the bias backward
+    # the pointwise term carries them: backward = 2 × the rest of the forward bytes + the bias backward (and the
+    # clamp's, _glu_clamp_bytes, counted the same way)
     elem = cm._pointwise_term(g)
-    rest = _first(elem["hbm"]) - fwd
-    assert _first(elem["hbm_b"]) == pytest.approx(2 * rest + bwd)
+    clamp_f, clamp_b = (_first(x) for x in cm._glu_clamp_bytes(g))
+    rest = _first(elem["hbm"]) - fwd - clamp_f
+    assert _first(elem["hbm_b"]) == pytest.approx(2 * rest + bwd + clamp_b)
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4,
                 opts=replace(on, moe_dispatcher="alltoall"))
     fwd, bwd = (_first(x) for x in cm._expert_bias_bytes(g))
     assert (fwd, bwd) == (pytest.approx(16384 * 2880 * 52), pytest.approx(16384 * 2880 * 66))
-    # launches: 128/64 = 2 local experts × (2 GEMMs + b·p and the add) + cat + cast (fp32 probabilities) = 10
+    # launches: 128/64 = 2 local experts × (2 GEMMs + b·p and the add) + cat + cast (fp32 probabilities) = 10, and
+    # the GLU clamp's two clamps and cat (_glu_clamp_bytes): 13
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
-    assert _first(cm.layer_kernels_fwd(g)["moe"]) == pytest.approx(2 * (2 + 2) + 2)
+    assert _first(cm.layer_kernels_fwd(g)["moe"]) == pytest.approx(2 * (2 + 2) + 2 + 3)
     # off: not a Megatron-Core run, or a model without linear biases (Qwen3-30B-A3B)
     cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=Options(moe_dispatcher="hybridep"))
     assert cm._expert_bias_bytes(g) == (0.0, 0.0)
     cm, g = _cm(load_model("qwen3-30b-a3b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
     assert cm._expert_bias_bytes(g) == (0.0, 0.0)
     assert FRAMEWORKS["nemo"]["unfused_expert_bias"] and FRAMEWORKS["megatron"]["unfused_expert_bias"]
+
+
+def test_glu_clamp_outside_the_fused_activation() -> None:
+    """gpt-oss clamps its GLU (config.json swiglu_limit 7.0); Megatron-Core's eager TEGroupedMLP does it outside the
+    fused activation (fused_bias_geglu.weighted_bias_quick_geglu_impl: two clamps and a cat). gpt-oss-120b, micro-batch
+    4 of 4096 tokens (t = 16384), top-4, expert width F 2880, bf16 (2 B): per routed copy the clamps read and write F
+    each and the cat reads and writes 2F, 8F elements forward: 16384·4·2880·8·2 = 3.0199e9 B; backward the two clamp
+    gradients (read gradient and input, write: 3F each) and chunk's gradient cat (read and write 2F), 10F:
+    16384·4·2880·10·2 = 3.7749e9 B."""
+    assert load_model("gpt-oss-120b").glu_limit == 7.0 and load_model("qwen3-30b-a3b").glu_limit == 0.0
+    on = Options(unfused_expert_bias=True, moe_dispatcher="hybridep")
+    cm, g = _cm(load_model("gpt-oss-120b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
+    fwd, bwd = (_first(x) for x in cm._glu_clamp_bytes(g))
+    assert fwd == pytest.approx(16384 * 4 * 2880 * 8 * 2) and fwd == pytest.approx(3.0199e9, rel=1e-4)
+    assert bwd == pytest.approx(16384 * 4 * 2880 * 10 * 2) and bwd == pytest.approx(3.7749e9, rel=1e-4)
+    # a pointwise-only recompute (gemm-last, Megatron's moe_act module) reruns the forward clamps with the rest
+    L = LayoutArrays.from_configs([ParallelConfig(dp=64, ep=64, microbatch=4, recompute="gemm-last")])
+    g2 = cm.geometry(L)
+    with_clamp = _first(cm.compute_terms(L, g2)["layer_recompute"])
+    off = CostModel(cm.p, cm.eff, replace(on, unfused_expert_bias=False))
+    bias_f = _first(cm._expert_bias_bytes(g2)[0])
+    # the flag also removes the bias adds; both are pointwise forward bytes, rerun by gemm-last's elem share (1.0);
+    # their launches sit in the "moe" scope (the grouped GEMM's term), which gemm-last does not rerun
+    from meshplan.train.costmodel import RECOMPUTE_PARTS
+    share = RECOMPUTE_PARTS["gemm-last"]["elem"]
+    assert with_clamp - _first(off.compute_terms(L, off.geometry(L))["layer_recompute"]) == pytest.approx(
+        share * (fwd + bias_f) / cm.hbm, rel=1e-6)
+    # off: Transformer Engine's op fuser (Options.unfused_expert_bias False), or a model without the clamp
+    assert CostModel(cm.p, cm.eff, replace(on, unfused_expert_bias=False))._glu_clamp_bytes(g) == (0.0, 0.0)
+    cm, g = _cm(load_model("qwen3-30b-a3b"), "gb200-nvl72", 64, ep=64, mb=4, opts=on)
+    assert cm._glu_clamp_bytes(g) == (0.0, 0.0)
 
 
 def test_benchmark_model_reads_catalog_architecture() -> None:

@@ -74,6 +74,9 @@ class ModelConfig:
     norms_per_layer: int = 2  # pre-attention and pre-MLP; Gemma 2/3 add two post-norms; Cohere/Falcon-7B share one
     norm_bias: bool = True  # LayerNorm with a bias (False: Cohere's scale-only LayerNorm)
     router_bias: bool = False  # gpt-oss: the router has a bias
+    # gpt-oss: the GLU's gate half clamped to at most this and its linear half to ±this before the activation
+    # (config.json swiglu_limit; 0 = no clamp)
+    glu_limit: float = 0.0
     lm_head_bias: bool = False  # Phi-3.5-MoE: the output projection has a bias
     shared_expert_gate: bool = False  # Qwen2-MoE: a sigmoid gate [D, 1] on the shared expert
     moe_norm_topk: bool = False  # routing weights renormalised over the top k (norm_topk_prob); no cost effect
@@ -480,6 +483,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         final_logit_softcap=_float(cfg, origin, "final_logit_softcapping"),
         attention_sinks=family == "gpt_oss", qk_norm=qk_norm, norms_per_layer=norms_per_layer,
         norm_bias=family != "cohere", router_bias=family == "gpt_oss",
+        glu_limit=_float(cfg, origin, "swiglu_limit"),
         lm_head_bias=bool(cfg.get("lm_head_bias", family == "phimoe")),
         shared_expert_gate=family == "qwen2_moe" and bool(n_shared),
         moe_norm_topk=bool(cfg.get("norm_topk_prob", family in ("mixtral", "phimoe", "gpt_oss", "llama4_text"))),

@@ -300,9 +300,10 @@ class Options:
     # (host_op_s each, cost/data/host_overhead.yaml). Megatron-Bridge recipes name theirs (`cuda_graph_impl`,
     # `cuda_graph_scope` in scripts/performance/configs/*/..._workload_base_configs.py)
     cuda_graph_scopes: tuple[str, ...] = ()
-    # Megatron-Core's path for linear biases in an MoE model (`_expert_bias_bytes`): the experts' fc2 bias added
-    # outside the grouped GEMM and the attention output's bias outside a fused bias-dropout-add. On for the
-    # Megatron-Core frameworks (train/frameworks.py); no effect on a model without linear biases
+    # Megatron-Core's eager expert path (TEGroupedMLP without the Transformer Engine op fuser): the experts' fc2 bias
+    # added outside the grouped GEMM and the attention output's bias outside a fused bias-dropout-add
+    # (`_expert_bias_bytes`), and a clamped GLU's clamps outside the fused activation (`_glu_clamp_bytes`). On for the
+    # Megatron-Core frameworks (train/frameworks.py); no effect on a model without linear biases or GLU clamp
     unfused_expert_bias: bool = False
     # Megatron-Core's fused SwiGLU (`bias_activation_fusion`: `bias_swiglu_impl`) saves only its input and reruns the
     # activation in its backward (megatron/core/fusions/fused_bias_swiglu.py @d98e8a6; Megatron-Bridge's Llama provider
@@ -493,10 +494,11 @@ class CostModel:
         router, pre = moe_constant("router_scope_kernels_fwd"), moe_constant("preprocess_scope_kernels_fwd")
         share = c["moe_share"]
         bias_k, bias_layer = self._expert_bias_kernels()
+        clamps = 3.0 if self._unfused_glu_clamp() else 0.0  # the two clamps and the cat (_glu_clamp_bytes)
         return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
                 "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
                 "moe": share * (m.n_experts / g["ep"] * (moe_constant("grouped_gemm_gemms_per_expert_fwd") + bias_k)
-                                + bias_layer)}
+                                + bias_layer + clamps)}
 
     def _expert_bias_kernels(self) -> tuple[float, float]:
         """(launches per local expert, per layer) of Megatron-Core's unfused fc2 bias (`_expert_bias_bytes`): the
@@ -572,8 +574,9 @@ class CostModel:
         # autograd backward is counted op by op (_expert_bias_bytes), and the dispatcher's regrouping copies, whose
         # backward is the same copy with the inverse index (_moe_regroup_bytes)
         bias_f, bias_b = self._expert_bias_bytes(g)
+        clamp_f, clamp_b = self._glu_clamp_bytes(g)
         regroup = self._moe_regroup_bytes(g)
-        bias_f, bias_b = bias_f + regroup, bias_b + regroup
+        bias_f, bias_b = bias_f + clamp_f + regroup, bias_b + clamp_b + regroup
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         f_s = (elem_bytes + bias_f) / self.hbm + kernels * e.kernel_overhead_s
@@ -606,6 +609,28 @@ class CostModel:
         bwd = 2 * casts + 2 * a + 6 * p_b
         routed = g["t_mb"] * c["D"] * c["moe_share"] * c["k"]
         return routed * fwd + g["t_mb"] * c["D"] * 2 * a, routed * bwd + g["t_mb"] * c["D"] * a
+
+    def _glu_clamp_bytes(self, g: dict):
+        """(forward, backward) HBM bytes per layer of Megatron-Core's clamp of a clamped GLU (gpt-oss, ModelConfig.
+        glu_limit) on its eager expert path (Options.unfused_expert_bias): `weighted_bias_quick_geglu_impl`
+        (megatron/core/fusions/fused_bias_geglu.py @ NVIDIA/Megatron-LM 0d8e0714, b0cc2706, d7288711, 458c8d0e, the
+        Megatron-Bridge v0.2.0 .. v0.5.1 pins) clamps the fc1 output's two halves and concatenates them before the
+        fused activation: `torch.cat((x_glu.clamp(max=limit), x_linear.clamp(-limit, limit)), -1)`, each clamp reading
+        and writing F and the cat reading and writing 2F per routed copy: 8·F elements forward. Autograd's backward:
+        each clamp's gradient reads the gradient and the saved input and writes the masked gradient (3·F each), and
+        `chunk`'s gradient concatenates the two halves (reads and writes 2F): 10·F elements. Megatron-Bridge's perf
+        scripts turn the op fuser off through v0.4.x (scripts/performance/utils/overrides.py: "use_transformer_engine_
+        op_fuser = False"); with it on, TE's ScaledClampedQGeGLU clamps inside its kernel (not modelled here)."""
+        if not self._unfused_glu_clamp():
+            return 0.0, 0.0
+        c = self.c
+        routed = self.opt.act_bytes * g["t_mb"] * c["moe_share"] * c["k"] * c["F"] / g["tp"]
+        return 8.0 * routed, 10.0 * routed
+
+    def _unfused_glu_clamp(self) -> bool:
+        """Whether the experts' GLU is clamped outside its fused kernel (`_glu_clamp_bytes`)."""
+        m = self.p.model
+        return bool(self.opt.unfused_expert_bias and m.is_moe and m.glu_limit > 0 and m.gated)
 
     def _moe_router_bytes(self, g: dict):
         """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores
