@@ -495,6 +495,7 @@ class CostModel:
         share = c["moe_share"]
         bias_k, bias_layer = self._expert_bias_kernels()
         clamps = 3.0 if self._unfused_glu_clamp() else 0.0  # the two clamps and the cat (_glu_clamp_bytes)
+        clamps += 2.0 if self._fp8_expert_padding() else 0.0  # the FP8 row padding and unpadding copies
         return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
                 "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
                 "moe": share * (m.n_experts / g["ep"] * (moe_constant("grouped_gemm_gemms_per_expert_fwd") + bias_k)
@@ -575,7 +576,7 @@ class CostModel:
         # backward is the same copy with the inverse index (_moe_regroup_bytes)
         bias_f, bias_b = self._expert_bias_bytes(g)
         clamp_f, clamp_b = self._glu_clamp_bytes(g)
-        regroup = self._moe_regroup_bytes(g)
+        regroup = self._moe_regroup_bytes(g) + self._fp8_expert_padding_bytes(g)
         bias_f, bias_b = bias_f + clamp_f + regroup, bias_b + clamp_b + regroup
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
@@ -649,6 +650,31 @@ class CostModel:
             return 0.0
         # in the mean layer: DeepSeek's leading dense layers permute nothing (moe_share)
         return self.c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
+
+    def _fp8_expert_padding(self) -> bool:
+        """Whether Megatron-Core's eager TEGroupedMLP pads each local expert's rows for the FP8 GEMMs by a copy
+        (`_fp8_expert_padding_bytes`): FP8 compute on the eager path (Options.unfused_expert_bias) behind the alltoall
+        or DeepEP dispatcher, which leave the per-expert token counts unaligned (HybridEP pads inside its dispatch:
+        token_dispatcher.py _HybridEPManager `pad_multiple = get_align_size_for_quantization(config)` under fp8)."""
+        o = self.opt
+        return bool(self.p.model.is_moe and o.compute_dtype == "fp8" and o.unfused_expert_bias
+                    and o.moe_dispatcher in ("alltoall", "deepep"))
+
+    def _fp8_expert_padding_bytes(self, g: dict):
+        """HBM bytes per layer (forward, and the same again backward) of the FP8 row padding around the expert GEMMs:
+        TEGroupedMLP.forward runs `quantization_padding` (Transformer Engine Fp8Padding) on the permuted input and
+        `quantization_unpadding` on the fc2 output whenever fp8 is on (megatron/core/transformer/moe/experts.py @
+        NVIDIA/Megatron-LM 0d8e0714, b0cc2706, d7288711, 458c8d0e). Fp8Padding rounds every expert's row count up to
+        a multiple of 16 (32 for MXFP8) and, unless all already are, copies the rows into a new buffer
+        (transformer_engine/pytorch/module/fp8_padding.py `tex.fused_multi_row_padding`; Fp8Unpadding the reverse);
+        balanced or random routing leaves the counts unaligned. Each copy reads and writes the k routed rows of D per
+        token (the padding's few extra rows neglected): 2 copies × 2 passes × k·D forward; the backward runs the
+        inverse copies on the gradients, as many bytes. The Megatron-Bridge presets of these runs do not set
+        moe_router_padding_for_quantization (the router-side alignment that would make the copies no-ops)."""
+        if not self._fp8_expert_padding():
+            return 0.0
+        c = self.c
+        return c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 4 * c["k"] * c["D"]
 
     def _moe_regroup_bytes(self, g: dict):
         """HBM bytes per layer of Megatron-Core's alltoall dispatcher regrouping what the all-to-all delivered
