@@ -175,7 +175,7 @@ class Options:
     grad_reduce_bytes: float = 4.0  # gradients reduced in fp32 (Megatron main_grad, torchtitan reduce_dtype)
     flash_attention: bool = True
     dropout: bool = False
-    overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next forward
+    overlap_param_gather: bool = False  # ZeRO-1/2 all-gather overlapped with the next step's first forward
     dp_overlap: bool | None = None  # replica gradient reduction hidden behind the backward; None = GPU yes, TPU no
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
@@ -1303,7 +1303,13 @@ class CostModel:
         # locally and reduce once a step
         n_reduce = self._grad_reduces(L, g)
         reduce = np.where(zero >= 1, rs_dp, ar)
-        gather = np.where((zero >= 1) & (not o.overlap_param_gather), ag_dp, 0.0)
+        # the updated parameters' all-gather: blocking, or with `overlap_param_gather` bucket by bucket behind the next
+        # step's first micro-batch forward, only the excess shown: Megatron-Core's forward pre-hook waits on the
+        # module's bucket and dispatches the next one (distributed_data_parallel.py `_make_forward_pre_hook`,
+        # `next_param_gather_bucket_group` @ NVIDIA/Megatron-LM d7288711), so no later compute hides it. It shows where
+        # the expert-data-parallel group (_replica_collective) crosses the scale-out network with a small forward.
+        first_fwd = nl * ct["layer_fwd"]
+        gather = np.where(zero >= 1, np.where(o.overlap_param_gather, np.maximum(ag_dp - first_fwd, 0), ag_dp), 0.0)
         out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
         out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
