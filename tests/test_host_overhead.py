@@ -200,3 +200,30 @@ def test_grace_host_issues_slower_than_x86() -> None:
         cm, L, g = _cm("qwen3-30b-a3b", hardware=hw, ep=8)
         g, ct = _fake(L, g, 48, 0.04, 0.08)
         assert _f(cm.host_bound_per_mb(L, g, ct, np.array([0.12]))[1]) == pytest.approx(issue, rel=2e-3), hw
+
+
+def test_fp8_expert_quantize_launches(monkeypatch) -> None:
+    """Transformer Engine's GroupedLinear quantizes each local expert's input on its own (split_quantize: a fused
+    multi-cast only for delayed scaling) in fc1 and fc2, forward; the backward quantizes the two output gradients the
+    same way. Qwen3-30B-A3B at EP 8 (16 local experts) on Megatron-Core's eager path (unfused_expert_bias): current
+    scaling 3 launches a quantize (amax, scale, cast): 2·16·3 = 96; block scaling (blockwise, MXFP8) 1: 32; delayed
+    scaling one fused quantize per GEMM input: 2. Host: 48 layers, 20 µs a launch (patched), forward 67 + 2 (the FP8
+    row padding and unpadding behind the alltoall dispatcher, _fp8_expert_padding_bytes) + 32 = 101 launches, the
+    backward 2·69 + 32 (quantizes once, not twice) = 170: 48·(101 + 170)·20e-6 = 0.26016 s a micro-batch."""
+    eager = dict(compute_dtype="fp8", unfused_expert_bias=True)
+    for recipe, quant in (("tensorwise", 96), ("blockwise", 32), ("delayed", 2)):
+        cm, L, g = _cm("qwen3-30b-a3b", ep=8, options=Options(fp8_recipe=recipe, **eager))
+        assert _f(cm.layer_kernels_fwd(g)["moe_quant"]) == pytest.approx(quant), recipe
+    # none in bf16, off the eager path (the TE op fuser, torchtitan), or when the whole MoE block is one CUDA graph
+    for opts in (Options(unfused_expert_bias=True), Options(compute_dtype="fp8", fp8_recipe="blockwise")):
+        cm, L, g = _cm("qwen3-30b-a3b", ep=8, options=opts)
+        assert _f(cm.layer_kernels_fwd(g)["moe_quant"]) == 0.0
+    cm, L, g = _cm("qwen3-30b-a3b", ep=8, options=Options(fp8_recipe="blockwise", cuda_graph_scopes=("moe",), **eager))
+    assert _f(cm.host_launches_fwd(g)) == pytest.approx(15 + 1)  # the dense part eager, one graph for the MoE block
+    monkeypatch.setattr(costmodel, "host_constant", lambda name, chip: 2e-5)
+    cm, L, g = _cm("qwen3-30b-a3b", ep=8, options=Options(fp8_recipe="blockwise", **eager))
+    assert _f(cm.host_launches_fwd(g)) == pytest.approx(67 + 2 + 32)
+    g, ct = _fake(L, g, 48, 0.04, 0.08)
+    _, cpu = cm.host_bound_per_mb(L, g, ct, np.array([0.01]))
+    assert _f(cpu) == pytest.approx((48 * 101 + 48 * (2 * 69 + 32)) * 2e-5)
+    assert _f(cpu) == pytest.approx(0.26016)

@@ -486,11 +486,12 @@ class CostModel:
         `attn` the dense part (KERNELS_PER_LAYER_FWD: norms, projections, rope, attention, activation, residuals),
         `moe_router` and `moe_preprocess` their shares of the routing kernels (moe_overlap.yaml router_kernels_fwd),
         `moe_permute` the rest of them (permute/unpermute around the all-to-all), `moe` the expert GEMMs (one launch
-        per local expert per linear, grouped_gemm_gemms_per_expert_fwd). MoE parts in the mean layer (moe_share)."""
+        per local expert per linear, grouped_gemm_gemms_per_expert_fwd), `moe_quant` the FP8 quantizes of the expert
+        GEMMs' inputs (`_expert_quantize_launches`; host issue only). MoE parts in the mean layer (moe_share)."""
         m, c = self.p.model, self.c
         if not m.is_moe:
             return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": 0.0, "moe_preprocess": 0.0,
-                    "moe_permute": 0.0, "moe": 0.0}
+                    "moe_permute": 0.0, "moe": 0.0, "moe_quant": 0.0}
         router, pre = moe_constant("router_scope_kernels_fwd"), moe_constant("preprocess_scope_kernels_fwd")
         share = c["moe_share"]
         bias_k, bias_layer = self._expert_bias_kernels()
@@ -499,7 +500,24 @@ class CostModel:
         return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
                 "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
                 "moe": share * (m.n_experts / g["ep"] * (moe_constant("grouped_gemm_gemms_per_expert_fwd") + bias_k)
-                                + bias_layer + clamps)}
+                                + bias_layer + clamps),
+                "moe_quant": share * self._expert_quantize_launches(g)}
+
+    def _expert_quantize_launches(self, g: dict):
+        """Quantize launches of one MoE layer forward's expert GEMM inputs under FP8 on Megatron-Core's eager
+        TEGroupedMLP (Options.unfused_expert_bias): TE GroupedLinear quantizes fc1's and fc2's inputs with
+        `tex.split_quantize`, which runs one quantize per local expert unless the recipe is delayed scaling (one fused
+        multi-cast for all: one per GEMM input); per quantize 3 launches under current (tensorwise) scaling, 1 under
+        block scaling (moe_overlap.yaml fp8_quantize_kernels_*). The backward quantizes the two output gradients
+        likewise, once each (host_bound_per_mb counts them once, not twice as the GEMMs' dgrad and wgrad)."""
+        o = self.opt
+        if not (o.compute_dtype == "fp8" and o.unfused_expert_bias and self.p.chip.kind == "gpu"):
+            return 0.0
+        if o.fp8_scaling == "delayed":
+            return 2.0
+        per = moe_constant("fp8_quantize_kernels_current_scaling" if o.fp8_scaling == "tensorwise"
+                           else "fp8_quantize_kernels_block_scaling")
+        return 2.0 * per * self.p.model.n_experts / g["ep"]
 
     def _expert_bias_kernels(self) -> tuple[float, float]:
         """(launches per local expert, per layer) of Megatron-Core's unfused fc2 bias (`_expert_bias_bytes`): the
@@ -1652,7 +1670,7 @@ class CostModel:
         k, moe = self.layer_kernels_fwd(g), self.p.model.is_moe
         dense = ("attn" in scopes) if moe else (("attn" in scopes) + ("mlp" in scopes)) / 2
         whole_moe = "moe" in scopes
-        captured = {"attn": dense, "moe": whole_moe, "moe_permute": whole_moe,
+        captured = {"attn": dense, "moe": whole_moe, "moe_permute": whole_moe, "moe_quant": whole_moe,
                     "moe_router": whole_moe or "moe_router" in scopes,
                     "moe_preprocess": whole_moe or "moe_preprocess" in scopes}
         eager = sum(n * (1 - captured[part]) for part, n in k.items())
@@ -1687,7 +1705,9 @@ class CostModel:
         rc = np.select([L.recompute == i for i in range(len(tm.RECOMPUTE_POLICIES))],
                        [self._recompute_parts(p).get("elem", 0.0) for p in tm.RECOMPUTE_POLICIES], 0.0)
         cpu_f = nl * launches * h
-        cpu_b = nl * (2 + rc) * launches * h
+        # the backward issues twice the forward's launches (dgrad and wgrad), but its expert-input quantizes once each
+        quant = 0.0 if {"moe", "full_iteration"} & set(self.opt.cuda_graph_scopes) else self.layer_kernels_fwd(g)["moe_quant"]
+        cpu_b = nl * ((2 + rc) * launches - quant) * h
         work = np.maximum(ct["fwd"] + ct["bwd"], 1e-30)
         gpu_f = per_mb * ct["fwd"] / work
         gpu_b = per_mb - gpu_f
