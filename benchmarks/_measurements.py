@@ -24,12 +24,14 @@ from meshplan.train.costmodel import Options
 from meshplan.train.frameworks import (
     FRAMEWORKS,
     attention_kernel_of,
+    date_of,
     fp8_recipe_of,
     grad_reduce_bytes_of,
     megatron_selective_policy,
     options_from_notes,
     preset,
     torchtitan_selective_flavor,
+    version_at,
     weight_dtype_bytes_of,
     zero3_fetch_of,
 )
@@ -414,10 +416,12 @@ def options_of(e: dict) -> Options:
         tp_default = FRAMEWORKS["nemo"]["tp_overlap"]
     if _vpp_of(e["parallel"].get("vpp")) != 1:
         named["pp_schedule"] = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
-    # torchtitan's own behaviour (its preset): eager fp32 loss, torchao float8 (weights cast every forward, dynamic
-    # scaling), PyTorch's context_parallel, SDPA attention
-    framework_kw = {k: FRAMEWORKS["torchtitan"][k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts",
-                                                          "fp8_recipe", "cp_impl")} if titan else {}
+    # torchtitan's own behaviour (its preset of the release the source's date falls in): eager fp32 loss, torchao
+    # float8 (weights cast every forward, dynamic scaling), PyTorch's context_parallel, SDPA attention, the FSDP2
+    # group that nothing hides
+    titan_kw = preset(version_at("torchtitan", date_of(_source_text(e)))) if titan else {}
+    framework_kw = {k: titan_kw[k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts", "fp8_recipe",
+                                             "cp_impl", "fsdp_edge_group", "complex_rope", "repeat_kv")} if titan else {}
     if nemo:
         # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
         # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP,

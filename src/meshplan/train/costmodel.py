@@ -74,6 +74,15 @@ KERNELS_PER_LAYER_FWD = 15  # norms, projections, rope, attention, activation, r
 # the K/V concatenation 8 = 58.5.
 CP_TORCH_MERGE_FWD_BYTES = 40.5
 CP_TORCH_MERGE_BWD_BYTES = 58.5
+# RoPE as a complex multiplication (Options.complex_rope; torchtitan models/llama/model.py @9dec370 `apply_rotary_emb`:
+# view_as_complex(x.float()), times freqs_cis, view_as_real, type_as(x)). Inductor generates no code for complex
+# tensors (torch/_inductor/lowering.py `unsupported_input_tensor`: "Torchinductor does not support code generation for
+# complex operators", the warning pytorch/torchtitan#15 reports for its Llama), so under torch.compile the product
+# stays an eager aten kernel between two compiled casts. HBM bytes per element of q and k, forward: the cast to fp32
+# (read 2, write 4), the complex product (read 4, write 4; freqs_cis broadcast), the cast back (read 4, write 2) = 20;
+# the backward runs the same three in reverse (the product by the conjugate) = 20.
+COMPLEX_ROPE_FWD_BYTES = 20.0
+COMPLEX_ROPE_BWD_BYTES = 20.0
 # Options.attention_kernel → the efficiency.yaml (forward, backward) fractions of peak its kernels reach
 ATTENTION_KERNEL_FRACTIONS = {
     "fused": ("attention_fwd_fraction", "attention_bwd_fraction"),
@@ -161,6 +170,7 @@ MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")  # Options.moe_dispatcher
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration")
 # MaxText's checkpoint names of the attention projections (layers/attentions.py `checkpoint_name`) -> which output
 KEPT_PROJECTIONS = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv", "out_proj": "o"}
+FSDP_EDGE_GROUPS = ("none", "embedding", "root")  # Options.fsdp_edge_group
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -216,6 +226,25 @@ class Options:
     # requires COPY operations to move parameters and gradients in and out of communication buffers ... while
     # Megatron-FSDP assigns sliced views of contiguous communication buffers"): False there.
     fsdp_copies: bool = True
+    # The FSDP parameter group besides one layer that nothing can hide (FSDP_EDGE_GROUPS): its all-gather comes before
+    # the first layer's compute and its reduce-scatter after the last backward. "none": only the first layer's gather
+    # and the last reduce-scatter show (XLA, Megatron-FSDP). "root": torchtitan up to v0.1.0 wraps the embedding,
+    # final norm and output layer in the root FSDP2 module (torchtitan @9dec370 parallelisms/parallelize_llama.py
+    # `apply_fsdp`: fully_shard(model) after the blocks); the root gathers them all at its pre-forward, keeps them
+    # (root reshard_after_forward False, FSDP2 `_lazy_init`) and reduce-scatters them in the final backward
+    # callback (`_root_post_backward_final_callback`), when every other gradient is done. "embedding": since
+    # torchtitan #1094 (2025-07-28, v0.2.0) tok_embeddings and [norm, output] are groups of their own; the output
+    # layer's gather is prefetched behind the last layer and its reduce-scatter runs behind the layers' backward, and
+    # only the token embedding's are exposed (a tied table is the output layer too: all of it).
+    fsdp_edge_group: str = "none"
+    # RoPE by complex multiplication that torch.compile leaves eager (COMPLEX_ROPE_*; torchtitan's Llama models): with
+    # fused_elementwise its q/k passes cost what those three kernels move, not one fused pass. Eager PyTorch's RoPE is
+    # already in unfused_elementwise_factor.
+    complex_rope: bool = False
+    # K and V copied to every query head before attention under GQA (torchtitan `repeat_kv`, models/llama/model.py
+    # @9dec370 to v0.2.1; replaced by SDPA's enable_gqa in #2259, 2026-01-27): one copy each forward (read K·H, write
+    # N·H per token) and the gradient summed back over the repeats in the backward (read N·H, write K·H)
+    repeat_kv: bool = False
     # How context parallelism runs attention. "ring": Ring Attention (Liu et al. 2023) as Megatron-Core/Transformer
     # Engine run it: each rank passes its (GQA-sized) K/V block to the next, hidden behind the block it feeds.
     # "torch": PyTorch's experimental context_parallel as torchtitan ran it (torch 2.5-2.6, rotate method
@@ -332,6 +361,7 @@ class Options:
                                     ("pipeline schedule", self.pp_schedule, PP_SCHEDULES),
                                     ("attention kernel", self.attention_kernel, ATTENTION_KERNELS),
                                     ("ZeRO-3 fetch", self.zero3_fetch, ("allgather", "broadcast")),
+                                    ("FSDP edge group", self.fsdp_edge_group, FSDP_EDGE_GROUPS),
                                     ("selective recomputation", self.selective_flavor, SELECTIVE_FLAVORS),
                                     ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes()))):
             if name not in choices:
@@ -593,14 +623,40 @@ class CostModel:
         # autograd backward is counted op by op (_expert_bias_bytes), and the dispatcher's regrouping copies, whose
         # backward is the same copy with the inverse index (_moe_regroup_bytes)
         bias_f, bias_b = self._expert_bias_bytes(g)
+<<<<<<< HEAD
         clamp_f, clamp_b = self._glu_clamp_bytes(g)
         regroup = self._moe_regroup_bytes(g) + self._fp8_expert_padding_bytes(g)
         bias_f, bias_b = bias_f + clamp_f + regroup, bias_b + clamp_b + regroup
+=======
+        regroup = self._moe_regroup_bytes(g)
+        copy_f, copy_b = self._attention_input_copy_bytes(g)
+        bias_f, bias_b = bias_f + regroup + copy_f, bias_b + regroup + copy_b
+>>>>>>> d258f58 (torchtitan presets: FSDP2 edge group (root vs embedding) exposed, complex RoPE left eager under torch.compile, repeat_kv copies; versioned torchtitan@2024.12/2025.06/2025.10/2026.02; harness picks the version by source date)
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         f_s = (elem_bytes + bias_f) / self.hbm + kernels * e.kernel_overhead_s
         b_s = (2 * elem_bytes + bias_b) / self.hbm + 2 * kernels * e.kernel_overhead_s
         return dict(f_s=f_s, b_s=b_s, hbm=elem_bytes + bias_f, hbm_b=2 * elem_bytes + bias_b)
+
+    def _attention_input_copy_bytes(self, g: dict):
+        """(forward, backward) HBM bytes per layer per micro-batch that a PyTorch Llama moves preparing attention's
+        inputs beyond the fused pointwise pass (pointwise_elements_per_token counts RoPE as one read and one write):
+        the complex RoPE left eager under torch.compile (Options.complex_rope, COMPLEX_ROPE_*) and the K/V repeat to
+        every query head (Options.repeat_kv). E.g. Llama 3 8B (N=32, K=8, H=128), one token, bf16, both on: RoPE
+        (32+8)·128·(20 − 4) = 81,920 B forward, (32+8)·128·(20 − 8) = 61,440 B backward; the repeat
+        2·(8+32)·128·2 = 20,480 B each way."""
+        c, m, t, tp, act = self.c, self.p.model, g["t_mb"], g["tp"], self.opt.act_bytes
+        if m.is_mla:
+            return 0.0, 0.0
+        q, kv = c["N"] / tp * c["H"], np.maximum(c["K"] / tp, 1.0) * c["H"]
+        fwd = bwd = 0.0
+        if self.opt.complex_rope and self.opt.fused_elementwise:
+            fwd = fwd + t * (q + kv) * (COMPLEX_ROPE_FWD_BYTES - 2 * act)
+            bwd = bwd + t * (q + kv) * (COMPLEX_ROPE_BWD_BYTES - 4 * act)
+        if self.opt.repeat_kv and c["N"] > c["K"]:
+            repeat = t * 2 * (kv + q) * act  # K and V: read the GQA heads, write every query head's copy
+            fwd, bwd = fwd + repeat, bwd + repeat
+        return fwd, bwd
 
     def _expert_bias_bytes(self, g: dict):
         """(forward, backward) HBM bytes per layer of Megatron-Core's unfused bias adds in an MoE model with linear biases
@@ -1255,6 +1311,15 @@ class CostModel:
             rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, sh, tp)
             ag_emb = comm.time("allgather", o.fsdp_param_bytes * emb, sh, tp)
             rs_emb = comm.time("reducescatter", o.grad_reduce_bytes * emb, sh, tp)
+            # the group gathered before the first layer and reduced after the last backward (Options.fsdp_edge_group):
+            # exposed in full; the rest of the embedding parameters are hidden like the layers'
+            edge = self._fsdp_edge_params(g)
+            ag_edge, rs_edge, ag_rest, rs_rest = (
+                np.where(part > 0, comm.time(kind, nbytes * part, sh, tp), 0.0)
+                for kind, nbytes, part in (("allgather", o.fsdp_param_bytes, edge),
+                                           ("reducescatter", o.grad_reduce_bytes, edge),
+                                           ("allgather", o.fsdp_param_bytes, emb - edge),
+                                           ("reducescatter", o.grad_reduce_bytes, emb - edge)))
             # ZeRO-3 / FSDP (Rajbhandari et al. 2020; torchtitan FSDP2): gather before each layer's forward and
             # again before its backward (reshard after forward), reduce-scatter its gradients; the next layer's
             # gather is prefetched behind the current layer's compute, so only the excess and the first bucket
@@ -1263,10 +1328,10 @@ class CostModel:
             # FSDP state has its value specially set to False"), and XLA keeps the gathered table (verify: FSDP8).
             comp_f = nl * ct["layer_fwd"]
             comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
-            fs_f = np.maximum(nl * ag + ag_emb - comp_f, 0) + ag
-            fs_b = np.maximum(nl * (ag + rs) + rs_emb - comp_b, 0) + rs
+            fs_f = np.maximum(nl * ag + ag_rest - comp_f, 0) + ag + ag_edge
+            fs_b = np.maximum(nl * (ag + rs) + rs_rest - comp_b, 0) + rs + rs_edge
             once_f = fs_f
-            once_b = np.maximum(nl * rs + rs_emb - comp_b, 0) + rs
+            once_b = np.maximum(nl * rs + rs_rest - comp_b, 0) + rs + rs_edge
             emb_gathers = 1
         # With pipelining the stage stays gathered across its micro-batches: one gather per step (hidden behind
         # the first micro-batch's forward), no re-gather for the backward, and one reduce-scatter of the
@@ -1353,6 +1418,17 @@ class CostModel:
         # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", expert_n),
                                       ("context", g["cp"])], 4.0)
+
+    def _fsdp_edge_params(self, g: dict):
+        """Parameters (local to a TP rank) of the FSDP group that nothing hides (Options.fsdp_edge_group): none; the
+        root module's (the embedding, final norm and output layer outside the layers: params_embed_local); or the
+        token embedding's own group (the whole table when the output layer shares it)."""
+        emb, pc = g["params_embed_local"], self.pc
+        if self.opt.fsdp_edge_group == "root":
+            return emb
+        if self.opt.fsdp_edge_group == "embedding":
+            return np.minimum((pc.embedding + pc.position) / g["tp"], emb) if pc.unembedding else emb
+        return np.zeros_like(emb)
 
     def _replica_collective(self, kind: str, all_bytes, expert_bytes, g: dict, stride_rep):
         """Seconds of one data-parallel gradient collective (`kind`) when the routed experts' share of it runs over

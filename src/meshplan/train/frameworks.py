@@ -45,9 +45,14 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # context parallelism through PyTorch's context_parallel with its "allgather" rotation (torchtitan
     # config_manager `context_parallel_rotate_method`, default "allgather"; the Llama model repeats K/V heads
     # before SDPA); attention by PyTorch SDPA, whose backend priority puts its bundled FlashAttention-2 first,
-    # also on Hopper (pytorch/pytorch#142132)
+    # also on Hopper (pytorch/pytorch#142132); FSDP2 groups the token embedding alone and the final norm with the
+    # output layer (torchtitan v0.2.0 models/llama3/infra/parallelize.py `apply_fsdp`, since #1094, 2025-07-28), so
+    # only the embedding's gather and reduce-scatter have nothing to hide behind (Options.fsdp_edge_group); RoPE by
+    # complex multiplication, which torch.compile leaves eager (Options.complex_rope; models/common/rope.py @v0.2.2
+    # still view_as_complex); GQA by SDPA's enable_gqa, no K/V repeat (#2259, 2026-01-27, v0.2.2)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
-                       fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa"),
+                       fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
+                       fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
@@ -85,10 +90,18 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # default, fp32, stays); FP8 primary weights came later (NeMo 1.x's `fp8_params` defaulted to False)
     "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0, fp8_params=False),
              "26.06": {}},
-    # torchtitan's December 2024 performance runs (docs/performance.md): torchao float8 tensorwise, its only recipe
-    # then (rowwise came with pytorch/ao#1629, January 2025); June 2025 (docs/benchmarks, torchao 0.11): tensorwise
-    # by default, rowwise opt-in (`--float8.recipe_name rowwise`) — the current preset. No option differs.
-    "torchtitan": {"2024.12": {}, "2025.06": {}},
+    # torchtitan's December 2024 performance runs (benchmarks/llama3_h100_202412_torchtitan.md, torchtitan @9dec370):
+    # torchao float8 tensorwise, its only recipe then (rowwise came with pytorch/ao#1629, January 2025); June 2025
+    # (v0.1.0, 2025-06-17; torchao 0.11): tensorwise by default, rowwise opt-in (`--float8.recipe_name rowwise`).
+    # Both wrapped the embedding, final norm and output layer in the root FSDP2 module (parallelize_llama.py @9dec370,
+    # models/llama3/infra/parallelize.py @v0.1.0: `fully_shard(model, ...)` over what the blocks leave), gathered
+    # before the first block and reduce-scattered after the whole backward (Options.fsdp_edge_group "root");
+    # v0.2.0 (2025-10-17) shards the token embedding and [norm, output] as groups of their own (#1094). Until v0.2.1
+    # (2025-12-26) the Llama attention copied K and V to every query head (`repeat_kv`, models/llama3/model/model.py
+    # @v0.2.0); v0.2.2 (2026-02-20) passes enable_gqa to SDPA instead (#2259): the current preset
+    "torchtitan": {"2024.12": dict(fsdp_edge_group="root", repeat_kv=True),
+                   "2025.06": dict(fsdp_edge_group="root", repeat_kv=True),
+                   "2025.10": dict(repeat_kv=True), "2026.02": {}},
 }
 
 
@@ -114,6 +127,37 @@ def framework_options(name: str | None, base: Options, explicit: dict[str, Any])
     known = {f.name for f in fields(Options)}
     changes.update({k: v for k, v in explicit.items() if v is not None and k in known})
     return replace(base, **changes)
+
+
+def _version_yyyymm(version: str) -> int:
+    """A VERSIONS key as a date: 'YYYY.MM' (torchtitan) or NeMo's 'YY.MM'."""
+    year, month = version.split(".")
+    return (int(year) + (2000 if len(year) == 2 else 0)) * 100 + int(month)
+
+
+def version_at(base: str, yyyymm: int | None) -> str:
+    """`base@version` for a run dated `yyyymm`: the newest listed release not after that month (the oldest listed
+    when the run predates them all); the plain name when the date is unknown or no versions are listed."""
+    known = sorted(VERSIONS.get(base, {}), key=_version_yyyymm)
+    if yyyymm is None or not known:
+        return base
+    before = [v for v in known if _version_yyyymm(v) <= yyyymm]
+    return f"{base}@{before[-1] if before else known[0]}"
+
+
+MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+
+
+def date_of(text: str) -> int | None:
+    """The latest month (yyyymm) a description names: '2024/12/26', '2025-06', 'Dec 2024', 'June 2025'; a bare year
+    counts as its December (the newest behaviour a run of that year could have had); None when it names none."""
+    text = text.lower()
+    dates = [int(y) * 100 + int(m) for y, m in re.findall(r"(?<!\d)(20[12]\d)[-/.](0[1-9]|1[0-2])(?!\d)", text)]
+    dates += [int(y) * 100 + MONTHS.index(m) + 1
+              for m, y in re.findall(r"\b(" + "|".join(MONTHS) + r")[a-z]*\.?\s+(20[12]\d)\b", text)]
+    if not dates:
+        dates = [int(y) * 100 + 12 for y in re.findall(r"(?<!\d)(20[12]\d)(?!\d)", text)]
+    return max(dates) if dates else None
 
 
 # ---- reading a run's description: which behaviour its framework, kernels and notes name ------------------------
