@@ -117,7 +117,8 @@ def test_fp8_recipe_flag_through_the_cli(capsys) -> None:
 def test_versioned_framework_presets() -> None:
     base = Options(compute_dtype="fp8")
     # the newest listed version is the current preset
-    assert framework_options("torchtitan@2025.06", base, {}) == framework_options("torchtitan", base, {})
+    assert framework_options("torchtitan@2026.02", base, {}) == framework_options("torchtitan", base, {})
+    assert framework_options("torchtitan@2025.06", base, {}).fp8_scaling == "tensorwise"
     assert framework_options("torchtitan", base, {}).fp8_scaling == "tensorwise"
     # NeMo 24.07 ran TE delayed scaling; its current recipes scale by the current amax
     assert framework_options("nemo@24.07", base, {}).fp8_scaling == "delayed"
@@ -125,7 +126,7 @@ def test_versioned_framework_presets() -> None:
     # an explicit flag wins over the versioned preset too
     assert framework_options("nemo@24.07", base, {"fp8_recipe": "blockwise"}).fp8_scaling == "blockwise"
     with pytest.raises(MeshplanError, match=r"unknown version '2023.01' of framework 'torchtitan' "
-                                            r"\(known versions: 2024.12, 2025.06\)"):
+                                            r"\(known versions: 2024.12, 2025.06, 2025.10, 2026.02\)"):
         framework_options("torchtitan@2023.01", base, {})
     with pytest.raises(MeshplanError, match="known versions: none"):
         framework_options("maxtext@2024.01", base, {})
@@ -134,7 +135,7 @@ def test_versioned_framework_presets() -> None:
 
 
 def test_versioned_preset_through_the_cli(capsys) -> None:
-    code, out, _ = run_cli(ARGS + ["--framework", "torchtitan@2025.06"], capsys)
+    code, out, _ = run_cli(ARGS + ["--framework", "torchtitan@2026.02"], capsys)
     code2, out2, _ = run_cli(ARGS + ["--framework", "torchtitan"], capsys)
     assert code == code2 == 0 and json.loads(out)["plans"][0] == json.loads(out2)["plans"][0]
     code, out, err = run_cli(ARGS + ["--framework", "torchtitan@1999.01"], capsys)
