@@ -421,7 +421,8 @@ def options_of(e: dict) -> Options:
     # group that nothing hides
     titan_kw = preset(version_at("torchtitan", date_of(_source_text(e)))) if titan else {}
     framework_kw = {k: titan_kw[k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts", "fp8_recipe",
-                                             "cp_impl", "fsdp_edge_group", "complex_rope", "repeat_kv")} if titan else {}
+                                             "cp_impl", "fsdp_edge_group", "complex_rope", "repeat_kv",
+                                             "optimizer_impl")} if titan else {}
     if nemo:
         # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
         # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP,

@@ -33,6 +33,11 @@ MASTER_BYTES = 4.0  # fp32 master copy of the weights (ZeRO paper §3.1)
 MOMENT_BYTES = 8.0  # Adam m and v in fp32 (ZeRO paper §3.1: master + m + v = 12 B per parameter)
 FSDP_PARAM_STATE_BYTES = 4.0  # FSDP stores the sharded parameters in fp32 (they are the master copy)
 ADAM_UPDATE_BYTES = 30.0  # per local parameter: read/write master, m, v (24), read fp32 grad (4), write bf16 copy (2)
+# PyTorch's foreach AdamW (torch/optim/adamw.py `_multi_tensor_adamw`, torch 2.5-2.6, capturable off), one pass per
+# op over fp32 tensors: weight decay p *= 1 - lr·wd (r/w 8), m.lerp_(g) (12), v *= beta2 (8), v.addcmul_(g, g) (12),
+# s = sqrt(v) (8), s /= bc2 (8), s += eps (8), p.addcdiv_(m, s) (16) = 80 B per local parameter (Options.optimizer_impl)
+ADAMW_FOREACH_UPDATE_BYTES = 80.0
+OPTIMIZER_UPDATE_BYTES = {"fused": ADAM_UPDATE_BYTES, "foreach": ADAMW_FOREACH_UPDATE_BYTES}
 LOSS_SOFTMAX_BYTES = 4.0  # per logit: the fp32 softmax a cross-entropy saves (beside the logits, act_bytes each)
 # XLA's cross-entropy (MaxText max_utils.cross_entropy_with_logits, tpu-recipes-v0.1.4: logits cast to fp32,
 # `cast_logits_to_fp32`, a custom VJP saving exp(logits - max)): one fp32 buffer of the logits' shape. XLA folds the
@@ -245,6 +250,10 @@ class Options:
     # @9dec370 to v0.2.1; replaced by SDPA's enable_gqa in #2259, 2026-01-27): one copy each forward (read K·H, write
     # N·H per token) and the gradient summed back over the repeats in the backward (read N·H, write K·H)
     repeat_kv: bool = False
+    # The AdamW implementation (OPTIMIZER_UPDATE_BYTES): "fused" = one kernel per tensor group reading and writing
+    # each state once (Megatron/Apex FusedAdam, torch's fused=True); "foreach" = PyTorch's multi-tensor AdamW, a
+    # pass per op (torchtitan's default until #881, 2025-02-24, "use Fused AdamW as default")
+    optimizer_impl: str = "fused"
     # How context parallelism runs attention. "ring": Ring Attention (Liu et al. 2023) as Megatron-Core/Transformer
     # Engine run it: each rank passes its (GQA-sized) K/V block to the next, hidden behind the block it feeds.
     # "torch": PyTorch's experimental context_parallel as torchtitan ran it (torch 2.5-2.6, rotate method
@@ -362,6 +371,7 @@ class Options:
                                     ("attention kernel", self.attention_kernel, ATTENTION_KERNELS),
                                     ("ZeRO-3 fetch", self.zero3_fetch, ("allgather", "broadcast")),
                                     ("FSDP edge group", self.fsdp_edge_group, FSDP_EDGE_GROUPS),
+                                    ("optimizer implementation", self.optimizer_impl, tuple(OPTIMIZER_UPDATE_BYTES)),
                                     ("selective recomputation", self.selective_flavor, SELECTIVE_FLAVORS),
                                     ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes()))):
             if name not in choices:
@@ -1800,7 +1810,7 @@ class CostModel:
         # benchmarks/accuracy.py's MoE rows by 15-20 points; the expert-data-parallel group under MoE parallel folding
         # needs its own look, issue 13 report)
         local = g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1))
-        nbytes = ADAM_UPDATE_BYTES * local
+        nbytes = OPTIMIZER_UPDATE_BYTES[self.opt.optimizer_impl] * local
         off = L.offload_optimizer == 1
         led = g["ledger"]
         led.add("hbm", np.where(off, 0.0, nbytes))

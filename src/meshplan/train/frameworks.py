@@ -49,10 +49,11 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # output layer (torchtitan v0.2.0 models/llama3/infra/parallelize.py `apply_fsdp`, since #1094, 2025-07-28), so
     # only the embedding's gather and reduce-scatter have nothing to hide behind (Options.fsdp_edge_group); RoPE by
     # complex multiplication, which torch.compile leaves eager (Options.complex_rope; models/common/rope.py @v0.2.2
-    # still view_as_complex); GQA by SDPA's enable_gqa, no K/V repeat (#2259, 2026-01-27, v0.2.2)
+    # still view_as_complex); GQA by SDPA's enable_gqa, no K/V repeat (#2259, 2026-01-27, v0.2.2); fused AdamW
+    # (config/job_config.py @v0.2.0 `optimizer.implementation` default "fused")
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
-                       fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False),
+                       fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False, optimizer_impl="fused"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
@@ -99,7 +100,9 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # v0.2.0 (2025-10-17) shards the token embedding and [norm, output] as groups of their own (#1094). Until v0.2.1
     # (2025-12-26) the Llama attention copied K and V to every query head (`repeat_kv`, models/llama3/model/model.py
     # @v0.2.0); v0.2.2 (2026-02-20) passes enable_gqa to SDPA instead (#2259): the current preset
-    "torchtitan": {"2024.12": dict(fsdp_edge_group="root", repeat_kv=True),
+    # torchtitan @9dec370 built AdamW with foreach=True unless `--optimizer.fused` (torchtitan/optimizer.py); fused
+    # became the default with #881 (2025-02-24): Options.optimizer_impl
+    "torchtitan": {"2024.12": dict(fsdp_edge_group="root", repeat_kv=True, optimizer_impl="foreach"),
                    "2025.06": dict(fsdp_edge_group="root", repeat_kv=True),
                    "2025.10": dict(repeat_kv=True), "2026.02": {}},
 }
