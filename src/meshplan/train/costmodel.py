@@ -633,15 +633,10 @@ class CostModel:
         # autograd backward is counted op by op (_expert_bias_bytes), and the dispatcher's regrouping copies, whose
         # backward is the same copy with the inverse index (_moe_regroup_bytes)
         bias_f, bias_b = self._expert_bias_bytes(g)
-<<<<<<< HEAD
         clamp_f, clamp_b = self._glu_clamp_bytes(g)
         regroup = self._moe_regroup_bytes(g) + self._fp8_expert_padding_bytes(g)
-        bias_f, bias_b = bias_f + clamp_f + regroup, bias_b + clamp_b + regroup
-=======
-        regroup = self._moe_regroup_bytes(g)
         copy_f, copy_b = self._attention_input_copy_bytes(g)
-        bias_f, bias_b = bias_f + regroup + copy_f, bias_b + regroup + copy_b
->>>>>>> d258f58 (torchtitan presets: FSDP2 edge group (root vs embedding) exposed, complex RoPE left eager under torch.compile, repeat_kv copies; versioned torchtitan@2024.12/2025.06/2025.10/2026.02; harness picks the version by source date)
+        bias_f, bias_b = bias_f + clamp_f + regroup + copy_f, bias_b + clamp_b + regroup + copy_b
         k = self.layer_kernels_fwd(g)
         kernels = k["attn"] + k["moe_router"] + k["moe_preprocess"] + k["moe_permute"]
         f_s = (elem_bytes + bias_f) / self.hbm + kernels * e.kernel_overhead_s
