@@ -319,40 +319,6 @@ ENTRY %main (p: f32[4,8], i: s32[]) -> f32[1,8] {
                    ("reduce-scatter", ("data",), 128.0, "all-reduce+dynamic-slice")]
 
 
-def test_hlo_counts_a_loop_body_once_per_iteration():
-    """A collective and a dot inside a while body with known_trip_count 3 (a `lax.scan` over 3 micro-batches)
-    count 3 times per step: the reduce-scatter 3 × (f32[2,8] × 4 devices = 256 B) = 768 B; the dot
-    [2,8] = [2,4]·[4,8] is 2 × 16 × 4 = 128 FLOPs a run, 384 a step. Mesh (data=4, stage=2) as above."""
-    from meshplan.measure.hlo import dot_flops, parse_collectives
-
-    hlo = """HloModule m
-%body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
-  %t = (s32[], f32[8,8]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  %x = f32[8,8]{1,0} get-tuple-element(%t), index=1
-  %a = f32[2,4]{1,0} parameter(1)
-  %b = f32[4,8]{1,0} parameter(2)
-  %d = f32[2,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %rs = f32[2,8]{1,0} reduce-scatter(%x), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
-  ROOT %out = (s32[], f32[8,8]{1,0}) tuple(%i, %x)
-}
-%cond (c: (s32[], f32[8,8])) -> pred[] {
-  %c = (s32[], f32[8,8]{1,0}) parameter(0)
-  ROOT %p = pred[] constant(true)
-}
-ENTRY %main (p: f32[8,8]) -> (s32[], f32[8,8]) {
-  %p = f32[8,8]{1,0} parameter(0)
-  %z = s32[] constant(0)
-  %init = (s32[], f32[8,8]{1,0}) tuple(%z, %p)
-  ROOT %w = (s32[], f32[8,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-}
-"""
-    coords = {2 * d + s: (d, s) for d in range(4) for s in range(2)}
-    (rs,) = parse_collectives(hlo, coords, ("data", "stage"))
-    assert rs.kind == "reduce-scatter" and rs.axes == ("data",) and rs.bytes == 768
-    assert dot_flops(hlo) == 384
-
-
 def test_layout_micro_batches_and_zero3():
     """Pure Python: the planner's micro-batch (sequences per micro-batch per batch shard) and ZeRO-3."""
     from meshplan.errors import MeshplanError

@@ -292,9 +292,28 @@ def _folded_all_reduces(instrs: dict[str, Instr], users: dict[str, list[Instr]])
     return out
 
 
-def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...],
+@dataclass(frozen=True)
+class Module:
+    """An HLO module parsed once: its instructions (`parse_module`) and the runs per step of each computation
+    (`trip_counts`), which `parse_collectives` and `dot_flops` both read."""
+
+    instrs: dict[str, Instr]
+    runs: dict[str, float]
+
+
+def read_module(hlo_text: str) -> Module:
+    """Parse an optimized HLO module's text (`compiled.as_text()`) once."""
+    instrs = parse_module(hlo_text)
+    return Module(instrs, trip_counts(instrs))
+
+
+def _as_module(hlo: Module | str) -> Module:
+    return hlo if isinstance(hlo, Module) else read_module(hlo)
+
+
+def parse_collectives(hlo: Module | str, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...],
                       fold_reduce_scatter: bool = True) -> list[Collective]:
-    """Every collective in the module. `coords`: device id → mesh coordinates of that device.
+    """Every collective in the module (`hlo`: its text, or the `read_module` of it). `coords`: device id → mesh coordinates of that device.
 
     With `fold_reduce_scatter`, an all-reduce whose results are only dynamic-sliced to 1/n per device is
     reported as a reduce-scatter with note "all-reduce+dynamic-slice": the GSPMD partitioner emits that pair
@@ -302,10 +321,10 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
     not, so the CPU program moves twice the bytes a real reduce-scatter would. Likewise an all-reduce of an
     all-reduce's results is reported as one all-reduce over both groups' axes, note "all-reduce+all-reduce"
     (AllReduceFolder, see `_folded_all_reduces`)."""
-    instrs = parse_module(hlo_text)
+    module = _as_module(hlo)
+    instrs, runs = module.instrs, module.runs
     users = _users(instrs) if fold_reduce_scatter else {}
     folded = _folded_all_reduces(instrs, users) if fold_reduce_scatter else {}
-    runs = trip_counts(instrs)
     out = []
     for ins in instrs.values():
         kind = _kind(ins.op)
@@ -346,11 +365,12 @@ def parse_collectives(hlo_text: str, coords: dict[int, tuple[int, ...]], axis_na
     return out
 
 
-def dot_flops(hlo_text: str) -> float:
+def dot_flops(hlo: Module | str) -> float:
     """2 × (result elements) × (contracted size) summed over every dot, fused or not, times the runs of its
-    computation (`trip_counts`: a dot in a loop body counts once per iteration) (book ch.4)."""
-    instrs = parse_module(hlo_text)
-    runs = trip_counts(instrs)
+    computation (`trip_counts`: a dot in a loop body counts once per iteration) (book ch.4). `hlo`: the module's
+    text, or the `read_module` of it."""
+    module = _as_module(hlo)
+    instrs, runs = module.instrs, module.runs
     total = 0.0
     for ins in instrs.values():
         if ins.op != "dot" or not ins.operands:

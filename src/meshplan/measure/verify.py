@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.measure.hlo import COLLECTIVES, Collective, dot_flops, parse_collectives
+from meshplan.measure.hlo import COLLECTIVES, Collective, dot_flops, parse_collectives, read_module
 from meshplan.measure.layout import Layout
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import LayoutArrays, ParallelConfig
@@ -199,10 +199,10 @@ def compile_step(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
 
 def measure_compiled(prog: Any, compiled: Any) -> dict[str, Any]:
     """Per-device FLOPs, collective bytes per kind and memory of a compiled step, read from XLA."""
-    text = compiled.as_text()
-    colls = parse_collectives(text, device_coords(prog.mesh), tuple(prog.mesh.axis_names))
+    module = read_module(compiled.as_text())  # parsed once: the collectives and the dots are read from it
+    colls = parse_collectives(module, device_coords(prog.mesh), tuple(prog.mesh.axis_names))
     mem = compiled.memory_analysis()
-    out: dict[str, Any] = {"flops": float(_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(text)}
+    out: dict[str, Any] = {"flops": float(_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(module)}
     for kind in COLLECTIVES:
         out[f"{kind} bytes"] = float(sum(c.bytes for c in colls if c.kind == kind))
     ledger_kind = {v: k for k, v in HLO_KIND.items()}
