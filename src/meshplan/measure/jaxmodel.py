@@ -727,12 +727,12 @@ def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.
 
 # --- layers, loss, step --------------------------------------------------------------------------
 
-def remat_policy(recompute: str, scanned: bool = False) -> Callable:
-    """jax.checkpoint policy for one layer. Communication results (sharding constraints, all-gathers) are
-    never saved. none: everything else saved (`scanned`: the matmul and other communication outputs,
-    SCAN_SAVED_PRIMS; see there). selective: the attention core sits in its own nothing-saveable
-    checkpoint (scores/softmax recomputed), everything else saved (`scanned`: as none, less the core's dots).
-    full: nothing saved but the layer input.
+def remat_policy(recompute: str) -> Callable:
+    """jax.checkpoint policy for one layer of the scanned layer stack. Communication results (sharding constraints,
+    all-gathers) are never saved. none: the outputs of the matmuls and of the other communication (SCAN_SAVED_PRIMS;
+    see there) and the flash core's residuals (FLASH_RESIDUALS). selective: the attention core sits in its own
+    nothing-saveable checkpoint (scores/softmax recomputed), the rest as none, less the core's dots. full: nothing
+    saved but the layer input.
     gemm-last: only matmul outputs saved (GEMM_OUTPUTS; with materialised attention that includes QKᵀ), the
     cheap ops after them (norms, RoPE, softmax, activations) recomputed."""
     keep_names = recompute == "gemm-last"
@@ -746,7 +746,7 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
             return False
         if keep_names:
             return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
-        if scanned and recompute == "selective":
+        if recompute == "selective":
             # the dots with no batch dimension (the projections and the MLP: JAX's
             # `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal"), the collectives, and by name the rest
             # (SELECTIVE_SAVED): not the attention core's dots (batch dimensions), which selective recomputes
@@ -754,9 +754,7 @@ def remat_policy(recompute: str, scanned: bool = False) -> Callable:
             if prim.name == "dot_general":
                 return not params["dimension_numbers"][1][0]
             return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in SELECTIVE_SAVED)
-        if scanned:
-            return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
-        return True
+        return prim.name in SCAN_SAVED_PRIMS or (prim.name == "name" and params.get("name") in FLASH_RESIDUALS)
 
     return policy
 
@@ -795,12 +793,11 @@ def head_loss(params: Params, x: jax.Array, targets: jax.Array, model: ModelConf
     return logz - target if per_token else jnp.mean(logz - target)
 
 
-def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized",
-              scanned: bool = False) -> Callable:
-    # inside a loop body CSE cannot merge the recomputation with the forward (jax.checkpoint's prevent_cse
-    # docstring), so `scanned` turns it off, as MaxText's scanned decoder does
+def _layer_fn(model: ModelConfig, sh: Sharder, recompute: str, attention: str = "materialized") -> Callable:
+    # the layer runs inside a loop body (the layer scan), where CSE cannot merge the recomputation with the forward
+    # (jax.checkpoint's prevent_cse docstring), so prevent_cse is off, as in MaxText's scanned decoder
     return jax.checkpoint(lambda lp, x, pos: decoder_layer(lp, x, pos, model, sh, recompute, attention),
-                          policy=remat_policy(recompute, scanned), prevent_cse=not scanned)
+                          policy=remat_policy(recompute), prevent_cse=False)
 
 
 def layer_grads(lp: Params, sh: Sharder) -> Params:
@@ -835,7 +832,7 @@ def loss_fn(params: Params, batch: dict[str, jax.Array], model: ModelConfig, sh:
     body is one checkpointed layer (MaxText's `scan_layers`, its default: the while loop's backward re-materialises
     and differentiates one layer at a time)."""
     x = embed_tokens(params, batch["tokens"], sh)
-    layer = _layer_fn(model, sh, recompute, attention, scanned=True)
+    layer = _layer_fn(model, sh, recompute, attention)
     x, _ = jax.lax.scan(lambda h, lp: (layer(layer_grads(lp, sh), h, batch["pos"]), None), x, params["layers"])
     return head_loss(params, x, batch["targets"], model, sh, per_token)
 
@@ -915,7 +912,7 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
         return decoder_layer(lp, x, pos, model, sh, recompute, attention)
 
     # inside a loop body CSE cannot merge the recomputation with the forward (`_layer_fn`)
-    layer = jax.checkpoint(one_layer, policy=remat_policy(recompute, scanned=True), prevent_cse=False,
+    layer = jax.checkpoint(one_layer, policy=remat_policy(recompute), prevent_cse=False,
                            static_argnums=(2,))
     act = ("batch", "seq_sp", "act_embed")
     region = frozenset({"stage"} | {a for a in (*REPLICA_AXES, "fsdp") if sh.axis_size(a) > 1})
