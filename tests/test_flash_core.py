@@ -85,10 +85,47 @@ def test_verify_refuses_an_unknown_attention_core(capsys):
     assert code == 2 and err.startswith("error: --attention must be materialized or flash")
 
 
-def test_verify_refuses_running_flash_under_fsdp(capsys):
-    """The measured deadlock (docs/verify.md) is refused with one line before anything compiles or runs."""
+FLASH_FSDP_REFUSAL = ("--attention flash with FSDP runs into a deadlock of XLA's CPU collectives when the steps are "
+                      "run; add --no-loss-check to compare the compiled program only")
+
+
+@pytest.mark.parametrize("layout", [["--fsdp", "8"], ["--dp", "8", "--zero", "3"]])
+def test_verify_refuses_running_flash_under_fsdp(capsys, layout):
+    """The measured deadlock (docs/verify.md) is refused with one line before anything compiles or runs (ZeRO-3 is
+    FSDP over the data ranks)."""
     from conftest import run_cli
 
-    code, _, err = run_cli(["verify", "--model", "llama3-8b", "--devices", "8", "--fsdp", "8", "--attention", "flash"],
+    code, _, err = run_cli(["verify", "--model", "llama3-8b", "--devices", "8", *layout, "--attention", "flash"],
                            capsys)
-    assert code == 2 and err.startswith("error: --attention flash with FSDP") and "--no-loss-check" in err
+    assert code == 2 and err.strip() == f"error: {FLASH_FSDP_REFUSAL}"
+
+
+class _Ledger(Exception):
+    """Raised by the stub of plan_ledger: run_verify went past its refusals."""
+
+
+def test_run_verify_refuses_running_flash_under_fsdp(monkeypatch):
+    """Library callers get the same refusal from `run_verify`, decided on the attention core the program compiles
+    (`program_attention`): flash under FSDP when the steps are run. Compile-only (no loss model) and CP layouts,
+    which compile the materialised core, go on (to the ledger, stubbed here: nothing compiles)."""
+    from dataclasses import replace
+
+    from meshplan.errors import MeshplanError
+    from meshplan.measure import verify as mv
+    from meshplan.measure.layout import Layout
+    from meshplan.specs.model import load_model
+
+    def stub(*a, **k):
+        raise _Ledger
+
+    monkeypatch.setattr(mv, "plan_ledger", stub)
+    m = mv.tiny_model(load_model("llama3-8b"))
+    flash = replace(mv.program_options(), flash_attention=True)
+    for layout in (Layout(fsdp=8), Layout(dp=8, zero=3)):
+        with pytest.raises(MeshplanError) as exc:
+            mv.run_verify(m, layout, 128, 16, loss_model=m, options=flash)
+        assert str(exc.value) == FLASH_FSDP_REFUSAL
+    for layout, loss, options in ((Layout(fsdp=8), None, flash), (Layout(fsdp=4, cp=2), m, flash),
+                                  (Layout(fsdp=8), m, mv.program_options())):
+        with pytest.raises(_Ledger):
+            mv.run_verify(m, layout, 128, 16, loss_model=loss, options=options)

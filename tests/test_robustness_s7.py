@@ -297,10 +297,18 @@ def test_verify_plan_with_layout_flags_is_refused(capsys, monkeypatch, no_compil
     one_error(code, err, "--plan")
 
 
+def test_verify_plan_with_layout_flags_at_their_defaults_is_accepted(capsys, monkeypatch, no_compile, train_json):
+    """--plan refuses a layout flag given at other than its default (above); at its default it changes nothing."""
+    defaults = ("--fsdp=1", "--tp=1", "--cp=1", "--ep=1", "--pp=1", "--vpp=1", "--microbatch=0", "--recompute=none",
+                "--zero=0", "--devices=8")
+    assert verify_stdin(capsys, monkeypatch, train_json, *defaults)[2]
+
+
 def test_verify_plan_file_not_text_or_nested_too_deep(tmp_path, capsys, monkeypatch, no_compile):
     p = tmp_path / "plan.json"
     p.write_bytes(b"\xff\xfe{}")
     one_error(*run_cli(["verify", "--plan", str(p)], capsys)[::2], "is not text")
+    one_error(*run_cli(["verify", "--plan", str(tmp_path / "none.json")], capsys)[::2], "cannot read --plan file")
     code, err, compiled = verify_stdin(capsys, monkeypatch, "[" * 100_000)
     assert not compiled
     one_error(code, err, "nested too deeply")

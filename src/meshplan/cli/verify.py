@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,7 +12,9 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, err_console, fail, print_json
+from meshplan.measure import verify as mv
 from meshplan.measure.layout import Layout, describe
+from meshplan.specs._load import read_text
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_flops
 from meshplan.validate import CLI_RULES
@@ -51,12 +52,7 @@ def _print_table(report: dict) -> None:
 
 def read_plan(source: str, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(problem, config) of plan `rank` (1 = best) of a `meshplan train --json` object in a file or on stdin (-)."""
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    except OSError as exc:
-        fail(f"--plan: cannot read {source}: {exc.strerror}")
-    except UnicodeDecodeError:
-        fail(f"--plan: {source} is not text (expected the UTF-8 JSON of `meshplan train --json`)")
+    text = read_text(Path(source), "--plan", "the UTF-8 JSON of `meshplan train --json`", stdin=True)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -81,38 +77,47 @@ def read_plan(source: str, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return problem, config
 
 
+_LAYOUT = Layout()  # the layout flags' defaults are Layout's
+# the flags --plan replaces (the JSON names the model and the layout): given with --plan at other than their defaults,
+# they are refused
+_PLAN_OWNS = ("model_name", "dp", "fsdp", "tp", "cp", "ep", "pp", "vpp", "microbatch", "recompute", "zero")
+
+
 @app.command()
 def verify(
+    ctx: typer.Context,
     model_name: Annotated[str | None, typer.Option("--model", "-m", help="Preset name or HF config.json path.")] = None,
     plan_file: Annotated[str | None, typer.Option("--plan", help="A `meshplan train --json` file, or - for stdin: "
                                                                  "verify its plan --rank (model, chips, layout).")] = None,
     rank: Annotated[int, typer.Option(help="With --plan: which plan (1 = the best).")] = 1,
     devices: Annotated[int, typer.Option(help="Simulated CPU devices (= dp·fsdp·tp·cp·ep·pp).")] = 8,
-    seq_len: Annotated[int, typer.Option(help="Sequence length T.")] = 128,
-    global_batch: Annotated[int, typer.Option(help="Global batch B in sequences.")] = 16,
+    seq_len: Annotated[int, typer.Option(help="Sequence length T.")] = mv.LOSS_SEQ_LEN,
+    global_batch: Annotated[int, typer.Option(help="Global batch B in sequences.")] = mv.LOSS_BATCH,
     dp: Annotated[int | None, typer.Option(help="Data parallel degree (default: what the other axes leave).")] = None,
-    fsdp: Annotated[int, typer.Option(help="FSDP (ZeRO-3) degree.")] = 1,
-    tp: Annotated[int, typer.Option(help="Tensor parallel degree (with sequence parallelism).")] = 1,
-    cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = 1,
+    fsdp: Annotated[int, typer.Option(help="FSDP (ZeRO-3) degree.")] = _LAYOUT.fsdp,
+    tp: Annotated[int, typer.Option(help="Tensor parallel degree (with sequence parallelism).")] = _LAYOUT.tp,
+    cp: Annotated[int, typer.Option(help="Context parallel degree (load-balanced causal split).")] = _LAYOUT.cp,
     cp_impl: Annotated[str, typer.Option("--cp-impl", help="How CP runs attention: allgather (each layer gathers the "
                                          "sequence's K/V; Llama 3, MaxText) or ring (K/V blocks passed round the "
-                                         "context ranks by ppermute).")] = "allgather",
-    ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = 1,
+                                         "context ranks by ppermute).")] = _LAYOUT.cp_impl,
+    ep: Annotated[int, typer.Option(help="Expert parallel degree (MoE models; its own mesh axis here).")] = _LAYOUT.ep,
     pp: Annotated[int, typer.Option(help="Pipeline stages (one SPMD loop over the `stage` axis, as MaxText's pipeline; "
-                                         "--microbatch sets the micro-batches).")] = 1,
+                                         "--microbatch sets the micro-batches).")] = _LAYOUT.pp,
     vpp: Annotated[int, typer.Option(help="Virtual stages per pipeline rank (interleaving: MaxText's circular "
-                                          "pipeline, num_pipeline_repeats); needs micro-batches >= pp.")] = 1,
-    microbatch: Annotated[int, typer.Option(help="Micro-batch (sequences; 0 = the whole local batch at once).")] = 0,
-    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
+                                          "pipeline, num_pipeline_repeats); needs micro-batches >= pp.")] = _LAYOUT.vpp,
+    microbatch: Annotated[int, typer.Option(
+        help="Micro-batch (sequences; 0 = the whole local batch at once).")] = _LAYOUT.microbatch,
+    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = _LAYOUT.recompute,
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 1 optimizer state, 2 also gradients "
-                                           "sharded; 3 compiles FSDP over the data ranks.")] = 0,
+                                           "sharded; 3 compiles FSDP over the data ranks.")] = _LAYOUT.zero,
     attention: Annotated[str, typer.Option(
         help="Attention core of the program: materialized (scores in memory) or flash (blockwise, online softmax, "
              "FlashAttention-2's backward; the ledger is then the planner's flash one; CP layouts stay "
              "materialized).")] = "materialized",
     framework: Annotated[str, typer.Option(
         help="Whose schedule the planner's ledger assumes: jax (default; = maxtext, the one XLA's program follows), "
-             "or megatron / nemo / torchtitan to see where theirs differs from the compiled program.")] = "jax",
+             "or megatron / nemo / torchtitan to see where theirs differs from the compiled program.")
+    ] = mv.PROGRAM_FRAMEWORK,
     tiny: Annotated[bool, typer.Option("--tiny/--no-tiny", help="Shrink the model for a CPU (L=2, D=256, V=512).")] = True,
     layers: Annotated[int | None, typer.Option(help="With --no-tiny: keep the real widths, use this many layers.")] = None,
     no_loss: Annotated[bool, typer.Option("--no-loss-check", help="Skip running steps (compile only).")] = False,
@@ -121,20 +126,16 @@ def verify(
     """Compile the layout as a sharded JAX training step and compare its FLOPs, collectives and memory with the
     planner's ledger (the numbers `meshplan train` ranks by)."""
     if importlib.util.find_spec("jax") is None:
-        fail("meshplan verify needs the jax extra: pip install 'meshplan[jax]'")
-    from meshplan.measure import verify as mv
-
+        fail(mv.JAX_MISSING)
     if attention not in ("materialized", "flash"):
         fail(f"--attention must be materialized or flash, got '{attention}'")
     if plan_file is not None:
-        pinned = [flag for flag, v, default in (
-            ("--model", model_name, None), ("--dp", dp, None), ("--fsdp", fsdp, 1), ("--tp", tp, 1), ("--cp", cp, 1),
-            ("--ep", ep, 1), ("--pp", pp, 1), ("--vpp", vpp, 1), ("--microbatch", microbatch, 0),
-            ("--recompute", recompute, "none"), ("--zero", zero, 0)) if v != default]
+        defaults = {p.name: p for p in ctx.command.params}  # each flag's default, as the signature above declares it
+        pinned = [defaults[n].opts[0] for n in _PLAN_OWNS if ctx.params[n] != defaults[n].default]
         if pinned:
             fail(f"--plan takes the model and the layout from the JSON; drop {', '.join(pinned)}")
         problem, config = read_plan(plan_file, rank)
-        if problem.get("chips") and devices not in (8, problem["chips"]):  # 8: the --devices default
+        if problem.get("chips") and devices not in (defaults["devices"].default, problem["chips"]):
             fail(f"--plan runs the plan's {problem['chips']} chips as devices; drop --devices {devices}")
         model_name, devices = problem["model"], problem.get("chips") or devices
         layout = Layout.from_config(config, devices=devices)
@@ -152,19 +153,14 @@ def verify(
                         recompute=recompute, zero=zero, vpp=vpp, cp_impl=cp_impl)
     if layout.devices != devices:
         fail(f"the layout uses {layout.devices} devices, not {devices}")
-    if layout.zero == 3:  # ZeRO-3 = FSDP over every data rank (it used to run plain DP silently)
-        layout = Layout(**{**layout.as_dict(), "dp": 1, "fsdp": layout.dp * layout.fsdp, "zero": 0})
-    if attention == "flash" and layout.fsdp > 1 and not no_loss:
-        # measured (docs/verify.md, "Flash attention in the program"): running the FSDP8 program with the flash core
-        # deadlocks XLA's CPU collectives (one device enters a later all-gather); compiling it is fine
-        fail("--attention flash with FSDP runs into a deadlock of XLA's CPU collectives when the steps are run; "
-             "add --no-loss-check to compare the compiled program only")
+    layout = layout.resolved()  # ZeRO-3 = FSDP over every data rank (it used to run plain DP silently)
     m = load_model(model_name)
     # the tiny twin keeps 2 layers, or one per (virtual) pipeline stage
     small = mv.tiny_model(m, layers=max(2, layout.pp * layout.vpp), min_kv_heads=layout.tp)
     big = small if tiny else mv.reference_model(m.with_overrides(n_layers=layers or m.n_layers))
     report = mv.run_verify(big, layout, seq_len, global_batch, loss_model=None if no_loss else small,
-                           loss_seq_len=seq_len if tiny else 128, loss_batch=global_batch if tiny else 16,
+                           loss_seq_len=seq_len if tiny else mv.LOSS_SEQ_LEN,
+                           loss_batch=global_batch if tiny else mv.LOSS_BATCH,
                            options=replace(mv.program_options(framework), flash_attention=attention == "flash"),
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     report["framework"] = framework

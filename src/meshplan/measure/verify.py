@@ -96,9 +96,12 @@ def tiny_model(m: ModelConfig, layers: int = 2, d_model: int = 256, vocab: int =
 # --- the planner's ledger of the compiled program ------------------------------------------------
 
 VERIFY_HARDWARE = "tpu-v5p"  # the chip the ledger is costed on: an XLA target (bytes and FLOPs do not depend on it)
+PROGRAM_FRAMEWORK = "jax"  # whose schedule the compiled program follows (MaxText's: train/frameworks.py)
+# the shape the loss check runs the tiny twin at (sequence length T, global batch B): `meshplan verify`'s default T and B
+LOSS_SEQ_LEN, LOSS_BATCH = 128, 16
 
 
-def program_options(framework: str = "jax") -> Options:
+def program_options(framework: str = PROGRAM_FRAMEWORK) -> Options:
     """The cost model's Options that describe the compiled reference program: a framework's schedule
     (train/frameworks.py; "jax" = MaxText's, the one XLA's program follows) with the program's own facts
     (PROGRAM_FACTS: fp32, materialised attention, all-gathered CP, no runtime reserve). Another framework shows
@@ -294,7 +297,7 @@ def _dtype_note(colls: list[Collective], b: float) -> dict[str, Any]:
 
 
 def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
-               loss_model: ModelConfig | None = None, loss_seq_len: int = 128, loss_batch: int = 16,
+               loss_model: ModelConfig | None = None, loss_seq_len: int = LOSS_SEQ_LEN, loss_batch: int = LOSS_BATCH,
                steps: int = 3, reference: list[float] | None = None, options: Options | None = None,
                hardware: str = VERIFY_HARDWARE, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Compile `model` under `layout`, compare with the planner's ledger of that program, and (unless loss_model
@@ -302,6 +305,12 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     `options`: the cost model's Options of the program (default `program_options()`); `progress`: called with a
     line before each slow phase."""
     say = progress or (lambda _msg: None)
+    attention = program_attention(layout, options)
+    if attention == "flash" and layout.resolved().fsdp > 1 and loss_model is not None:
+        # measured (docs/verify.md, "Flash attention in the program"): running the FSDP8 program with the flash core
+        # deadlocks XLA's CPU collectives (one device enters a later all-gather); compiling it is fine
+        raise MeshplanError("--attention flash with FSDP runs into a deadlock of XLA's CPU collectives when the steps "
+                            "are run; add --no-loss-check to compare the compiled program only")
     ledger = plan_ledger(model, layout, seq_len, global_batch, options, hardware)
     ensure_host_devices(layout.devices)
     import_jax()
@@ -310,7 +319,6 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     jm.check_supported(model, layout, seq_len, global_batch)  # a layout the program cannot build: refused first
     say(f"compiling {model.name} (L={model.n_layers}, D={model.d_model}) on {layout.devices} CPU devices ...")
     t0 = time.perf_counter()
-    attention = program_attention(layout, options)
     prog, compiled = compile_step(model, layout, seq_len, global_batch, attention)
     compile_s = time.perf_counter() - t0
     say(f"compiled in {compile_s:.1f} s; reading the HLO ...")

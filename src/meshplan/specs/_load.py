@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,18 @@ def find_spec(name_or_path: str, kind: str, presets_dir: Path, preset_suffix: st
     return p
 
 
-def read_text(path: Path, what: str) -> str:
-    """A user's file as text, or a one-line MeshplanError (unreadable, or not text)."""
+def read_text(path: Path, what: str, expected: str = "", stdin: bool = False) -> str:
+    """A user's file as text, or a one-line MeshplanError: unreadable, or not text (`expected`: what the file should
+    hold, said in that message). With `stdin`, the path "-" is standard input."""
+    from_stdin = stdin and str(path) == "-"
+    where = f"{what} on standard input" if from_stdin else f"{what} file '{path}'"
     try:
-        return path.read_text()
+        return sys.stdin.read() if from_stdin else path.read_text()
     except OSError as exc:
-        raise MeshplanError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
+        raise MeshplanError(f"cannot read {where}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise MeshplanError(f"malformed {what} file '{path}': not valid text") from None
+        hint = f" (expected {expected})" if expected else ""
+        raise MeshplanError(f"malformed {where}: it is not text{hint}") from None
 
 
 def read_mapping(path: Path, what: str) -> dict[str, Any]:
