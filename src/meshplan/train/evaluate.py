@@ -66,9 +66,15 @@ def comm_per_step(cc: Terms, m) -> tuple[Terms, Terms]:
     return link, exposed
 
 
+def hidden_per_step(links: Terms, exposed: Terms) -> dict:
+    """Each collective family's hidden (overlapped) seconds per step: its link time less its exposed time
+    (comm_per_step), never below 0."""
+    return {k: np.clip(links[k] - exposed[k], 0, None) for k in COMM_KINDS}
+
+
 def _hidden_sm_slowdown(cm: CostModel, links: Terms, exposed: Terms):
     """SM slow-down of compute over the hidden (overlapped) collective time: each family's own slow-down weighted by
-    its hidden seconds (its link time less its exposed time, comm_per_step). NCCL families hold NCCL's
+    its hidden seconds (hidden_per_step). NCCL families hold NCCL's
     channels (comm_compute_interference, efficiency.nccl_sm_slowdown on GPUs); the EP all-to-all under a
     DeepEP/HybridEP dispatcher holds the dispatcher's SMs (efficiency.dispatcher_sm_slowdown). E.g. 1 ms hidden DP
     reduce-scatter and 1 ms hidden HybridEP all-to-all on H100: (16/116 + 32/100) / 2 over 2 ms, the same as
@@ -76,7 +82,7 @@ def _hidden_sm_slowdown(cm: CostModel, links: Terms, exposed: Terms):
     nccl = cm.eff.comm_compute_interference
     ep = dispatcher_sm_slowdown(cm.opt.moe_dispatcher, cm.p.chip)
     ep = nccl if ep is None else ep
-    hidden = {k: np.clip(links[k] - exposed[k], 0, None) for k in COMM_KINDS}
+    hidden = hidden_per_step(links, exposed)
     total = sum(hidden.values())
     weighted = nccl * (total - hidden["ep"]) + ep * hidden["ep"]
     return np.where(total > 0, weighted / np.maximum(total, 1e-30), nccl)
@@ -131,7 +137,7 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     step_comm = cc["dp_step"] + cc["fsdp_step"]  # once-a-step collectives
     links, exposed = comm_per_step(cc, m)
     exposed_total = sum(exposed.values())
-    hidden = np.clip(sum(links.values()) - exposed_total, 0, None)
+    hidden = sum(hidden_per_step(links, exposed).values())
     # SMs: each collective's SMs are missing from every kernel beside it; over the hidden time, each family's
     # slow-down weighted by its hidden seconds (_hidden_sm_slowdown). HBM: the collective's memory traffic takes a share
     # of HBM bandwidth (efficiency.comm_hbm_share) from the HBM-bound part of the layer (the pointwise kernels, what
