@@ -1486,7 +1486,16 @@ class CostModel:
         return g
 
     def activation_per_layer(self, L: LayoutArrays, g: dict, policy_codes: np.ndarray) -> np.ndarray:
-        """Saved bytes per layer per micro-batch (Korthikanti et al. 2022, generalised in math/transformer)."""
+        """Saved bytes per layer per micro-batch (Korthikanti et al. 2022, generalised in math/transformer). Kept in
+        `g` (the geometry of `L`) per cost model and policy array: one evaluation's memory rules ask for one policy's
+        several times."""
+        cache = g.setdefault("activation_per_layer", {})
+        key = (self, policy_codes.dtype.str, policy_codes.tobytes())
+        if key not in cache:
+            cache[key] = self._activation_per_layer(L, policy_codes)
+        return cache[key]
+
+    def _activation_per_layer(self, L: LayoutArrays, policy_codes: np.ndarray) -> np.ndarray:
         # encode (tp, cp, micro-batch, policy) in one integer; 1-D unique is far faster than over rows
         key = ((L.tp.astype(np.int64) * 4096 + L.cp) * 4096 + L.microbatch) * 8 + policy_codes
         uniq, inv = np.unique(key, return_inverse=True)
