@@ -12,6 +12,8 @@ import typer
 from rich.table import Table
 
 from meshplan.cli.app import app, console, err_console, fail, print_json
+from meshplan.cli.basic import JsonOpt
+from meshplan.math.transformer import RECOMPUTE_POLICIES
 from meshplan.measure import verify as mv
 from meshplan.measure.layout import Layout, describe
 from meshplan.specs._load import read_text
@@ -107,7 +109,7 @@ def verify(
                                           "pipeline, num_pipeline_repeats); needs micro-batches >= pp.")] = _LAYOUT.vpp,
     microbatch: Annotated[int, typer.Option(
         help="Micro-batch (sequences; 0 = the whole local batch at once).")] = _LAYOUT.microbatch,
-    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = _LAYOUT.recompute,
+    recompute: Annotated[str, typer.Option(help=" | ".join(RECOMPUTE_POLICIES))] = _LAYOUT.recompute,
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 1 optimizer state, 2 also gradients "
                                            "sharded; 3 compiles FSDP over the data ranks.")] = _LAYOUT.zero,
     attention: Annotated[str, typer.Option(
@@ -121,7 +123,7 @@ def verify(
     tiny: Annotated[bool, typer.Option("--tiny/--no-tiny", help="Shrink the model for a CPU (L=2, D=256, V=512).")] = True,
     layers: Annotated[int | None, typer.Option(help="With --no-tiny: keep the real widths, use this many layers.")] = None,
     no_loss: Annotated[bool, typer.Option("--no-loss-check", help="Skip running steps (compile only).")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Compile the layout as a sharded JAX training step and compare its FLOPs, collectives and memory with the
     planner's ledger (the numbers `meshplan train` ranks by)."""
