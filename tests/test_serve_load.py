@@ -49,14 +49,13 @@ def test_prefill_step_pays_pointwise_hbm_traffic():
 
 
 def test_output_projection_only_for_sampled_rows():
-    # four prompt chunks sample four rows; one chunk samples one: the difference is 3 rows of the output projection,
-    # 3 x 2 x 4096 x 128256 FLOPs = 3,152,019,456 at 989 TFLOP/s x 0.75 x 2048/(2048 + 128) (skinny-row factor of
-    # the step's 2048 tokens)
+    # four prompt chunks sample four rows; one chunk samples one. The output projection is its own GEMM of m sampled
+    # rows, timed at its skinny-row factor m/(m + 128): 2·m·D·V / (peak·0.75·m/(m + 128)) = 2·D·V·(m + 128) /
+    # (peak·0.75), so 3 more rows add 3 x 2 x 4096 x 128256 FLOPs = 3,152,019,456 at the full 989 TFLOP/s x 0.75
     T = 2048.0
     one = stage_parts(M8, H100, ServeConfig(), EFF, 0.0, 0.0, T, T / 2, prefill_seqs=1)
     four = stage_parts(M8, H100, ServeConfig(), EFF, 0.0, 0.0, T, T / 2, prefill_seqs=4)
-    assert four["compute"] - one["compute"] == pytest.approx(
-        3_152_019_456 / (989e12 * 0.75 * 2048 / 2176), rel=1e-9)
+    assert four["compute"] - one["compute"] == pytest.approx(3_152_019_456 / (989e12 * 0.75), rel=1e-9)
     # before, every prompt row paid it: 2048 rows would have cost 2 x 2048 x 4096 x 128256 FLOPs, 6.5% of the
     # step's 2 x 2048 x 8.03e9 FLOPs; now one row does
     assert one["compute"] < 2 * T * 7.6e9 / (989e12 * 0.75 * 2048 / 2176)

@@ -27,7 +27,13 @@ from functools import lru_cache
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError
-from meshplan.infer.config import ServeConfig, custom_allreduce, fused_add_norm, serving_constant
+from meshplan.infer.config import (
+    ServeConfig,
+    custom_allreduce,
+    fused_add_norm,
+    kv_heads_per_chip,
+    serving_constant,
+)
 from meshplan.infer.memory import (
     attention_params_per_chip,
     kv_bytes_per_token_per_chip,
@@ -97,10 +103,44 @@ def tokens_per_expert(m: ModelConfig, tokens: float) -> float:
     return tokens * m.experts_per_token / m.n_experts if m.is_moe else tokens
 
 
-def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float) -> float:
-    """Large-GEMM fraction (fp8 or bf16) times the skinny-GEMM row penalty m/(m + rows_half) (efficiency.py)."""
+def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf")) -> float:
+    """Large-GEMM fraction (fp8 or bf16) times the penalty of the GEMM's most constraining dimension: the skinny-GEMM
+    row penalty m/(m + rows_half) of its `tokens` rows, or the thin-dimension penalty d/(d + half_dim) of its
+    narrower weight dimension `weight_dim` (tile and wave quantization: the penalty `Efficiency.matmul` applies to
+    the smallest of a GEMM's dimensions and training applies to every GEMM, book ch.12; efficiency.yaml
+    matmul_half_dim)."""
     base = eff.fp8_peak_fraction if compute_dtype != "bf16" else eff.matmul_peak_fraction
-    return base * tokens / (tokens + eff.matmul_rows_half)
+    rows = tokens / (tokens + eff.matmul_rows_half)
+    thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
+    return base * min(rows, thin)
+
+
+@lru_cache(maxsize=256)
+def _dense_gemms(m: ModelConfig, tp: int, pp: int = 1) -> tuple[tuple[float, float], ...]:
+    """(weights on one TP chip, narrower weight dimension) of each non-routed GEMM of the mean layer; the weights
+    add up to `_LayerParams.active` less the routed experts. Attention as the engines run it: one fused QKV GEMM
+    (vLLM QKVParallelLinear, TensorRT-LLM's fused QKV) and the output projection, or MLA's five projections
+    (DeepSeek-V2 §2.1, as training times them); biases and norms ride with the first. The rest (dense MLP, shared
+    experts, router) at the MLP's F/tp, as training times it (train/costmodel.py _matmul_term)."""
+    lp = _layer_params(m, tp, pp)
+    D = m.d_model
+    routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
+    attn = attention_params_per_chip(m, tp)
+    if m.is_mla:
+        w, N = m.mla_weights(), m.n_heads
+        q_in = m.q_lora_rank or D
+        parts = [(w["kv_down"], m.kv_lora_rank + m.qk_rope_head_dim), (w["q_down"], m.q_lora_rank),
+                 (w["q_up"] / tp, min(q_in, N * m.qk_head_dim / tp)),
+                 (w["kv_up"] / tp, min(m.kv_lora_rank, N * (m.head_dim + m.v_dim) / tp)),
+                 (w["o"] / tp, min(D, N * m.v_dim / tp))]
+        parts = [(p, d) for p, d in parts if p > 0]
+    else:
+        qkv_width = m.q_dim / tp + 2 * m.head_dim * kv_heads_per_chip(m, tp)
+        parts = [(D * qkv_width, min(D, qkv_width)), (D * m.q_dim / tp, min(D, m.q_dim / tp))]
+    extra = attn - sum(p for p, _ in parts)  # biases, MLA's latent norms
+    parts[0] = (parts[0][0] + extra, parts[0][1])
+    parts.append((lp.active - routed - attn, min(D, m.d_ff / tp)))
+    return tuple((p, d) for p, d in parts if p > 0)
 
 
 def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
@@ -194,7 +234,6 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     if prefill_seqs is None:
         prefill_seqs = 1.0 if prefill_tokens > 0 else 0.0
     logit_rows = decode_seqs + min(prefill_seqs, prefill_tokens)
-    dense_flops = 2.0 * (tokens * Ls * (lp.active - routed) + logit_rows * m.d_model * m.vocab_size / cfg.tp)
     expert_flops = 2.0 * tokens * Ls * routed
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
@@ -205,9 +244,19 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     t_w = weights * cfg.weight_bytes / W
     t_mm = 0.0
     if tokens > 0:
-        t_mm = dense_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens))
+        # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows and their weight
+        # widths, the output projection at the sampled rows (d_model x vocab/tp), each routed expert at its rows
+        peak = chip.peak(cdt)
+        t_mm = sum(2.0 * tokens * Ls * p / (peak * _matmul_fraction(eff, cdt, tokens, d))
+                   for p, d in _dense_gemms(m, cfg.tp, cfg.pp))
+        if logit_rows > 0:
+            vocab = m.vocab_size / cfg.tp
+            t_mm += 2.0 * logit_rows * m.d_model * vocab / (
+                peak * _matmul_fraction(eff, cdt, logit_rows, min(m.d_model, vocab)))
         if expert_flops > 0:
-            t_mm += expert_flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, tokens_per_expert(m, tokens)))
+            expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)  # each expert's F splits over the tp/ep chips sharing it
+            t_mm += expert_flops / (peak * _matmul_fraction(eff, cdt, tokens_per_expert(m, tokens),
+                                                            min(m.d_model, expert_ff)))
     t_kv = kv_bytes / W
     t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
