@@ -3,8 +3,10 @@
 Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and latency terms):
   T_stage = max(T_weights, T_matmul) + max(T_kv, T_attention) + T_collectives + T_kernels
   T_weights   = weight bytes read / (W_hbm * hbm_fraction)          (every weight once per micro-batch)
-  T_matmul    = 2 * tokens * active params / (C * matmul efficiency(tokens)); MoE routed experts at
-                efficiency(tokens * k / E), the rows of each expert's grouped-GEMM problem
+  T_matmul    = sum over the GEMMs of 2 * rows * weights / (C * efficiency(rows, narrower weight width after TP)):
+                the layer's dense GEMMs at the step's tokens, the output projection at the sampled rows, MoE routed
+                experts at tokens * k / E rows (each expert's grouped-GEMM problem); efficiency = large-GEMM fraction
+                times the penalty of the most constraining dimension (`_matmul_fraction`)
   T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2)
   T_attention = 2 * tokens * context * N * (QK + AV widths, 2H; MLA decode: 2*kv_lora + rope) / (C * attention_fwd_fraction)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
