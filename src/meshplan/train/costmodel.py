@@ -122,7 +122,7 @@ def pipeline_warmup_forwards(pp, vpp, ep_overlap: bool = False):
     return np.where(pp > 1, np.where(vpp > 1, interleaved, pp - 1), 0)
 
 
-def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local):
+def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard):
     """Transformer Engine: one fused cast-transpose per operand writes the fp8 copy and its transpose
     (`fp8_cast_transpose_fused`); the qkv and gate/up inputs leave the norm (`normed` of `a_in`), which emits fp8
     itself under delayed scaling. Bytes per element from fp8_recipes.yaml. (forward, backward) HBM bytes."""
@@ -130,12 +130,23 @@ def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local):
             r["fused_cast_transpose_bytes"] * g_out + r["fused_normed_bytes"] * normed)
 
 
-def _fp8_dynamic_casts(r: dict, normed, a_in, g_out, w_local):
-    """One kernel per cast (torchao float8 as torchtitan uses it): every GEMM operand is cast for the forward, the
-    inputs and weights get a transposed copy for the backward's GEMMs, and row- or block-scaled output gradients a
-    second quantisation along the token axis. Bytes per element from fp8_recipes.yaml."""
-    return (r["cast_bytes"] * (a_in + w_local),
-            (r["cast_bytes"] + r["grad_requant_bytes"]) * g_out + r["transpose_bytes"] * (a_in + w_local))
+def _fp8_dynamic_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard):
+    """torchao's Float8Linear (torchtitan), per operand role as torchao's roofline of a compiled Float8Linear counts
+    it (fp8_recipes.yaml `unfused`): the inputs, the local weights and the output gradients, less the first read of
+    an input or output gradient that torch.compile folds into the kernel producing it (`compiled`). `gather_shard`:
+    the FSDP shard degree when the weights are all-gathered in float8 (the cast runs on the shard before each of the
+    forward's and the backward's gathers; degree 1: no gather, the weight cast as without), else None. (forward,
+    backward) HBM bytes."""
+    u = r["unfused"]
+    fused = u["producer_read_bytes"] if compiled else 0.0
+    (in_f, in_b), (w_f, w_b) = u["input"], u["weight"]
+    if gather_shard is not None and "fp8_gather_weight" in u:
+        fg = u["fp8_gather_weight"]
+        sharded = gather_shard > 1
+        w_f = np.where(sharded, fg["weight"][0] + fg["shard_cast_bytes"] / gather_shard, w_f)
+        w_b = np.where(sharded, fg["weight"][1] + fg["shard_cast_bytes"] / gather_shard, w_b)
+    return ((in_f - fused) * a_in + w_f * w_local,
+            in_b * a_in + (u["grad_output"] - fused) * g_out + w_b * w_local)
 
 
 FP8_CASTS = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
@@ -787,7 +798,10 @@ class CostModel:
         w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
         recipe = fp8_cast_bytes(self.opt.fp8_scaling, self.p.chip.name)
         normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
-        hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, normed, a_in, g_out, w_local)
+        # FSDP float8 all-gather (torchao `enable_fsdp_float8_all_gather`: fsdp_param_bytes 1 under FSDP)
+        gather_shard = g["shard"] if self.opt.fsdp_param_bytes == FP8_ELEMENT_BYTES else None
+        hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, normed, a_in, g_out, w_local,
+                                                           self.opt.fused_elementwise, gather_shard)
         return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
 
     def _fp8_mlp_rows(self) -> tuple[float, float]:
@@ -804,11 +818,18 @@ class CostModel:
         return share * (c["k"] + shared) + (1 - share), share * shared + (1 - share)
 
     def _loss_term(self, g: dict) -> dict:
-        """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit)."""
+        """Unembedding GEMM and the fp32 cross-entropy over the local vocabulary shard (12 B per logit). The output
+        layer runs in bf16 under FP8 too, in every framework here: torchtitan converts every linear but the output
+        (torchao `convert_to_float8_training(..., module_filter_fn=lambda mod, fqn: fqn != "output")`, torchtitan
+        @9dec370 float8.py; later its llama3 train configs' `filter_fqns = ["output"]`, v0.2.2), Megatron-Core's output layer is a
+        ColumnParallelLinear, not a Transformer Engine module (fp8_autocast leaves it in bf16), and DeepSeek-V3 §3.3.1
+        keeps "the output head" in its original precision. GPU only: on TPU (int8 through AQT) as the layers."""
         c, t, tp = self.c, g["t_mb"], g["tp"]
         f_un = 2 * t * c["D"] * c["V"] / tp
         hbm = 12.0 * t * c["V"] / tp
-        return dict(f_s=self._matmul_time(f_un, t, c["V"] / tp, c["D"]) + hbm / self.hbm, flops=f_un, hbm=hbm)
+        peak = self.peak_bf16 if self.p.chip.kind == "gpu" else self.mm_peak
+        f_s = f_un / (peak * self.eff.matmul(t, c["V"] / tp, c["D"]))
+        return dict(f_s=f_s + hbm / self.hbm, flops=f_un, hbm=hbm)
 
     def _recompute_parts(self, policy: str) -> dict[str, float]:
         """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
