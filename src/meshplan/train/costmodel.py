@@ -207,7 +207,7 @@ class Options:
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
     # FP8 casts fused as Transformer Engine fuses them (norm kernels emit fp8, fused cast-transpose, delayed
-    # scaling); False = torchao's dynamic scaling, a separate amax pass and cast per operand (torchtitan)
+    # scaling); False = torchao's Float8Linear, its casts kernel by kernel as torchao's roofline counts them (torchtitan)
     fp8_fused_casts: bool = True
     # FP8 scaling recipe (fp8_recipes.yaml): tensorwise | rowwise | blockwise | delayed; None = delayed when the casts
     # are fused (Transformer Engine's default), tensorwise when not (torchao's default)
