@@ -221,6 +221,24 @@ def test_fsdp_float8_all_gather_casts_the_shard() -> None:
     assert cast[2.0][1] - cast[1.0][1] == pytest.approx((3 - (2 + 5 / 8)) * WEIGHTS, rel=1e-9)
 
 
+def test_float8_tp_casts_the_sequence_shard() -> None:
+    """torchao's float8 TP under sequence parallelism (tensorwise): the norms' outputs (qkv and gate/up inputs, T x D
+    each) are cast on their sequence shard before the all-gather (amax folded, read 2 + write 1 = 3, over TP 2: 1.5)
+    and the backward makes the gathered copy's other layout (read 1 + write 1 = 2) instead of the cast writing both
+    from the full tensor (4, forward); the output gradients of wo and w2 (T x D each) likewise in the backward:
+    1.5 + 2 instead of 4. Forward -2.5, backward +2 - 0 + 3.5 - 4 = +1.5 per element of those 2·T·D."""
+    prob = Problem(load_model("llama3-8b"), load_chip("h100-sxm"), 2, T, 1)
+    cast = {}
+    for sp in (False, True):
+        cm = CostModel(prob, default_efficiency(prob.chip),
+                       Options(compute_dtype="fp8", fp8_recipe="tensorwise", fp8_fused_casts=False))
+        L = LayoutArrays.from_configs([ParallelConfig(tp=2, microbatch=1, recompute="none", sequence_parallel=sp)])
+        t = cm._fp8_cast_term(cm.geometry(L))
+        cast[sp] = (float(t["hbm_f"][0]), float(t["hbm_b"][0]))
+    assert cast[True][0] - cast[False][0] == pytest.approx(-2.5 * 2 * T * D, rel=1e-9)
+    assert cast[True][1] - cast[False][1] == pytest.approx(1.5 * 2 * T * D, rel=1e-9)
+
+
 def test_the_output_layer_stays_in_bf16() -> None:
     """torchtitan converts every linear but `output` to float8, Megatron-Core's output layer is no TE module,
     DeepSeek-V3 keeps the output head in bf16: the unembedding GEMM takes the same time in an FP8 plan."""

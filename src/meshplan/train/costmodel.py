@@ -122,7 +122,7 @@ def pipeline_warmup_forwards(pp, vpp, ep_overlap: bool = False):
     return np.where(pp > 1, np.where(vpp > 1, interleaved, pp - 1), 0)
 
 
-def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard):
+def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard, tp_sp):
     """Transformer Engine: one fused cast-transpose per operand writes the fp8 copy and its transpose
     (`fp8_cast_transpose_fused`); the qkv and gate/up inputs leave the norm (`normed` of `a_in`), which emits fp8
     itself under delayed scaling. Bytes per element from fp8_recipes.yaml. (forward, backward) HBM bytes."""
@@ -130,23 +130,32 @@ def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_
             r["fused_cast_transpose_bytes"] * g_out + r["fused_normed_bytes"] * normed)
 
 
-def _fp8_dynamic_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard):
+def _fp8_dynamic_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard, tp_sp):
     """torchao's Float8Linear (torchtitan), per operand role as torchao's roofline of a compiled Float8Linear counts
     it (fp8_recipes.yaml `unfused`): the inputs, the local weights and the output gradients, less the first read of
     an input or output gradient that torch.compile folds into the kernel producing it (`compiled`). `gather_shard`:
     the FSDP shard degree when the weights are all-gathered in float8 (the cast runs on the shard before each of the
-    forward's and the backward's gathers; degree 1: no gather, the weight cast as without), else None. (forward,
-    backward) HBM bytes."""
+    forward's and the backward's gathers; degree 1: no gather, the weight cast as without), else None. `tp_sp`: the
+    TP degree where sequence parallelism gathers the norms' outputs (and, backward, the output gradients of the
+    attention output and MLP down projections, `normed` elements each), else 1: torchao's float8 TP casts those on
+    the sequence shard before the gather. (forward, backward) HBM bytes."""
     u = r["unfused"]
     fused = u["producer_read_bytes"] if compiled else 0.0
-    (in_f, in_b), (w_f, w_b) = u["input"], u["weight"]
+    (in_f, in_b), (w_f, w_b), gr = u["input"], u["weight"], u["grad_output"]
     if gather_shard is not None and "fp8_gather_weight" in u:
         fg = u["fp8_gather_weight"]
         sharded = gather_shard > 1
         w_f = np.where(sharded, fg["weight"][0] + fg["shard_cast_bytes"] / gather_shard, w_f)
         w_b = np.where(sharded, fg["weight"][1] + fg["shard_cast_bytes"] / gather_shard, w_b)
-    return ((in_f - fused) * a_in + w_f * w_local,
-            in_b * a_in + (u["grad_output"] - fused) * g_out + w_b * w_local)
+    fwd = (in_f - fused) * a_in + w_f * w_local
+    bwd = in_b * a_in + (gr - fused) * g_out + w_b * w_local
+    if "tp_gathered" in u:
+        tg = u["tp_gathered"]
+        on_shard = np.where(tp_sp > 1, normed, 0.0)  # each of the gathered inputs and gathered gradients
+        shard_cast = (tg["shard_cast_bytes"] - fused) / tp_sp
+        fwd = fwd + (shard_cast - (in_f - fused)) * on_shard
+        bwd = bwd + (tg["transpose_bytes"] - in_b + shard_cast + tg["transpose_bytes"] - (gr - fused)) * on_shard
+    return fwd, bwd
 
 
 FP8_CASTS = {True: _fp8_te_casts, False: _fp8_dynamic_casts}  # Options.fp8_fused_casts
@@ -800,8 +809,9 @@ class CostModel:
         normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
         # FSDP float8 all-gather (torchao `enable_fsdp_float8_all_gather`: fsdp_param_bytes 1 under FSDP)
         gather_shard = g["shard"] if self.opt.fsdp_param_bytes == FP8_ELEMENT_BYTES else None
+        tp_sp = np.where(g["sp"], tp, 1.0)  # TP with sequence parallelism: the norms' outputs are gathered
         hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, normed, a_in, g_out, w_local,
-                                                           self.opt.fused_elementwise, gather_shard)
+                                                           self.opt.fused_elementwise, gather_shard, tp_sp)
         return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
 
     def _fp8_mlp_rows(self) -> tuple[float, float]:
