@@ -9,12 +9,15 @@ import json
 import math
 import sys
 from contextvars import ContextVar
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from meshplan.errors import MeshplanError
+
+# one layout degree the user may pin (`train` and `serve` share it); None = searched
+Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
 
 # Typer re-exports click's exceptions (newer versions vendor click); find the base class through them so
 # this works whichever click Typer carries.

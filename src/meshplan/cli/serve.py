@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.infer.config import (
     ENGINES,
@@ -29,8 +29,6 @@ from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, simulate
 from meshplan.specs.hardware import load_chip, with_price
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_time
-
-Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:

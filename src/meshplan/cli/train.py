@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from meshplan.cli.app import app, console, fail, print_json
+from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import make_cluster
@@ -29,8 +29,6 @@ from meshplan.train.planner import plan
 from meshplan.train.space import PP_SCHEDULES, Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
 from meshplan.validate import TRAIN_TOKENS
-
-Pin = Annotated[int | None, typer.Option(help="Pin this degree (omit to search it).", show_default=False)]
 
 
 def build_problem(model: str, hardware: str, chips: int, seq_len: int, global_batch: int,
