@@ -388,3 +388,23 @@ def test_options_numbers_are_bounded(name, value):
     else:
         with pytest.raises(MeshplanError, match=f"Options.{name} must be"):
             Options(**{name: value})
+
+
+def test_verify_plan_takes_cp_impl_from_the_flag_unless_the_json_names_it(capsys, monkeypatch, no_compile, train_json):
+    """A `train --json` plan does not say how CP runs attention, so --cp-impl decides it (it used to be dropped);
+    a JSON that names another form refuses the flag."""
+    from meshplan.measure.layout import Layout
+
+    default = Layout().cp_impl
+    other = next(c for c in ("allgather", "ring") if c != default)
+    assert verify_stdin(capsys, monkeypatch, train_json, f"--cp-impl={other}")[2]
+    assert no_compile["layout"].cp_impl == other
+    assert verify_stdin(capsys, monkeypatch, train_json)[2]
+    assert no_compile["layout"].cp_impl == default
+    data = json.loads(train_json)
+    data["plans"][0]["config"]["cp_impl"] = default
+    code, err, compiled = verify_stdin(capsys, monkeypatch, json.dumps(data), f"--cp-impl={other}")
+    assert not compiled
+    one_error(code, err, "--cp-impl")
+    data["plans"][0]["config"]["cp_impl"] = other  # the JSON and the flag agree
+    assert verify_stdin(capsys, monkeypatch, json.dumps(data), f"--cp-impl={other}")[2]

@@ -141,6 +141,12 @@ def verify(
             fail(f"--plan runs the plan's {problem['chips']} chips as devices; drop --devices {devices}")
         model_name, devices = problem["model"], problem.get("chips") or devices
         layout = Layout.from_config(config, devices=devices)
+        # a `train --json` plan does not say how CP runs attention: --cp-impl does, unless the JSON names another
+        planned_cp = config.get("cp_impl") if isinstance(config, dict) else None
+        if planned_cp not in (None, cp_impl) and ctx.params["cp_impl"] != defaults["cp_impl"].default:
+            fail(f"--plan runs CP as its JSON says ({planned_cp}); drop --cp-impl {cp_impl}")
+        if planned_cp is None:
+            layout = Layout(**{**layout.as_dict(), "cp_impl": cp_impl})
         if layout.microbatch * layout.batch_shards >= global_batch:  # the CPU batch is one micro-batch per rank
             layout = Layout(**{**layout.as_dict(), "microbatch": 0})
     else:
