@@ -374,6 +374,19 @@ class Options:
     # distributed optimizer's fp32 master; Megatron-Bridge's FP8 recipes set it (training/mixed_precision.py
     # bf16_with_fp8_current_scaling_mixed, bf16_with_mxfp8_mixed @v0.5.0). Only with --dtype fp8
     fp8_params: bool = False
+    # Expert tensor parallelism (Megatron-Core `--expert-tensor-parallel-size`, TransformerConfig.
+    # expert_tensor_parallel_size; "MoE Parallel Folding", Liu et al. 2025, arXiv:2504.14960). True: the routed experts
+    # are split over the attention's TP ranks (ETP = TP: Megatron-LM's default, megatron/training/arguments.py sets
+    # it to the TP size when unset; MaxText and the JAX program shard the experts over `tensor`). False: ETP = 1, each
+    # rank holds E/ep whole experts and dispatches its own sequence-parallel slice of the tokens; parallel_state folds
+    # ETP x EP x expert-DP over the same ranks as TP x CP x DP of a pipeline stage (expert rank order tp-ep-dp: the
+    # EP group takes consecutive ranks). Every Megatron-Bridge MoE recipe and performance preset sets 1
+    # (recipes/{gpt_oss/gpt_oss,qwen/qwen3_moe,deepseek/deepseek_v3}.py v0.2.0..v0.5.1; scripts/performance/configs/
+    # {deepseek,gpt_oss,qwen}/*_workload_base_configs.py v0.3.0..v0.5.1), as does the Megatron-MoE-ModelZoo
+    # (model_configs/benchmarking/*.yaml @ e8650517). Megatron-Core requires sequence parallelism for MoE with TP
+    # (arguments.py "When using MoE and tensor parallelism, sequence parallelism must be used"): without SP the
+    # experts stay split over TP here.
+    expert_tp: bool = True
 
     def __post_init__(self) -> None:
         """Names are checked where the options are made (CLI, --from, harness, Python), once, not in the cost terms."""
@@ -531,14 +544,16 @@ class CostModel:
 
     def _grouped_gemm_s(self, g: dict, f_routed):
         """Routed-expert GEMMs of one layer forward as a grouped GEMM (MegaBlocks, Gale et al. 2023; Transformer
-        Engine GroupedLinear): each local expert's GEMM has rows = tokens·k·ep/E and is timed at that shape by the
-        efficiency model (`Efficiency.matmul`); the busiest EP rank's tokens set the time (`_expert_load_ratio`);
+        Engine GroupedLinear): each local expert's GEMM has rows = tokens·k·ep/E (the tokens whose copies the rank's
+        experts compute, `t_expert`) and width F/etp (whole experts under ETP = 1, Options.expert_tp), and is timed at
+        that shape by the efficiency model (`Efficiency.matmul`); the FLOPs per rank are the same either way
+        (t_expert·k·F/etp = t_mb·k·F/tp); the busiest EP rank's tokens set the time (`_expert_load_ratio`);
         each local expert's GEMMs are separate launches (moe_overlap.yaml grouped_gemm_gemms_per_expert_fwd)."""
-        c, m, tp = self.c, self.p.model, g["tp"]
+        c, m = self.c, self.p.model
         if not m.is_moe:
             return 0.0
-        rows = g["t_mb"] * c["k"] * g["ep"] / m.n_experts
-        return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / tp, c["D"])
+        rows = g["t_expert"] * c["k"] * g["ep"] / m.n_experts
+        return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / g["etp"], c["D"])
                 + self.layer_kernels_fwd(g)["moe"] * self.eff.kernel_overhead_s)
 
     def layer_kernels_fwd(self, g: dict) -> dict:
@@ -707,7 +722,7 @@ class CostModel:
         casts = (p_b + a) if p_b != a else 0.0
         fwd = p_b + (a + 2 * p_b) + 2 * p_b + casts
         bwd = 2 * casts + 2 * a + 6 * p_b
-        routed = g["t_mb"] * c["D"] * c["moe_share"] * c["k"]
+        routed = g["t_expert"] * c["D"] * c["moe_share"] * c["k"]  # the routed copies this rank's experts compute
         return routed * fwd + g["t_mb"] * c["D"] * 2 * a, routed * bwd + g["t_mb"] * c["D"] * a
 
     def _glu_clamp_bytes(self, g: dict):
@@ -724,7 +739,7 @@ class CostModel:
         if not self._unfused_glu_clamp():
             return 0.0, 0.0
         c = self.c
-        routed = self.opt.act_bytes * g["t_mb"] * c["moe_share"] * c["k"] * c["F"] / g["tp"]
+        routed = self.opt.act_bytes * g["t_expert"] * c["moe_share"] * c["k"] * c["F"] / g["etp"]
         return 8.0 * routed, 10.0 * routed
 
     def _unfused_glu_clamp(self) -> bool:
@@ -735,20 +750,23 @@ class CostModel:
     def _moe_router_bytes(self, g: dict):
         """Megatron-Core's routing outside the gate GEMM, per layer forward (moe_overlap.yaml): the fp32 scores
         (tokens × experts, 4 B) passed `router_score_passes` times through HBM (score function, top-k, aux loss);
-        its small kernels are counted in `layer_kernels_fwd`."""
+        its small kernels are counted in `layer_kernels_fwd`. The router runs on the rank's sequence-parallel slice
+        of the tokens (`t_route`: TopKRouter on the SP hidden states, megatron/core/transformer/moe/moe_layer.py)."""
         m, c = self.p.model, self.c
         if not m.is_moe:
             return 0.0
-        return c["moe_share"] * moe_constant("router_score_passes") * 4.0 * g["t_mb"] * m.n_experts
+        return c["moe_share"] * moe_constant("router_score_passes") * 4.0 * g["t_route"] * m.n_experts
 
     def _moe_permute_bytes(self, g: dict):
         """Token permutation around the experts (GShard dispatch/combine; Megatron-Core's permute/unpermute):
         gather each token's k copies into expert order (read D, write k·D) and scatter-add them back (read k·D,
-        write D); forward here, the backward's mirror in the pointwise backward."""
+        write D); forward here, the backward's mirror in the pointwise backward. On the tokens the rank routes
+        (`t_route`, its SP slice: the permutation runs before the all-to-all, token_dispatcher.py
+        `dispatch_preprocess`)."""
         if not self.p.model.is_moe:
             return 0.0
         # in the mean layer: DeepSeek's leading dense layers permute nothing (moe_share)
-        return self.c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 2 * (1 + self.c["k"]) * self.c["D"]
+        return self.c["moe_share"] * self.opt.act_bytes * g["t_route"] * 2 * (1 + self.c["k"]) * self.c["D"]
 
     def _fp8_expert_padding(self) -> bool:
         """Whether Megatron-Core's eager TEGroupedMLP pads each local expert's rows for the FP8 GEMMs by a copy
@@ -773,7 +791,7 @@ class CostModel:
         if not self._fp8_expert_padding():
             return 0.0
         c = self.c
-        return c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 4 * c["k"] * c["D"]
+        return c["moe_share"] * self.opt.act_bytes * g["t_expert"] * 4 * c["k"] * c["D"]
 
     def _moe_regroup_bytes(self, g: dict):
         """HBM bytes per layer of Megatron-Core's alltoall dispatcher regrouping what the all-to-all delivered
@@ -790,7 +808,7 @@ class CostModel:
             return 0.0
         local_experts = m.n_experts / np.maximum(ep, 1)
         regroups = (ep > 1) & (local_experts > 1)
-        return np.where(regroups, c["moe_share"] * self.opt.act_bytes * g["t_mb"] * 4 * c["k"] * c["D"], 0.0)
+        return np.where(regroups, c["moe_share"] * self.opt.act_bytes * g["t_expert"] * 4 * c["k"] * c["D"], 0.0)
 
     def _fp8_cast_term(self, g: dict) -> dict:
         """FP8 casts of the GEMM operands (FP8_CASTS by `fp8_fused_casts`, bytes by `fp8_recipe`); zero in bf16."""
@@ -798,13 +816,19 @@ class CostModel:
             return dict(hbm_f=0.0, hbm_b=0.0, f_s=0.0, b_s=0.0)
         c, t, tp = self.c, g["t_mb"], g["tp"]
         mlp_in, mlp_normed = self._fp8_mlp_rows()
+        # the routed copies are the expert side's rows: t_expert·k of D (1/tp of t_mb·k under ETP = 1), and their
+        # F-wide fc2 inputs t_expert·k·F/etp = t_mb·k·F/tp either way
+        routed = c["moe_share"] * c["k"] if self.p.model.is_moe else 0.0
+        rows_d = t * (mlp_in - routed) + g["t_expert"] * routed  # tokens' rows of D into the MLP's first GEMM
         # the four linear inputs and the output gradients of the forward's GEMMs (the MLP's first input and last
-        # output: `mlp_in` rows of D per token)
-        a_in = t * (c["D"] + mlp_in * c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp)
-        g_out = t * (self._qkv_width(tp) + c["D"] + mlp_in * c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp)
+        # output: `rows_d` rows of D)
+        a_in = t * (c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp) + rows_d * c["D"]
+        g_out = t * (self._qkv_width(tp) + c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp) + rows_d * c["D"]
         # Transformer Engine casts a weight once per step and reuses it over the micro-batches
-        # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward
-        w_local = (c["attn_w"] + c["mlp_w_active"]) / tp / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
+        # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward; the routed experts' share
+        # is split over ETP (Options.expert_tp)
+        w_rank = (c["attn_w"] + c["mlp_w_active"] - c["routed_w_active"]) / tp + c["routed_w_active"] / g["etp"]
+        w_local = w_rank / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
         recipe = fp8_cast_bytes(self.opt.fp8_scaling, self.p.chip.name)
         normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
         # FSDP float8 all-gather (torchao `enable_fsdp_float8_all_gather`: fsdp_param_bytes 1 under FSDP)
@@ -996,25 +1020,30 @@ class CostModel:
         Σexp, target logit); under SP the replicated norm scales' gradients are all-reduced once a step.
         An MoE layer under SP gathers the k routed copies of its tokens over TP after the expert all-to-all
         and reduce-scatters them before the return trip (Megatron-Core's alltoall dispatcher: A2A(EP) → AG(TP),
-        RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one."""
+        RS(TP) → A2A(EP)), so its MLP pair moves k times the dense one. Under ETP = 1 (Options.expert_tp) the
+        dispatcher's gather group is the expert-TP group of one rank: the routed experts move nothing over TP, and a
+        shared expert (TP-split, Megatron-Core SharedExpertMLP) keeps the one pair of a dense MLP
+        (`_mlp_tp_pairs`)."""
         c, comm, led = self.c, self.comm, g["ledger"]
         tp, nl, nm, sp = g["tp"], g["layers_stage"], g["n_micro"], g["sp"]
         v_tp = self.opt.act_bytes * g["t_mb"] * c["D"]
         ag = comm.time("allgather", v_tp, tp, 1)
         rs = comm.time("reducescatter", v_tp, tp, 1)
         ar = comm.time("allreduce", v_tp, tp, 1)
-        pairs = 1 + c["k"]  # collective pairs per layer pass
+        k_mlp, routed_tp = self._mlp_tp_pairs(g)
+        pairs = 1 + k_mlp  # collective pairs per layer pass
         # the layers' gathers feed linears, in FP8 where the framework gathers FP8 (_tp_gather_elem_bytes); an MoE
-        # layer's routed tokens are gathered by the token dispatcher before any quantisation
+        # layer's routed tokens are gathered by the token dispatcher before any quantisation (a shared expert's
+        # input under ETP = 1 by its own linear)
         v_ag = self._tp_gather_elem_bytes() * g["t_mb"] * c["D"]
-        v_ag_mlp = v_tp if self.p.model.is_moe else v_ag
+        v_ag_mlp = np.where(routed_tp, v_tp, v_ag) if self.p.model.is_moe else v_ag
         ag_attn, ag_mlp = comm.time("allgather", v_ag, tp, 1), comm.time("allgather", v_ag_mlp, tp, 1)
-        ag_layer = ag_attn + c["k"] * ag_mlp
+        ag_layer = ag_attn + k_mlp * ag_mlp
         tp_layer = np.where(sp, ag_layer + pairs * rs, 2 * ar)
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
         # the tp steps cannot overlap. Each collective hides only behind the GEMM it is decomposed with
         # (_collective_matmul_exposed), not behind the layer's GEMMs as one pool.
-        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, c["k"] * ag_mlp), rs, ar, c["k"])
+        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar, k_mlp)
         last = tp_layer / np.maximum(tp, 1)
         tp_exp = (np.where(self.tp_overlap, hidden_f + last, tp_layer) + np.where(self.tp_overlap, hidden_b + last, tp_layer))
         # the backward's re-gather of the inputs runs beside the input-gradient GEMMs (the forward GEMMs' FLOPs)
@@ -1038,7 +1067,7 @@ class CostModel:
         nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations run the layers' collectives too
         n_rs = nlr * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
         # per layer pass: forward, output-gradient and re-gather all-gathers; outside: the logits' input, each way
-        ag_bytes = nlr * 3 * (v_ag + c["k"] * v_ag_mlp) + 2 * v_tp
+        ag_bytes = nlr * 3 * (v_ag + k_mlp * v_ag_mlp) + 2 * v_tp
         led.collective("all_gather", axes, np.where(sp, nm * ag_bytes, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
         led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
@@ -1051,6 +1080,18 @@ class CostModel:
         data, expert = self._norm_replicas(L, g)
         led.collective("all_reduce", [("data", data), ("expert", expert), ("context", self._norm_context(g)),
                                       ("tensor", tp)], np.where(sp, norms * self._grad_reduces(L, g), 0.0) - alone)
+
+    def _mlp_tp_pairs(self, g: dict):
+        """(TP all-gather/reduce-scatter pairs of one layer's MLP under SP, whether the routed experts' tokens cross
+        TP): a dense MLP 1; an MoE layer with ETP = TP k (the dispatcher gathers the k routed copies, `_tp_terms`);
+        with ETP = 1 (Options.expert_tp) only a shared expert's pair, in the mean layer with DeepSeek's leading
+        dense layers (moe_share)."""
+        c, m = self.c, self.p.model
+        if not m.is_moe:
+            return c["k"], np.asarray(True)
+        routed_tp = g["etp"] > 1
+        shared = 1.0 if m.n_shared_experts else 0.0
+        return np.where(routed_tp, c["k"], c["moe_share"] * shared + 1 - c["moe_share"]), routed_tp
 
     def _tp_gather_elem_bytes(self) -> float:
         """Bytes per element of the layers' TP all-gathers: FP8_GATHER_BYTES where the framework quantises before
@@ -1091,13 +1132,23 @@ class CostModel:
     def _carved_experts(self, g: dict):
         """Parameters of the stage's routed experts on this rank when the expert ranks are carved out of dp (else 0)."""
         ep = g["ep"]
-        expert = g["layers_stage"] * self.c["expert_w"] / (g["tp"] * ep) if self.p.model.is_moe else 0.0
+        expert = g["layers_stage"] * self.c["expert_w"] / (g["etp"] * ep) if self.p.model.is_moe else 0.0
         return np.where(self._carved(g), expert, 0.0)
 
     @staticmethod
     def _carved(g: dict):
-        """The expert ranks are carved out of dp (Megatron's expert-data-parallel layout): ep > 1 and divides dp."""
-        return (g["dp"] % g["ep"] == 0) & (g["ep"] > 1)
+        """The experts have their own data-parallel group (Megatron's expert-data-parallel layout): ep > 1 and ep
+        divides dp (ETP = TP: the expert ranks carved out of dp), or under ETP = 1 the folded tp·cp·dp ranks of a
+        stage (parallel_state: expert DP = tp·cp·dp / ep)."""
+        folded = np.where(g["etp"] < g["tp"], g["tp"] * g["cp"] * g["dp"], g["dp"])
+        return (folded % g["ep"] == 0) & (g["ep"] > 1)
+
+    @staticmethod
+    def _expert_replicas(g: dict):
+        """Ranks that hold the same experts and reduce their gradients together (the expert-data-parallel group):
+        replicas / ep under ETP = TP; under ETP = 1 the tp/etp ranks of each tensor group join it (parallel_state
+        folds ETP × EP × expert-DP over TP × CP × DP: expert DP = tp·cp·dp / ep without FSDP), at least 1."""
+        return np.maximum(g["replicas"] * g["tp"] / (g["etp"] * g["ep"]), 1.0)
 
     def _zero_local(self, g: dict, on, P=None):
         """Parameters of this rank's ZeRO shard of the stage (`P`, default the stage's local parameters) where `on`
@@ -1107,7 +1158,7 @@ class CostModel:
         P = g["params_stage_local"] if P is None else P
         fs, rep = g["shard"], g["replicas"]
         E = self._carved_experts(g)
-        return np.where(on, (P - E) / (fs * rep) + E / (fs * np.maximum(rep / g["ep"], 1.0)), P / fs)
+        return np.where(on, (P - E) / (fs * rep) + E / (fs * self._expert_replicas(g)), P / fs)
 
     def _grad_reduces(self, L: LayoutArrays, g: dict):
         """Gradient reductions per step: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's are
@@ -1125,8 +1176,10 @@ class CostModel:
 
     def _replica_axes(self, g: dict) -> tuple:
         """(data, expert) sizes of the replica group in mesh axes: the planner's dp holds the expert ranks (carved
-        out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients."""
-        ep, carved = g["ep"], self._carved(g)
+        out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients. Under
+        ETP = 1 (Options.expert_tp) the experts' group folds over the tensor ranks instead: the dense replicas stay
+        `data` (`_data_parallel_terms` labels the experts' own group `data` too)."""
+        ep, carved = g["ep"], self._carved(g) & (g["etp"] == g["tp"])
         return np.where(carved, g["dp"] / ep, g["dp"]), np.where(carved, ep, 1.0)
 
     def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
@@ -1205,7 +1258,7 @@ class CostModel:
 
     def _ep_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
         """EP: dispatch + combine all-to-all forward, twice again backward (GShard), exposed unless overlapped."""
-        c, m, t, tp, ep, nl = self.c, self.p.model, g["t_mb"], g["tp"], g["ep"], g["layers_stage"]
+        c, m, t, ep, nl = self.c, self.p.model, g["t_mb"], g["ep"], g["layers_stage"]
         if not m.is_moe:
             out["ep_mb"] = np.zeros_like(t)
             out["ep_link_mb"] = np.zeros_like(t)
@@ -1213,22 +1266,43 @@ class CostModel:
         # node-limited routing (DeepSeek-V3 §3.2.2): a token goes to at most M nodes and crosses the network
         # once per node, then fans out to its experts over NVLink, so min(k, M) copies travel instead of k
         copies = min(c["k"], self.opt.moe_node_limit) if self.opt.moe_node_limit else c["k"]
-        copies = self._dispatch_copies(copies, ep, tp * g["cp"])
-        # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows, above)
-        t_rank = t / np.where(g["sp"], tp, 1)
-        sent = self.opt.act_bytes * t_rank * copies * c["D"]  # one device's tokens (the all-to-all's operand)
-        a2a = self.comm.time("alltoall", ep * sent, ep, tp * g["cp"])  # the CommModel takes the group's array
+        stride = self._ep_stride(g)
+        copies = self._dispatch_copies(copies, ep, stride)
+        # under SP each TP rank dispatches only its 1/tp slice of the tokens (the TP gather follows under ETP = TP,
+        # above; none under ETP = 1)
+        sent = self.opt.act_bytes * g["t_route"] * copies * c["D"]  # one device's tokens (the all-to-all's operand)
+        a2a = self.comm.time("alltoall", ep * sent, ep, stride)  # the CommModel takes the group's array
         # dropless routing: the busiest rank receives (and returns) the most tokens and the others wait for it
         a2a = a2a * self._expert_load_ratio(g)
         # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
         n_a2a = 4 + 2 * (L.recompute == 2)
         # (an SPMD pipeline's bubble iterations dispatch and combine too: bubble_runs)
-        g["ledger"].collective("all_to_all", [("expert", ep)], g["n_micro"] * nl * g["bubble_runs"] * n_a2a * sent)
+        g["ledger"].collective("all_to_all", self._ep_axes(g), g["n_micro"] * nl * g["bubble_runs"] * n_a2a * sent)
         out["ep_link_mb"] = nl * n_a2a * a2a
         if self.opt.ep_overlap:
             out["ep_mb"] = nl * self._ep_overlap_exposed(g, ct, a2a, n_a2a)
         else:
             out["ep_mb"] = out["ep_link_mb"]
+
+    @staticmethod
+    def _ep_stride(g: dict):
+        """Rank distance between the members of an EP group. ETP = TP: the EP ranks are carved out of the data ranks
+        outside the tensor and context ones, tp·cp apart (meshplan's mesh order; Megatron-Core before the folding).
+        ETP = 1 (Options.expert_tp): Megatron-Core's expert rank generator orders tp-ep-dp with the expert TP size 1
+        (parallel_state.initialize_model_parallel, `expert_decoder_rank_generator`, cp folded into the expert-DP), so
+        an EP group takes ep consecutive ranks of the stage (Liu et al. 2025, §3, MoE Parallel Folding): EP 32 with
+        TP 2 on 8-GPU nodes spans 4 nodes, not the 8 that a stride-2 group spans."""
+        return np.where(g["etp"] < g["tp"], 1.0, g["tp"] * g["cp"])
+
+    @staticmethod
+    def _ep_axes(g: dict) -> list:
+        """The EP group in mesh axes for the ledger: `expert` (ETP = TP), or under ETP = 1 the tensor ranks it folds
+        over first, then context, then `expert` for the rest (consecutive ranks, `_ep_stride`)."""
+        fold = g["etp"] < g["tp"]
+        ep, tp, cp = g["ep"], g["tp"], g["cp"]
+        on_tp = np.where(fold, np.minimum(ep, tp), 1.0)
+        on_cp = np.where(fold, np.clip(ep / tp, 1.0, cp), 1.0)
+        return [("expert", ep / (on_tp * on_cp)), ("context", on_cp), ("tensor", on_tp)]
 
     @staticmethod
     def _ep_overlap_exposed(g: dict, ct: Terms, a2a, n_a2a):
@@ -1441,12 +1515,15 @@ class CostModel:
         fold_data, fold_expert = self._norm_replicas(L, g)
         folded = np.where(fold_data * fold_expert > 1, norms, 0.0)
         norms = np.where(zero == 0, norms, folded)  # ZeRO: only folded scales leave the replicas' reduce-scatter
+        # the experts' own group: replicas/ep of `data` with `context`, or under ETP = 1 the folded expert-DP group
+        fold = g["etp"] < tp
+        expert_axes = [("data", np.where(fold, self._expert_replicas(g), data)), ("context", np.where(fold, 1, ctx[1]))]
         for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
-                           (expert, [("data", data), ctx]), (norms - folded, [("data", data), expert_ax])):
+                           (expert, expert_axes), (norms - folded, [("data", data), expert_ax])):
             led.collective("all_reduce", axes, np.where(zero >= 1, 0.0, o.grad_reduce_bytes * part))
             led.collective("reduce_scatter", axes, np.where(zero >= 1, n_reduce * o.grad_reduce_bytes * part, 0.0))
         # ZeRO's all-gather of the updated parameters: every shard, the norm scales' included
-        for part, axes in ((grads - expert, [("data", data), expert_ax, ctx]), (expert, [("data", data), ctx])):
+        for part, axes in ((grads - expert, [("data", data), expert_ax, ctx]), (expert, expert_axes)):
             led.collective("all_gather", axes, np.where(zero >= 1, o.param_bytes * part, 0.0))
         # the step's mean loss: one fp32 scalar all-reduced over every rank that holds other tokens, once a step also
         # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
@@ -1475,8 +1552,10 @@ class CostModel:
         scale-out network where a whole-DP ring would mostly ride NVLink. The two groups share the links: summed."""
         rep, ep = g["replicas"], g["ep"]
         dense = self.comm.time(kind, all_bytes - expert_bytes, rep, stride_rep)
-        rep_e = np.maximum(rep / ep, 1.0)
-        experts = self.comm.time(kind, expert_bytes, rep_e, stride_rep * ep)
+        # ETP = TP: replicas/ep groups ep·stride apart; ETP = 1 (Options.expert_tp): the tensor ranks join the group,
+        # whose members are etp·ep = ep ranks apart (expert rank order tp-ep-dp)
+        rep_e = self._expert_replicas(g)
+        experts = self.comm.time(kind, expert_bytes, rep_e, stride_rep * g["etp"] / g["tp"] * ep)
         return dense + np.where(expert_bytes > 0, experts, 0.0)
 
     # --- geometry, memory, totals --------------------------------------------------------------
@@ -1487,6 +1566,13 @@ class CostModel:
         g["mb"] = L.microbatch.astype(float)
         g["sp"] = L.sequence_parallel & (L.tp > 1)
         g["t_mb"] = g["mb"] * self.p.seq_len / g["cp"]
+        # expert tensor parallelism (Options.expert_tp): ETP = TP, or 1 under sequence parallelism
+        g["etp"] = np.where(self.opt.expert_tp | ~np.asarray(g["sp"]), g["tp"], 1.0)
+        # tokens one rank routes (its sequence-parallel slice: Megatron-Core's router and dispatcher run on the SP
+        # hidden states) and tokens whose routed copies its experts compute: the dispatcher gathers the ETP group's
+        # slices after the all-to-all (A2A(EP) -> AG(ETP)), so t_mb·etp/tp under SP (balanced routing)
+        g["t_route"] = g["t_mb"] / np.where(g["sp"], g["tp"], 1.0)
+        g["t_expert"] = g["t_route"] * np.where(g["sp"], g["etp"], 1.0)
         g["n_micro"] = self.p.global_batch / (g["dp"] * g["fsdp"] * g["mb"])
         # CP ranks hold the same weights and see other tokens of the same sequences: they join the gradient
         # reduction and, under FSDP, the shard group (torchtitan's dp_shard×cp mesh; Megatron-LM's
@@ -1503,7 +1589,7 @@ class CostModel:
         # norm scales are replicated over TP (Megatron-SP, and the JAX program: verify's TP8 arguments showed it)
         dense_layer = pc.per_layer - pc.per_layer_norms - (c["expert_w"] if m.is_moe else 0)
         g["params_layer_local"] = (dense_layer / g["tp"] + pc.per_layer_norms
-                                   + c["expert_w"] / (g["tp"] * g["ep"]))
+                                   + c["expert_w"] / (g["etp"] * g["ep"]))
         # outside the layers: embeddings, output layer and the final norm (which sits with the output layer)
         embed = (pc.embedding + pc.position + pc.unembedding) / g["tp"] + pc.final_norm
         last = (pc.unembedding or pc.embedding) / g["tp"] + pc.final_norm
@@ -1654,7 +1740,7 @@ class CostModel:
         if self.p.chip.kind == "tpu" or self.opt.zero3_fetch == "broadcast":
             m, c = self.p.model, self.c
             experts_local = m.n_experts / g["ep"] if m.is_moe else 1.0
-            gathered = 2 * np.maximum(c["D"] * m.q_dim, c["D"] * c["F"] * experts_local) / g["tp"]
+            gathered = 2 * np.maximum(c["D"] * m.q_dim / g["tp"], c["D"] * c["F"] * experts_local / g["etp"])
         else:
             gathered = g["params_layer_local"]
         fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + self.opt.act_bytes) * gathered, 0.0)
