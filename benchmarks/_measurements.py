@@ -429,7 +429,8 @@ def options_of(e: dict) -> Options:
         # Megatron-Core's unfused expert biases
         nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
-                                                "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params")}
+                                                "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params",
+                                                "expert_tp")}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
         # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
         recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items()
@@ -448,6 +449,9 @@ def options_of(e: dict) -> Options:
         framework_kw = {k: FRAMEWORKS["maxtext"][k] for k in ("remat_dce", "fold_all_reduces", "pp_spmd_loop",
                                                              "attention_block_fwd", "attention_block_bwd")}
         framework_kw.update(maxtext_recipe_of(e))
+    if named["expert_tp"] is not None:
+        # the expert tensor parallel size the run's flags print (the model zoo's --expert-tensor-parallel-size 1)
+        framework_kw["expert_tp"] = named["expert_tp"]
     if titan and any(w in prec for w in FSDP_FP8_GATHER_WORDS):
         # torchtitan's float8.enable_fsdp_float8_all_gather: FSDP2 gathers the float8 weights (1 byte per parameter)
         framework_kw["fsdp_param_bytes"] = 1.0

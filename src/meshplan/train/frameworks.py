@@ -34,10 +34,15 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # False, 2025-11 to 2026-07) and run Megatron-Core underneath: interleaved pipeline sends overlapped (Megatron-
     # Bridge training/comm_overlap.py sets overlap_p2p_comm whenever vpp > 1), Megatron-FSDP without copies, the fused
     # SwiGLU; its FP8 recipes keep the weights in FP8 (Options.fp8_params: training/mixed_precision.py
-    # bf16_with_fp8_current_scaling_mixed and bf16_with_mxfp8_mixed set fp8_param_gather, v0.2.0 to v0.5.0)
+    # bf16_with_fp8_current_scaling_mixed and bf16_with_mxfp8_mixed set fp8_param_gather, v0.2.0 to v0.5.0); its MoE
+    # recipes and performance presets run the experts whole on each rank, expert_tensor_parallel_size = 1
+    # (Options.expert_tp; recipes/gpt_oss/gpt_oss.py, recipes/qwen/qwen3_moe.py, recipes/deepseek/deepseek_v3.py
+    # v0.2.0 to v0.5.1; scripts/performance/configs/{deepseek,gpt_oss,qwen}/*_workload_base_configs.py v0.3.0 to
+    # v0.5.1). The plain Megatron-LM preset keeps its default, ETP = TP (arguments.py).
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
-                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True, glu_saves_input=True, fp8_params=True),
+                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True, glu_saves_input=True, fp8_params=True,
+                 expert_tp=False),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
@@ -78,7 +83,8 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
                                      grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
                                      cp_impl="allgather", ring_saves_kv=True, attention_block_fwd=(0, 0),
-                                     attention_block_bwd=(0, 0))
+                                     attention_block_bwd=(0, 0), expert_tp=True)
+# (the program shards its experts' F over `tensor`, measure/jaxmodel.py: ETP = TP whatever a framework preset says)
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
 # Releases whose behaviour differs from the current preset (`--framework name@version`): each the changes on top of
@@ -88,8 +94,11 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # performance summary lists FP8 "delayed"), the default Megatron-Core recipe then; NeMo 1.x's GPT config kept
     # blocking pipeline sends (examples/nlp/language_modeling/conf/megatron_gpt_config.yaml, July 2024:
     # overlap_p2p_comm False, batch_p2p_comm True) and nothing says its gradients were reduced in bf16 (the Options
-    # default, fp32, stays); FP8 primary weights came later (NeMo 1.x's `fp8_params` defaulted to False)
-    "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0, fp8_params=False),
+    # default, fp32, stays); FP8 primary weights came later (NeMo 1.x's `fp8_params` defaulted to False); its
+    # Megatron-Core had no separate expert TP size (expert_tensor_parallel_size arrived with MoE parallel folding,
+    # Liu et al. 2025): experts split over TP
+    "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0, fp8_params=False,
+                           expert_tp=True),
              "26.06": {}},
     # torchtitan's December 2024 performance runs (benchmarks/llama3_h100_202412_torchtitan.md, torchtitan @9dec370):
     # torchao float8 tensorwise, its only recipe then (rowwise came with pytorch/ao#1629, January 2025); June 2025
@@ -180,6 +189,8 @@ FORCE_BALANCE_WORDS = ("force-balance", "force balance", "force_load_balancing",
 # Megatron-Core's flex dispatcher backends (`--moe-flex-dispatcher-backend deepep|hybridep`), by name
 DISPATCHER_WORDS = (("hybridep", ("hybridep", "hybrid-ep", "hybrid ep")), ("deepep", ("deepep",)))
 PARAM_GATHER_WORDS = ("overlap-param-gather", "overlap_param_gather", "overlap param gather")
+# Megatron-Core's expert tensor parallel size as launch flags and configs print it (Options.expert_tp: 1 = whole experts)
+EXPERT_TP_PATTERN = r"expert[-_ ]tensor[-_ ]parallel[-_ ]size[\s:=]*(\d+)|\betp[\s:=]*(\d+)"
 # Megatron's pipeline split that counts the embedding and the loss as layers (Options.pp_head_in_split)
 HEAD_IN_SPLIT_WORDS = ("account_for_loss_in_pipeline_split", "account-for-loss-in-pipeline-split")
 FA3_WORDS = ("fa3", "flashattention-3", "flash-attention-3", "flash attention 3", "cudnn")
@@ -210,13 +221,16 @@ def names(text: str, words: tuple[str, ...]) -> bool:
 def options_from_notes(text: str) -> dict[str, Any]:
     """Behaviour a run's description names in words (lower-case text): TP and MoE overlap, ZeRO parameter-gather
     overlap, node-limited routing, force-balanced (benchmark) routing, the MoE dispatcher, the pipeline schedule
-    and split. Only what the text says; None/False where it is silent."""
+    and split, the expert tensor parallel size (`expert_tp`: False for 1, True for more). Only what the text says;
+    None/False where it is silent."""
     limit = re.search(r"node[- ]limited[^0-9]{0,40}(\d+)|(\d+)\s*nodes? per token|\bm\s*=\s*(\d+)", text)
     node_limit = int(next(g for g in limit.groups() if g)) if limit else (4 if "node-limited" in text else 0)
     # DeepSeek-V3's DualPipe; zero-bubble ZB-H1, as DeepSeek-V2 used
     schedule = ("dualpipe" if "dualpipe" in text else
                 "zb1p" if any(k in text for k in ("zero-bubble", "zero bubble", "zb-h1", "zbh1", "zb1p")) else "1f1b")
+    etp = re.search(EXPERT_TP_PATTERN, text)
     return dict(tp_overlap=True if names(text, TP_OVERLAP_WORDS) else None,
+                expert_tp=None if etp is None else int(next(g for g in etp.groups() if g)) > 1,
                 ep_overlap=names(text, EP_OVERLAP_WORDS),
                 overlap_param_gather=names(text, PARAM_GATHER_WORDS),
                 pp_head_in_split=any(k in text for k in HEAD_IN_SPLIT_WORDS),
