@@ -63,6 +63,10 @@ def train(
     tokens: Annotated[str | None, typer.Option(help="Training tokens: adds wall-clock days and cost.")] = None,
     dp: Pin = None, fsdp: Pin = None, tp: Pin = None, pp: Pin = None, vpp: Pin = None, cp: Pin = None,
     ep: Pin = None, microbatch: Pin = None,
+    etp: Annotated[int | None, typer.Option(
+        help="Expert tensor parallel size (Megatron-Core --expert-tensor-parallel-size): 1 = whole experts on each "
+             "rank, the EP group on consecutive ranks (Megatron-Bridge's MoE recipes, the nemo preset), or the --tp "
+             "degree (Megatron-LM's default). Unset: the framework's (ETP = TP without one).")] = None,
     recompute: Annotated[str | None, typer.Option(help="none | selective | full | gemm-last")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2, or 3 (= FSDP over those ranks: --dp 32 --zero 3 is --fsdp 32).")] = None,
     offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
@@ -216,6 +220,7 @@ def train(
     _check_choice("--weight-dtype", weight_dtype, ("bf16", "fp32"))
     w_bytes = {"bf16": 2.0, "fp32": 4.0}.get(weight_dtype or "")
     explicit = dict(
+        expert_tp=_expert_tp(etp, tp, sequence_parallel),
         tp_overlap=tp_overlap, fused_elementwise=fused, zero3_fetch=zero3_fetch, fused_loss=fused_loss,
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance,
@@ -269,6 +274,23 @@ def train(
                       highlight=False)
 
 
+def _expert_tp(etp: int | None, tp: int | None, sequence_parallel: bool) -> bool | None:
+    """Options.expert_tp for `--etp` (None = not given): 1 -> False (whole experts); the TP degree -> True. Any other
+    size is refused (meshplan models ETP = 1 or TP); ETP 1 under TP needs sequence parallelism (Megatron-Core
+    arguments.py: "When using MoE and tensor parallelism, sequence parallelism must be used")."""
+    if etp is None:
+        return None
+    if etp == 1:
+        if not sequence_parallel and (tp or 1) > 1:
+            raise MeshplanError("--etp 1 needs sequence parallelism with --tp > 1 (Megatron-Core requires SP for MoE "
+                                "with TP): drop --no-sp")
+        return False
+    if tp is None or etp != tp:
+        raise MeshplanError(f"--etp is 1 or the --tp degree (pin --tp {etp} for ETP = TP), got --etp {etp}"
+                            + (f" with --tp {tp}" if tp is not None else " with --tp unpinned"))
+    return True
+
+
 def _check_choice(flag: str, value: str | None, choices: tuple[str, ...]) -> None:
     """A clear error for a word-valued flag outside its choices (None = not given)."""
     if value is not None and value not in choices:
@@ -294,7 +316,8 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
     def given(*names: str) -> list[str]:
         return ["--" + n.replace("_", "-") for n in names if explicit[n] not in (None, False)]
 
-    moe = given("moe_dispatcher", "moe_force_balance", "moe_node_limit", "ep_overlap")
+    moe = given("moe_dispatcher", "moe_force_balance", "moe_node_limit", "ep_overlap") + (
+        ["--etp"] if explicit["expert_tp"] is not None else [])
     if moe and not problem.model.is_moe:
         fail(f"{moe[0]} needs a MoE model ({problem.model.name} has no experts)")
     pp = given("pp_overlap", "pp_head_in_split") + (["--pp-schedule"] if explicit["pp_schedule"] not in (None, "1f1b")
@@ -329,6 +352,7 @@ def assumptions(problem: Problem, opts: Options) -> str:
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
+        parts.append("experts split over TP (ETP = TP)" if opts.expert_tp else "whole experts per rank (ETP 1)")
     return "; ".join(parts)
 
 

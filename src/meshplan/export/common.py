@@ -64,6 +64,23 @@ def fp8_recipe_from_name(kind: str, name: str | None) -> str | None:
 
 
 @cache
+def expert_tp_size(options, tp: int, sequence_parallel: bool) -> int:
+    """Megatron-Core's expert_tensor_parallel_size for a plan (Options.expert_tp): 1 for whole experts, else the TP
+    degree (the cost model keeps the experts split over TP without sequence parallelism, costmodel geometry)."""
+    return tp if options.expert_tp or not (sequence_parallel and tp > 1) else 1
+
+
+def expert_tp_of(name: str, key: str, etp: int | None, tp: int) -> bool:
+    """Options.expert_tp from a file's expert tensor parallel size: unset = TP (Megatron-LM's default, arguments.py),
+    1 = whole experts; meshplan models those two, so another size is refused by name."""
+    if etp is None or etp == tp:
+        return True
+    if etp == 1:
+        return False
+    raise MeshplanError(f"{name} file: {key} {etp} is neither 1 nor the tensor-parallel size {tp}; meshplan models "
+                        "expert tensor parallelism of 1 or TP")
+
+
 def framework_keys(name: str) -> frozenset[str]:
     """The keys a framework's own config parser accepts, from data/<name>_keys.txt (each file names the source
     file and commit it was read from in its header)."""
@@ -190,7 +207,7 @@ _WORDS = {
     "fused_loss": "fused cross-entropy", "fp8_weight_cache": "FP8 weights cast once per step",
     "fp8_fused_casts": "fused FP8 casts (Transformer Engine)", "fp8_recipe": "FP8 scaling recipe", "ep_overlap": "MoE all-to-all overlap",
     "moe_node_limit": "node-limited MoE routing", "moe_force_balance": "force-balanced MoE routing",
-    "moe_dispatcher": "MoE token dispatcher",
+    "moe_dispatcher": "MoE token dispatcher", "expert_tp": "experts split over TP (ETP = TP)",
     "selective_flavor": "what selective recompute saves",
     "fsdp_over_cp": "FSDP over the CP ranks", "zero3_fetch": "ZeRO-3 fetch", "cp_impl": "context-parallel attention",
     "pp_schedule": "pipeline schedule", "attention_kernel": "attention kernel",
@@ -208,6 +225,7 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "fp8_recipe": fp8, "ep_overlap": moe and cfg.ep > 1,
         "moe_node_limit": moe and cfg.ep > 1, "moe_force_balance": moe and cfg.ep > 1,
         "moe_dispatcher": moe and cfg.ep > 1,
+        "expert_tp": moe and cfg.tp > 1 and cfg.sequence_parallel,  # costmodel geometry `etp`
         "selective_flavor": cfg.recompute == "selective",
         "fsdp_over_cp": cfg.cp > 1, "zero3_fetch": cfg.fsdp > 1 or cfg.zero == 3 or opts.fsdp_over_cp and cfg.cp > 1,
         "cp_impl": cfg.cp > 1, "pp_schedule": cfg.pp > 1,

@@ -14,6 +14,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    expert_tp_of,
+    expert_tp_size,
     fp8_recipe_from_name,
     fp8_recipe_name,
     framework_keys,
@@ -82,6 +84,8 @@ def export(plan: PlanToExport) -> str:
         flags.append("--disable-bias-linear")
     if m.is_moe:
         args += ["--num-experts", m.n_experts, "--moe-router-topk", m.experts_per_token]
+        # Options.expert_tp: whole experts (1) or split over TP (Megatron-LM's default, written out for clarity)
+        args += ["--expert-tensor-parallel-size", expert_tp_size(o, c.tp, c.sequence_parallel)]
     if c.pp > 1 and c.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", c.vpp]
     if c.tp > 1 and c.sequence_parallel:
@@ -117,7 +121,7 @@ def export(plan: PlanToExport) -> str:
 
 
 _VALUED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-           "--expert-model-parallel-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
+           "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
            "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
            "--kv-channels", "--num-experts", "--moe-router-topk", "--num-virtual-stages-per-pipeline-rank",
            "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity", "--recompute-method",
@@ -173,6 +177,7 @@ def load(text: str, chips: int | None = None) -> Job:
     cp, ep = num("--context-parallel-size", 1), num("--expert-model-parallel-size", 1)
     check_degrees(NAME, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                   expert_model_parallel_size=ep)
+    expert_tp = expert_tp_of(NAME, "--expert-tensor-parallel-size", num("--expert-tensor-parallel-size"), tp)
     if "--nnodes" in launch and "--nproc-per-node" in launch:
         job.chips = int(launch["--nnodes"]) * int(launch["--nproc-per-node"])
     else:
@@ -207,7 +212,7 @@ def load(text: str, chips: int | None = None) -> Job:
         overlap_param_gather="--overlap-param-gather" in switches,
         ep_overlap="--overlap-moe-expert-parallel-comm" in switches, pp_schedule="1f1b",
         pp_head_in_split="--account-for-loss-in-pipeline-split" in switches,
-        moe_force_balance="--moe-router-force-load-balancing" in switches,
+        moe_force_balance="--moe-router-force-load-balancing" in switches, expert_tp=expert_tp,
         moe_dispatcher=("deepep" if values.get("--moe-token-dispatcher-type") == "flex"
                         and "--moe-enable-deepep" in switches else "alltoall"),
     )

@@ -17,6 +17,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    expert_tp_of,
+    expert_tp_size,
     fp8_recipe_from_name,
     fp8_recipe_name,
     framework_keys,
@@ -70,6 +72,9 @@ def export(plan: PlanToExport) -> str:
         "trainer.strategy.tensor_model_parallel_size": c.tp, "trainer.strategy.pipeline_model_parallel_size": c.pp,
         "trainer.strategy.virtual_pipeline_model_parallel_size": c.vpp if c.pp > 1 and c.vpp > 1 else None,
         "trainer.strategy.context_parallel_size": c.cp, "trainer.strategy.expert_model_parallel_size": c.ep,
+        # Options.expert_tp (MegatronStrategy expert_tensor_parallel_size: whole experts 1, or the TP degree)
+        "trainer.strategy.expert_tensor_parallel_size": (expert_tp_size(o, c.tp, c.sequence_parallel)
+                                                         if p.model.is_moe else None),
         "trainer.strategy.sequence_parallel": bool(c.sequence_parallel and c.tp > 1),
         "trainer.strategy.ddp.overlap_grad_reduce": bool(dp_ov),
         "trainer.strategy.ddp.overlap_param_gather": bool(o.overlap_param_gather),
@@ -98,6 +103,7 @@ def export(plan: PlanToExport) -> str:
 USED = {"trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_parallel_size",
         "trainer.strategy.pipeline_model_parallel_size", "trainer.strategy.virtual_pipeline_model_parallel_size",
         "trainer.strategy.context_parallel_size", "trainer.strategy.expert_model_parallel_size",
+        "trainer.strategy.expert_tensor_parallel_size", "model.config.expert_tensor_parallel_size",
         "trainer.strategy.sequence_parallel", "trainer.strategy.ddp.overlap_grad_reduce",
         "trainer.strategy.ddp.overlap_param_gather", "optim.config.use_distributed_optimizer",
         "trainer.strategy.ddp.use_distributed_optimizer", "model.config.tp_comm_overlap",
@@ -145,7 +151,10 @@ def load(text: str, chips: int | None = None) -> Job:
                     **NO_STATE_OFFLOAD,
                     sequence_parallel=bool(g("trainer.strategy.sequence_parallel", False)))
     job.seq_len, job.global_batch = g("data.seq_length"), g("data.global_batch_size")
-    job.options.update(compute_dtype="fp8" if g("trainer.plugins.fp8") else "bf16",
+    etp_key = next((k for k in ("trainer.strategy.expert_tensor_parallel_size", "model.config.expert_tensor_parallel_size")
+                    if flat.get(k) is not None), "trainer.strategy.expert_tensor_parallel_size")
+    job.options.update(expert_tp=expert_tp_of(NAME, etp_key, g(etp_key), tp),
+                       compute_dtype="fp8" if g("trainer.plugins.fp8") else "bf16",
                        fp8_recipe=fp8_recipe_from_name("te", g("trainer.plugins.fp8_recipe", "delayed")),
                        tp_overlap=bool(g("model.config.tp_comm_overlap", False)),
                        dp_overlap=bool(g("trainer.strategy.ddp.overlap_grad_reduce", False)),
