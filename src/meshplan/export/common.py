@@ -22,7 +22,7 @@ from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import OFFLOAD_FLAGS, ParallelConfig
-from meshplan.train.costmodel import Options, fp8_recipes
+from meshplan.train.costmodel import Options, expert_tp_degree, fp8_recipes
 from meshplan.train.frameworks import framework_options
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
@@ -64,10 +64,10 @@ def fp8_recipe_from_name(kind: str, name: str | None) -> str | None:
 
 
 @cache
-def expert_tp_size(options, tp: int, sequence_parallel: bool) -> int:
-    """Megatron-Core's expert_tensor_parallel_size for a plan (Options.expert_tp): 1 for whole experts, else the TP
-    degree (the cost model keeps the experts split over TP without sequence parallelism, costmodel geometry)."""
-    return tp if options.expert_tp or not (sequence_parallel and tp > 1) else 1
+def expert_tp_size(options: Options, cfg: ParallelConfig) -> int:
+    """Megatron-Core's expert_tensor_parallel_size of a plan: the cost model's (costmodel.expert_tp_degree)."""
+    sp = cfg.sequence_parallel and cfg.tp > 1
+    return int(expert_tp_degree(options.expert_tp, cfg.tp, cfg.cp, cfg.dp * cfg.fsdp, cfg.ep, sp))
 
 
 def expert_tp_of(name: str, key: str, etp: int | None, tp: int) -> bool:
@@ -225,7 +225,8 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "fp8_recipe": fp8, "ep_overlap": moe and cfg.ep > 1,
         "moe_node_limit": moe and cfg.ep > 1, "moe_force_balance": moe and cfg.ep > 1,
         "moe_dispatcher": moe and cfg.ep > 1,
-        "expert_tp": moe and cfg.tp > 1 and cfg.sequence_parallel,  # costmodel geometry `etp`
+        # a choice only where the layout allows both (costmodel.expert_tp_degree)
+        "expert_tp": moe and cfg.tp > 1 and cfg.sequence_parallel and (cfg.cp * data) % cfg.ep == 0,
         "selective_flavor": cfg.recompute == "selective",
         "fsdp_over_cp": cfg.cp > 1, "zero3_fetch": cfg.fsdp > 1 or cfg.zero == 3 or opts.fsdp_over_cp and cfg.cp > 1,
         "cp_impl": cfg.cp > 1, "pp_schedule": cfg.pp > 1,

@@ -85,7 +85,7 @@ def export(plan: PlanToExport) -> str:
     if m.is_moe:
         args += ["--num-experts", m.n_experts, "--moe-router-topk", m.experts_per_token]
         # Options.expert_tp: whole experts (1) or split over TP (Megatron-LM's default, written out for clarity)
-        args += ["--expert-tensor-parallel-size", expert_tp_size(o, c.tp, c.sequence_parallel)]
+        args += ["--expert-tensor-parallel-size", expert_tp_size(o, c)]
     if c.pp > 1 and c.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", c.vpp]
     if c.tp > 1 and c.sequence_parallel:

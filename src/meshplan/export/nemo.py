@@ -73,7 +73,7 @@ def export(plan: PlanToExport) -> str:
         "trainer.strategy.virtual_pipeline_model_parallel_size": c.vpp if c.pp > 1 and c.vpp > 1 else None,
         "trainer.strategy.context_parallel_size": c.cp, "trainer.strategy.expert_model_parallel_size": c.ep,
         # Options.expert_tp (MegatronStrategy expert_tensor_parallel_size: whole experts 1, or the TP degree)
-        "trainer.strategy.expert_tensor_parallel_size": (expert_tp_size(o, c.tp, c.sequence_parallel)
+        "trainer.strategy.expert_tensor_parallel_size": (expert_tp_size(o, c)
                                                          if p.model.is_moe else None),
         "trainer.strategy.sequence_parallel": bool(c.sequence_parallel and c.tp > 1),
         "trainer.strategy.ddp.overlap_grad_reduce": bool(dp_ov),

@@ -122,6 +122,16 @@ def pipeline_warmup_forwards(pp, vpp, ep_overlap: bool = False):
     return np.where(pp > 1, np.where(vpp > 1, interleaved, pp - 1), 0)
 
 
+def expert_tp_degree(expert_tp: bool, tp, cp, data, ep, sp):
+    """Megatron-Core's expert tensor parallel size of a layout (Options.expert_tp): TP, or 1 where the option says so
+    or where the layout exists only with whole experts: parallel_state.initialize_model_parallel needs the stage's
+    tp·cp·data ranks to divide by etp·ep (MoE Parallel Folding, Liu et al. 2025), so EP beyond the context × data
+    ranks (Qwen3-235B TP 2 EP 32 DP 16 in the Megatron-MoE-ModelZoo) means ETP 1. ETP 1 needs sequence parallelism
+    (`sp`: SP with tp > 1); without it the experts stay split over TP. Scalars or numpy arrays."""
+    whole = np.logical_not(expert_tp) | (np.asarray(cp * data) % ep != 0)
+    return np.where(whole & np.asarray(sp, bool), 1.0, np.asarray(tp, float))
+
+
 def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard, tp_sp):
     """Transformer Engine: one fused cast-transpose per operand writes the fp8 copy and its transpose
     (`fp8_cast_transpose_fused`); the qkv and gate/up inputs leave the norm (`normed` of `a_in`), which emits fp8
@@ -385,7 +395,8 @@ class Options:
     # {deepseek,gpt_oss,qwen}/*_workload_base_configs.py v0.3.0..v0.5.1), as does the Megatron-MoE-ModelZoo
     # (model_configs/benchmarking/*.yaml @ e8650517). Megatron-Core requires sequence parallelism for MoE with TP
     # (arguments.py "When using MoE and tensor parallelism, sequence parallelism must be used"): without SP the
-    # experts stay split over TP here.
+    # experts stay split over TP here. A layout whose EP does not divide its context × data ranks exists only with
+    # ETP = 1, which it then gets (`expert_tp_degree`).
     expert_tp: bool = True
 
     def __post_init__(self) -> None:
@@ -1566,8 +1577,7 @@ class CostModel:
         g["mb"] = L.microbatch.astype(float)
         g["sp"] = L.sequence_parallel & (L.tp > 1)
         g["t_mb"] = g["mb"] * self.p.seq_len / g["cp"]
-        # expert tensor parallelism (Options.expert_tp): ETP = TP, or 1 under sequence parallelism
-        g["etp"] = np.where(self.opt.expert_tp | ~np.asarray(g["sp"]), g["tp"], 1.0)
+        g["etp"] = expert_tp_degree(self.opt.expert_tp, g["tp"], g["cp"], g["dp"] * g["fsdp"], g["ep"], g["sp"])
         # tokens one rank routes (its sequence-parallel slice: Megatron-Core's router and dispatcher run on the SP
         # hidden states) and tokens whose routed copies its experts compute: the dispatcher gathers the ETP group's
         # slices after the all-to-all (A2A(EP) -> AG(ETP)), so t_mb·etp/tp under SP (balanced routing)
