@@ -208,3 +208,18 @@ def test_cli_refuses_etp_for_a_dense_model(capsys) -> None:
     code, _, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len",
                             "4096", "--global-batch", "8", "--etp", "1"], capsys)
     assert code == 2 and "needs a MoE model" in err
+
+
+def test_optimizer_update_covers_the_expert_shard_the_memory_holds() -> None:
+    """One ledger: the AdamW update reads and writes the ZeRO-1 shard whose state the memory ledger holds. TP 2 PP 8
+    DP 32 EP 32, 12 layers on a stage (ceil(94/8)): under ETP = TP each rank holds 12·EXPERT_W/64 = 452,984,832 expert
+    parameters and its expert-data-parallel group is 32·2/(2·32) = 1 rank, so it updates all of them; the dense rest is
+    split over the 32 replicas. Under ETP 1 the rank holds 12·EXPERT_W/32 = 905,969,664, its expert-DP group folds the
+    2 TP ranks (2·32/32 = 2), so it updates 452,984,832 of them too. fused AdamW: 30 B per updated parameter."""
+    assert 12 * EXPERT_W // 64 == 452_984_832 and 12 * EXPERT_W // 32 == 905_969_664
+    for expert_tp, held, group in ((True, 452_984_832, 1), (False, 905_969_664, 2)):
+        cm, L, g = _cm(expert_tp)
+        dense = _f(g["params_stage_local"]) - held
+        expected_bytes = 30.0 * (dense / 32 + held / group)
+        assert _f(cm.optimizer_terms(L, g)) == pytest.approx(expected_bytes / cm.hbm, rel=1e-9)
+        assert 30.0 * held / group == 30.0 * 452_984_832  # the expert shard is the same either way

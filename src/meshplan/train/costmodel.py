@@ -1937,10 +1937,9 @@ class CostModel:
     def optimizer_terms(self, L: LayoutArrays, g: dict):
         """Seconds of the AdamW update over this rank's shard of the stage's parameters (HBM-bound), or under
         optimizer offload (ZeRO-Offload) the host's: gradients out, the CPU's Adam, the updated weights back."""
-        # (the experts' rep/ep shard of `_zero_local` is not used here yet: making the update's seconds follow it moved
-        # benchmarks/accuracy.py's MoE rows by 15-20 points; the expert-data-parallel group under MoE parallel folding
-        # needs its own look, issue 13 report)
-        local = g["params_stage_local"] / (g["shard"] * np.where(L.zero >= 1, g["replicas"], 1))
+        # the parameters this rank updates are its ZeRO shard as the memory ledger holds it (`_zero_local`): a routed
+        # expert's state is sharded only over its expert-data-parallel group (Megatron-Core distributed optimizer)
+        local = self._zero_local(g, L.zero >= 1)
         nbytes = OPTIMIZER_UPDATE_BYTES[self.opt.optimizer_impl] * local
         off = L.offload_optimizer == 1
         led = g["ledger"]
