@@ -45,8 +45,11 @@ def test_prefill_length_and_chunk_rules_by_hand():
 
 def test_triton_ensemble_latency_from_its_published_measurement():
     # tensorrtllm_backend v0.14.0 docs/encoder_decoder.md: streaming ensemble, t5-small, mean TTFT 4.69 ms and mean ITL
-    # 0.63 ms; less the encoder pass and the first decoder step (one ITL each): 4.69 - 2 x 0.63 = 3.43 ms -> 3.4 ms
-    assert frontend_first_token_s(TRITON, H100) == pytest.approx(4.69e-3 - 2 * 0.63e-3, abs=0.05e-3)
+    # 0.63 ms; less the first decoder step (one ITL) and the encoder pass, which the source bounds by one ITL:
+    # [4.69 - 2 x 0.63, 4.69 - 0.63] = [3.43, 4.06] ms. Session 9 costs the t5-small encoder pass (6 layers x 10 kernels
+    # x 4 us + 7.55 GFLOP at 312 TFLOP/s x 0.84 x 512/768 = 0.28 ms): 4.69 - 0.63 - 0.28 = 3.78 ms -> 3.8 ms
+    assert 4.69e-3 - 2 * 0.63e-3 <= frontend_first_token_s(TRITON, H100) <= 4.69e-3 - 0.63e-3
+    assert frontend_first_token_s(TRITON, H100) == pytest.approx(4.69e-3 - 0.63e-3 - 0.28e-3, abs=0.05e-3)
     assert frontend_first_token_s(ServeConfig(engine="trtllm"), H100) == 0.0  # in process: no server path
     with pytest.raises(MeshplanError, match="unknown server path"):
         check_layout(M8, H100, 1, ServeConfig(frontend="nginx"))
@@ -59,19 +62,19 @@ def test_closed_form_adds_it_to_ttft_only(mode):
     w = Workload(467, 256)
     base = evaluate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 16, mode)
     served = evaluate(M8, H100, 1, TRITON, EFF, w, 16, mode)
-    assert served.ttft_s - base.ttft_s == pytest.approx(3.4e-3)
+    assert served.ttft_s - base.ttft_s == pytest.approx(3.8e-3)
     assert served.tpot_s == base.tpot_s and served.throughput_tokens_per_s == base.throughput_tokens_per_s
-    assert served.e2e_latency_s - base.e2e_latency_s == pytest.approx(3.4e-3)  # e2e = TTFT + (O - 1) TPOT
+    assert served.e2e_latency_s - base.e2e_latency_s == pytest.approx(3.8e-3)  # e2e = TTFT + (O - 1) TPOT
 
 
 def test_simulated_open_loop_ttft_shifts_by_it():
     # Poisson arrivals reach the engine at the same moments (a constant shift of a Poisson process is one): every
-    # request's TTFT grows by exactly 3.4 ms, its inter-token gaps do not change
+    # request's TTFT grows by exactly 3.8 ms, its inter-token gaps do not change
     w, spec = Workload(467, 16), SimSpec(rate=4.0, n_requests=30)
     base = simulate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 32, spec)
     served = simulate(M8, H100, 1, TRITON, EFF, w, 32, spec)
     for q in ("p50", "p90", "mean"):
-        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(3.4e-3)
+        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(3.8e-3)
         assert served["tpot_s"][q] == pytest.approx(base["tpot_s"][q])
 
 
@@ -86,7 +89,7 @@ def _one_client(cfg: ServeConfig) -> list[_Req]:
 
 
 def test_closed_loop_next_request_reaches_the_engine_after_the_server_path():
-    F = 3.4e-3
+    F = 3.8e-3
     r0, r1 = _one_client(TRITON)
     # r0: prompt step [0, 1] (first token), decode [1, 2] (finish). The client gets that last token and its next
     # request reaches the engine F later, at 2 + F; the idle engine starts it then: first token at 3 + F, finish 4 + F
@@ -118,7 +121,7 @@ def test_cli_frontend_flag(capsys):
     code, out2, err = run_cli(cmd + ["--frontend", "triton-ensemble"], capsys)
     assert code == 0, err
     a, b = json.loads(out), json.loads(out2)
-    assert b["ttft_s"] - a["ttft_s"] == pytest.approx(3.4e-3) and b["tpot_s"] == a["tpot_s"]
+    assert b["ttft_s"] - a["ttft_s"] == pytest.approx(3.8e-3) and b["tpot_s"] == a["tpot_s"]
     assert b["config"]["frontend"] == "triton-ensemble" and a["config"]["frontend"] is None
     code, _, err = run_cli(cmd + ["--frontend", "nginx"], capsys)
     assert code == 2 and err.startswith("error:")
@@ -131,6 +134,6 @@ def test_disaggregated_ttft_counts_it_too():
     base = disaggregate(M8, H100, 8, cfg, cfg, EFF, w)
     served = disaggregate(M8, H100, 8, TRITON, TRITON, EFF, w)
     # TTFT = prefill + KV transfer (+ the server path): the pools and throughput do not change
-    assert served.ttft_s - base.ttft_s == pytest.approx(3.4e-3)
-    assert served.ttft_s == pytest.approx(served.prefill_s + served.kv_transfer_s + 3.4e-3)
+    assert served.ttft_s - base.ttft_s == pytest.approx(3.8e-3)
+    assert served.ttft_s == pytest.approx(served.prefill_s + served.kv_transfer_s + 3.8e-3)
     assert (served.prefill_instances, served.decode_instances) == (base.prefill_instances, base.decode_instances)

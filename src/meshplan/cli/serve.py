@@ -145,7 +145,7 @@ def serve(
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
-                                                      "clients' TTFT counts: triton-ensemble (default: none, the "
+                                                      "clients' TTFT counts: triton-ensemble, vllm-openai (default: none, the "
                                                       "engine in process).")] = None,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",

@@ -91,7 +91,7 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
-FRONTENDS = ("triton-ensemble",)
+FRONTENDS = ("triton-ensemble", "vllm-openai")
 
 
 def default_token_budget(chip: Chip) -> int:
@@ -176,7 +176,7 @@ def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
     hit = None if table is None else (table.get(chip.name) or table.get(chip.kind))
     if hit is None:
         raise MeshplanError(f"no first-token latency for the '{cfg.frontend}' server path on {chip.name} "
-                            f"(known: {', '.join(FRONTENDS)} on GPUs)")
+                            f"(known: {', '.join(FRONTENDS)}; triton-ensemble on GPUs only)")
     return float(hit["value"])
 
 
