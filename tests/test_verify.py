@@ -85,7 +85,8 @@ FLOP_RESIDUALS: set[str] = set()
 # split's gradient is one buffer: +24.2% → +14.3%, → +13.0%; tp8, fsdp4_tp2_selective, fsdp4_tp2_gemm_last,
 # dp2_tp2_cp2 and cp4_tp2_allgather since XLA's saved set and one layer's backward working set, CostModel
 # `_xla_saved_layer` / `_xla_layer_backward`, and the scanned selective policy saving no attention-core dots:
-# +86.2% → +9.7%, +39.8% → +8.3%, +66.3% → +7.5%, +22.3% → +11.9%, → +13.5%.)
+# +86.2% → +9.7%, +39.8% → +8.3%, +66.3% → +7.5%, +22.3% → +11.9%, → +13.5%; fsdp4_tp2_full and cp4_tp2_ring
+# since the backward's output gradients re-gathered over `tensor` under SP: +19.9% → +12.1%, +17.8% → +13.9%.)
 MEMORY_RESIDUALS = {"tp8_flash", "pp2_cp2_tp2", "pp2_cp2_tp2_ring"}
 
 _SCRIPT = r"""
