@@ -74,10 +74,8 @@ COLLECTIVE_RESIDUALS: set[tuple[str, str]] = set()
 # since Options.pp_spmd_loop: no FLOP residual is left)
 FLOP_RESIDUALS: set[str] = set()
 # Temp memory the planner's peak rules do not hold (docs/verify.md "Memory", read from the CPU buffer assignment of
-# the program with its layers, and the pipeline's iterations, scanned): CPU artefacts under full recompute
-# (FSDP4×TP2: dot-layout copies of the gathered inputs and weights, reduce-scatters left as all-reduce +
-# dynamic-slice, heap fragmentation), the flash backward's blocks scheduled all at once (TP8 flash), ring CP and CP×TP
-# inside the pipeline (not broken down). (fsdp8 holds since the layers are a scan: +21.4% → +13.0%; pp2_ep4 and
+# the program with its layers, and the pipeline's iterations, scanned): the flash backward's blocks scheduled all at
+# once (TP8 flash), CP×TP inside the pipeline, all-gather and ring (not broken down). (fsdp8 holds since the layers are a scan: +21.4% → +13.0%; pp2_ep4 and
 # pp2_fsdp4 since the SPMD pipeline's rule: +46.4% → +4.1%, +55.9% → +1.5%; pp2_dp4, pp2_cp4, pp2_tp2_dp2 and
 # pp4_dp2_vpp2 since the pipeline's iterations are a scan that picks each repeat's weights inside the layer's
 # checkpoint: +19.8% → +2.6%, +19.6% → +5.1%, +41.2% → +13.1%, +23.9% → −7.0%; zero2_dp8_2mb since the ledger holds
