@@ -327,11 +327,11 @@ def test_ring_cp_kv_passes_by_framework():
 
 
 @pytest.mark.parametrize(("recompute", "flash", "expected"), [
-    ("none", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576),
-    ("selective", False, 2 * 2359296 + (4980736 - 2359296) + 524288 + 2 * 1048576),
-    ("full", False, 2 * 262144 + (4980736 - 262144) + 524288 + 2 * 1048576),
-    ("gemm-last", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576),
-    ("none", True, 2 * 2359296 + (3932160 - 2359296) + 524288 + 1048576),
+    ("none", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576 + 2 * 524288),
+    ("selective", False, 2 * 2359296 + (4980736 - 2359296) + 524288 + 2 * 1048576 + 2 * 524288),
+    ("full", False, 2 * 262144 + (4980736 - 262144) + 524288 + 2 * 1048576 + 2 * 524288),
+    ("gemm-last", False, 2 * 3407872 + (4980736 - 3407872) + 1048576 + 524288 + 2 * 1048576 + 2 * 524288),
+    ("none", True, 2 * 2359296 + (3932160 - 2359296) + 524288 + 1048576 + 524288),
 ])
 def test_xla_peak_is_in_one_layers_backward(recompute, flash, expected):
     """FSDP4 × TP2 with SP, micro-batch 4 (512 tokens a device), jax (fp32): the activations at the step's peak are
@@ -344,9 +344,34 @@ def test_xla_peak_is_in_one_layers_backward(recompute, flash, expected):
     4·512·512 = 1048576 → 3407872 under none and gemm-last, 3407872 − 1048576 = 2359296 under selective (and none
     with flash); full: the layer input 262144. The working set: the rest of Korthikanti's set, rebuilt (none and
     gemm-last also P, 1048576, from the saved scores), the two SP inputs re-gathered, 2 · 4 · 512 · 256 · (1 − 1/2) = 524288, and the
-    larger of dP, dS of the materialised core, 2 · 1048576, and the MLP's gate/up gradient, 4 · 512 · 512 = 1048576
-    (the only one with flash). The loss's peak (0.5 MiB of logits + the gathered output layer, less the
-    not-yet-made gradients) is smaller in every case."""
+    larger of dP, dS of the materialised core, 2 · 1048576, with both blocks' output gradients re-gathered over
+    `tensor`, 2 · 4 · 512 · 256 = 1048576 (test_xla_backward_holds_the_regathered_output_gradients), and the MLP's
+    gate/up gradient, 4 · 512 · 512 = 1048576, with the MLP's re-gathered output gradient, 524288 (the larger with
+    flash). The loss's peak (0.5 MiB of logits + the gathered output layer, less the not-yet-made gradients) is
+    smaller in every case."""
     jax = dataclasses.replace(framework_options("jax", Options(), {}), flash_attention=flash)
     mem = ledger(ParallelConfig(fsdp=4, tp=2, microbatch=4, recompute=recompute), options=jax)["memory_bytes"]
     assert mem["activations"] == expected
+
+
+def test_xla_backward_holds_the_regathered_output_gradients():
+    """Full recompute, FSDP4 × TP2, micro-batch 4 (512 tokens a device), jax (fp32). Under SP the backward of each
+    block's forward reduce-scatter over `tensor` is an all-gather of its output gradient, [b, s, D] = 4 · 512 · 256 =
+    524288 B, which the block's data- and weight-gradient dots read: at the attention core's dP/dS both blocks' are
+    live (the MLP's waits for the down-projection's weight gradient at the layer's end), at the gate/up gradient the
+    MLP's (verify's buffer assignment, docs/verify.md "Memory"). By hand: two layer inputs 2 · 4 · 512 · 256/2, the
+    recomputed layer's no-recompute set less its input 4980736 − 262144, the two SP inputs re-gathered 524288, and
+    the larger of dP + dS + both gradients (2 · 4 · 4·128·128·4 + 2 · 524288) and the gate/up gradient + the MLP's
+    (4 · 512 · 512 + 524288); without SP neither gathered gradients nor gathered inputs."""
+    jax = framework_options("jax", Options(), {})
+    d_out, score, d_up = 4 * 512 * 256, 4 * 4 * 128 * 128 * 4, 4 * 512 * 512
+    layer_in, korthikanti = 4 * 512 * 256 // 2, 4980736
+    mem = ledger(ParallelConfig(fsdp=4, tp=2, microbatch=4, recompute="full"), options=jax)["memory_bytes"]
+    assert mem["activations"] == (2 * layer_in + (korthikanti - layer_in) + 2 * d_out * (1 - 1 / 2)
+                                  + max(2 * score + 2 * d_out, d_up + d_out))
+    # without SP the norm region is whole: the layer input 4 · 512 · 256, and the two norm inputs, the QKV and MLP
+    # inputs of the no-recompute set twice as large (+ 524288 + 262144 + 262144)
+    no_sp = ledger(ParallelConfig(fsdp=4, tp=2, microbatch=4, recompute="full", sequence_parallel=False),
+                   options=jax)["memory_bytes"]
+    layer_in, korthikanti = 4 * 512 * 256, 4980736 + 524288 + 262144 + 262144
+    assert no_sp["activations"] == 2 * layer_in + (korthikanti - layer_in) + max(2 * score, d_up)

@@ -1846,6 +1846,10 @@ class CostModel:
         - under sequence parallelism the layer's two inputs (attention's and the MLP's) re-gathered over `tensor`
           (XLA never saves a gathered value: GATHER_PRIMS in measure/jaxmodel.py) at the start of its backward and
           both live until their weight gradients at its end: [b, s, D] each where the saved shard is 1/tp of it;
+          and each block's output gradient re-gathered likewise (the transpose of the forward's reduce-scatter),
+          [b, s, D] read by the block's data- and weight-gradient dots: the MLP's from the start of the layer's
+          backward to its end, the attention's through the attention backward (verify FSDP4×TP2, none and full: both
+          live at dP/dS, the MLP's at the gate/up gradient, docs/verify.md "Memory");
         - the larger of two gradient peaks that come one after the other: with a materialised attention core,
           dP = dO·Vᵀ and dS = P∘(dP − rowsum(dO∘O)), two score-sized buffers (Dao et al. 2022, Appendix B,
           Algorithm 3: the standard attention backward writes P, dP and dS to HBM); the MLP's up-projection
@@ -1858,8 +1862,11 @@ class CostModel:
         p_again = (L.recompute == 3) | ((L.recompute == 0) & (g["pp"] == 1))  # S saved (_xla_saved_layer)
         rebuilt = np.maximum(none - saved_layer * (1 - L.offload), 0.0) + np.where(p_again, score, 0.0)
         gathered = np.where(g["sp"], 2 * a * t * self.c["D"] * (1 - 1 / tp), 0.0)
+        # under SP each block's output gradient re-gathered over `tensor` (the forward reduce-scatter's transpose), [b, s, D],
+        # read by its data- and weight-gradient dots: the MLP's lives to the layer's end, the attention's from its start
+        d_out = np.where(g["sp"], a * t * self.c["D"], 0.0)
         d_up = tm.mlp_up_out_bytes(self.p.model, self.p.seq_len, g["mb"], tp=tp, cp=g["cp"], act_bytes=a)
-        return rebuilt + gathered + np.maximum(2 * score, d_up)
+        return rebuilt + gathered + np.maximum(2 * score + 2 * d_out, d_up + d_out)
 
     def _xla_activations(self, g: dict, fs, grads_held, grads, logits, working):
         """Activation bytes beyond the saved (kept) ones in the program XLA compiles (TPU): the step's two peaks
