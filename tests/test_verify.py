@@ -308,6 +308,27 @@ def test_verify_takes_the_top_plan_of_train():
     assert {r["quantity"] for r in report["rows"]} >= {"matmul flops", "all-gather bytes", "memory"}
 
 
+def test_verify_compiles_an_offloaded_plan_without_the_offload_and_says_so():
+    """A plan with host offload (activations, optimizer state) is verified without it: XLA:CPU drops offloaded remat
+    and the optimizer's host loop is not in the device program, so the program is compiled and checked against the
+    ledger of exactly that program, and the report names what was left out (`not_built`), on stderr and in the JSON."""
+    train = _cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+                  "--global-batch", "64", "--fsdp", "8", "--offload", "0.5", "--json"])
+    assert train.returncode == 0, train.stderr[-2000:]
+    plan = json.loads(train.stdout)
+    assert plan["plans"][0]["config"]["offload"] == 0.5
+    plan["plans"][0]["config"]["offload_optimizer"] = 1  # as a plan that also keeps Adam on the host says it
+    ver = _cli(["verify", "--plan", "-", "--no-loss-check", "--json"], stdin=json.dumps(plan))
+    assert ver.returncode == 0, ver.stderr[-2000:]
+    report = json.loads(ver.stdout)
+    assert report["not_built"]["offload"] == 0.5 and report["not_built"]["offload_optimizer"] == 1
+    assert "host offload" in report["not_built"]["why"] and "offload 0.5" in ver.stderr
+    assert report["layout"]["offload"] == 0 and report["layout"]["fsdp"] == 8
+    rows = {r["quantity"]: r for r in report["rows"]}
+    assert abs(rows["matmul flops"]["rel_error"]) <= 0.02
+    assert abs(rows["all-gather bytes"]["rel_error"]) <= 0.05 and abs(rows["reduce-scatter bytes"]["rel_error"]) <= 0.05
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--plan", "-"], "not a `meshplan train --json` object"),
     (["--model", "llama3-8b", "--pp", "2", "--vpp", "2"], "the interleaved pipeline needs at least pp=2 micro-batches"),
