@@ -18,6 +18,7 @@ from meshplan.infer.config import (
     check_layout,
     check_workload,
     engine_token_budget,
+    replica_token_budget,
     step_token_budget,
 )
 from meshplan.infer.disagg import disaggregate
@@ -96,6 +97,9 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "model": m.name, "hardware": chip.name, "chips": chips, "input_len": input_len, "output_len": output_len,
         "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
         "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
+        # tokens one step of a whole replica carries (step_token_budget x attention-DP ranks where the engine applies
+        # it per rank: config.replica_token_budget)
+        "replica_step_token_budget": replica_token_budget(chip, best.config),
         "targets": {"tpot_s": tpot_target, "ttft_s": ttft_target},
         "efficiency": eff.origin,
         "price": {"per_chip_hour": chip.price_per_chip_hour, "basis": chip.price_basis},
