@@ -77,7 +77,12 @@ def predict(e: dict, rules: dict) -> dict:
     eff = default_efficiency(chip)
     # the engine's step token budget: the one the source's server command sets, else the engine's default
     budget = e.get("max_num_batched_tokens") or engine_token_budget(e.get("engine") or "default", chip)
-    cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, weight_dtype=e["weight_dtype"], kv_dtype=kv_dtype(e),
+    # attention data parallel where the source's own command turns it on (its engine flag, like async_scheduling);
+    # its EP degree, where unstated, by serving_assumptions.yaml missing_ep_attention_dp (ep = tp)
+    adp = bool(e.get("attention_dp"))
+    ep = e.get("ep") or (e["tp"] if adp else 1)
+    cfg = ServeConfig(tp=e["tp"], pp=e.get("pp") or 1, ep=ep, attention_dp=adp, weight_dtype=e["weight_dtype"],
+                      kv_dtype=kv_dtype(e),
                       max_num_batched_tokens=budget, engine=e.get("engine") or "default",
                       overlap_scheduling=e.get("async_scheduling"),  # the source's server flag, else the engine's
                       frontend=e.get("frontend"))  # the server path the source names (config.frontend_first_token_s)

@@ -275,17 +275,22 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
         fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
              f"{sj.max_model_len}")
     chip = load_chip(hardware)
-    if sj.chunk_tokens and sj.mode == "continuous" and sj.chunk_tokens != default_token_budget(chip):
+    # SGLang under attention DP divides --chunked-prefill-size over the ranks (server_args.py); meshplan's default
+    # budget applies per rank
+    per_rank = sj.chunk_tokens // sj.tp if sj.chunk_tokens and sj.attention_dp and sj.framework == "sglang" \
+        else sj.chunk_tokens
+    if sj.chunk_tokens and sj.mode == "continuous" and per_rank != default_token_budget(chip):
         sj.notes.append(f"the file's chunked-prefill budget {sj.chunk_tokens} is timed as meshplan's "
                         f"{default_token_budget(chip)}-token step")
     kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile)
-    yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep, **kw)
+    yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep,
+                         attention_dp=sj.attention_dp, **kw)
     best = plan_serving(name, hardware, n, input_len, output_len, do_search=True, **kw)
     for o in (yours, best):
         o.pop("_objects", None)
     gain = best["throughput_tokens_per_s"] / yours["throughput_tokens_per_s"] - 1
     c, b = yours["config"], best["config"]
-    changed = [f"{k} {c[k]}→{b[k]}" for k in ("tp", "pp", "ep", "replicas") if c[k] != b[k]]
+    changed = [f"{k} {c[k]}→{b[k]}" for k in ("tp", "pp", "ep", "replicas", "attention_dp") if c[k] != b[k]]
     if yours["batch"] != best["batch"]:
         changed.append(f"batch {yours['batch']}→{best['batch']}")
     diff = (f"{gain:+.1%} output tokens/s: {', '.join(changed) or 'the same layout'} (TPOT "
@@ -307,7 +312,8 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
         p(f"note: {note}", markup=False, highlight=False)
     for label, o in (("yours", yours), ("best", best)):
         cc = o["config"]
-        p(f"{label}: tp={cc['tp']} pp={cc['pp']} ep={cc['ep']} x {cc['replicas']}, batch {o['batch']}: TTFT "
+        adp = " attention-dp" if cc.get("attention_dp") else ""
+        p(f"{label}: tp={cc['tp']} pp={cc['pp']} ep={cc['ep']}{adp} x {cc['replicas']}, batch {o['batch']}: TTFT "
           f"{fmt_time(o['ttft_s'])}, TPOT {fmt_time(o['tpot_s'])}, {o['throughput_tokens_per_s']:,.0f} output tok/s",
           markup=False, highlight=False)
     p(f"difference: {diff}", markup=False, highlight=False)

@@ -18,6 +18,7 @@ from meshplan.infer.config import (
     check_layout,
     check_workload,
     engine_token_budget,
+    replica_token_budget,
     step_token_budget,
 )
 from meshplan.infer.disagg import disaggregate
@@ -49,9 +50,12 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
-                 price: float | None = None, clients: int | None = None, frontend: str | None = None) -> dict:
+                 price: float | None = None, clients: int | None = None, frontend: str | None = None,
+                 attention_dp: bool | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
-    is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica."""
+    is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica.
+    `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
+    or --tp --pp --ep) runs without it, a search tries both for MoE models."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
     if engine in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
         # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
@@ -74,12 +78,18 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
                        engine=engine, frontend=frontend)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
+    if attention_dp and not m.is_moe:
+        fail(f"--attention-dp needs a mixture-of-experts model; {m.name} is dense (a dense model runs data parallel "
+             "as separate replicas)")
     if tp and pp and ep:
-        cfg = replace(base, tp=tp, pp=pp, ep=ep)
+        if attention_dp is None:
+            attention_dp = False
+        cfg = replace(base, tp=tp, pp=pp, ep=ep, attention_dp=attention_dp)
         check_layout(m, chip, chips, cfg)
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
-    res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch, clients)
+    res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch, clients,
+                 attention_dp)
     best = res.best
     mb = max_batch_per_replica(m, chip, best.config, eff, w)
     out = best.as_dict()
@@ -87,6 +97,9 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "model": m.name, "hardware": chip.name, "chips": chips, "input_len": input_len, "output_len": output_len,
         "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
         "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
+        # tokens one step of a whole replica carries (step_token_budget x attention-DP ranks where the engine applies
+        # it per rank: config.replica_token_budget)
+        "replica_step_token_budget": replica_token_budget(chip, best.config),
         "targets": {"tpot_s": tpot_target, "ttft_s": ttft_target},
         "efficiency": eff.origin,
         "price": {"per_chip_hour": chip.price_per_chip_hour, "basis": chip.price_basis},
@@ -110,7 +123,7 @@ def _disagg_config(best: ServeConfig, layouts: list[dict], chips: int) -> ServeC
         return best
     for lay in layouts:
         c = lay["config"]
-        cfg = replace(best, tp=c["tp"], pp=c["pp"], ep=c["ep"])
+        cfg = replace(best, tp=c["tp"], pp=c["pp"], ep=c["ep"], attention_dp=c.get("attention_dp", False))
         if 2 * cfg.chips_per_replica <= chips:
             return cfg
     return best
@@ -126,6 +139,11 @@ def serve(
     output_len: Annotated[int | None, typer.Option(help="Generated tokens per request.")] = None,
     batch: Annotated[int | None, typer.Option(help="Sequences in flight per replica (default: best that fits).")] = None,
     tp: Pin = None, ep: Pin = None, pp: Pin = None,
+    attention_dp: Annotated[bool | None, typer.Option(
+        "--attention-dp/--no-attention-dp",
+        help="MoE models: attention data parallel over the tp chips, experts over the same chips (SGLang "
+             "--enable-dp-attention, TensorRT-LLM enable_attention_dp, vLLM --data-parallel-size with "
+             "--enable-expert-parallel). Default: searched for MoE models, off for a pinned --tp.")] = None,
     quant: Annotated[str, typer.Option(help="Weights: bf16 | fp8 | int8 | int4.")] = "bf16",
     kv_quant: Annotated[str, typer.Option(help="KV cache: bf16 | fp8 | int8.")] = "bf16",
     tpot_target: Annotated[float | None, typer.Option(help="Time per output token target (s).")] = None,
@@ -176,9 +194,10 @@ def serve(
         from meshplan.cli.export import serve_from
 
         if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency \
+                or attention_dp is not None \
                 or frontend:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate, --frontend or --engine (the command line names its "
+                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp or --engine (the command line names its "
                  "engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
@@ -198,7 +217,7 @@ def serve(
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
                        max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
-                       frontend=frontend)
+                       frontend=frontend, attention_dp=attention_dp)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
@@ -234,7 +253,8 @@ def serve(
 
 def _print_table(o: dict) -> None:
     c = o["config"]
-    t = Table(title=f"{o['model']} on {o['chips']} x {o['hardware']}: tp={c['tp']} pp={c['pp']} ep={c['ep']} "
+    adp = " attention-dp" if c.get("attention_dp") else ""
+    t = Table(title=f"{o['model']} on {o['chips']} x {o['hardware']}: tp={c['tp']} pp={c['pp']} ep={c['ep']}{adp} "
                     f"x {c['replicas']} replicas, {c['weight_dtype']} weights, {c['kv_dtype']} KV ({o['mode']})")
     t.add_column("quantity")
     t.add_column("value", justify="right")

@@ -9,7 +9,11 @@ and `enable_chunked_prefill` (tensorrt_llm/llmapi/llm_args.py).
 
 A meshplan serving plan runs `replicas` independent copies of a tp x pp model (infer/config.py); the engines' data
 parallel degree (vLLM --data-parallel-size, SGLang --dp-size) runs exactly that. Expert parallelism shares the TP
-ranks (ep divides tp).
+ranks (ep divides tp). Attention data parallelism (config attention_dp) is each engine's own switch: vLLM
+--data-parallel-size tp --enable-expert-parallel with --tensor-parallel-size 1 (vLLM docs 'Data Parallel Deployment':
+the attention layers data parallel, the MoE layers' experts over the DP x TP ranks), SGLang --enable-dp-attention
+--dp-size tp (ServerArgs.enable_dp_attention; dp_size divides tp_size), TensorRT-LLM enable_attention_dp: true in the
+extra LLM API options (LlmArgs.enable_attention_dp); one replica per launch, like TensorRT-LLM's.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class ServeJob:
     pp: int = 1
     ep: int = 1
     replicas: int = 1
+    attention_dp: bool = False
     quant: str = "bf16"
     kv_quant: str = "bf16"
     batch: int | None = None
@@ -67,7 +72,8 @@ def _header(plan: ServePlan, framework: str) -> list[str]:
     return [
         f"{framework} launch written by meshplan {__version__}",
         f"command: {plan.command}",
-        f"plan: tp={c['tp']} pp={c['pp']} ep={c['ep']} x {c['replicas']} replicas on {o['chips']} x {o['hardware']}, "
+        f"plan: tp={c['tp']} pp={c['pp']} ep={c['ep']}{' attention-dp' if c.get('attention_dp') else ''} "
+        f"x {c['replicas']} replicas on {o['chips']} x {o['hardware']}, "
         f"{o['model']}, {c['weight_dtype']} weights, {c['kv_dtype']} KV, batch {o['batch']} per replica "
         f"({o['input_len']}+{o['output_len']} tokens)",
         f"predicted: TTFT {fmt_time(o['ttft_s'])}, TPOT {fmt_time(o['tpot_s'])} ({o['tpot_s']:.6g} s), "
@@ -97,6 +103,16 @@ def _common_checks(framework: str, plan: ServePlan) -> dict:
 
 def _argv_vllm(plan: ServePlan, c: dict, role: str | None = None) -> list[str]:
     o = plan.out
+    if c.get("attention_dp"):
+        if c["ep"] != c["tp"]:
+            raise _refuse("vllm", f"attention data parallel with ep {c['ep']} < tp {c['tp']} (--enable-expert-parallel "
+                                  "spans every DP x TP rank)")
+        # one engine core per attention-DP rank, TP 1 inside; the experts over the DP ranks; max_num_seqs per rank
+        argv = ["vllm", "serve", plan.model_arg, "--tensor-parallel-size", 1, "--pipeline-parallel-size", c["pp"],
+                "--data-parallel-size", c["tp"], "--enable-expert-parallel",
+                "--max-num-seqs", -(-o["batch"] // c["tp"]), "--max-model-len", o["input_len"] + o["output_len"],
+                "--kv-cache-dtype", KV["vllm"][c["kv_dtype"]]]
+        return [str(a) for a in argv + _vllm_tail(plan, c, role)]
     if c["ep"] > 1 and (c["ep"] != c["tp"] or c["replicas"] > 1):
         raise _refuse("vllm", f"expert parallelism {c['ep']} inside tp {c['tp']} x {c['replicas']} replicas "
                               "(--enable-expert-parallel spans every TP x DP rank)")
@@ -105,6 +121,11 @@ def _argv_vllm(plan: ServePlan, c: dict, role: str | None = None) -> list[str]:
             "--max-model-len", o["input_len"] + o["output_len"], "--kv-cache-dtype", KV["vllm"][c["kv_dtype"]]]
     if c["ep"] > 1:
         argv.append("--enable-expert-parallel")
+    return [str(a) for a in argv + _vllm_tail(plan, c, role)]
+
+
+def _vllm_tail(plan: ServePlan, c: dict, role: str | None) -> list:
+    argv: list = []
     if WEIGHTS["vllm"][c["weight_dtype"]]:
         argv += ["--quantization", WEIGHTS["vllm"][c["weight_dtype"]]]
     if plan.mode == "continuous":
@@ -113,25 +134,35 @@ def _argv_vllm(plan: ServePlan, c: dict, role: str | None = None) -> list[str]:
         argv.append("--no-enable-chunked-prefill")
     if role:
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
-    return [str(a) for a in argv]
+    return argv
 
 
 def _argv_sglang(plan: ServePlan, c: dict, role: str | None = None) -> list[str]:
     o = plan.out
+    # attention DP: --dp-size is the attention-DP degree inside the tp group (ServerArgs: tp_size % dp_size == 0)
+    dp = c["tp"] if c.get("attention_dp") else c["replicas"]
     argv = ["python", "-m", "sglang.launch_server", "--model-path", plan.model_arg, "--tp-size", c["tp"],
-            "--pp-size", c["pp"], "--dp-size", c["replicas"], "--ep-size", c["ep"],
+            "--pp-size", c["pp"], "--dp-size", dp, "--ep-size", c["ep"],
             "--max-running-requests", o["batch"], "--context-length", o["input_len"] + o["output_len"],
             "--kv-cache-dtype", KV["sglang"][c["kv_dtype"]],
-            "--chunked-prefill-size", _budget(plan) if plan.mode == "continuous" else -1]
+            "--chunked-prefill-size", _budget(plan, per_rank=False) if plan.mode == "continuous" else -1]
     if WEIGHTS["sglang"][c["weight_dtype"]]:
         argv += ["--quantization", WEIGHTS["sglang"][c["weight_dtype"]]]
+    if c.get("attention_dp"):
+        argv.append("--enable-dp-attention")
     if role:
         argv += ["--disaggregation-mode", role]
     return [str(a) for a in argv]
 
 
-def _budget(plan: ServePlan) -> int:
-    return plan.budget_tokens
+def _budget(plan: ServePlan, per_rank: bool = True) -> int:
+    """The step token budget flag: under attention DP vLLM and TensorRT-LLM apply it to each rank (the replica's
+    budget / ranks), SGLang to the replica (it divides chunked_prefill_size by dp_size itself)."""
+    c = plan.out["config"]
+    replica = plan.out.get("replica_step_token_budget")
+    if not c.get("attention_dp") or replica is None:
+        return plan.budget_tokens
+    return -(-int(replica) // c["tp"]) if per_rank else int(replica)
 
 
 def _lines(argv: list[str]) -> str:
@@ -167,8 +198,12 @@ def _trtllm(plan: ServePlan, c: dict, head: str) -> dict[str, str]:
     o = plan.out
     extra = {"kv_cache_config": {"dtype": KV["trtllm"][c["kv_dtype"]]},
              "enable_chunked_prefill": plan.mode == "continuous"}
+    if c.get("attention_dp"):
+        extra["enable_attention_dp"] = True  # LlmArgs.enable_attention_dp (top level, not under cuda_graph_config)
     argv = ["trtllm-serve", plan.model_arg, "--tp_size", c["tp"], "--pp_size", c["pp"], "--ep_size", c["ep"],
-            "--max_batch_size", o["batch"], "--max_num_tokens", _budget(plan),
+            # max_batch_size is per attention-DP rank under enable_attention_dp (each rank's own scheduler)
+            "--max_batch_size", -(-o["batch"] // c["tp"]) if c.get("attention_dp") else o["batch"],
+            "--max_num_tokens", _budget(plan),
             "--max_seq_len", o["input_len"] + o["output_len"], "--extra_llm_api_options", "trtllm_extra.yml"]
     note = [f"one trtllm-serve per replica: launch {c['replicas']} of them behind a load balancer"] \
         if c["replicas"] > 1 else []
@@ -191,7 +226,7 @@ _READ = {
                "--model-path": "model", "--model": "model"},
 }
 _SWITCHES = {"vllm": {"--enable-expert-parallel", "--enable-chunked-prefill", "--no-enable-chunked-prefill"},
-             "sglang": set()}
+             "sglang": {"--enable-dp-attention"}}
 
 
 def detect_engine(argv: list[str]) -> str | None:
@@ -246,10 +281,20 @@ def load_engine(text: str) -> ServeJob:
     job.model = vals.get("model", job.model)
     job.tp, job.pp, job.replicas = num("tp", 1), num("pp", 1), num("replicas", 1)
     job.ep = num("ep", 1) if fw == "sglang" else (job.tp if "--enable-expert-parallel" in switches else 1)
-    if fw == "vllm" and job.ep > 1 and job.replicas > 1:
-        raise MeshplanError("vllm --enable-expert-parallel with --data-parallel-size > 1 spans the replicas; meshplan "
-                            "models expert parallelism inside one replica")
     job.batch, job.max_model_len = num("batch", None), num("max_model_len", None)
+    if fw == "vllm" and "--enable-expert-parallel" in switches and job.replicas > 1:
+        if job.tp != 1:
+            raise MeshplanError("vllm --enable-expert-parallel with --data-parallel-size > 1 and --tensor-parallel-size "
+                                f"{job.tp}: attention TP inside attention DP is not modelled (give tp 1)")
+        # attention data parallel over the DP ranks, the experts over the same ranks; max_num_seqs per rank
+        job.tp = job.ep = job.replicas
+        job.replicas, job.attention_dp = 1, True
+        job.batch = None if job.batch is None else job.batch * job.tp
+    if fw == "sglang" and "--enable-dp-attention" in switches:
+        if job.replicas != job.tp:
+            raise MeshplanError(f"sglang --enable-dp-attention with --dp-size {job.replicas} < --tp-size {job.tp}: "
+                                "attention TP inside attention DP is not modelled (give --dp-size equal to --tp-size)")
+        job.replicas, job.attention_dp = 1, True  # --dp-size is the attention-DP degree inside the tp group
     kv = vals.get("kv", "auto")
     back_kv = {v: k for k, v in KV[fw].items()} | {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8": "fp8"}
     if kv not in back_kv:

@@ -3,6 +3,10 @@
 A deployment of `n_chips` runs `replicas` independent copies of the model, each on tp x pp chips (book ch.7:
 generation uses model parallelism only; more throughput comes from separate replicas, never DP inside one).
 Expert parallelism shares the TP chips: MoE layers split their E experts ep ways and each expert tp/ep ways.
+Attention data parallelism (`attention_dp`, MoE models only) runs the attention of a replica data-parallel over its
+tp chips instead: each chip holds the whole attention weights and the KV cache of its own requests, and the MoE
+layers see the tokens of all of them (TensorRT-LLM enable_attention_dp, SGLang --enable-dp-attention --dp-size tp,
+vLLM --data-parallel-size with --enable-expert-parallel).
 """
 
 from __future__ import annotations
@@ -61,10 +65,24 @@ class ServeConfig:
     # the server path a request and its streamed tokens take outside the engine (FRONTENDS, serving.yaml
     # frontend_first_token_s), e.g. 'triton-ensemble'; None = the engine measured in process, no server path
     frontend: str | None = None
+    # attention data-parallel over the tp chips, the MoE layers tensor/expert-parallel over the same chips on the
+    # tokens of all of them (TensorRT-LLM _torch/models/modeling_qwen3_moe.py: no attention all-reduce under
+    # enable_attention_dp, the MoE's AllGatherReduceScatter dispatch/combine; SGLang layers/dp_attention.py)
+    attention_dp: bool = False
 
     @property
     def chips_per_replica(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def attention_dp_size(self) -> int:
+        """Attention data-parallel ranks of a replica: every TP chip (attention TP 1 inside each) or 1."""
+        return self.tp if self.attention_dp else 1
+
+    @property
+    def attention_tp(self) -> int:
+        """The TP degree the attention (and the layers the engine runs with it) splits over: 1 under attention DP."""
+        return 1 if self.attention_dp else self.tp
 
     @property
     def weight_bytes(self) -> float:
@@ -182,9 +200,13 @@ def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
 
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
     """The engine's default cap on sequences in flight per replica (vLLM max_num_seqs); None where the KV cache alone
-    limits it (serving.yaml engine_max_num_seqs)."""
+    limits it (serving.yaml engine_max_num_seqs). Under attention DP an engine that caps each rank (vLLM: one engine
+    core per DP rank) caps the replica at ranks x its cap (attention_dp_limits_per_rank)."""
     hit = _engine_entry("engine_max_num_seqs", cfg.engine, chip)
-    return None if hit is None else int(hit)
+    if hit is None:
+        return None
+    ranks = cfg.attention_dp_size if attention_dp_limits_per_rank(cfg, chip) else 1
+    return int(hit) * ranks
 
 
 def kv_reserved_per_sequence(cfg: ServeConfig, chip: Chip, w: Workload) -> float:
@@ -197,11 +219,29 @@ def kv_reserved_per_sequence(cfg: ServeConfig, chip: Chip, w: Workload) -> float
 
 
 def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:
-    """Tokens one engine step may carry (decode tokens + prompt chunks): the layout's own budget, else the
-    serving.yaml default."""
+    """The engine's step token budget setting (decode tokens + prompt chunks): the layout's own budget, else the
+    serving.yaml default. Under attention DP this is the engine's flag, per rank or per replica as the engine reads
+    it (replica_token_budget)."""
     if cfg.max_num_batched_tokens is not None:
         return int(cfg.max_num_batched_tokens)
     return default_token_budget(chip)
+
+
+def attention_dp_limits_per_rank(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine applies its step token budget and sequence cap to each attention-DP rank (every rank runs
+    its own scheduler: TensorRT-LLM, vLLM) or to the whole replica, divided over the ranks (SGLang); serving.yaml
+    engine_attention_dp_limits_per_rank, default per rank."""
+    hit = _engine_entry("engine_attention_dp_limits_per_rank", cfg.engine, chip)
+    return True if hit is None else bool(hit)
+
+
+def replica_token_budget(chip: Chip, cfg: ServeConfig) -> int:
+    """Tokens one step of the whole replica may carry: the budget setting, times the attention-DP ranks where the
+    engine applies it per rank (attention_dp_limits_per_rank)."""
+    budget = step_token_budget(chip, cfg)
+    if cfg.attention_dp and attention_dp_limits_per_rank(cfg, chip):
+        return budget * cfg.attention_dp_size
+    return budget
 
 
 def clients_per_replica(n_chips: int, cfg: ServeConfig, clients: int | None) -> int | None:
@@ -216,11 +256,13 @@ def prefill_len(cfg: ServeConfig, chip: Chip, input_len: int) -> int:
     return input_len - 1 if first_token_decode_step(cfg, chip) else input_len
 
 
-def prefill_room(cfg: ServeConfig, chip: Chip, decodes: int) -> int:
+def prefill_room(cfg: ServeConfig, chip: Chip, decodes: float) -> int:
     """Prompt tokens a step has room for beside `decodes` decode tokens: the engine schedules the decodes first and
     fills the rest of the step token budget with prompts (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2; vLLM V1
-    Scheduler.schedule: running requests, then waiting ones up to max_num_batched_tokens); at least one token."""
-    return max(step_token_budget(chip, cfg) - decodes, 1)
+    Scheduler.schedule: running requests, then waiting ones up to max_num_batched_tokens); at least one token.
+    Under attention DP a request runs whole on one rank (TensorRT-LLM's ADP request queue and SGLang's DP controller
+    hand each request to one rank), so a prompt's room is one rank's: (replica budget - decodes) / ranks."""
+    return max(int((replica_token_budget(chip, cfg) - decodes) / cfg.attention_dp_size), 1)
 
 
 def prompt_chunk(cfg: ServeConfig, chip: Chip, remaining: int, room: int) -> int:
@@ -275,10 +317,13 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
         if v <= 0:
             raise MeshplanError(f"{name} must be positive, got {v}")
-    if m.n_heads % cfg.tp:
+    if cfg.attention_dp and not m.is_moe:
+        raise InfeasibleError(f"attention data parallelism needs a mixture-of-experts model; {m.name} is dense "
+                              "(a dense model runs data parallel as separate replicas)")
+    if m.n_heads % cfg.attention_tp:
         raise InfeasibleError(f"tp={cfg.tp} must divide the {m.n_heads} query heads of {m.name}")
-    K = m.n_kv_heads
-    if (cfg.tp < K and K % cfg.tp) or (cfg.tp > K and cfg.tp % K):
+    K, atp = m.n_kv_heads, cfg.attention_tp
+    if (atp < K and K % atp) or (atp > K and atp % K):
         raise InfeasibleError(f"tp={cfg.tp} must divide the {K} KV heads of {m.name} or be a multiple of them "
                               f"(tp > K replicates KV heads)")
     if n_chips % cfg.chips_per_replica:

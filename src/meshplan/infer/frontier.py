@@ -70,21 +70,24 @@ def best_point(points: Iterable[ServePoint], targets: Targets = Targets()) -> Se
 
 
 def layouts(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, tp: int | None = None,
-            pp: int | None = None, ep: int | None = None) -> list[ServeConfig]:
-    """Every valid layout; pinned degrees stay fixed. TP stays inside one fast domain on GPUs (NVLink)."""
+            pp: int | None = None, ep: int | None = None, attention_dp: bool | None = None) -> list[ServeConfig]:
+    """Every valid layout; pinned degrees stay fixed. TP stays inside one fast domain on GPUs (NVLink). An MoE model
+    is also tried with attention data parallel over tp > 1 chips unless `attention_dp` pins it (True or False)."""
     out = []
     fast = chip.links.fast_domain_size
     for t in ([tp] if tp else divisors(n_chips)):
         if tp is None and t > fast:
             continue
+        adps = [attention_dp] if attention_dp is not None else ([False, True] if m.is_moe and t > 1 else [False])
         for p in ([pp] if pp else divisors(n_chips // t if n_chips % t == 0 else 1)):
             for e in ([ep] if ep else (divisors(t) if m.is_moe else [1])):
-                cfg = replace(base, tp=t, pp=p, ep=e)
-                try:
-                    check_layout(m, chip, n_chips, cfg)
-                except InfeasibleError:
-                    continue
-                out.append(cfg)
+                for a in adps:
+                    cfg = replace(base, tp=t, pp=p, ep=e, attention_dp=a)
+                    try:
+                        check_layout(m, chip, n_chips, cfg)
+                    except InfeasibleError:
+                        continue
+                    out.append(cfg)
     return out
 
 
@@ -98,10 +101,12 @@ class SearchResult:
 
 def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
            targets: Targets = Targets(), mode: str = "continuous", tp: int | None = None, pp: int | None = None,
-           ep: int | None = None, batch: int | None = None, clients: int | None = None) -> SearchResult:
+           ep: int | None = None, batch: int | None = None, clients: int | None = None,
+           attention_dp: bool | None = None) -> SearchResult:
     """Try layouts and batches; raise with the best reachable latency when no layout meets the targets. `clients`:
-    rank every candidate under a closed loop of that many clients (frontier, evaluate)."""
-    cands = layouts(m, chip, n_chips, base, tp, pp, ep)
+    rank every candidate under a closed loop of that many clients (frontier, evaluate). `attention_dp`: pinned on or
+    off, None tries both for MoE models (layouts)."""
+    cands = layouts(m, chip, n_chips, base, tp, pp, ep, attention_dp)
     if not cands:
         raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees")
     ranked, fastest, searched = [], [], 0
@@ -110,7 +115,7 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
         try:
             pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients)
         except InfeasibleError as exc:  # this layout cannot be placed here; another may be fine
-            skipped[f"tp={cfg.tp} pp={cfg.pp}: {exc}"] += 1
+            skipped[f"tp={cfg.tp} pp={cfg.pp}{' attention-dp' if cfg.attention_dp else ''}: {exc}"] += 1
             continue
         searched += len(pts)
         if pts:

@@ -2,7 +2,8 @@
 
 Book ch.7 §memory: inference keeps no gradients or optimizer state; activations are small next to weights
 and KV. The KV cache of a sequence is 2*L*K*H*bytes per token (ch.4); under TP each chip holds K/tp heads
-(one replicated head when tp > K) and under PP only its L/pp layers.
+(one replicated head when tp > K) and under PP only its L/pp layers. Under attention data parallelism
+(ServeConfig.attention_dp) each chip holds the whole attention and the K heads of only its own requests' tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from meshplan.infer.config import (
     kv_cache_free_fraction,
     kv_heads_per_chip,
     kv_reserved_per_sequence,
+    replica_token_budget,
     serving_constant,
-    step_token_budget,
 )
 from meshplan.math.transformer import kv_cache_elements_per_layer, kv_cached_tokens, param_counts
 from meshplan.specs.hardware import Chip
@@ -65,14 +66,27 @@ def moe_layer_share(m: ModelConfig, pp: int = 1) -> float:
     return 1.0
 
 
-def layer_weight_params_per_chip(m: ModelConfig, tp: int, pp: int = 1) -> float:
+def layer_weight_params_per_chip(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = False) -> float:
     """One (mean) layer's parameters on one TP chip: Q/O and MLP split tp ways (Megatron sharding, book ch.5),
     K/V projections split over KV heads (replicated when tp > K), norms replicated; MoE and dense MLPs in the
-    proportion of `moe_layer_share`."""
+    proportion of `moe_layer_share`. Under attention DP the attention is whole on every chip and only the routed
+    experts split tp ways (E/ep experts of F/(tp/ep) each); the router, the shared experts and the dense-MLP layers
+    run data parallel beside the attention, whole (TensorRT-LLM modeling_deepseekv3.py: _compute_mlp_tp_size and
+    _compute_shared_expert_tp_size return 1 'if using attention DP'; Qwen3Gate is an unsplit weight)."""
     pc = param_counts(m)
     share = moe_layer_share(m, pp)
+    if attention_dp:
+        routed = m.n_experts * expert_params(m)
+        shared = pc.per_layer_mlp - routed
+        whole = share * (shared + pc.per_layer_router) + (1.0 - share) * pc.per_dense_layer_mlp
+        return attention_params_per_chip(m, 1) + share * routed / tp + whole + pc.per_layer_norms
     mlp = share * (pc.per_layer_mlp + pc.per_layer_router) + (1.0 - share) * pc.per_dense_layer_mlp
     return attention_params_per_chip(m, tp) + mlp / tp + pc.per_layer_norms
+
+
+def expert_params(m: ModelConfig) -> float:
+    """One routed expert's parameters: 3·D·F gated, 2·D·F otherwise (book ch.4 MoE)."""
+    return (3 if m.gated else 2) * m.d_model * m.d_ff
 
 
 def attention_params_per_chip(m: ModelConfig, tp: int) -> float:
@@ -96,33 +110,46 @@ def embedding_params_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
     embed = pc.embedding + pc.position
     unembed = pc.unembedding
     held = embed + unembed if cfg.pp == 1 else max(embed, unembed)
-    return held / cfg.tp + pc.final_norm
+    # attention DP: both whole on every rank (TensorRT-LLM modeling_qwen3_moe.py: 'When attention_dp is enabled ...
+    # we don't do parallelism here' for embed_tokens; the LM head unsplit unless enable_lm_head_tp_in_adp, default
+    # False in llm_args.py)
+    return held / cfg.attention_tp + pc.final_norm
 
 
 def weight_bytes_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
     """Weights on the most loaded chip of a replica."""
-    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp, cfg.pp)
+    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp, cfg.pp, cfg.attention_dp)
     return (layers + embedding_params_per_chip(m, cfg)) * cfg.weight_bytes
 
 
 def kv_bytes_per_token_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
     """KV cache bytes one token adds to one chip: 2 * (L/pp) * (K/tp heads) * H * bytes (book ch.4, ch.7).
     MLA caches one latent per token that every TP chip needs whole (it is shared by the heads):
-    (L/pp) * (kv_lora_rank + qk_rope_head_dim) * bytes (DeepSeek-V2 §2.1.2)."""
+    (L/pp) * (kv_lora_rank + qk_rope_head_dim) * bytes (DeepSeek-V2 §2.1.2).
+    Under attention DP a token's KV lives on its own request's rank only, all K heads once (no head replication):
+    2 * (L/pp) * K * H * bytes per token of that rank (kv_sequences_per_chip counts the rank's sequences)."""
     if m.is_mla:
         return layers_per_stage(m, cfg.pp) * kv_cache_elements_per_layer(m) * cfg.kv_bytes
-    return 2.0 * layers_per_stage(m, cfg.pp) * kv_heads_per_chip(m, cfg.tp) * m.head_dim * cfg.kv_bytes
+    return 2.0 * layers_per_stage(m, cfg.pp) * kv_heads_per_chip(m, cfg.attention_tp) * m.head_dim * cfg.kv_bytes
+
+
+def kv_sequences_per_chip(cfg: ServeConfig, batch: float) -> float:
+    """Sequences whose KV one chip holds: every sequence of the replica under TP (each chip its heads of all), the
+    rank's share batch / tp under attention DP (balanced: the engines hand requests to ranks by load)."""
+    return batch / cfg.attention_dp_size
 
 
 def activation_bytes_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, batch: int) -> float:
     """Step workspace: the step token budget (max_num_batched_tokens) of live activations (a few D-wide tensors and the 2F/tp MLP
     hidden) plus fp32 logits for the decode batch (vocab-sharded). vLLM profile_run reserves the same."""
-    tokens = step_token_budget(chip, cfg)
+    tokens = replica_token_budget(chip, cfg)
+    dp = cfg.attention_dp_size
     width = serving_constant("activation_workspace_factor", chip) * m.d_model
     f = m.d_ff * (m.experts_per_token if m.is_moe else 1)
-    width += 2 * f / cfg.tp
-    logits = batch * m.vocab_size / cfg.tp * 4.0
-    return tokens * width * cfg.act_bytes + logits
+    # attention DP: a rank's own tokens (replica budget / ranks) through the attention-side tensors, the MoE hidden
+    # 2F·k/tp of every rank's tokens (gathered before the experts: AllGatherReduceScatter.dispatch)
+    logits = kv_sequences_per_chip(cfg, batch) * m.vocab_size / cfg.attention_tp * 4.0
+    return (tokens / dp * width + tokens * 2 * f / cfg.tp) * cfg.act_bytes + logits
 
 
 def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, batch: int,
@@ -134,7 +161,7 @@ def memory_per_chip(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     fixed = weights + acts + eff.memory_reserved_bytes
     return MemoryBreakdown(
         weights=weights,
-        kv_cache=batch * kv_cached_tokens(m, context_len) * kv_bytes_per_token_per_chip(m, cfg),
+        kv_cache=kv_sequences_per_chip(cfg, batch) * kv_cached_tokens(m, context_len) * kv_bytes_per_token_per_chip(m, cfg),
         activations=acts,
         reserved=eff.memory_reserved_bytes,
         budget=memory_budget_bytes(chip, cfg, fixed),
@@ -158,14 +185,17 @@ def max_batch_per_replica(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Eff
     not fit."""
     held = kv_reserved_per_sequence(cfg, chip, w)
     empty = memory_per_chip(m, chip, cfg, eff, 0, held)
+    # per chip and per sequence it holds: under attention DP a rank holds its own sequences (the replica's batch is
+    # ranks x the rank's: kv_sequences_per_chip), each with its logits row
+    dp = cfg.attention_dp_size
     kv_seq = kv_cached_tokens(m, held) * kv_bytes_per_token_per_chip(m, cfg)
-    act_seq = activation_bytes_per_chip(m, chip, cfg, 1) - activation_bytes_per_chip(m, chip, cfg, 0)
+    act_seq = activation_bytes_per_chip(m, chip, cfg, dp) - activation_bytes_per_chip(m, chip, cfg, 0)
     frac = kv_cache_free_fraction(cfg, chip)
     # free-memory rule: B·kv_seq <= frac·(usable - fixed(0) - B·act_seq), each sequence's activations also shrink
     # the free part; device rule: B·(kv_seq + act_seq) <= budget - fixed(0)
     per_seq = kv_seq + (act_seq if frac is None else frac * act_seq)
     free = empty.budget - empty.total
-    fit = max(int(free // per_seq), 0) if free > 0 else 0
+    fit = dp * max(int(free // per_seq), 0) if free > 0 else 0
     cap = engine_max_num_seqs(cfg, chip)  # the engine's own cap on sequences in flight (vLLM max_num_seqs)
     return fit if cap is None else min(fit, cap)
 

@@ -177,9 +177,12 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
                                                     queued, residual_s) + n_chunks * s.time_s
     if others_arrivals_per_s > 0:
-        # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway
+        # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway. Under
+        # attention DP only the prompts of its own rank queue ahead of it (each rank schedules its own requests FCFS:
+        # config.attention_dp_limits_per_rank), a 1/ranks share of the arrivals and of the other sequences
         dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
-        ttft += prefill_queue_wait_s(others_arrivals_per_s, n_chunks * max(s.time_s - dec, 0.0), others)
+        dp = cfg.attention_dp_size
+        ttft += prefill_queue_wait_s(others_arrivals_per_s / dp, n_chunks * max(s.time_s - dec, 0.0), others / dp)
     if prompt < w.input_len:  # the first token from the decode step after the prefill (prefill_len)
         ttft += (decode or decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context)).time_s
     return ttft

@@ -160,10 +160,12 @@ class _Replica:
 
     def _step(self, running: list[_Req], t: float) -> float:
         dec = [r for r in running if r.prefilled >= r.prompt]
-        budget, chunks = prefill_room(self.cfg, self.chip, len(dec)), []
+        # under attention DP each rank has one prompt's room (prefill_room) and the step as many as it has ranks
+        room = prefill_room(self.cfg, self.chip, len(dec))
+        budget, chunks = room * self.cfg.attention_dp_size, []
         for r in running:
             if r.prefilled < r.prompt and budget > 0:
-                c = prompt_chunk(self.cfg, self.chip, r.prompt - r.prefilled, budget)
+                c = prompt_chunk(self.cfg, self.chip, r.prompt - r.prefilled, min(budget, room))
                 if c > budget and chunks:
                     # whole prompts only (TensorRT-LLM without chunked context): FCFS, the first prompt that does not
                     # fit ends the step's prefill; the step's first prompt runs whole even past the budget (the

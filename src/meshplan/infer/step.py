@@ -20,6 +20,12 @@ The output projection runs only for the rows that sample a token: every decode s
 each prompt chunk (vLLM LogitsProcessor over logits_indices; TensorRT-LLM gather_context_logits off by default).
 With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
   T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead.
+Attention data parallelism (ServeConfig.attention_dp, `_rank_load`): each of the tp ranks runs the attention side of
+the layer (whole attention weights, its own sequences' KV, norms, dense MLP and shared experts, LM head) for its own
+tokens, the busiest rank setting the step (the ranks meet at the MoE); the MoE sees every rank's tokens, gathered
+by an all-gather before the experts and returned by a reduce-scatter after them instead of the TP all-reduces
+(TensorRT-LLM fused_moe/communication/allgather_reducescatter.py: dispatch = allgather of the post-quant hidden
+states, routing ids and scales; combine = reducescatter).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ from meshplan.infer.config import (
 )
 from meshplan.infer.memory import (
     attention_params_per_chip,
+    expert_params,
     kv_bytes_per_token_per_chip,
     layers_per_stage,
     moe_layer_share,
 )
 from meshplan.math.transformer import (
     attention_pair_width,
+    dtype_bytes,
     kv_cached_tokens,
     mean_attended_keys,
     param_counts,
@@ -74,20 +82,24 @@ class _LayerParams:
 
 
 @lru_cache(maxsize=256)
-def _layer_params(m: ModelConfig, tp: int, pp: int = 1) -> _LayerParams:
+def _layer_params(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = False) -> _LayerParams:
+    """Under attention DP the attention, router, shared experts and dense MLPs are whole on each rank (memory.py
+    layer_weight_params_per_chip) and only the routed experts split tp ways."""
     pc = param_counts(m)
-    D = m.d_model
-    attn = attention_params_per_chip(m, tp) + pc.per_layer_norms
+    atp = 1 if attention_dp else tp  # the TP degree of everything but the routed experts
+    attn = attention_params_per_chip(m, atp) + pc.per_layer_norms
     if not m.is_moe:
         mlp = pc.per_layer_mlp / tp
         return _LayerParams(attn + mlp, 0.0, 0, attn + mlp)
-    expert = (3 if m.gated else 2) * D * m.d_ff  # book ch.4 MoE: E experts of 3DF
+    expert = expert_params(m)  # book ch.4 MoE: E experts of 3DF
     shared = pc.per_layer_mlp - m.n_experts * expert
     # the mean layer of the stage: MoE layers in the share moe_layer_share, dense MLPs (DeepSeek, Llama 4) the rest
     share = moe_layer_share(m, pp)
-    dense_mlp = (1.0 - share) * pc.per_dense_layer_mlp / tp
-    dense = attn + share * (shared + pc.per_layer_router) / tp + dense_mlp
-    active = attn + share * (pc.per_layer_mlp_active + pc.per_layer_router) / tp + dense_mlp
+    dense_mlp = (1.0 - share) * pc.per_dense_layer_mlp / atp
+    dense = attn + share * (shared + pc.per_layer_router) / atp + dense_mlp
+    active_shared = pc.per_layer_mlp_active - m.experts_per_token * expert
+    active = attn + share * (active_shared + pc.per_layer_router) / atp + share * m.experts_per_token * expert / tp \
+        + dense_mlp
     return _LayerParams(dense, share * expert / tp, m.n_experts, active)
 
 
@@ -118,15 +130,17 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
 
 
 @lru_cache(maxsize=256)
-def _dense_gemms(m: ModelConfig, tp: int, pp: int = 1) -> tuple[tuple[float, float], ...]:
+def _dense_gemms(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = False) -> tuple[tuple[float, float], ...]:
     """(weights on one TP chip, narrower weight dimension) of each non-routed GEMM of the mean layer; the weights
     add up to `_LayerParams.active` less the routed experts. Attention as the engines run it: one fused QKV GEMM
     (vLLM QKVParallelLinear, TensorRT-LLM's fused QKV) and the output projection, or MLA's five projections
     (DeepSeek-V2 §2.1, as training times them); biases and norms ride with the first. The rest (dense MLP, shared
-    experts, router) at the MLP's F/tp, as training times it (train/costmodel.py _matmul_term)."""
-    lp = _layer_params(m, tp, pp)
+    experts, router) at the MLP's F/tp, as training times it (train/costmodel.py _matmul_term). Under attention DP
+    all of them are whole on the rank (tp 1 here), run at the rank's own tokens."""
+    lp = _layer_params(m, tp, pp, attention_dp)
     D = m.d_model
     routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
+    tp = 1 if attention_dp else tp
     attn = attention_params_per_chip(m, tp)
     if m.is_mla:
         w, N = m.mla_weights(), m.n_heads
@@ -197,10 +211,38 @@ def _p2p_s(chip: Chip, cfg: ServeConfig, nbytes: float) -> float:
     return group_collective("permute", nbytes / cfg.tp, cluster, cfg.pp, cfg.tp).time_s
 
 
+def _gather_s(chip: Chip, kind: str, nbytes: float, group: int) -> float:
+    """All-gather or reduce-scatter of a `nbytes` gathered array over `group` chips (collectives model)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    from meshplan.cost.collectives import group_collective
+    from meshplan.cost.topology import make_cluster
+
+    return group_collective(kind, nbytes, make_cluster(chip, group), group).time_s
+
+
+def attention_dp_moe_bytes(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> tuple[float, float]:
+    """(dispatch, combine) bytes of one MoE layer under attention DP, the whole gathered array of the replica's
+    `tokens`: the all-gather carries each token's hidden state after quantization (fp8: 1 byte per element where the
+    GEMMs run fp8, else the activation bytes) with its k routing ids (int32, 4 bytes) and k scales (fp32); the reduce-scatter
+    the experts' activation-dtype outputs (TensorRT-LLM AllGatherReduceScatter.dispatch 'always post-quant dispatch'
+    of [hidden_states, hidden_states_sf, token_selected_slots, token_final_scales]; combine: reducescatter)."""
+    k = m.experts_per_token
+    hidden = dtype_bytes("fp8") if cfg.compute_dtype(chip) == "fp8" else cfg.act_bytes
+    dispatch = tokens * (m.d_model * hidden + 2 * k * dtype_bytes("fp32"))
+    return dispatch, tokens * m.d_model * cfg.act_bytes
+
+
 def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> float:
     """Collectives of one layer: attention-out all-reduce; MLP-out all-reduce, or for MoE with ep > 1 the
     dispatch and combine all-to-alls (k copies of each token, DeepSpeed-MoE/GShard) plus an all-reduce
-    over the tp/ep chips sharing each expert."""
+    over the tp/ep chips sharing each expert. Under attention DP (`tokens`: the replica's) no attention all-reduce;
+    each MoE layer an all-gather and a reduce-scatter over the tp ranks (attention_dp_moe_bytes), the dense-MLP
+    layers none (they run data parallel): the mean layer carries moe_layer_share of them."""
+    if cfg.attention_dp:
+        dispatch, combine = attention_dp_moe_bytes(m, chip, cfg, tokens)
+        share = moe_layer_share(m, cfg.pp)
+        return share * (_gather_s(chip, "allgather", dispatch, cfg.tp) + _gather_s(chip, "reducescatter", combine, cfg.tp))
     act = tokens * m.d_model * cfg.act_bytes
     t = _allreduce_s(chip, cfg, act, cfg.tp)
     if m.is_moe and cfg.ep > 1:
@@ -217,13 +259,19 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     """Seconds of each term for one micro-batch through one pipeline stage. `prefill_seqs`: prompt chunks in the
     step (each samples from its last position; default one when there are prefill tokens)."""
     Ls = layers_per_stage(m, cfg.pp)
-    lp = _layer_params(m, cfg.tp, cfg.pp)
-    tokens = decode_seqs + prefill_tokens
+    lp = _layer_params(m, cfg.tp, cfg.pp, cfg.attention_dp)
+    atp = cfg.attention_tp
+    tokens = decode_seqs + prefill_tokens  # the replica's: what the MoE layers see
+    if prefill_seqs is None:
+        prefill_seqs = 1.0 if prefill_tokens > 0 else 0.0
+    # the busiest rank's share of the step (all of it without attention DP)
+    decode_seqs, prefill_tokens, prefill_seqs = _rank_load(cfg, decode_seqs, prefill_tokens, prefill_seqs)
+    rank_tokens = decode_seqs + prefill_tokens
     W = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     cdt = cfg.compute_dtype(chip)
-    # weights streamed: every layer (routed experts only where hit) and the vocab-sharded output projection;
-    # the embedding table is a gather of a few rows, not a read of the table
-    weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / cfg.tp
+    # weights streamed: every layer (routed experts only where hit by the replica's tokens) and the vocab-sharded
+    # output projection (whole under attention DP); the embedding table is a gather of a few rows, not a read
+    weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / atp
     # windowed layers read at most their window of cached keys; a prompt's queries attend the keys of
     # `mean_attended_keys` (prefill_ctx is the causal mean T/2 of a T-token prompt)
     decode_ctx = kv_cached_tokens(m, decode_ctx)
@@ -233,26 +281,25 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
     routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
     # logits only for the sampled rows: each decode sequence and the last position of each prompt chunk
-    if prefill_seqs is None:
-        prefill_seqs = 1.0 if prefill_tokens > 0 else 0.0
     logit_rows = decode_seqs + min(prefill_seqs, prefill_tokens)
     expert_flops = 2.0 * tokens * Ls * routed
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
     # its prefill up-projects K and V as training does
     decode_pair = attention_pair_width(m, absorbed=True)
-    attn_flops = 2.0 * Ls * m.n_heads / cfg.tp * (decode_pair * decode_seqs * decode_ctx
+    attn_flops = 2.0 * Ls * m.n_heads / atp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
     t_w = weights * cfg.weight_bytes / W
     t_mm = 0.0
     if tokens > 0:
-        # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows and their weight
-        # widths, the output projection at the sampled rows (d_model x vocab/tp), each routed expert at its rows
+        # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows (the rank's under
+        # attention DP) and their weight widths, the output projection at the sampled rows (d_model x vocab/tp),
+        # each routed expert at its rows (of the replica's tokens)
         peak = chip.peak(cdt)
-        t_mm = sum(2.0 * tokens * Ls * p / (peak * _matmul_fraction(eff, cdt, tokens, d))
-                   for p, d in _dense_gemms(m, cfg.tp, cfg.pp))
+        t_mm = sum(2.0 * rank_tokens * Ls * p / (peak * _matmul_fraction(eff, cdt, rank_tokens, d))
+                   for p, d in _dense_gemms(m, cfg.tp, cfg.pp, cfg.attention_dp)) if rank_tokens > 0 else 0.0
         if logit_rows > 0:
-            vocab = m.vocab_size / cfg.tp
+            vocab = m.vocab_size / atp
             t_mm += 2.0 * logit_rows * m.d_model * vocab / (
                 peak * _matmul_fraction(eff, cdt, logit_rows, min(m.d_model, vocab)))
         if expert_flops > 0:
@@ -268,10 +315,13 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         # TensorRT-LLM expandInputRows reads each token's D-vector once and writes k copies; finalizeMoeRouting
         # reads the k expert outputs and writes one: 2 * tokens * D * (k + 1) elements per layer. With TP alone
         # every chip permutes every token (the TP split is inside each expert's F dimension)
-        permute = Ls * 2.0 * tokens * m.d_model * (m.experts_per_token + 1) * cfg.act_bytes / W
+        # every token. Under attention DP a rank expands only the rows of its own experts, k/ep per token of the
+        # replica, and finalizes every token of the replica before the reduce-scatter
+        copies = m.experts_per_token / cfg.ep if cfg.attention_dp else m.experts_per_token
+        permute = Ls * 2.0 * tokens * m.d_model * (copies + 1) * cfg.act_bytes / W
     # engines that fuse each residual add into the next RMSNorm move 8·D instead of 10·D (serving.yaml
     # engine_fused_add_norm)
-    pointwise = Ls * tokens * pointwise_elements_per_token(m, cfg.tp, fused_add_norm=fused_add_norm(cfg, chip)) \
+    pointwise = Ls * rank_tokens * pointwise_elements_per_token(m, atp, fused_add_norm=fused_add_norm(cfg, chip)) \
         * cfg.act_bytes / W
     return {
         "weights": t_w if t_w >= t_mm else 0.0,
@@ -284,6 +334,21 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         "pointwise": pointwise,
         "pipeline_p2p": _p2p_s(chip, cfg, tokens * m.d_model * cfg.act_bytes),
     }
+
+
+def _rank_load(cfg: ServeConfig, decode_seqs: float, prefill_tokens: float,
+               prefill_seqs: float) -> tuple[float, float, float]:
+    """(decode sequences, prompt tokens, prompt chunks) of the busiest attention-DP rank in a step of the replica's
+    `decode_seqs`, `prefill_tokens` in `prefill_seqs` chunks. Decodes spread evenly over the ranks (TensorRT-LLM's
+    ADP request queue and SGLang's DP controller send each new request to a rank by load); a prompt chunk runs whole
+    on its request's rank, so the chunks spread over min(ranks, chunks) ranks and the busiest holds at least one
+    whole chunk. Load imbalance beyond that (ranks with unequal decodes at the barrier) is not modelled: no
+    published figure for it was found. Without attention DP: the whole step."""
+    dp = cfg.attention_dp_size
+    if dp == 1:
+        return decode_seqs, prefill_tokens, prefill_seqs
+    ranks = min(float(dp), max(prefill_seqs, 1.0))
+    return decode_seqs / dp, prefill_tokens / ranks, prefill_seqs / ranks
 
 
 def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
