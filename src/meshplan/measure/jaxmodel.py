@@ -168,7 +168,8 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
     checks = {"global batch": (global_batch, layout.batch_shards * layout.n_micro(global_batch)),
               "sequence length": (seq_len, 2 * layout.cp * (layout.tp if layout.sp else 1)),
               "query heads": (model.n_heads, layout.tp), "MLP width": (model.d_ff, layout.tp),
-              "vocab": (model.vocab_size, layout.tp * layout.fsdp), "d_model": (model.d_model, layout.fsdp)}
+              "vocab": (model.vocab_size, layout.tp * layout.fsdp),
+              "d_model": (model.d_model, layout.fsdp * (layout.ep if layout.ep_in_fsdp else 1))}
     for what, (size, div) in checks.items():
         if size % div:
             raise MeshplanError(f"verify: {what} {size} does not divide by {div} for this layout")
@@ -180,8 +181,9 @@ def param_dims(model: ModelConfig, stacked: bool = False) -> Params:
     """Logical dim names of every weight, in the same pytree structure as the params. `stacked` (pipeline
     parallelism): the layers are one dict of arrays with a leading `layers` dim (split over `stage`)."""
     if model.is_moe:
-        mlp = {"router": ("embed", None), "w_gate": ("expert", "embed", "mlp"),
-               "w_up": ("expert", "embed", "mlp"), "w_down": ("expert", "mlp", "embed")}
+        # the experts' model dim is `expert_embed`: FSDP over `fsdp` only where EP is carved out of the FSDP group
+        mlp = {"router": ("embed", None), "w_gate": ("expert", "expert_embed", "mlp"),
+               "w_up": ("expert", "expert_embed", "mlp"), "w_down": ("expert", "mlp", "expert_embed")}
     elif model.gated:  # gate and up fused (one matmul, one partial sum of dX under TP)
         mlp = {"w_gate_up": ("embed", None, "mlp"), "w_down": ("mlp", "embed")}
     else:
@@ -200,7 +202,7 @@ def param_dims(model: ModelConfig, stacked: bool = False) -> Params:
 
 def param_shapes(model: ModelConfig, stacked: bool = False) -> Params:
     """Shapes of every weight (same structure as `param_dims`)."""
-    size = {"embed": model.d_model, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
+    size = {"embed": model.d_model, "expert_embed": model.d_model, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
             "head_dim": model.head_dim, "mlp": model.d_ff, "vocab": model.vocab_size, "expert": model.n_experts}
     shapes = jax.tree.map(lambda dims: tuple(size.get(d, 0) for d in dims), param_dims(model), is_leaf=_is_dims)
     for lp in shapes["layers"]:
@@ -303,6 +305,9 @@ def rotary(x: jax.Array, pos: jax.Array, theta: float = 10000.0) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+FSDP_DIMS = ("embed", "expert_embed")  # the weights' dims FSDP shards (dense, experts)
+
+
 def gather_weight(w: jax.Array, dims: tuple[str | None, ...], sh: Sharder) -> jax.Array:
     """FSDP: all-gather a weight's `embed` dim before use (a sharding constraint; never saved, so the
     backward gathers again — ZeRO-3)."""
@@ -311,16 +316,23 @@ def gather_weight(w: jax.Array, dims: tuple[str | None, ...], sh: Sharder) -> ja
     return sh.constrain(w, tuple(None if d == "embed" else d for d in dims))
 
 
+def fsdp_axes(sh: Sharder, dim: str = "embed") -> tuple[str, ...]:
+    """The mesh axes FSDP shards `dim` over that are not manual here (`fsdp`, and `expert` where EP is carved out
+    of the FSDP group, Layout.ep_in_fsdp)."""
+    manual = _manual_axes()
+    return tuple(a for a in sh.rules.get(dim) or () if a not in manual)
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array, sh: Sharder) -> jax.Array:
     """Vocab-parallel lookup (Megatron): each `tensor` rank looks up the tokens in its vocab rows (zeros
     elsewhere), then the partial rows are reduce-scattered onto the sequence (SP) or all-reduced (no SP).
     FSDP gathers the table's embed dim first. tokens [B,T] → x [B,T,D] sharded (batch, seq_sp)."""
-    tp, fsdp = sh.axis_size("tensor"), sh.axis_size("fsdp")
+    tp, fsdp = sh.axis_size("tensor"), fsdp_axes(sh)
     sp = "tensor" in sh.rules["seq_sp"]
 
     def local(tab, tok):
-        if fsdp > 1:
-            tab = jax.lax.all_gather(tab, "fsdp", axis=1, tiled=True)
+        if fsdp:
+            tab = jax.lax.all_gather(tab, fsdp, axis=1, tiled=True)
         if tp == 1:
             return jnp.take(tab, tok, axis=0)
         rows = tab.shape[0]
@@ -683,12 +695,16 @@ def _route(x: jax.Array, router: jax.Array, model: ModelConfig, C: int) -> tuple
     return w, dest
 
 
-def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp: bool, ep: int):
-    """One device's MoE: route, scatter into [E,C] slots, all-to-all over `expert`, expert MLPs, back."""
-    if fsdp:
-        router = jax.lax.all_gather(router, "fsdp", axis=0, tiled=True)
-        w_gate, w_up = (jax.lax.all_gather(w, "fsdp", axis=1, tiled=True) for w in (w_gate, w_up))
-        w_down = jax.lax.all_gather(w_down, "fsdp", axis=2, tiled=True)
+def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp: tuple[tuple[str, ...], ...],
+               ep: int):
+    """One device's MoE: route, scatter into [E,C] slots, all-to-all over `expert`, expert MLPs, back. `fsdp`: the
+    axes the router's and the experts' model dims are gathered over (`fsdp_axes`)."""
+    dense, experts = fsdp
+    if dense:
+        router = jax.lax.all_gather(router, dense, axis=0, tiled=True)
+    if experts:
+        w_gate, w_up = (jax.lax.all_gather(w, experts, axis=1, tiled=True) for w in (w_gate, w_up))
+        w_down = jax.lax.all_gather(w_down, experts, axis=2, tiled=True)
     b, T, D = x.shape
     E, k = model.n_experts, model.experts_per_token
     w, dest = _route(x, router, model, C)
@@ -712,15 +728,17 @@ def _moe_local(x, router, w_gate, w_up, w_down, model: ModelConfig, C: int, fsdp
 def moe_block(lp: Params, h: jax.Array, model: ModelConfig, sh: Sharder) -> jax.Array:
     """Top-k MoE with expert parallelism under shard_map (all-to-all over `expert`)."""
     C = moe_capacity(model, h.shape[1])
-    fsdp = sh.axis_size("fsdp") > 1 and "fsdp" not in _manual_axes()  # the pipeline gathered the stage already
+    # the pipeline gathered the stage already (its axes are manual here)
+    fsdp = (fsdp_axes(sh, "embed"), fsdp_axes(sh, "expert_embed"))
     x_spec = sh.spec(("batch", "seq", "act_embed"))
-    w_specs = [sh.spec(d) for d in (("embed", None), ("expert", "embed", "mlp"), ("expert", "embed", "mlp"),
-                                    ("expert", "mlp", "embed"))]
+    w_specs = [sh.spec(d) for d in (("embed", None), ("expert", "expert_embed", "mlp"),
+                                    ("expert", "expert_embed", "mlp"), ("expert", "mlp", "expert_embed"))]
 
     def local(x, r, g, u, d):
         return _moe_local(x, r, g, u, d, model, C, fsdp, sh.axis_size("expert"))
 
-    needs = {a for a, on in (("expert", sh.axis_size("expert") > 1), ("fsdp", fsdp)) if on}
+    needs = {"expert"} if sh.axis_size("expert") > 1 else set()
+    needs |= set(fsdp[0]) | set(fsdp[1])
     fn = sh.per_device(local, needs, in_specs=(x_spec, *w_specs), out_specs=x_spec)
     return fn(h, lp["router"], lp["w_gate"], lp["w_up"], lp["w_down"])
 
@@ -916,18 +934,24 @@ def pipeline_layers(layers: Params, xs: jax.Array, pos: jax.Array, model: ModelC
                            static_argnums=(2,))
     act = ("batch", "seq_sp", "act_embed")
     region = frozenset({"stage"} | {a for a in (*REPLICA_AXES, "fsdp") if sh.axis_size(a) > 1})
+    fsdp_region = set(_axes_of(sh, "embed")) & region  # FSDP's axes (`expert` too under Layout.ep_in_fsdp)
     dims = param_dims(model, stacked=True)["layers"]
     n_iter = M * vpp + pp - 1
 
     def loop(layers: Params, xs: jax.Array, pos: jax.Array) -> jax.Array:
         layers = jax.tree.map(lambda d, a: _pvary(a, region - {x for e in d for x in _axes_of(sh, e)}), dims, layers,
                               is_leaf=_is_dims)
-        if "fsdp" in region:
+        if fsdp_region:
             # FSDP under pipelining: the stage's weights are gathered once for the whole loop and their accumulated
             # gradients reduce-scattered once (the all-gather's transpose), as torch.distributed.pipelining keeps
-            # FSDP2 unsharded through the micro-batches (the ledger's rule, train/costmodel.py)
-            layers = jax.tree.map(lambda d, a: jax.lax.all_gather(a, "fsdp", axis=d.index("embed"), tiled=True)
-                                  if "embed" in d else a, dims, layers, is_leaf=_is_dims)
+            # FSDP2 unsharded through the micro-batches (the ledger's rule, train/costmodel.py); each over its FSDP
+            # dim's axes (the experts' over `fsdp` alone under Layout.ep_in_fsdp)
+            def gather(d: tuple[str | None, ...], a: jax.Array) -> jax.Array:
+                dim = next((e for e in d if e in FSDP_DIMS), None)
+                axes = tuple(x for x in _axes_of(sh, dim) if x in region)
+                return jax.lax.all_gather(a, axes, axis=d.index(dim), tiled=True) if axes else a
+
+            layers = jax.tree.map(gather, dims, layers, is_leaf=_is_dims)
         if sp:
             # Under SP a norm scale's gradient is a partial sum over the tokens' shards on `tensor` (auto here): one
             # copy of each scale per tensor rank, applied to that rank's block of tokens (`rmsnorm`), keeps the

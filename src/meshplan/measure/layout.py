@@ -10,7 +10,9 @@ n_micro = B / (dp·fsdp·ep·microbatch) micro-batches (train/costmodel.py `n_mi
 the whole per-shard batch. `zero` 1/2 shard the AdamW state (and, for 2, the accumulated gradients) over
 `data`; `zero` 3 is FSDP over the data ranks (`resolved()` moves dp into fsdp). `cp_impl` picks the CP form:
 "allgather" (K/V all-gathered over `context`) or "ring" (K/V blocks passed round the ring by
-collective-permute).
+collective-permute). `ep_in_fsdp` carves the expert ranks out of the FSDP group instead of the replicas (torchtitan's
+FSDP+EP: ep = dp_shard_in_ep): the dense weights' `embed` dim is sharded over `fsdp` and `expert` together, the
+experts' (`expert_embed`) over `fsdp` alone (dp_shard_mod_ep), so a plan's fsdp is the mesh's fsdp·ep.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _AXIS_OF = {"data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp", "tens
 
 # Logical dims of weights and activations. Weights use the bare names; activations the `act_` ones, so
 # that FSDP shards a weight's embed dim without sharding the activations' embed dim.
-WEIGHT_DIMS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers")
+WEIGHT_DIMS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "expert_embed", "layers")
 CP_IMPLS = ("allgather", "ring")
 CAPACITY_FACTOR = 1.0  # MoE expert slots per routed token (GShard); 1.0 drops overflow
 ACTIVATION_DIMS = ("batch", "seq", "seq_sp", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
@@ -50,6 +52,7 @@ class Layout:
     offload: float = 0.0
     vpp: int = 1
     cp_impl: str = "allgather"
+    ep_in_fsdp: bool = False
 
     def __post_init__(self) -> None:
         for f in ("dp", "fsdp", "tp", "cp", "ep", "pp", "microbatch", "vpp"):
@@ -63,6 +66,8 @@ class Layout:
                                 f"(known: {', '.join(RECOMPUTE_POLICIES)})")
         if self.zero not in (0, 1, 2, 3):
             raise MeshplanError(f"layout: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.ep_in_fsdp, bool):
+            raise MeshplanError(f"layout: ep_in_fsdp must be true or false, got {self.ep_in_fsdp!r}")
 
     @property
     def devices(self) -> int:
@@ -97,8 +102,9 @@ class Layout:
         the others only) and, without FSDP, `context` (CP ranks hold the same weights: Megatron's distributed
         optimizer shards over the data-parallel-with-context group; the ledger's `replicas` and `_replica_axes`,
         train/costmodel.py)."""
-        return tuple(a for a, n in (("data", self.dp), ("expert", self.ep),
-                                    ("context", self.cp if self.fsdp == 1 else 1)) if n > 1)
+        fsdp = self.fsdp > 1 or (self.ep_in_fsdp and self.ep > 1)  # `expert` is then in the FSDP group
+        return tuple(a for a, n in (("data", self.dp), ("expert", 1 if self.ep_in_fsdp else self.ep),
+                                    ("context", 1 if fsdp else self.cp)) if n > 1)
 
     @property
     def sp(self) -> bool:
@@ -112,7 +118,9 @@ class Layout:
     def from_config(cls, obj: Any, devices: int | None = None) -> Layout:
         """Read a planner config duck-typed (attributes dp, fsdp, tp, pp, vpp, cp, ep, microbatch, recompute, zero,
         offload, cp_impl). Where the planner counts EP inside the data-parallel ranks (dp·fsdp·tp·cp·pp =
-        devices), `ep` is carved out of dp here, because this mesh gives experts their own axis."""
+        devices), `ep` is carved out of them here, because this mesh gives experts their own axis: out of dp where
+        ep divides it (the planner's `_carved`, Megatron-Core's expert ranks), else out of fsdp where ep divides that
+        (`ep_in_fsdp`: the planner's `ep_fsdp`, torchtitan's dp_shard_in_ep); an EP group across both is refused."""
         names = {f.name for f in fields(cls)}
         kw = {n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None}
         if isinstance(obj, dict):
@@ -120,9 +128,16 @@ class Layout:
         layout = cls(**kw)
         ep = layout.ep
         if devices and ep > 1 and layout.devices != devices and layout.devices // ep == devices:
-            if layout.dp % ep:
-                raise MeshplanError(f"layout: ep={ep} must divide dp={layout.dp} when experts share the data ranks")
-            layout = cls(**{**kw, "dp": layout.dp // ep})
+            if layout.dp % ep == 0:
+                layout = cls(**{**kw, "dp": layout.dp // ep})
+            elif layout.fsdp % ep == 0:
+                layout = cls(**{**kw, "fsdp": layout.fsdp // ep, "ep_in_fsdp": True})
+            else:
+                raise MeshplanError(
+                    f"layout: the plan's ep={ep} cannot be built: the mesh carves the expert axis out of the replicas "
+                    f"(ep | dp) or out of the FSDP group (ep | fsdp), and ep divides neither dp={layout.dp} nor "
+                    f"fsdp={layout.fsdp} (the planner counts the expert ranks inside tp·cp·dp·fsdp = "
+                    f"{layout.tp * layout.cp * layout.dp * layout.fsdp})")
         return layout
 
 
@@ -147,7 +162,8 @@ def logical_rules(layout: Layout) -> dict[str, tuple[str, ...]]:
         "act_kv_heads": tensor,
         "act_mlp": tensor,
         "act_vocab": tensor,
-        "embed": on("fsdp"),
+        "embed": on("fsdp") + (on("expert") if layout.ep_in_fsdp else ()),
+        "expert_embed": on("fsdp"),
         "heads": tensor,
         "kv_heads": tensor,
         "head_dim": (),
@@ -162,6 +178,7 @@ def describe(layout: Layout) -> str:
     """`dp=2 fsdp=4 tp=1 ...` with only the axes in use, e.g. for table titles."""
     parts = [f"{k}={v}" for k, v in (("dp", layout.dp), ("fsdp", layout.fsdp), ("tp", layout.tp),
                                     ("cp", layout.cp), ("ep", layout.ep), ("pp", layout.pp)) if v > 1]
+    parts += ["ep in fsdp"] if layout.ep_in_fsdp and layout.ep > 1 else []
     parts += [f"zero={layout.zero}"] if layout.zero else []
     parts += [f"mb={layout.microbatch}"] if layout.microbatch else []
     parts += ["cp=ring"] if layout.cp > 1 and layout.cp_impl == "ring" else []

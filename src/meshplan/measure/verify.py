@@ -125,13 +125,16 @@ PROGRAM_ACCUMULATES = True
 
 def program_config(layout: Layout, global_batch: int) -> ParallelConfig:
     """The planner's config of the program compiled for `layout` — the one conversion between the two: the planner
-    counts EP inside the data ranks (dp·fsdp·tp·pp·cp = chips) where the mesh gives experts their own axis; ZeRO-3
+    counts EP inside the data ranks (dp·fsdp·tp·pp·cp = chips) where the mesh gives experts their own axis (carved out
+    of dp, or under `ep_in_fsdp` out of fsdp: Layout.from_config is the inverse); ZeRO-3
     over the data ranks is the planner's FSDP; the micro-batch is the program's (PROGRAM_ACCUMULATES)."""
     local = max(1, global_batch // layout.batch_shards)
     mb = layout.microbatch if PROGRAM_ACCUMULATES and 0 < layout.microbatch < local else local
     dp, fsdp, zero = layout.dp * layout.ep, layout.fsdp, layout.zero
     if zero == 3:  # ZeRO-3 shards over every data rank: the planner's FSDP group
         dp, fsdp, zero = layout.ep, layout.dp * layout.fsdp, 0
+    if getattr(layout, "ep_in_fsdp", False):  # the expert ranks are FSDP ranks (the planner's `ep_fsdp`)
+        dp, fsdp = dp // layout.ep, fsdp * layout.ep
     return ParallelConfig(dp=dp, fsdp=fsdp, tp=layout.tp, pp=layout.pp, vpp=getattr(layout, "vpp", 1), cp=layout.cp,
                           ep=layout.ep, microbatch=mb, recompute=layout.recompute, zero=zero,
                           offload=layout.offload, sequence_parallel=layout.sequence_parallel)

@@ -1161,15 +1161,24 @@ class CostModel:
         folds ETP × EP × expert-DP over TP × CP × DP: expert DP = tp·cp·dp / ep without FSDP), at least 1."""
         return np.maximum(g["replicas"] * g["tp"] / (g["etp"] * g["ep"]), 1.0)
 
-    def _zero_local(self, g: dict, on, P=None):
-        """Parameters of this rank's ZeRO shard of the stage (`P`, default the stage's local parameters) where `on`
-        (else its FSDP shard): the replicas split the dense weights, and a routed expert's only among the replicas
-        that hold it, rep / ep (Megatron's expert-data-parallel group; verify DP2×EP4 ZeRO-1, arguments +49% when
-        every weight was split rep ways)."""
+    def _zero_local(self, g: dict, on, P=None, E=None):
+        """Parameters of this rank's ZeRO shard of the stage (`P`, default the stage's local parameters, of which `E`
+        are routed experts, default the stage's) where `on` (else its FSDP shard, `_sharded`): the replicas split the
+        dense weights, and a routed expert's only among the replicas that hold it, rep / ep where the experts are
+        carved out of dp (Megatron's expert-data-parallel group; verify DP2×EP4 ZeRO-1, arguments +49% when every
+        weight was split rep ways), all rep where EP is carved out of the FSDP group (torchtitan: the experts are
+        replicated over dp_replicate)."""
         P = g["params_stage_local"] if P is None else P
+        E = g["experts_stage_local"] if E is None else E
         fs, rep = g["shard"], g["replicas"]
-        E = self._carved_experts(g)
-        return np.where(on, (P - E) / (fs * rep) + E / (fs * self._expert_replicas(g)), P / fs)
+        rep_e = np.where(self._carved(g), self._expert_replicas(g), rep)
+        return np.where(on, (P - E) / (fs * rep) + E / (g["shard_expert"] * rep_e), self._sharded(g, P, E))
+
+    @staticmethod
+    def _sharded(g: dict, P, E):
+        """Parameters this rank holds of `P` (local to its TP/EP rank, `E` of them routed experts) under FSDP: the
+        dense ones split over the shard group, the experts over theirs (`shard_expert`)."""
+        return (P - E) / g["shard"] + E / g["shard_expert"]
 
     def _grad_reduces(self, L: LayoutArrays, g: dict):
         """Gradient reductions per step: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's are
@@ -1415,12 +1424,22 @@ class CostModel:
         nl = g["layers_stage"]
         w_layer = g["params_layer_local"]  # parameters of one layer on this TP/EP rank
         emb = g["params_embed_local"]
+        # with EP carved out of the FSDP group the experts are gathered and reduce-scattered over their own, smaller
+        # group (`shard_expert`, torchtitan's dp_shard_mod_ep: fsdp/ep ranks, ep·tp apart in the mesh), beside the
+        # dense weights over the whole one (none where that group is one rank)
+        ep_fs, sh_e = g["ep_fsdp"], g["shard_expert"]
+        w_exp = np.where(ep_fs, g["experts_layer_local"], 0.0)
+        w_dense = w_layer - w_exp
+
+        def layer_time(kind, nbytes):
+            dense = comm.time(kind, nbytes * w_dense, sh, tp)
+            return dense + np.where((w_exp > 0) & (sh_e > 1), comm.time(kind, nbytes * w_exp, sh_e, tp * g["ep"]), 0.0)
         # mesh order (dp, fsdp, cp, tp): the shard group fsdp×cp is contiguous at stride tp
         if o.zero3_fetch == "broadcast":
             # owner broadcast / reduce-to-owner: every byte of the layer crosses one owner's link (a ring
             # shift's worth of link time), and the layer waits for it
-            ag = comm.time("permute", o.fsdp_param_bytes * w_layer, sh, tp)
-            rs = comm.time("permute", o.grad_reduce_bytes * w_layer, sh, tp)
+            ag = layer_time("permute", o.fsdp_param_bytes)
+            rs = layer_time("permute", o.grad_reduce_bytes)
             ag_emb = comm.time("permute", o.fsdp_param_bytes * emb, sh, tp)
             rs_emb = comm.time("permute", o.grad_reduce_bytes * emb, sh, tp)
             fs_f = nl * ag + ag_emb
@@ -1428,8 +1447,8 @@ class CostModel:
             once_f, once_b = fs_f, nl * rs + rs_emb
             emb_gathers = 2
         else:
-            ag = comm.time("allgather", o.fsdp_param_bytes * w_layer, sh, tp)
-            rs = comm.time("reducescatter", o.grad_reduce_bytes * w_layer, sh, tp)
+            ag = layer_time("allgather", o.fsdp_param_bytes)
+            rs = layer_time("reducescatter", o.grad_reduce_bytes)
             ag_emb = comm.time("allgather", o.fsdp_param_bytes * emb, sh, tp)
             rs_emb = comm.time("reducescatter", o.grad_reduce_bytes * emb, sh, tp)
             # the group gathered before the first layer and reduced after the last backward (Options.fsdp_edge_group):
@@ -1479,15 +1498,22 @@ class CostModel:
         led.add("hbm", np.where(per_mb, nm * (2 * copy_out + copy_in), np.where(once, copy_out + copy_in, 0.0))
                 * self.hbm)
         # the shard group in mesh axes: fsdp, and the context ranks that join it
-        shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"], 1)), ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
-        gathers = np.where(per_mb, nm * (2 * nl * w_layer + emb_gathers * emb), np.where(once, nl * w_layer + emb, 0.0))
-        scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w_layer + emb)
-        led.collective("all_gather", shard_axes, o.fsdp_param_bytes * gathers)
-        led.collective("reduce_scatter", shard_axes, o.grad_reduce_bytes * scatters)
+        # (EP carved out of it: the mesh's `fsdp` axis is fsdp/ep and `expert` the rest, Layout.ep_in_fsdp), and the
+        # experts' own group there: `fsdp` (and context)
+        ep_f = np.where(ep_fs, g["ep"], 1.0)
+        shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"] / ep_f, 1)), ("expert", np.where(sh > 1, ep_f, 1)),
+                      ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
+        expert_shard_axes = [("fsdp", np.where(sh_e > 1, g["fsdp"] / ep_f, 1)),
+                             ("context", np.where(sh_e > 1, sh / g["fsdp"], 1))]
+        for w, e, axes in ((w_dense, emb, shard_axes), (w_exp, 0.0, expert_shard_axes)):
+            gathers = np.where(per_mb, nm * (2 * nl * w + emb_gathers * e), np.where(once, nl * w + e, 0.0))
+            scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w + e)
+            led.collective("all_gather", axes, o.fsdp_param_bytes * gathers)
+            led.collective("reduce_scatter", axes, o.grad_reduce_bytes * scatters)
         # Replicated DP: gradient all-reduce (ZeRO-0) or reduce-scatter + param all-gather (ZeRO-1/2, Megatron
         # distributed optimizer), bucketed and overlapped with the last micro-batch's backward. Without FSDP the
         # replica group takes in the CP ranks: (dp, cp) is contiguous at stride tp since fsdp = 1.
-        grads = g["params_stage_local"] / sh
+        grads = self._sharded(g, g["params_stage_local"], g["experts_stage_local"])
         stride_rep = np.where(sh > 1, tp * sh, tp)
         # the replica group in mesh axes: the planner's dp holds the expert ranks (carved out of it, as Megatron
         # does); the experts' own gradients are reduced only over the replicas that hold the same experts
@@ -1540,7 +1566,7 @@ class CostModel:
         # with micro-batches (MaxText sums them in its scan's carry, train.py `accumulate_gradient`, and XLA's TPU
         # compiler moves the carried all-reduce out of the loop: one all-reduce, docs/verify.md); it is
         # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
-        led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"]), ("expert", expert_n),
+        led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"] / ep_f), ("expert", expert_n * ep_f),
                                       ("context", g["cp"])], 4.0)
 
     def _fsdp_edge_params(self, g: dict):
@@ -1609,6 +1635,17 @@ class CostModel:
         ticks = g["n_micro"] * g["vpp"]
         g["bubble_runs"] = np.where((g["pp"] > 1) & self.opt.pp_spmd_loop, (ticks + g["pp"] - 1) / ticks, 1.0)
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
+        # EP carved out of the FSDP group (torchtitan's FSDP+EP, parallel_dims.py `_build_mesh_with_ep`: ep =
+        # dp_shard_in_ep·cp, the experts fully_shard-ed over dp_shard_mod_ep = dp_shard·cp/ep and replicated over
+        # dp_replicate) where ep does not divide dp (`_carved`, Megatron's) but divides the shard group fsdp·cp
+        # (ETP = TP): an expert is split over the ep ranks and FSDP-sharded over the other shard/ep only; the dense
+        # weights over all
+        g["ep_fsdp"] = ((g["ep"] > 1) & ~self._carved(g) & (g["etp"] == g["tp"]) & (g["shard"] > 1)
+                        & (g["shard"] % g["ep"] == 0))
+        g["shard_expert"] = np.where(g["ep_fsdp"], g["shard"] / g["ep"], g["shard"])  # the experts' FSDP group
+        g["experts_layer_local"] = (c["expert_w"] / (g["etp"] * g["ep"]) if m.is_moe
+                                    else np.zeros_like(g["params_layer_local"]))
+        g["experts_stage_local"] = g["layers_stage"] * g["experts_layer_local"]
         g["ledger"] = Ledger()
         return g
 
@@ -1679,7 +1716,12 @@ class CostModel:
         # and last stages hold one layer fewer beside them, so a full middle stage or the end one holds the most
         P = g["params_stage_local"] - np.where(g["head_in_split"],
                                                np.minimum(g["params_embed_local"], g["params_layer_local"]), 0.0)
-        P_g, P_o = self._zero_local(g, zero >= 2, P), self._zero_local(g, zero >= 1, P)  # ZeRO-2's gradients, ZeRO-1's state
+        # the routed experts among them (a layer fewer where the layer gave way)
+        layer_out = g["head_in_split"] & (g["params_layer_local"] <= g["params_embed_local"])
+        E = g["experts_stage_local"] - np.where(layer_out, g["experts_layer_local"], 0.0)
+        P_fs = self._sharded(g, P, E)  # what this rank holds under FSDP
+        # ZeRO-2's gradients, ZeRO-1's state
+        P_g, P_o = self._zero_local(g, zero >= 2, P, E), self._zero_local(g, zero >= 1, P, E)
         act_layer = self.activation_per_layer(L, g, L.recompute)
         if self.opt.selective_flavor != "attention":
             # torchtitan's per-op and per-layer policies recompute about half of each layer (every second
@@ -1747,12 +1789,14 @@ class CostModel:
         # PyTorch FSDP gathers a whole transformer block; XLA (TPU) gathers each weight just before its matmul
         # and reduce-scatters each gradient as it is produced, and DeepSpeed ZeRO-3 fetches parameter by parameter,
         # so there only the largest weight (and the prefetched next one) is ever whole
+        # experts whose FSDP group is one rank (EP carved out of the whole FSDP group) are never gathered
+        whole_experts = g["shard_expert"] <= 1
         if self.p.chip.kind == "tpu" or self.opt.zero3_fetch == "broadcast":
             m, c = self.p.model, self.c
-            experts_local = m.n_experts / g["ep"] if m.is_moe else 1.0
+            experts_local = np.where(whole_experts, 0.0, m.n_experts / g["ep"]) if m.is_moe else 1.0
             gathered = 2 * np.maximum(c["D"] * m.q_dim / g["tp"], c["D"] * c["F"] * experts_local / g["etp"])
         else:
-            gathered = g["params_layer_local"]
+            gathered = g["params_layer_local"] - np.where(whole_experts, g["experts_layer_local"], 0.0)
         fsdp_buf = np.where((fs > 1) & ~once, (self.opt.fsdp_param_bytes + self.opt.act_bytes) * gathered, 0.0)
         reserve = self.eff.memory_reserved_bytes if self.opt.runtime_reserve else 0.0
         other = reserve + fsdp_buf + self._torch_cp_buffer(g)
@@ -1779,12 +1823,13 @@ class CostModel:
         # each layer is fetched before its forward and again before its backward; the device holds the layer in
         # use and the prefetched next one
         par_off = L.offload_params == 1
-        host_par = np.where(par_off, p_bytes * P / fs, 0.0)
-        fetch_buf = np.where(par_off, 2 * self.opt.param_bytes * g["params_layer_local"] / fs, 0.0)
-        params = np.where(par_off, 0.0, p_bytes * P / fs)
+        host_par = np.where(par_off, p_bytes * P_fs, 0.0)
+        fetch_buf = np.where(par_off, 2 * self.opt.param_bytes
+                             * self._sharded(g, g["params_layer_local"], g["experts_layer_local"]), 0.0)
+        params = np.where(par_off, 0.0, p_bytes * P_fs)
         # the stage gathered once under pipelining is a working copy beside the sharded parameters (the arguments
         # hold the shards: verify PP2×FSDP4), so it counts with the transient buffers
-        gathered_stage = np.where(once, self.opt.fsdp_param_bytes * P, 0.0)
+        gathered_stage = np.where(once, self.opt.fsdp_param_bytes * (P - np.where(whole_experts, E, 0.0)), 0.0)
         # unsharded accumulation under pipelining; gradients take the weights' dtype where it is set (JAX)
         grads = (w_bytes or self.opt.grad_reduce_bytes) * np.where(once, P, P_g)
         if xla and not self.dp_overlap:
@@ -1794,7 +1839,7 @@ class CostModel:
             # until the reduce-scatter after it (verify ZeRO-2 DP8, 2 micro-batches: the stacked [L, ...] layer
             # gradients and the output layer's, docs/verify.md "Memory"); DeepSpeed's and Megatron's ZeRO-2 reduce
             # bucket by bucket inside the backward (`overlap_comm`) and keep the 1/dp rule
-            whole = (w_bytes or self.opt.grad_reduce_bytes) * P / fs
+            whole = (w_bytes or self.opt.grad_reduce_bytes) * P_fs
             z2 = (zero >= 2) & (rep > 1) & ~once
             grads = np.where(z2, whole + np.where(g["n_micro"] > 1, grads, 0.0), grads)
         # under optimizer offload the gradients go to the host as the backward produces them, bucket by bucket, and
@@ -1810,7 +1855,7 @@ class CostModel:
         t["host_state"] = copies * (host_opt + host_par)  # model state held in host memory
         t["host"] = t["offloaded"] + t["host_state"]
         # bytes one micro-batch fetches from the host per pass (forward, and again backward) under weight offload
-        t["param_fetch_per_microbatch"] = copies * np.where(par_off, self.opt.param_bytes * P / fs, 0.0)
+        t["param_fetch_per_microbatch"] = copies * np.where(par_off, self.opt.param_bytes * P_fs, 0.0)
         t["total"] = t["params"] + t["grads"] + t["optimizer"] + t["activations"] + t["other"]
         t["offloaded_per_microbatch"] = t["offloaded"] / inflight
         led = g["ledger"]
