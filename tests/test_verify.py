@@ -63,6 +63,12 @@ CASES = {
     "pp2_cp2_tp2_ring": ("llama3-8b", dict(cp=2, tp=2, pp=2, microbatch=4, cp_impl="ring"), False),
     # FSDP under PP: the stage gathered once per step, its gradients reduce-scattered once (the ledger's rule)
     "pp2_fsdp4": ("llama3-8b", dict(fsdp=4, pp=2, microbatch=1), True),
+    # FSDP×EP with the expert ranks carved out of the FSDP group (issue 13, `train | verify --plan`: the planner's
+    # dp 2 fsdp 4 ep 4, dp 1 fsdp 8 ep 4, dp 1 fsdp 4 ep 4 pp 2; Layout.ep_in_fsdp, torchtitan's dp_shard_in_ep): the
+    # dense weights FSDP-sharded over fsdp×expert, the experts over `fsdp` alone
+    "dp2_fsdp4_ep4": ("mixtral-8x7b", dict(dp=2, ep=4, ep_in_fsdp=True), True),
+    "fsdp8_ep4": ("mixtral-8x7b", dict(fsdp=2, ep=4, ep_in_fsdp=True), False),
+    "pp2_fsdp4_ep4": ("mixtral-8x7b", dict(ep=4, pp=2, microbatch=1, ep_in_fsdp=True), True),
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -294,6 +300,60 @@ def test_train_and_verify_ledgers_are_the_same(tmp_path):
     assert checked["layout"]["fsdp"] == 4 and checked["layout"]["tp"] == 2
     mm = next(r for r in checked["rows"] if r["quantity"] == "matmul flops")
     assert abs(mm["rel_error"]) <= 0.02
+
+
+TINY_MOE_CONFIG = {  # the twin verify compiles for mixtral-8x7b: L=2, D=256, N=8, K=2, H=32, F=896, E=8, k=2, V=512
+    **TINY_CONFIG, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+}
+
+
+def test_train_and_verify_ledgers_are_the_same_for_fsdp_x_ep(tmp_path):
+    """A plan whose expert ranks sit inside the FSDP group (ep divides fsdp, not dp): verify builds it with EP carved
+    out of fsdp (Layout.ep_in_fsdp) and compares XLA with the very ledger train ranked the plan by."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_MOE_CONFIG))
+    train = _cli(["train", "--model", str(cfg), "--hardware", "tpu-v5p", "--chips", "8", "--seq-len", "128",
+                  "--global-batch", "16", "--dp", "2", "--fsdp", "4", "--ep", "4", "--tp", "1", "--pp", "1", "--cp",
+                  "1", "--microbatch", "2", "--recompute", "none", "--zero", "0", "--offload", "0", "--framework", "jax",
+                  "--json"])
+    assert train.returncode == 0, train.stderr[-2000:]
+    ver = _cli(["verify", "--plan", "-", "--no-loss-check", "--json"], stdin=train.stdout)
+    assert ver.returncode == 0, ver.stderr[-2000:]
+    planned, checked = json.loads(train.stdout)["plans"][0]["ledger"], json.loads(ver.stdout)
+    assert checked["ledger"] == planned
+    assert (checked["layout"]["dp"], checked["layout"]["fsdp"], checked["layout"]["ep"]) == (2, 1, 4)
+    assert checked["layout"]["ep_in_fsdp"] is True
+    for r in checked["rows"]:
+        if r["quantity"] == "matmul flops":
+            assert abs(r["rel_error"]) <= 0.02, r
+        elif r["quantity"].endswith(" bytes") and r["predicted"]:
+            assert abs(r["rel_error"]) <= 0.05, r
+        elif r["quantity"] == "memory":
+            assert abs(r["rel_error"]) <= 0.15, r
+
+
+def test_verify_builds_an_fsdp_x_ep_plan_of_train():
+    """Issue 13: a Mixtral plan on 8 H100s with the expert ranks inside the FSDP group (fsdp 4, ep 4) is compiled
+    (host offload left out and named); the top plan of the unpinned search (EP across dp and CP, which the reference
+    MoE does not build) is refused with a one-line reason."""
+    common = ["train", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+              "--global-batch", "64", "--json"]
+    train = _cli([*common, "--fsdp", "4", "--ep", "4", "--cp", "1"])
+    assert train.returncode == 0, train.stderr[-2000:]
+    best = json.loads(train.stdout)["plans"][0]["config"]
+    assert best["fsdp"] == 4 and best["ep"] == 4 and best["dp"] % 4
+    ver = _cli(["verify", "--plan", "-", "--no-loss-check", "--json"], stdin=train.stdout)
+    assert ver.returncode == 0, ver.stderr[-2000:]
+    report = json.loads(ver.stdout)
+    assert report["layout"]["ep_in_fsdp"] and report["layout"]["fsdp"] * report["layout"]["ep"] == 4
+    mm = next(r for r in report["rows"] if r["quantity"] == "matmul flops")
+    assert abs(mm["rel_error"]) <= 0.02
+    train = _cli(common)
+    assert train.returncode == 0, train.stderr[-2000:]
+    ver = _cli(["verify", "--plan", "-", "--no-loss-check", "--json"], stdin=train.stdout)
+    assert ver.returncode != 0
+    err = [ln for ln in ver.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error:") and "must divide dp" not in err[0], ver.stderr
 
 
 def test_verify_takes_the_top_plan_of_train():

@@ -8,6 +8,7 @@ operand. `wire_bytes` adds what a ring sends per device: X(n−1)/n, 2X(n−1)/n
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -301,6 +302,35 @@ class Module:
     runs: dict[str, float]
 
 
+def _split_scatters(ins: Instr, rec: Collective, coords: dict[int, tuple[int, ...]], axis_names: tuple[str, ...],
+                    instrs: dict[str, Instr], users: dict[str, list[Instr]], runs: float) -> list[Collective]:
+    """An all-reduce over axes G whose results are only dynamic-sliced to 1/n, n the size of a proper subset S of G's
+    axes (the only one of that size): a reduce-scatter over S and an all-reduce of the shard over the rest, as XLA's
+    GPU pipeline rewrites it (AllReduceSplitter, xla/service/gpu/transforms/all_reduce_splitter.h, then
+    ReduceScatterCreator); the CPU pipeline leaves the pair (verify FSDP×EP: the dense gradients' partial sums over
+    fsdp+expert sliced to the `fsdp` shard, or data+expert to the `expert` shard under Layout.ep_in_fsdp)."""
+    size = {a: 1 + max(c[i] for c in coords.values()) for i, a in enumerate(axis_names)}
+    axes = rec.axes
+    subsets: dict[int, list[tuple[str, ...]]] = {}
+    for k in range(1, len(axes)):
+        for sub in itertools.combinations(axes, k):
+            subsets.setdefault(math.prod(size[a] for a in sub), []).append(sub)
+    out = []
+    for n, subs in sorted(subsets.items(), reverse=True):
+        if len(subs) != 1 or rec.group_size % n or n == rec.group_size:
+            continue
+        scat = _scattered_bytes(ins, n, instrs, users) * runs
+        if not scat or scat > rec.bytes:
+            continue
+        rest = tuple(a for a in axes if a not in subs[0])
+        out.append(replace(rec, kind="reduce-scatter", bytes=scat, group_size=n, axes=subs[0],
+                           note="all-reduce+dynamic-slice, split"))
+        out.append(replace(rec, bytes=scat / n, group_size=rec.group_size // n, axes=rest,
+                           note="all-reduce of a reduce-scatter's shard, split"))
+        break
+    return out
+
+
 def read_module(hlo_text: str) -> Module:
     """Parse an optimized HLO module's text (`compiled.as_text()`) once."""
     instrs = parse_module(hlo_text)
@@ -360,6 +390,10 @@ def parse_collectives(hlo: Module | str, coords: dict[int, tuple[int, ...]], axi
         if scattered and scattered <= rec.bytes:
             out.append(replace(rec, kind="reduce-scatter", bytes=scattered, note="all-reduce+dynamic-slice"))
             rec = replace(rec, bytes=rec.bytes - scattered)
+        if kind == "all-reduce" and fold_reduce_scatter and rec.bytes > 0:
+            out += _split_scatters(ins, rec, coords, axis_names, instrs, users, runs.get(ins.computation, 1.0))
+            rec = replace(rec, bytes=rec.bytes - sum(c.bytes for c in out if c.name == ins.name
+                                                     and c.note == "all-reduce+dynamic-slice, split"))
         if rec.bytes > 0:
             out.append(rec)
     return out
