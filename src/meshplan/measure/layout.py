@@ -137,7 +137,8 @@ class Layout:
                     f"layout: the plan's ep={ep} cannot be built: the mesh carves the expert axis out of the replicas "
                     f"(ep | dp) or out of the FSDP group (ep | fsdp), and ep divides neither dp={layout.dp} nor "
                     f"fsdp={layout.fsdp} (the planner counts the expert ranks inside tp·cp·dp·fsdp = "
-                    f"{layout.tp * layout.cp * layout.dp * layout.fsdp})")
+                    f"{layout.tp * layout.cp * layout.dp * layout.fsdp})"
+                    + ("; nor does the reference MoE build tp or cp" if layout.tp * layout.cp > 1 else ""))
         return layout
 
 
