@@ -49,6 +49,8 @@ def _print_table(report: dict) -> None:
     if report.get("not_built"):
         nb = {k: v for k, v in report["not_built"].items() if k != "why"}
         console.print(f"[yellow]not built:[/yellow] {_not_built_sentence(nb)}")
+    if report.get("loss_check_skipped"):
+        console.print(f"[yellow]loss check skipped:[/yellow] {report['loss_check_skipped']}")
     if report.get("loss_check"):
         lc = report["loss_check"]
         console.print(f"loss sharded {lc['sharded']} vs one device {lc['unsharded']}: "

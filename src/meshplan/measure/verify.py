@@ -299,6 +299,10 @@ def _dtype_note(colls: list[Collective], b: float) -> dict[str, Any]:
     return {"model_bytes_per_element": b, "collective_float_dtypes": float_types, "upcast": upcast}
 
 
+LOSS_SKIPPED_EP_IN_FSDP = ("XLA:CPU stops in an all-gather over `expert` when the steps of a layout with EP inside the "
+                           "FSDP group run (the compiled program is compared in full)")
+
+
 def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
                loss_model: ModelConfig | None = None, loss_seq_len: int = LOSS_SEQ_LEN, loss_batch: int = LOSS_BATCH,
                steps: int = 3, reference: list[float] | None = None, options: Options | None = None,
@@ -339,6 +343,12 @@ def run_verify(model: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         out["cp_causal_balance"] = {"load_balanced": causal_balance(seq_len, layout.cp),
                                     "contiguous": causal_balance(seq_len, layout.cp, load_balanced=False)}
     out["loss_matches_unsharded"] = None
+    if loss_model is not None and layout.ep_in_fsdp and layout.ep > 1:
+        # measured (docs/verify.md, "EP inside the FSDP group"): running these programs' steps stops XLA:CPU in an
+        # all-gather over `expert`, and its collectives' termination timeout aborts the process; compiling is fine
+        out["loss_check_skipped"] = LOSS_SKIPPED_EP_IN_FSDP
+        say(f"loss check skipped: {LOSS_SKIPPED_EP_IN_FSDP}")
+        loss_model = None
     if loss_model is not None:
         say(f"running {steps} steps sharded and on one device to compare the losses ...")
         same = loss_model == model and (loss_seq_len, loss_batch) == (seq_len, global_batch)
