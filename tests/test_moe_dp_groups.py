@@ -160,3 +160,26 @@ def test_harness_reads_the_recipes_dispatcher_and_ep_overlap(monkeypatch) -> Non
                                                                                      "ep_overlap": False}
     for entry in H._mbridge_moe_dispatch().values():
         assert entry["moe_dispatcher"] in MOE_DISPATCHERS and isinstance(entry["ep_overlap"], bool)
+
+
+def test_ep_folded_over_data_and_context_ranks() -> None:
+    """Mixtral 8x7B (32 layers, D 4096, F 14336, SwiGLU, 8 experts) on 8 H100s, dp 2 cp 2 ep 4 pp 2 (ETP = TP = 1):
+    Megatron-Core folds the expert grid over the stage's tp·cp·dp = 4 ranks (EP × expert-DP = 4 × 1), so each rank
+    holds 2 whole experts of its 16 layers, 16·3·4096·14336·8/4 = 5,637,144,576 parameters, and no other rank holds
+    them: under ZeRO-1 their fp32 master and Adam moments (12 B) are not sharded (expert DP 1), 67.6457 GB; the dense
+    rest is sharded over the 4 dp × cp replicas. Their gradients reduce over no one (a group of 1: no bytes), the
+    dense ones over data + context. Before, EP over dp × cp counted as not carved: the experts' state split 4 ways
+    (16.9 GB) and their gradients reduced over all 4 replicas."""
+    prob = Problem(load_model("mixtral-8x7b"), load_chip("h100-sxm"), 8, 4096, 64)
+    cm = CostModel(prob, default_efficiency(prob.chip), Options())
+    L = LayoutArrays.from_configs([ParallelConfig(dp=2, cp=2, pp=2, ep=4, microbatch=1, recompute="none", zero=1)])
+    g = cm.geometry(L)
+    experts = 16 * 3 * 4096 * 14336 * 8 / 4
+    assert experts == 5_637_144_576
+    assert _f(g["layers_stage"]) == 16 and _f(cm._expert_replicas(g)) == 1
+    assert _f(cm._carved_experts(g)) == pytest.approx(experts)
+    dense = _f(g["params_stage_local"]) - experts
+    assert _f(cm._zero_local(g, np.array([True]))) == pytest.approx(dense / 4 + experts)
+    mem = cm.memory_terms(L, g)
+    assert 12.0 * experts == pytest.approx(67.6457e9, rel=1e-5)
+    assert _f(mem["optimizer"]) >= 12.0 * experts

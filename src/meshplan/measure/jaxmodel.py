@@ -763,7 +763,9 @@ def remat_policy(recompute: str) -> Callable:
         if recompute == "full":
             return False
         if keep_names:
-            return prim.name == "name" and params.get("name") in GEMM_OUTPUTS
+            # the matmul outputs, and the MoE dispatch's all-to-all (the expert GEMMs' input, which their weight
+            # gradients read): a collective is never rerun for an elementwise recompute, as under none
+            return prim.name == "all_to_all" or (prim.name == "name" and params.get("name") in GEMM_OUTPUTS)
         if recompute == "selective":
             # the dots with no batch dimension (the projections and the MLP: JAX's
             # `checkpoint_dots_with_no_batch_dims`, MaxText's "minimal"), the collectives, and by name the rest

@@ -1149,10 +1149,20 @@ class CostModel:
     @staticmethod
     def _carved(g: dict):
         """The experts have their own data-parallel group (Megatron's expert-data-parallel layout): ep > 1 and ep
-        divides dp (ETP = TP: the expert ranks carved out of dp), or under ETP = 1 the folded tp·cp·dp ranks of a
-        stage (parallel_state: expert DP = tp·cp·dp / ep)."""
-        folded = np.where(g["etp"] < g["tp"], g["tp"] * g["cp"] * g["dp"], g["dp"])
+        divides the ranks the expert grid folds over (parallel_state.initialize_model_parallel's expert rank generator:
+        ETP × EP × expert-DP = TP × CP × DP of a stage, MoE Parallel Folding, Liu et al. 2025): under ETP = TP the
+        cp·dp ranks (EP carved out of dp, or out of dp × cp where ep does not divide dp: Mixtral dp 2 cp 2 ep 4 has
+        expert DP 1), under ETP = 1 the tp·cp·dp ranks. Not where the CP ranks are FSDP shards (torchtitan's mesh,
+        `ep_fsdp` in geometry)."""
+        cp = np.where(g["shard"] > 1, 1.0, g["cp"])
+        folded = np.where(g["etp"] < g["tp"], g["tp"] * g["cp"] * g["dp"], cp * g["dp"])
         return (folded % g["ep"] == 0) & (g["ep"] > 1)
+
+    @staticmethod
+    def _carved_over_cp(g: dict):
+        """EP carved out of dp × cp but not out of dp alone (ETP = TP): the experts' group is not a mesh axis of its
+        own; the ledger labels it `data` (the expert-DP ranks) and the dense group data + context."""
+        return CostModel._carved(g) & (g["etp"] == g["tp"]) & (g["dp"] % g["ep"] != 0)
 
     @staticmethod
     def _expert_replicas(g: dict):
@@ -1199,7 +1209,7 @@ class CostModel:
         out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients. Under
         ETP = 1 (Options.expert_tp) the experts' group folds over the tensor ranks instead: the dense replicas stay
         `data` (`_data_parallel_terms` labels the experts' own group `data` too)."""
-        ep, carved = g["ep"], self._carved(g) & (g["etp"] == g["tp"])
+        ep, carved = g["ep"], self._carved(g) & (g["etp"] == g["tp"]) & ~self._carved_over_cp(g)
         return np.where(carved, g["dp"] / ep, g["dp"]), np.where(carved, ep, 1.0)
 
     def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
@@ -1553,7 +1563,7 @@ class CostModel:
         folded = np.where(fold_data * fold_expert > 1, norms, 0.0)
         norms = np.where(zero == 0, norms, folded)  # ZeRO: only folded scales leave the replicas' reduce-scatter
         # the experts' own group: replicas/ep of `data` with `context`, or under ETP = 1 the folded expert-DP group
-        fold = g["etp"] < tp
+        fold = (g["etp"] < tp) | self._carved_over_cp(g)
         expert_axes = [("data", np.where(fold, self._expert_replicas(g), data)), ("context", np.where(fold, 1, ctx[1]))]
         for part, axes in ((grads - expert - norms, [("data", data), expert_ax, ctx]),
                            (expert, expert_axes), (norms - folded, [("data", data), expert_ax])):

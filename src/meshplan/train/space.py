@@ -252,12 +252,13 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, 
         # Liu et al. 2025, "MoE Parallel Folding"), so EP may exceed DP when the experts are not tensor-split
         # (ETP = 1): EP must divide tp × cp × dp.
         ("expert parallelism must divide the tensor × context × data-parallel ranks", (tp * cp * data) % ep == 0),
-        # with FSDP the expert ranks are carved out of the replicas (Megatron-Core, as without FSDP: ep | tp·cp·dp) or
-        # out of the FSDP group (torchtitan, parallel_dims.py: `dp_shard * cp % ep == 0`, ep = dp_shard_in_ep·cp,
-        # the experts FSDP-sharded over the rest, dp_shard_mod_ep); an EP group across both has no framework and no
-        # mesh (the replicas do not split the dense weights, the FSDP ranks do)
-        ("with FSDP, expert parallelism must divide the replicas (tp × cp × dp) or the FSDP group (fsdp × cp)",
-         (fs == 1) | ((tp * cp * dp) % ep == 0) | ((fs * cp) % ep == 0)),
+        # with FSDP the expert ranks are carved out of the replicas (Megatron-Core's expert-data-parallel group; the
+        # CP ranks are FSDP shards here, and the experts stay tensor-split, so ep | dp: costmodel `_carved`) or out of
+        # the FSDP group (torchtitan, parallel_dims.py: `dp_shard * cp % ep == 0`, ep = dp_shard_in_ep·cp, the experts
+        # FSDP-sharded over the rest, dp_shard_mod_ep); an EP group across both, or across the tensor ranks beside
+        # FSDP, has no framework and no mesh (the replicas do not split the dense weights, the FSDP ranks do)
+        ("with FSDP, expert parallelism must divide the replicas (dp) or the FSDP group (fsdp × cp)",
+         (fs == 1) | (dp % ep == 0) | ((fs * cp) % ep == 0)),
         # DualPipe pairs the pipeline ranks from both ends (DeepSeek-V3 §3.2.1)
         ("DualPipe needs an even number of pipeline stages", (pp_schedule != "dualpipe") | (pp == 1) | (pp % 2 == 0)),
     ]
