@@ -57,24 +57,32 @@ def test_triton_ensemble_latency_from_its_published_measurement():
         frontend_first_token_s(TRITON, load_chip("tpu-v5e"))
 
 
+# each server path with its engine and its first-token seconds: the Triton ensemble (3.8 ms, derived above) and vLLM's
+# OpenAI server (235 - 231 ms, tt-inference-server#190; tests/test_serve_s9.py)
+PATHS = [pytest.param("trtllm", TRITON, 3.8e-3, id="triton-ensemble"),
+         pytest.param("vllm", ServeConfig(engine="vllm", frontend="vllm-openai"), 4.0e-3, id="vllm-openai")]
+
+
 @pytest.mark.parametrize("mode", ["continuous", "static"])
-def test_closed_form_adds_it_to_ttft_only(mode):
+@pytest.mark.parametrize(("engine", "cfg", "path_s"), PATHS)
+def test_closed_form_adds_it_to_ttft_only(mode, engine, cfg, path_s):
     w = Workload(467, 256)
-    base = evaluate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 16, mode)
-    served = evaluate(M8, H100, 1, TRITON, EFF, w, 16, mode)
-    assert served.ttft_s - base.ttft_s == pytest.approx(3.8e-3)
+    base = evaluate(M8, H100, 1, ServeConfig(engine=engine), EFF, w, 16, mode)
+    served = evaluate(M8, H100, 1, cfg, EFF, w, 16, mode)
+    assert served.ttft_s - base.ttft_s == pytest.approx(path_s)
     assert served.tpot_s == base.tpot_s and served.throughput_tokens_per_s == base.throughput_tokens_per_s
-    assert served.e2e_latency_s - base.e2e_latency_s == pytest.approx(3.8e-3)  # e2e = TTFT + (O - 1) TPOT
+    assert served.e2e_latency_s - base.e2e_latency_s == pytest.approx(path_s)  # e2e = TTFT + (O - 1) TPOT
 
 
-def test_simulated_open_loop_ttft_shifts_by_it():
+@pytest.mark.parametrize(("engine", "cfg", "path_s"), PATHS)
+def test_simulated_open_loop_ttft_shifts_by_it(engine, cfg, path_s):
     # Poisson arrivals reach the engine at the same moments (a constant shift of a Poisson process is one): every
-    # request's TTFT grows by exactly 3.8 ms, its inter-token gaps do not change
+    # request's TTFT grows by exactly the path's seconds, its inter-token gaps do not change
     w, spec = Workload(467, 16), SimSpec(rate=4.0, n_requests=30)
-    base = simulate(M8, H100, 1, ServeConfig(engine="trtllm"), EFF, w, 32, spec)
-    served = simulate(M8, H100, 1, TRITON, EFF, w, 32, spec)
+    base = simulate(M8, H100, 1, ServeConfig(engine=engine), EFF, w, 32, spec)
+    served = simulate(M8, H100, 1, cfg, EFF, w, 32, spec)
     for q in ("p50", "p90", "mean"):
-        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(3.8e-3)
+        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(path_s)
         assert served["tpot_s"][q] == pytest.approx(base["tpot_s"][q])
 
 

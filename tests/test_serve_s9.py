@@ -11,9 +11,8 @@ import yaml
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
-from meshplan.infer.config import FRONTENDS, ServeConfig, Workload, check_layout, frontend_first_token_s
-from meshplan.infer.metrics import evaluate
-from meshplan.infer.simulate import SimSpec, _Replica, _Req, simulate
+from meshplan.infer.config import FRONTENDS, ServeConfig, check_layout, frontend_first_token_s
+from meshplan.infer.simulate import _Replica, _Req
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -54,22 +53,7 @@ def test_triton_ensemble_path_costs_the_t5_encoder_pass():
     assert 4.69e-3 - 2 * 0.63e-3 < frontend_first_token_s(triton, H100) < 4.69e-3 - 0.63e-3
 
 
-def test_closed_form_adds_the_vllm_path_to_ttft_only():
-    w = Workload(1000, 1000)
-    base = evaluate(M8, H100, 1, ServeConfig(engine="vllm"), EFF, w, 16, "continuous")
-    served = evaluate(M8, H100, 1, VLLM, EFF, w, 16, "continuous")
-    assert served.ttft_s - base.ttft_s == pytest.approx(4.0e-3)
-    assert served.tpot_s == base.tpot_s and served.throughput_tokens_per_s == base.throughput_tokens_per_s
-
-
-def test_simulated_open_loop_ttft_shifts_by_the_vllm_path():
-    # open loop: arrivals do not depend on the server path, so each request's TTFT grows by exactly 4 ms
-    w, spec = Workload(300, 8), SimSpec(rate=4.0, n_requests=20)
-    base = simulate(M8, H100, 1, ServeConfig(engine="vllm"), EFF, w, 32, spec)
-    served = simulate(M8, H100, 1, VLLM, EFF, w, 32, spec)
-    for q in ("p50", "p90", "mean"):
-        assert served["ttft_s"][q] - base["ttft_s"][q] == pytest.approx(4.0e-3)
-        assert served["tpot_s"][q] == pytest.approx(base["tpot_s"][q])
+# the closed form and the open-loop simulation add the path to TTFT only: tests/test_serve_frontend.py (PATHS)
 
 
 def test_closed_loop_client_on_a_tpu_host_resends_after_the_path():
