@@ -162,3 +162,16 @@ def test_cli_pin_json_key_and_round_trip(capsys, tmp_path):
     code, out, _ = run_cli(["serve", "--from", str(f), "--hardware", "h200", "--input-len", "1000",
                             "--output-len", "1000", "--json"], capsys)
     assert code == 0 and json.loads(out)["yours"]["config"]["attention_dp"] is True
+
+
+def test_attention_dp_at_tp_1_is_refused_on_one_line(capsys):
+    """Attention DP runs over a replica's tp ranks: pinned at tp=1 it would only rename plain replicas, so the pinned
+    layout gets one `error:` line (exit 2); unpinned, the search skips that candidate and plans the rest."""
+    common = ["serve", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--chips", "8", "--input-len", "1000",
+              "--output-len", "200", "--attention-dp"]
+    code, out, err = run_cli([*common, "--tp", "1"], capsys)
+    assert code == 2 and err.strip().startswith("error:") and "tp=1" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli([*common, "--json"], capsys)
+    assert code == 0, err
+    cfg = json.loads(out)["config"]
+    assert cfg["attention_dp"] is True and cfg["tp"] > 1

@@ -320,6 +320,10 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
     if cfg.attention_dp and not m.is_moe:
         raise InfeasibleError(f"attention data parallelism needs a mixture-of-experts model; {m.name} is dense "
                               "(a dense model runs data parallel as separate replicas)")
+    if cfg.attention_dp and cfg.tp == 1:
+        # attention DP spans a replica's tp ranks (SGLang --dp-size <= --tp-size, TensorRT-LLM over its tp_size)
+        raise InfeasibleError("attention data parallelism runs over a replica's tp ranks; at tp=1 each GPU is a "
+                              "replica of its own (plain data parallel): use --tp > 1 or drop --attention-dp")
     if m.n_heads % cfg.attention_tp:
         raise InfeasibleError(f"tp={cfg.tp} must divide the {m.n_heads} query heads of {m.name}")
     K, atp = m.n_kv_heads, cfg.attention_tp
