@@ -314,9 +314,9 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         kernels += Ls * serving_constant("moe_routing_kernels_per_layer", chip) * eff.kernel_overhead_s
         # TensorRT-LLM expandInputRows reads each token's D-vector once and writes k copies; finalizeMoeRouting
         # reads the k expert outputs and writes one: 2 * tokens * D * (k + 1) elements per layer. With TP alone
-        # every chip permutes every token (the TP split is inside each expert's F dimension)
-        # every token. Under attention DP a rank expands only the rows of its own experts, k/ep per token of the
-        # replica, and finalizes every token of the replica before the reduce-scatter
+        # every chip permutes every token (the TP split is inside each expert's F dimension). Under attention DP a rank
+        # expands only the rows of its own experts, k/ep per token of the replica, and finalizes every token of the
+        # replica before the reduce-scatter
         copies = m.experts_per_token / cfg.ep if cfg.attention_dp else m.experts_per_token
         permute = Ls * 2.0 * tokens * m.d_model * (copies + 1) * cfg.act_bytes / W
     # engines that fuse each residual add into the next RMSNorm move 8·D instead of 10·D (serving.yaml

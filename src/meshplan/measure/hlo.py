@@ -391,9 +391,10 @@ def parse_collectives(hlo: Module | str, coords: dict[int, tuple[int, ...]], axi
             out.append(replace(rec, kind="reduce-scatter", bytes=scattered, note="all-reduce+dynamic-slice"))
             rec = replace(rec, bytes=rec.bytes - scattered)
         if kind == "all-reduce" and fold_reduce_scatter and rec.bytes > 0:
-            out += _split_scatters(ins, rec, coords, axis_names, instrs, users, runs.get(ins.computation, 1.0))
-            rec = replace(rec, bytes=rec.bytes - sum(c.bytes for c in out if c.name == ins.name
-                                                     and c.note == "all-reduce+dynamic-slice, split"))
+            split = _split_scatters(ins, rec, coords, axis_names, instrs, users, runs.get(ins.computation, 1.0))
+            out += split
+            # what the reduce-scatter took out of the all-reduce (the shard's all-reduce is its own record)
+            rec = replace(rec, bytes=rec.bytes - sum(c.bytes for c in split if c.kind == "reduce-scatter"))
         if rec.bytes > 0:
             out.append(rec)
     return out

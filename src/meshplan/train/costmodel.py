@@ -1142,9 +1142,7 @@ class CostModel:
 
     def _carved_experts(self, g: dict):
         """Parameters of the stage's routed experts on this rank when the expert ranks are carved out of dp (else 0)."""
-        ep = g["ep"]
-        expert = g["layers_stage"] * self.c["expert_w"] / (g["etp"] * ep) if self.p.model.is_moe else 0.0
-        return np.where(self._carved(g), expert, 0.0)
+        return np.where(self._carved(g), g["experts_stage_local"], 0.0)
 
     @staticmethod
     def _carved(g: dict):
@@ -1209,7 +1207,8 @@ class CostModel:
         out of it, as Megatron does), so the mesh's `data` axis is dp/ep and `expert` joins dense gradients. Under
         ETP = 1 (Options.expert_tp) the experts' group folds over the tensor ranks instead: the dense replicas stay
         `data` (`_data_parallel_terms` labels the experts' own group `data` too)."""
-        ep, carved = g["ep"], self._carved(g) & (g["etp"] == g["tp"]) & ~self._carved_over_cp(g)
+        # carved out of dp itself (not folded over dp × cp, `_carved_over_cp`)
+        ep, carved = g["ep"], self._carved(g) & (g["etp"] == g["tp"]) & (g["dp"] % g["ep"] == 0)
         return np.where(carved, g["dp"] / ep, g["dp"]), np.where(carved, ep, 1.0)
 
     def _norm_replicas(self, L: LayoutArrays, g: dict) -> tuple:
