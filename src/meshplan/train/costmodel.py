@@ -94,9 +94,10 @@ COMPLEX_ROPE_BWD_BYTES = 20.0
 # when mscale == 1 ("mscale=... is not supported by TE's fused RoPE. Using unfused implementation"); Megatron-Bridge
 # also turns apply_rope_fusion off for position_embedding_type "yarn" (src/megatron/bridge/utils/fusions.py
 # `validate_rope_fusion_compatibility`, v0.2.0 .. v0.5.1; gpt-oss: models/gpt_oss/gpt_oss_bridge.py
-# position_embedding_type = "yarn"). NVIDIA/Megatron-LM @ 0d8e0714, b0cc2706, d7288711, d0b3b775 (the Megatron-Bridge
-# v0.2.0, v0.3.0, v0.4.0, v0.5.0 pins) `_apply_rotary_pos_emb_bshd` on q and on k (rot_dim = the head dim, t_pass
-# empty), HBM elements per element of q or k (cos/sin are [s, 1, 1, d], broadcast): forward t·cos (read 1, write 1),
+# position_embedding_type = "yarn"). NVIDIA/Megatron-LM @ 0d8e0714, b0cc2706, 55ac7082, d7288711, d0b3b775,
+# 458c8d0e (the Megatron-Bridge v0.2.0, v0.3.0, v0.3.1, v0.4.0/v0.4.1, v0.5.0, v0.5.1 pins) `_apply_rotary_pos_emb_bshd`
+# on q and on k (rot_dim = the head dim, t_pass empty), HBM elements per element of q or k (cos/sin are [s, 1, 1, d],
+# broadcast): forward t·cos (read 1, write 1),
 # `_rotate_half` -x2 (½ + ½) and torch.cat (1 + 1), ·sin (1 + 1), the sum (2 + 1), torch.cat((t, t_pass)) (1 + 1) =
 # 12; autograd's backward: g·sin (1 + 1), the negation's gradient (½ + ½), chunk's gradient concatenated (1 + 1),
 # g·cos (1 + 1), the two gradients of t summed (2 + 1), the slice's gradient (zeros 1, copy 1 + 1) = 13 (the empty
