@@ -166,9 +166,9 @@ def model_of(e: dict) -> ModelConfig:
 # Architecture the measurement schema has no field for, taken from the catalog model of the same name when its
 # sizes are the entry's (the catalog file is the model's Hugging Face config.json, its `_source`): gpt-oss's
 # alternating 128-token sliding window, attention sinks and linear biases (gpt-oss model card; the entries'
-# model_source: "not expressible in the schema")
+# model_source: "not expressible in the schema"), and its YaRN RoPE scaling (config.json rope_scaling)
 CATALOG_ONLY_FIELDS = ("layer_windows", "window_kind", "attention_sinks", "linear_bias", "qkv_bias", "out_bias",
-                       "router_bias", "glu_limit")
+                       "router_bias", "glu_limit", "rope_scaling")
 _SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "n_experts",
                 "experts_per_token")
 
@@ -430,7 +430,7 @@ def options_of(e: dict) -> Options:
         nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
                                                 "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params",
-                                                "expert_tp")}
+                                                "expert_tp", "unfused_yarn_rope")}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
         # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
         recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items()
@@ -441,7 +441,8 @@ def options_of(e: dict) -> Options:
         # Megatron-LM launched directly (the MoE model zoo's sbatch_benchmarking.sh): the "megatron" preset's interleaved
         # pipeline sends overlapped, Megatron-FSDP without copies, unfused expert biases; parameter gather as named
         mg = preset("megatron")
-        framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias", "glu_saves_input")}
+        framework_kw = {k: mg[k] for k in ("pp_overlap", "fsdp_copies", "unfused_expert_bias", "glu_saves_input",
+                                           "unfused_yarn_rope")}
     if e.get("framework") == "maxtext":
         # MaxText on TPU (the "maxtext" preset): JAX remat reruns only what the backward reads, folded all-reduces,
         # the SPMD pipeline loop, splash attention's block grid (the recipe's, data/maxtext_recipes.yaml, else the

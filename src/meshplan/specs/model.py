@@ -41,6 +41,9 @@ class ModelConfig:
     mlp_act: str = "swiglu"
     tied_embeddings: bool = False
     position: str = "rotary"  # rotary | learned | alibi
+    # RoPE scaling of config.json `rope_scaling` (`rope_parameters` in newer transformers): its rope_type (or type),
+    # e.g. "yarn" (gpt-oss, transformers models/gpt_oss/configuration_gpt_oss.py: factor 32), "llama3"; "" = none
+    rope_scaling: str = ""
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     linear_bias: bool = False  # every linear layer has a bias (GPT-2/3, NeoX, BLOOM)
     qkv_bias: bool = False  # only the Q/K/V projections have biases (Qwen2)
@@ -468,11 +471,15 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         qk_norm = "head"  # RMSNorm(head_dim) shared by the heads
     elif family == "olmo2" or (family == "cohere" and cfg.get("use_qk_norm")):
         qk_norm = "full"  # OLMo 2: RMSNorm over N·H and K·H; Cohere: a LayerNorm weight per (head, dim)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    rope_scaling = str(rope.get("rope_type") or rope.get("type") or "").lower() if isinstance(rope, dict) else ""
+    if family == "gpt_oss" and not rope:
+        rope_scaling = "yarn"  # transformers' GptOssConfig default rope_parameters: rope_type "yarn", factor 32
     quant = cfg.get("quantization_config")
     expert_dtype = str(quant.get("quant_method", "")) if isinstance(quant, dict) and family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
-        max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, norm=norm,
+        max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
         linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias,
         # transformers: attention_bias gives Q, K, V and O biases (Llama, Phi-3.5-MoE, ...), Qwen2's only Q/K/V
         out_bias=qkv_bias and not linear_bias and family not in ("qwen2", "qwen2_moe"),

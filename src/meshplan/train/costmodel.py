@@ -88,6 +88,26 @@ CP_TORCH_MERGE_BWD_BYTES = 58.5
 # the backward runs the same three in reverse (the product by the conjugate) = 20.
 COMPLEX_ROPE_FWD_BYTES = 20.0
 COMPLEX_ROPE_BWD_BYTES = 20.0
+# Megatron-Core's unfused RoPE (Options.unfused_yarn_rope). A YaRN RoPE has a concentration factor ("mscale")
+# 0.1·ln(factor) + 1 (megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py `_yarn_get_mscale`: 1.347
+# for gpt-oss's factor 32), and `apply_rotary_pos_emb` (rope_utils.py) runs Transformer Engine's fused kernel only
+# when mscale == 1 ("mscale=... is not supported by TE's fused RoPE. Using unfused implementation"); Megatron-Bridge
+# also turns apply_rope_fusion off for position_embedding_type "yarn" (src/megatron/bridge/utils/fusions.py
+# `validate_rope_fusion_compatibility`, v0.2.0 .. v0.5.1; gpt-oss: models/gpt_oss/gpt_oss_bridge.py
+# position_embedding_type = "yarn"). NVIDIA/Megatron-LM @ 0d8e0714, b0cc2706, 55ac7082, d7288711, d0b3b775,
+# 458c8d0e (the Megatron-Bridge v0.2.0, v0.3.0, v0.3.1, v0.4.0/v0.4.1, v0.5.0, v0.5.1 pins) `_apply_rotary_pos_emb_bshd`
+# on q and on k (rot_dim = the head dim, t_pass empty), HBM elements per element of q or k (cos/sin are [s, 1, 1, d],
+# broadcast): forward t·cos (read 1, write 1),
+# `_rotate_half` -x2 (½ + ½) and torch.cat (1 + 1), ·sin (1 + 1), the sum (2 + 1), torch.cat((t, t_pass)) (1 + 1) =
+# 12; autograd's backward: g·sin (1 + 1), the negation's gradient (½ + ½), chunk's gradient concatenated (1 + 1),
+# g·cos (1 + 1), the two gradients of t summed (2 + 1), the slice's gradient (zeros 1, copy 1 + 1) = 13 (the empty
+# t_pass slice's own zero-filled gradient is left out: a lower bound). A fused kernel moves 2 (read, write); the
+# pointwise term already charges that, and the backward twice it.
+UNFUSED_ROPE_FWD_ELEMENTS = 12.0
+UNFUSED_ROPE_BWD_ELEMENTS = 13.0
+# Kernel launches of the unfused RoPE on one tensor, forward (mul, neg, cat, mul, add, cat), against the fused one
+# KERNELS_PER_LAYER_FWD counts: 5 more on each of q and k
+UNFUSED_ROPE_EXTRA_KERNELS_FWD = 10
 # Options.attention_kernel → the efficiency.yaml (forward, backward) fractions of peak its kernels reach
 ATTENTION_KERNEL_FRACTIONS = {
     "fused": ("attention_fwd_fraction", "attention_bwd_fraction"),
@@ -276,6 +296,10 @@ class Options:
     # fused_elementwise its q/k passes cost what those three kernels move, not one fused pass. Eager PyTorch's RoPE is
     # already in unfused_elementwise_factor.
     complex_rope: bool = False
+    # Megatron-Core applies a YaRN-scaled RoPE (ModelConfig.rope_scaling "yarn": gpt-oss) with its unfused PyTorch
+    # function, op by op, instead of Transformer Engine's fused RoPE kernel (`_unfused_rope_bytes`). On for the
+    # Megatron-Core presets (train/frameworks.py); no effect on other RoPE scalings or on MLA
+    unfused_yarn_rope: bool = False
     # K and V copied to every query head before attention under GQA (torchtitan `repeat_kv`, models/llama/model.py
     # @9dec370 to v0.2.1; replaced by SDPA's enable_gqa in #2259, 2026-01-27): one copy each forward (read K·H, write
     # N·H per token) and the gradient summed back over the repeats in the backward (read N·H, write K·H)
@@ -569,21 +593,23 @@ class CostModel:
 
     def layer_kernels_fwd(self, g: dict) -> dict:
         """Kernels one layer's forward launches, by the CUDA-graph scope that captures them (CUDA_GRAPH_SCOPES):
-        `attn` the dense part (KERNELS_PER_LAYER_FWD: norms, projections, rope, attention, activation, residuals),
+        `attn` the dense part (KERNELS_PER_LAYER_FWD: norms, projections, rope, attention, activation, residuals;
+        Megatron-Core's unfused YaRN RoPE adds UNFUSED_ROPE_EXTRA_KERNELS_FWD),
         `moe_router` and `moe_preprocess` their shares of the routing kernels (moe_overlap.yaml router_kernels_fwd),
         `moe_permute` the rest of them (permute/unpermute around the all-to-all), `moe` the expert GEMMs (one launch
         per local expert per linear, grouped_gemm_gemms_per_expert_fwd), `moe_quant` the FP8 quantizes of the expert
         GEMMs' inputs (`_expert_quantize_launches`; host issue only). MoE parts in the mean layer (moe_share)."""
         m, c = self.p.model, self.c
+        dense = float(KERNELS_PER_LAYER_FWD + (UNFUSED_ROPE_EXTRA_KERNELS_FWD if self._unfused_rope() else 0))
         if not m.is_moe:
-            return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": 0.0, "moe_preprocess": 0.0,
+            return {"attn": dense, "moe_router": 0.0, "moe_preprocess": 0.0,
                     "moe_permute": 0.0, "moe": 0.0, "moe_quant": 0.0}
         router, pre = moe_constant("router_scope_kernels_fwd"), moe_constant("preprocess_scope_kernels_fwd")
         share = c["moe_share"]
         bias_k, bias_layer = self._expert_bias_kernels()
         clamps = 3.0 if self._unfused_glu_clamp() else 0.0  # the two clamps and the cat (_glu_clamp_bytes)
         clamps += 2.0 if self._fp8_expert_padding() else 0.0  # the FP8 row padding and unpadding copies
-        return {"attn": float(KERNELS_PER_LAYER_FWD), "moe_router": share * router, "moe_preprocess": share * pre,
+        return {"attn": dense, "moe_router": share * router, "moe_preprocess": share * pre,
                 "moe_permute": share * (moe_constant("router_kernels_fwd") - router - pre),
                 "moe": share * (m.n_experts / g["ep"] * (moe_constant("grouped_gemm_gemms_per_expert_fwd") + bias_k)
                                 + bias_layer + clamps),
@@ -692,8 +718,9 @@ class CostModel:
     def _attention_input_copy_bytes(self, g: dict):
         """(forward, backward) HBM bytes per layer per micro-batch that a PyTorch Llama moves preparing attention's
         inputs beyond the fused pointwise pass (pointwise_elements_per_token counts RoPE as one read and one write):
-        the complex RoPE left eager under torch.compile (Options.complex_rope, COMPLEX_ROPE_*) and the K/V repeat to
-        every query head (Options.repeat_kv). E.g. Llama 3 8B (N=32, K=8, H=128), one token, bf16, both on: RoPE
+        the complex RoPE left eager under torch.compile (Options.complex_rope, COMPLEX_ROPE_*), the K/V repeat to
+        every query head (Options.repeat_kv), and Megatron-Core's unfused YaRN RoPE (Options.unfused_yarn_rope,
+        UNFUSED_ROPE_*: (12 − 2) elements forward, (13 − 4) backward per element of q and k). E.g. Llama 3 8B (N=32, K=8, H=128), one token, bf16, both on: RoPE
         (32+8)·128·(20 − 4) = 81,920 B forward, (32+8)·128·(20 − 8) = 61,440 B backward; the repeat
         2·(8+32)·128·2 = 20,480 B each way."""
         c, m, t, tp, act = self.c, self.p.model, g["t_mb"], g["tp"], self.opt.act_bytes
@@ -707,7 +734,17 @@ class CostModel:
         if self.opt.repeat_kv and c["N"] > c["K"]:
             repeat = t * 2 * (kv + q) * act  # K and V: read the GQA heads, write every query head's copy
             fwd, bwd = fwd + repeat, bwd + repeat
+        if self._unfused_rope():
+            fwd = fwd + t * (q + kv) * (UNFUSED_ROPE_FWD_ELEMENTS - 2) * act
+            bwd = bwd + t * (q + kv) * (UNFUSED_ROPE_BWD_ELEMENTS - 4) * act
         return fwd, bwd
+
+    def _unfused_rope(self) -> bool:
+        """Whether RoPE runs as Megatron-Core's unfused PyTorch function (Options.unfused_yarn_rope,
+        UNFUSED_ROPE_*): a YaRN-scaled RoPE on a non-MLA model."""
+        m = self.p.model
+        return bool(self.opt.unfused_yarn_rope and m.rope_scaling == "yarn" and m.position == "rotary"
+                    and not m.is_mla)
 
     def _expert_bias_bytes(self, g: dict):
         """(forward, backward) HBM bytes per layer of Megatron-Core's unfused bias adds in an MoE model with linear biases

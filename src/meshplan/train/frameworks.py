@@ -22,10 +22,11 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
     # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies)
     # and its fused SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-
-    # fusion` turns it off)
+    # fusion` turns it off); a YaRN RoPE runs unfused (Options.unfused_yarn_rope: rope_utils.py apply_rotary_pos_emb
+    # falls back to `_apply_rotary_pos_emb_bshd` whenever mscale != 1)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                      overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True,
-                     glu_saves_input=True),
+                     glu_saves_input=True, unfused_yarn_rope=True),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
     # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
     # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
@@ -38,11 +39,13 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # recipes and performance presets run the experts whole on each rank, expert_tensor_parallel_size = 1
     # (Options.expert_tp; recipes/gpt_oss/gpt_oss.py, recipes/qwen/qwen3_moe.py, recipes/deepseek/deepseek_v3.py
     # v0.2.0 to v0.5.1; scripts/performance/configs/{deepseek,gpt_oss,qwen}/*_workload_base_configs.py v0.3.0 to
-    # v0.5.1). The plain Megatron-LM preset keeps its default, ETP = TP (arguments.py).
+    # v0.5.1). The plain Megatron-LM preset keeps its default, ETP = TP (arguments.py). A YaRN RoPE (gpt-oss) runs
+    # unfused as in Megatron-Core (Options.unfused_yarn_rope; Megatron-Bridge utils/fusions.py
+    # validate_rope_fusion_compatibility also turns apply_rope_fusion off for position_embedding_type "yarn").
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
                  pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True, glu_saves_input=True, fp8_params=True,
-                 expert_tp=False),
+                 expert_tp=False, unfused_yarn_rope=True),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
