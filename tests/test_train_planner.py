@@ -237,7 +237,7 @@ def test_cp_ranks_all_reduce_their_gradients() -> None:
     ev, _, _ = search(prob, full_pins(cp=2, recompute="full"), default_efficiency(prob.chip))
     v = 4 * 8.03e9
     links = prob.chip.links
-    hand = 2 * (2 - 1) / 2 * v / (links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9))
+    hand = 2 * (2 - 1) / 2 * v / (links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9, prob.chip.name))
     assert float(ev.link_time["dp"][0]) == pytest.approx(hand, rel=0.02)
 
 
@@ -273,7 +273,7 @@ def test_fsdp_under_pipelining_gathers_once_per_step() -> None:
     # 32 layers on 2 stages; the final norm sits with the output layer on the last stage
     p_stage = 16 * pc.per_layer + max(pc.embedding, pc.unembedding + pc.final_norm)
     links = load_chip("a100-80gb").links
-    w = links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9)
+    w = links.nvlink_bandwidth_bytes_per_s * efficiency("nvlink", 1e9, "a100-80gb")
     hand = 3 / 4 * (2 + 4) * p_stage / w  # ring all-gather + reduce-scatter over 4 ranks (book ch.3)
     got = []
     for batch in (16, 64):
