@@ -127,6 +127,27 @@ def test_nvlink_efficiency_matches_book_measurements():
     assert efficiency("ici", 1e9) == 0.95
 
 
+def test_nvlink_curve_per_generation():
+    """A100 (NVLink 3) reads the nccl-tests all_reduce_perf sweep on 8x A100 (stas00/ml-engineering@48b75ddc
+    network/README.md): busbw 229.04 GB/s at 1 GiB and 222.72 GB/s at 512 MiB of 300 GB/s; between them the curve
+    is log-interpolated: at 1e9 B, f = ln(1e9 / 2^29) / ln 2 = 0.8972, 0.7424 + 0.8972 (0.7635 - 0.7424) = 0.7613.
+    Hopper keeps the book's figures; a chip without a curve (B200) and no chip take the generic (book) one."""
+    assert efficiency("nvlink", 2**30, "a100-80gb") * 300e9 == pytest.approx(229.04e9, rel=1e-3)
+    assert efficiency("nvlink", 2**29, "a100-40gb") * 300e9 == pytest.approx(222.72e9, rel=1e-3)
+    assert efficiency("nvlink", 1e9, "a100-80gb") == pytest.approx(0.7613, abs=2e-4)
+    assert efficiency("nvlink", 16 * 2**30, "a100-80gb") * 300e9 == pytest.approx(234.89e9, rel=1e-3)
+    for chip in ("h100-sxm", "h200", "b200", None):
+        assert efficiency("nvlink", 10e9, chip) * 450e9 == pytest.approx(370e9, rel=0.01)
+
+
+def test_a100_all_reduce_reproduces_the_nccl_tests_line():
+    """8x A100 all-reduce of 1 GiB: 2 (n-1)/n V / busbw = 1.75 · 1073741824 / 229.04e9 = 8.204 ms; the sweep's line
+    reads "1_073_741_824  8203.9 us" (no SHARP on NVSwitch gen 2; 7 hops of latency are far smaller)."""
+    a100 = load_chip("a100-80gb")
+    c = group_collective("allreduce", 2**30, make_cluster(a100, 8), 8)
+    assert c.time_s == pytest.approx(8203.9e-6, rel=2e-3)
+
+
 def test_permute_and_latency_regime():
     m = map_mesh(make_cluster(V5E, 256), {"data": 16, "tensor": 16})
     p = collective("permute", 4.5e6, m, ["tensor"], ideal=True)

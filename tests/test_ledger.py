@@ -87,6 +87,47 @@ def test_full_recompute_under_jax_reruns_one_reduce_scatter_per_layer():
     assert c["reduce_scatter/tensor"] == 12 * 2 * 2048 * 256
 
 
+def _gpu_ledger(cfg: ParallelConfig, framework: str, chip: str = "a100-80gb") -> dict:
+    gpu = load_chip(chip)
+    p = Problem(TINY, gpu, cfg.chips, 128, 16)
+    opts = framework_options(framework, Options(), {})
+    ev = evaluate(CostModel(p, default_efficiency(gpu), opts), LayoutArrays.from_configs([cfg]))
+    return ev.ledger.plan(0)["collective_bytes"]
+
+
+def test_full_recompute_under_pytorch_reruns_the_forward_tp_collectives():
+    """PyTorch's checkpoint (Megatron-LM CheckpointFunction.backward) reruns each layer's forward with its SP collectives:
+    +2 AG + 2 RS of v per layer on the GPU over the 14 v / 10 v of no recompute (test_tp_sequence_parallel_bytes):
+    AG 14 v + 2 layers × 2 = 18 v, RS 10 v + 2 × 2 = 14 v, v = 2 B · 2048 tokens · 256 = 1048576 B. Selective recompute
+    (attention core only) reruns no collective: 14 v and 10 v."""
+    v = 2 * 2048 * 256
+    full = _gpu_ledger(ParallelConfig(tp=8, microbatch=16, recompute="full"), "megatron")
+    assert full["all_gather/tensor"] == 18 * v and full["reduce_scatter/tensor"] == 14 * v
+    sel = _gpu_ledger(ParallelConfig(tp=8, microbatch=16, recompute="selective"), "megatron")
+    assert sel["all_gather/tensor"] == 14 * v and sel["reduce_scatter/tensor"] == 10 * v
+
+
+def test_compiled_full_recompute_reruns_what_the_backward_reads():
+    """torchtitan compiles the checkpointed block (apply_ac, then apply_compile): the partitioner's backward graph
+    reruns both all-gathers, which are the backward's gathers already counted (forward, output gradient, re-gather:
+    2 layers × 2 pairs × 3 + 2 outside = 14 v), and the attention output's reduce-scatter (it feeds the MLP norm), not
+    the MLP output's: RS 10 v + 2 layers × 1 = 12 v (eager PyTorch checkpoint: 18 v and 14 v above)."""
+    v = 2 * 2048 * 256
+    full = _gpu_ledger(ParallelConfig(tp=8, microbatch=16, recompute="full"), "torchtitan")
+    assert full["all_gather/tensor"] == 14 * v and full["reduce_scatter/tensor"] == 12 * v
+
+
+def test_full_recompute_without_sp_reruns_both_all_reduces():
+    """Without SP each layer all-reduces its attention and MLP outputs in the forward and their input gradients in the
+    backward (4 v a layer) and the embedding/logits 2 v; a rerun forward adds 2 v a layer: 2·6 v + 2 v = 14 v (10 v
+    without recompute), beside the 24576 B of cross-entropy numbers (no replicated norm scales without SP)."""
+    v = 2 * 2048 * 256
+    full = _gpu_ledger(ParallelConfig(tp=8, microbatch=16, recompute="full", sequence_parallel=False), "megatron")
+    none = _gpu_ledger(ParallelConfig(tp=8, microbatch=16, sequence_parallel=False), "megatron")
+    assert full["all_reduce/tensor"] == 14 * v + 24576
+    assert none["all_reduce/tensor"] == 10 * v + 24576
+
+
 def test_expert_parallel_carved_out_of_data():
     """Mixtral-style DP2×EP4 (the planner's dp=8 holds ep=4), micro-batch 2 (t = 256 tokens, one micro-batch):
     dispatch + combine forward and backward, 4 all-to-alls of t·k·D bf16 = 2·256·2·256 = 262144 B per layer;

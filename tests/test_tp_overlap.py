@@ -40,6 +40,27 @@ def test_each_collective_pairs_with_its_own_gemm_by_hand() -> None:
     assert (f[0], b[0]) == pytest.approx((5.0, 1.0))
 
 
+def test_unpaired_input_gradient_reduce_scatters_by_hand() -> None:
+    """The layer of the test above where async TP cannot pair the input-gradient reduce-scatters (torchtitan: each is
+    the sum of the wq/wk/wv or w1/w3 dgrads, and micro_pipeline_tp fuses a reduce-scatter only with one producer
+    matmul): backward AG|proj dgrad 1.5 + RS 2.5 + AG|fc2 dgrad 0.5 + RS 2.5 = 7.0; the forward is unchanged (2.0)."""
+    cm = _cm()
+    ct = Terms(layer_matmul_fwd=np.array([10.0]), layer_out_proj_fwd=np.array([1.0]), layer_mlp_mm_fwd=np.array([6.0]))
+    f, b = cm._collective_matmul_exposed(ct, np.array([True]), (2.5, 2.5), 2.5, 4.0, 1, dgrad_rs=False)
+    assert (f[0], b[0]) == pytest.approx((2.0, 7.0))
+
+
+def test_compiled_rerun_pairs_like_the_forward_by_hand() -> None:
+    """A compiled full-AC rerun (torchtitan) reruns both all-gathers and the attention output's reduce-scatter,
+    fused by async TP like the forward's: AG|qkv max(2.5 - 3, 0) = 0 + RS|proj 2.5 - 1 = 1.5 + AG|fc1 max(2.5 - 4, 0)
+    = 0, so 1.5 (not the MLP output's reduce-scatter, which the compiled backward does not read); without SP the
+    attention's 4 s all-reduce after the 1 s projection: 3."""
+    cm = _cm()
+    ct = Terms(layer_matmul_fwd=np.array([10.0]), layer_out_proj_fwd=np.array([1.0]), layer_mlp_mm_fwd=np.array([6.0]))
+    assert cm._compiled_rerun_exposed(ct, np.array([True]), (2.5, 2.5), 2.5, 4.0)[0] == pytest.approx(1.5)
+    assert cm._compiled_rerun_exposed(ct, np.array([False]), (2.5, 2.5), 2.5, 4.0)[0] == pytest.approx(3.0)
+
+
 def test_gemm_split_by_hand() -> None:
     """Llama 3 70B at TP 8, 16 x 8192 tokens: the output projection is 2·t·D·(N·H)/tp FLOPs at its shape's
     efficiency; the MLP 3 GEMMs of D x F/tp; the rest (QKV) is what is left of the layer's GEMM seconds."""
@@ -62,7 +83,11 @@ def test_async_tp_gain_matches_the_published_speedup() -> None:
     AC, Float8: the torchtitan Dec 2024 H100 table (benchmarks/llama3_h100_202412_torchtitan.md, Table 4) measured
     19.76 s -> 18.70 s (5.7%); the async-TP announcement reports ~8% end-to-end on Llama 3 70B ("[Distributed w/
     TorchTitan] Introducing Async Tensor Parallelism in PyTorch", PyTorch forum, 2024). The pooled model (every TP
-    collective behind the whole layer's GEMMs) predicted 11.5% on this layout."""
+    collective behind the whole layer's GEMMs) predicted 11.5% on this layout. What async TP hides follows the code
+    of that setup (torchtitan @9dec370 compiles each full-AC-wrapped block): the recomputed forward is part of the
+    compiled backward graph, whose all-gather+matmul and matmul+reduce-scatter pairs Inductor's micro_pipeline_tp_pass
+    fuses as in the forward (Options.compiled_recompute), while the input-gradient reduce-scatters, each fed by a sum
+    of separate projections' dgrads, stay unfused (Options.tp_overlap_dgrad_rs)."""
     base = replace(framework_options("torchtitan", Options(), {}), compute_dtype="fp8")
     L = LayoutArrays.from_configs([ParallelConfig(fsdp=32, tp=8, microbatch=16, recompute="full")])
     sync = evaluate(_cm(chip="h100-sxm-96gb", opts=replace(base, tp_overlap=False)), L).step_time_s[0]

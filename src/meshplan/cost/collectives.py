@@ -53,9 +53,19 @@ def _catalog() -> dict:
     return yaml.safe_load(_EFF_FILE.read_text())
 
 
-def efficiency(link: str, nbytes: float) -> float:
-    """Achieved fraction of peak bandwidth on `link` for a V-byte collective (log-interpolated curve)."""
+def _curve(link: str, chip: str | None) -> dict | None:
+    """The catalog entry of `link`: the curve of the chip's generation where `generations` lists the chip by its
+    catalog name (NVLink: A100's NVLink 3, Hopper's NVLink 4), else the link's generic curve."""
     entry = _catalog()["links"].get(link)
+    if entry is None or chip is None:
+        return entry
+    return next((g for g in entry.get("generations", ()) if chip in g["chips"]), entry)
+
+
+def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
+    """Achieved fraction of peak bandwidth on `link` for a V-byte collective (log-interpolated curve) on
+    `chip` (a catalog name; None or an unlisted chip: the link's generic curve)."""
+    entry = _curve(link, chip)
     if entry is None:
         return 1.0
     pts = entry.get("points")
@@ -97,8 +107,8 @@ class Level:
     latency_time_s: float
 
 
-def _eff(link: str, nbytes: float, ideal: bool) -> float:
-    return 1.0 if ideal else efficiency(link, nbytes)
+def _eff(link: str, nbytes: float, ideal: bool, chip: str | None = None) -> float:
+    return 1.0 if ideal else efficiency(link, nbytes, chip)
 
 
 def _torus_axis_bw(s: Span, w1: float) -> float:
@@ -146,7 +156,7 @@ def _gpu_levels(p: GroupPlacement, V: float, ideal: bool, in_network: bool = Fal
         return 1.0 if in_network else (d - 1) / d
 
     if k > 1:
-        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
+        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal, p.cluster.chip_name)
         out.append(Level("nvlink", "nvlink", V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
     if M > 1:
         sp = p.cluster.chip.superpod  # the chip's SuperPod spec where it has one (book ch.12), else the catalog
@@ -245,7 +255,7 @@ def _alltoall_gpu(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, floa
     """Book ch.12: in node T = V (N-1) / (W N^2); across M nodes T = V (M-1) / (M^2 W_node), W_node = k NICs.
     In general each GPU holds V/(kM) and sends 1/(kM) of it to every peer."""
     links, k, M = p.cluster.links, p.fast_members, p.n_domains
-    w_gpu = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal)
+    w_gpu = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal, p.cluster.chip_name)
     w_nic = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
     t_node = V * (k - 1) / (k * k * M * M * w_gpu)
     t_out = V * (M - 1) / (M * M * k * w_nic)
@@ -295,7 +305,7 @@ def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:
         return _result("permute", p, nbytes, f"ring shift over {p.cluster.scale_out_link}", nbytes / w,
                        links.scale_out_hop_latency_s, additive=True)
     if not p.cluster.is_torus:
-        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", nbytes, ideal)
+        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", nbytes, ideal, p.cluster.chip_name)
         return _result("permute", p, nbytes, "ring shift over NVLink", nbytes / w, links.fast_hop_latency_s,
                        additive=True)
     s = next(s for s in p.spans if s.length > 1)  # shift along the innermost axis

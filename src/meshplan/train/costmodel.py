@@ -366,9 +366,30 @@ class Options:
     master_bytes: float = MASTER_BYTES  # the fp32 master copy in the optimizer state (0: the weights are the master)
     # JAX/XLA remat recomputes only what the backward reads (dead code elimination of the rematerialised forward):
     # full recompute skips a dense MLP's down-projection, materialised selective attention reruns QKᵀ and the
-    # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's checkpoint
-    # (Megatron, torchtitan) reruns the whole checkpointed function. On for maxtext/jax (train/frameworks.py).
+    # softmax but not AV, and the backward's TP re-gathers serve the recomputed forward too. PyTorch's eager checkpoint
+    # (Megatron) reruns the whole checkpointed function (torchtitan's compiled one: compiled_recompute). On for
+    # maxtext/jax (train/frameworks.py).
     remat_dce: bool = False
+    # torch.compile of a checkpointed block (torchtitan @9dec370 parallelisms/parallelize_llama.py: apply_ac wraps each
+    # TransformerBlock with ptd_checkpoint_wrapper, then apply_compile runs torch.compile(block, fullgraph=True) "after
+    # AC wrapping"): dynamo's checkpoint HOP tags every op of the region PREFER_RECOMPUTE (torch/_higher_order_ops/
+    # wrap.py TagActivationCheckpoint.tag_nodes), AOTAutograd's min-cut partitioner (torch/_functorch/partitioners.py
+    # must_recompute) puts those ops into the compiled backward graph, which _extract_graph_with_inputs_outputs builds
+    # from what the gradients read and dead-code-eliminates. So the recomputed forward is part of the backward graph
+    # Inductor's post-grad passes run on (micro_pipeline_tp_pass included), and of its TP collectives only those the
+    # backward reads rerun (`_tp_terms`). On for torchtitan (train/frameworks.py); Megatron/DeepSpeed rerun eagerly.
+    # Collectives only: the recompute's GEMMs are still charged whole (the partitioner drops the MLP down-projection's
+    # rerun too, as remat_dce models for XLA; not modelled here).
+    compiled_recompute: bool = False
+    # Under tp_overlap the backward's input-gradient reduce-scatters are decomposed with their dgrad GEMM (TE's
+    # userbuffers: bulk overlap with qkv/fc1 wgrad, `_collective_matmul_exposed`). PyTorch's async TP cannot pair them
+    # in torchtitan's Llama: micro_pipeline_tp's fuse_matmul_reduce_scatter needs the reduce-scatter's input to be one
+    # matmul's output (`_find_producer_matmul`: mm / _scaled_mm, or reshape -> mm -> reshape; else "no producer matmul
+    # found for reduce scatter, skipping"), and the gathered input's gradient is the sum of the separate wq/wk/wv (w1/w3)
+    # dgrad GEMMs (torchtitan @9dec370 parallelize_llama.py plans "attention.wq", "attention.wk", "attention.wv",
+    # "feed_forward.w1", "feed_forward.w3" as separate colwise linears behind one PrepareModuleInput gather). False:
+    # those reduce-scatters stay exposed whole. Off for torchtitan (train/frameworks.py).
+    tp_overlap_dgrad_rs: bool = True
     # XLA folds an all-reduce of an all-reduce's result into one over both groups (AllReduceFolder, run by the GPU and
     # TPU compilers right after SPMD partitioning): the norm scales' gradients, partial over `tensor`/`context` and
     # over the replicas, are reduced in one step. On for maxtext/jax; Megatron reduces them over TP, then over DP.
@@ -1091,14 +1112,46 @@ class CostModel:
         # Collective matmul (book ch.10; Wang et al. 2023) hides the steps behind partial matmuls; one of
         # the tp steps cannot overlap. Each collective hides only behind the GEMM it is decomposed with
         # (_collective_matmul_exposed), not behind the layer's GEMMs as one pool.
-        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar, k_mlp)
+        dgrad_rs = self.opt.tp_overlap_dgrad_rs
+        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar, k_mlp,
+                                                             dgrad_rs)
         last = tp_layer / np.maximum(tp, 1)
-        tp_exp = (np.where(self.tp_overlap, hidden_f + last, tp_layer) + np.where(self.tp_overlap, hidden_b + last, tp_layer))
+        # input-gradient reduce-scatters the overlap cannot pair (Options.tp_overlap_dgrad_rs) are exposed whole in
+        # hidden_b, so the backward's unoverlappable step is the gathers' only
+        last_b = np.where(sp & ~np.asarray(dgrad_rs), ag_layer / np.maximum(tp, 1), last)
+        tp_exp = (np.where(self.tp_overlap, hidden_f + last, tp_layer) + np.where(self.tp_overlap, hidden_b + last_b, tp_layer))
         # the backward's re-gather of the inputs runs beside the input-gradient GEMMs (the forward GEMMs' FLOPs)
         regather = np.where(sp, ag_layer, 0.0)
         # JAX remat (`remat_dce`) under full recompute reruns the attention output's reduce-scatter (it feeds the
         # recomputed MLP norm); its gathers are the backward's re-gathers, and the MLP output only feeds the residual
         rc_rs = np.where(sp & (L.recompute == 2) & self.opt.remat_dce, rs, 0.0)
+        # PyTorch's checkpoint under full recompute reruns the whole layer's forward in the backward, its TP collectives
+        # included (SP: both all-gathers and reduce-scatters; without SP: both all-reduces): Megatron-LM
+        # tensor_parallel/random.py CheckpointFunction.backward calls run_function again, whose Column/RowParallelLinear
+        # forwards gather/reduce (tensor_parallel/layers.py); DeepSpeed activation_checkpointing/checkpointing.py the
+        # same. Not XLA (remat_dce: the backward's re-gathers serve the rematerialised forward) nor TPUs (XLA programs
+        # only). Exposed as the forward's collectives are (overlapped the same way where tp_overlap: Transformer
+        # Engine's userbuffers overlap lives in its modules' forward, which the recompute calls again).
+        rc_any = (L.recompute == 2) & ~np.asarray(self.opt.remat_dce) & (self.p.chip.kind != "tpu")
+        rc_fwd = rc_any & ~np.asarray(self.opt.compiled_recompute)
+        # torch.compile (Options.compiled_recompute, torchtitan: ptd_checkpoint_wrapper, full AC) reruns only what the
+        # compiled backward graph reads: both all-gathers (their outputs are the weight gradients' operands, i.e. the
+        # backward's gathers, `regather`, and the recomputed projections' inputs) and the attention output's
+        # reduce-scatter (it feeds the recomputed MLP norm); the MLP output's only feeds the block output, so the
+        # partitioner drops it (without SP: the attention's all-reduce). The gathers feed the recomputed QKV and fc1
+        # GEMMs, so without async TP nothing hides them; with it Inductor's micro_pipeline_tp_pass, run by
+        # post_grad_passes on the backward graph as on the forward (torch/_inductor/fx_passes/post_grad.py, via
+        # compile_fx's _recursive_post_grad_passes), fuses them with those GEMMs and the reduce-scatter with the
+        # out-projection (fused_all_gather_matmul / fused_matmul_reduce_scatter) exactly as in the forward.
+        rc_cmp = rc_any & np.asarray(self.opt.compiled_recompute)
+        rc_cmp_layer = np.where(sp, ag_layer + rs, ar)
+        rc_cmp_hidden = self._compiled_rerun_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar)
+        rc_exp = (np.where(rc_fwd, np.where(self.tp_overlap, hidden_f + last, tp_layer), 0.0)
+                  + np.where(rc_cmp, np.where(self.tp_overlap, rc_cmp_hidden + rc_cmp_layer / np.maximum(tp, 1),
+                                              rc_cmp_layer), 0.0))
+        # the compiled rerun's gathers are the backward's gathers: their time is in rc_exp, not beside the dgrad GEMMs
+        regather_exp = np.where(rc_cmp, 0.0, np.maximum(regather - ct["layer_matmul_fwd"], 0))
+        rc_link = np.where(rc_fwd, tp_layer, 0.0) + np.where(rc_cmp, np.where(sp, rs, ar), 0.0)
         # the embedding and the logits' input: a reduce-scatter and an all-gather each way (an all-reduce without SP)
         outside = np.where(sp, 2 * (ag + rs), 2 * ar)
         ce = 3 * comm.time("allreduce", 4.0 * g["t_mb"], tp, 1)
@@ -1108,17 +1161,19 @@ class CostModel:
         # ZeRO-2 reduces every micro-batch's gradients into its shard (`_grad_reduces`), the norm scales' partial sums
         # over `tensor` with them (verify DP4×TP2 ZeRO-2 with 2 micro-batches: all_reduce/tensor +45% without)
         norm_ar = norm_ar * self._grad_reduces(L, g)
-        out["tp_mb"] = on * (nl * (tp_exp + np.maximum(regather - ct["layer_matmul_fwd"], 0) + rc_rs) + outside + ce
-                             + norm_ar / nm)
-        out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs) + outside + ce + norm_ar / nm)
+        out["tp_mb"] = on * (nl * (tp_exp + regather_exp + rc_rs + rc_exp)
+                             + outside + ce + norm_ar / nm)
+        out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs + rc_link) + outside + ce + norm_ar / nm)
         axes = [("tensor", tp)]
         nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations run the layers' collectives too
-        n_rs = nlr * (2 * pairs + (L.recompute == 2) * self.opt.remat_dce) + 2
-        # per layer pass: forward, output-gradient and re-gather all-gathers; outside: the logits' input, each way
-        ag_bytes = nlr * 3 * (v_ag + k_mlp * v_ag_mlp) + 2 * v_tp
+        n_rs = nlr * ((2 + rc_fwd) * pairs + (L.recompute == 2) * self.opt.remat_dce + rc_cmp) + 2
+        # per layer pass: forward, output-gradient and re-gather all-gathers (+ the recomputed forward's under
+        # PyTorch's eager full checkpoint; a compiled one's are the re-gathers); outside: the logits' input, each way
+        ag_bytes = nlr * (3 + rc_fwd) * (v_ag + k_mlp * v_ag_mlp) + 2 * v_tp
         led.collective("all_gather", axes, np.where(sp, nm * ag_bytes, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
-        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * 4 + 2) * v_tp) + 3 * 4.0 * g["t_mb"]))
+        led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * (4 + 2 * rc_fwd + rc_cmp) + 2) * v_tp)
+                                                 + 3 * 4.0 * g["t_mb"]))
         # the norm scales' gradients are partial sums over the tokens' shards on `tensor` and, with context
         # parallelism (no FSDP), on `context`: one all-reduce over both (XLA's program for CP×TP; verify)
         # Inside MaxText's SPMD pipeline (pp_spmd_loop) the layers' scales are reduced over `tensor` alone and join
@@ -1149,7 +1204,7 @@ class CostModel:
         fp8 = o.compute_dtype == "fp8" and self.p.chip.kind == "gpu"
         return FP8_GATHER_BYTES if fp8 and (o.fp8_fused_casts or o.fp8_scaling == "tensorwise") else o.act_bytes
 
-    def _collective_matmul_exposed(self, ct: Terms, sp, ag, rs, ar, k):
+    def _collective_matmul_exposed(self, ct: Terms, sp, ag, rs, ar, k, dgrad_rs=True):
         """(forward, backward) seconds per layer of TP collectives left over by a collective matmul, pairing each
         collective with the one GEMM it is decomposed with: the consumer of an all-gather, the producer of a
         reduce-scatter (Wang et al. 2023 §3: a collective overlaps its *dependent* einsum). Transformer Engine's
@@ -1161,7 +1216,8 @@ class CostModel:
         The MLP's first GEMM (fc1) is (mult - 1)/mult of its FLOPs, fc2 the rest. Without SP the all-reduces
         follow the producers (proj, fc2) forward and the input-gradient GEMMs (qkv, fc1 dgrad) backward.
         `ag` is (attention's all-gather, the MLP's k all-gathers together), as `_tp_terms` times them.
-        E.g. a 5 ms all-gather into a 4 ms QKV GEMM leaves 1 ms, however long the MLP's GEMMs are."""
+        E.g. a 5 ms all-gather into a 4 ms QKV GEMM leaves 1 ms, however long the MLP's GEMMs are. `dgrad_rs` False
+        (Options.tp_overlap_dgrad_rs): the backward's input-gradient reduce-scatters pair with nothing."""
         out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
         in_s = ct["layer_matmul_fwd"] - out_s - mlp  # the attention's input projections (QKV; MLA's down/up)
         mult = self.c["mult"]
@@ -1172,10 +1228,23 @@ class CostModel:
 
         ag_attn, ag_mlp = ag
         fwd_sp = left(ag_attn, in_s) + left(rs, out_s) + left(ag_mlp, fc1) + left(k * rs, fc2)
-        bwd_sp = left(ag_attn, out_s) + left(rs, in_s) + left(ag_mlp, fc2) + left(k * rs, fc1)
+        bwd_rs = np.where(dgrad_rs, left(rs, in_s) + left(k * rs, fc1), rs + k * rs)
+        bwd_sp = left(ag_attn, out_s) + left(ag_mlp, fc2) + bwd_rs
         fwd_ar = left(ar, out_s) + left(ar, fc2)
         bwd_ar = left(ar, in_s) + left(ar, fc1)
         return np.where(sp, fwd_sp, fwd_ar), np.where(sp, bwd_sp, bwd_ar)
+
+    def _compiled_rerun_exposed(self, ct: Terms, sp, ag, rs, ar):
+        """Seconds per layer left over when async TP fuses a compiled recomputed forward's collectives
+        (Options.compiled_recompute): the gathers with the recomputed QKV and fc1 GEMMs, the attention output's
+        reduce-scatter with the recomputed out-projection, the pairs of the forward (_collective_matmul_exposed);
+        without SP the attention's all-reduce after its out-projection."""
+        out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
+        in_s = ct["layer_matmul_fwd"] - out_s - mlp
+        fc1 = mlp * (self.c["mult"] - 1) / self.c["mult"]
+        ag_attn, ag_mlp = ag
+        sp_s = np.maximum(ag_attn - in_s, 0) + np.maximum(rs - out_s, 0) + np.maximum(ag_mlp - fc1, 0)
+        return np.where(sp, sp_s, np.maximum(ar - out_s, 0))
 
     def _carved_experts(self, g: dict):
         """Parameters of the stage's routed experts on this rank when the expert ranks are carved out of dp (else 0)."""
