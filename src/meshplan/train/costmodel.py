@@ -525,6 +525,11 @@ def _shape_constants(m) -> dict[str, float]:
     )
 
 
+def _left_over(comm, gemm):
+    """Seconds of a collective left exposed by the one GEMM it is decomposed with (a collective matmul)."""
+    return np.maximum(comm - gemm, 0)
+
+
 class CostModel:
     """Evaluates arrays of layouts for one problem."""
 
@@ -1113,8 +1118,8 @@ class CostModel:
         # the tp steps cannot overlap. Each collective hides only behind the GEMM it is decomposed with
         # (_collective_matmul_exposed), not behind the layer's GEMMs as one pool.
         dgrad_rs = self.opt.tp_overlap_dgrad_rs
-        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar, k_mlp,
-                                                             dgrad_rs)
+        ag_pair = (ag_attn, k_mlp * ag_mlp)
+        hidden_f, hidden_b = self._collective_matmul_exposed(ct, sp, ag_pair, rs, ar, k_mlp, dgrad_rs)
         last = tp_layer / np.maximum(tp, 1)
         # input-gradient reduce-scatters the overlap cannot pair (Options.tp_overlap_dgrad_rs) are exposed whole in
         # hidden_b, so the backward's unoverlappable step is the gathers' only
@@ -1145,7 +1150,7 @@ class CostModel:
         # out-projection (fused_all_gather_matmul / fused_matmul_reduce_scatter) exactly as in the forward.
         rc_cmp = rc_any & np.asarray(self.opt.compiled_recompute)
         rc_cmp_layer = np.where(sp, ag_layer + rs, ar)
-        rc_cmp_hidden = self._compiled_rerun_exposed(ct, sp, (ag_attn, k_mlp * ag_mlp), rs, ar)
+        rc_cmp_hidden = self._compiled_rerun_exposed(ct, sp, ag_pair, rs, ar)
         rc_exp = (np.where(rc_fwd, np.where(self.tp_overlap, hidden_f + last, tp_layer), 0.0)
                   + np.where(rc_cmp, np.where(self.tp_overlap, rc_cmp_hidden + rc_cmp_layer / np.maximum(tp, 1),
                                               rc_cmp_layer), 0.0))
@@ -1218,14 +1223,8 @@ class CostModel:
         `ag` is (attention's all-gather, the MLP's k all-gathers together), as `_tp_terms` times them.
         E.g. a 5 ms all-gather into a 4 ms QKV GEMM leaves 1 ms, however long the MLP's GEMMs are. `dgrad_rs` False
         (Options.tp_overlap_dgrad_rs): the backward's input-gradient reduce-scatters pair with nothing."""
-        out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
-        in_s = ct["layer_matmul_fwd"] - out_s - mlp  # the attention's input projections (QKV; MLA's down/up)
-        mult = self.c["mult"]
-        fc1, fc2 = mlp * (mult - 1) / mult, mlp / mult
-
-        def left(comm, gemm):
-            return np.maximum(comm - gemm, 0)
-
+        in_s, out_s, fc1, fc2 = self._tp_gemm_split(ct)
+        left = _left_over
         ag_attn, ag_mlp = ag
         fwd_sp = left(ag_attn, in_s) + left(rs, out_s) + left(ag_mlp, fc1) + left(k * rs, fc2)
         bwd_rs = np.where(dgrad_rs, left(rs, in_s) + left(k * rs, fc1), rs + k * rs)
@@ -1239,12 +1238,18 @@ class CostModel:
         (Options.compiled_recompute): the gathers with the recomputed QKV and fc1 GEMMs, the attention output's
         reduce-scatter with the recomputed out-projection, the pairs of the forward (_collective_matmul_exposed);
         without SP the attention's all-reduce after its out-projection."""
-        out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
-        in_s = ct["layer_matmul_fwd"] - out_s - mlp
-        fc1 = mlp * (self.c["mult"] - 1) / self.c["mult"]
+        in_s, out_s, fc1, _ = self._tp_gemm_split(ct)
         ag_attn, ag_mlp = ag
-        sp_s = np.maximum(ag_attn - in_s, 0) + np.maximum(rs - out_s, 0) + np.maximum(ag_mlp - fc1, 0)
-        return np.where(sp, sp_s, np.maximum(ar - out_s, 0))
+        sp_s = _left_over(ag_attn, in_s) + _left_over(rs, out_s) + _left_over(ag_mlp, fc1)
+        return np.where(sp, sp_s, _left_over(ar, out_s))
+
+    def _tp_gemm_split(self, ct: Terms):
+        """Forward seconds per layer of the GEMMs a TP collective can be decomposed with: (the attention's input
+        projections (QKV; MLA's down/up), its output projection, the MLP's first GEMM fc1 ((mult - 1)/mult of the
+        MLP's FLOPs), its last fc2 (the rest))."""
+        out_s, mlp = ct["layer_out_proj_fwd"], ct["layer_mlp_mm_fwd"]
+        mult = self.c["mult"]
+        return ct["layer_matmul_fwd"] - out_s - mlp, out_s, mlp * (mult - 1) / mult, mlp / mult
 
     def _carved_experts(self, g: dict):
         """Parameters of the stage's routed experts on this rank when the expert ranks are carved out of dp (else 0)."""
