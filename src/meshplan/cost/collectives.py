@@ -83,6 +83,23 @@ def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
     return float(y1)
 
 
+def ep_dispatch_scale_out_efficiency(backend: str, nodes: float) -> float | None:
+    """Achieved fraction of the per-GPU scale-out line rate in the network leg of a deduplicating MoE dispatcher
+    (`backend`: "hybridep" or "deepep") whose EP group spans `nodes` nodes: the measured points of
+    data/collective_efficiency.yaml `ep_dispatch_scale_out`, log-interpolated in nodes and clamped outside. None for
+    a backend without measured points."""
+    entry = _catalog().get("ep_dispatch_scale_out", {}).get(backend)
+    if entry is None:
+        return None
+    pts = entry["points"]
+    if nodes <= pts[0][0]:
+        return float(pts[0][1])
+    for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
+        if xa <= nodes <= xb:
+            return float(ya + math.log(nodes / xa) / math.log(xb / xa) * (yb - ya))
+    return float(pts[-1][1])
+
+
 def sharp_speedup(ideal: bool) -> float:
     """AllReduce speed-up from in-network reduction: 2x in theory (B/W vs 2B/W), ~1.3x measured (ch.12)."""
     return 2.0 if ideal else float(_catalog()["sharp"]["allreduce_speedup"]["value"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshplan.cost.collectives import ragged_destinations
+from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations
 from meshplan.cost.efficiency import Efficiency, attention_head_dim_rate, host_constant, moe_constant
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.math import transformer as tm
@@ -1412,6 +1412,8 @@ class CostModel:
         # above; none under ETP = 1)
         sent = self.opt.act_bytes * g["t_route"] * copies * c["D"]  # one device's tokens (the all-to-all's operand)
         a2a = self.comm.time("alltoall", ep * sent, ep, stride)  # the CommModel takes the group's array
+        # a DeepEP/HybridEP dispatcher's network leg at its own measured rate (not NCCL's)
+        a2a = np.maximum(a2a, self._dispatcher_network_s(sent, ep, stride))
         # dropless routing: the busiest rank receives (and returns) the most tokens and the others wait for it
         a2a = a2a * self._expert_load_ratio(g)
         # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
@@ -1465,6 +1467,27 @@ class CostModel:
         unpaired = np.minimum(warmup / (g["n_micro"] * vpp), 1.0)
         return (1 - unpaired) * paired + unpaired * n_a2a * a2a
 
+    def _ep_nodes(self, ep, stride):
+        """Nodes (NVLink domains) an EP group of `ep` ranks `stride` apart spans; 1 inside one domain."""
+        domain = self.p.chip.links.nvlink_domain_size or 0
+        span = np.asarray(ep * stride, float)
+        return np.where((domain > 0) & (span > domain), np.ceil(span / max(domain, 1)), 1.0)
+
+    def _dispatcher_network_s(self, sent, ep, stride):
+        """Seconds of the network leg of one DeepEP/HybridEP dispatch (or combine) whose EP group spans M > 1 nodes, at
+        the dispatcher's measured share of the per-GPU line rate (collective_efficiency.yaml `ep_dispatch_scale_out`,
+        by M): of the `sent` bytes (each token once per node it hits, `_dispatch_copies`) the share (M - 1)/M
+        leaves the node under uniform routing, through the GPU's own NIC. Those measurements were taken on
+        InfiniBand; on other fabrics, and for the alltoall dispatcher (NCCL), 0 (the generic all-to-all stands)."""
+        links = self.p.chip.links
+        backend = self.opt.moe_dispatcher
+        if links.scale_out_kind != "infiniband" or backend not in ("deepep", "hybridep"):
+            return np.zeros_like(np.asarray(sent, float))
+        nodes = self._ep_nodes(ep, stride)
+        eff = np.vectorize(lambda n: ep_dispatch_scale_out_efficiency(backend, float(n)) if n > 1 else 1.0)(nodes)
+        leaves = np.asarray(sent, float) * (nodes - 1) / nodes
+        return leaves / (links.scale_out_bandwidth_bytes_per_s * eff)
+
     def _dispatch_copies(self, copies, ep, stride):
         """Copies of a token one dispatch sends. Megatron-Core's alltoall dispatcher: one per routed expert
         (`copies`). A DeepEP/HybridEP dispatcher (`moe_dispatcher`) deduplicates: inside one NVLink domain a token
@@ -1475,9 +1498,7 @@ class CostModel:
             return copies
         if self.opt.moe_dispatcher not in MOE_DISPATCHERS:
             raise unknown_name_error("MoE dispatcher", self.opt.moe_dispatcher, MOE_DISPATCHERS)
-        domain = self.p.chip.links.nvlink_domain_size or 0
-        span = np.asarray(ep * stride, float)
-        nodes = np.where((domain > 0) & (span > domain), np.ceil(span / max(domain, 1)), 1.0)
+        nodes = self._ep_nodes(ep, stride)
         targets = np.where(nodes > 1, nodes, np.asarray(ep, float))
         out = np.vectorize(lambda n: ragged_destinations(int(copies), int(n)) if n > 1 else 1.0)(targets)
         return np.minimum(out, copies)
