@@ -376,6 +376,7 @@ def activation_bytes_per_layer(
     act_bytes: float = 2.0,
     glu_saves_input: bool = False,
     gemm_input_bytes: float | None = None,
+    distribute_saved: bool = False,
 ) -> dict[str, float]:
     """Bytes saved for the backward pass by one transformer layer, by tensor (sums to 'total').
 
@@ -399,6 +400,11 @@ def activation_bytes_per_layer(
     `update_usage(rowwise_usage=False)`, module/linear.py and layernorm_linear.py @d0067d0): the norm outputs that
     feed qkv and the up-projections and the down-projection's input take it; the attention output is saved twice,
     in bf16 by the attention kernel (its backward reads O) and quantised by the output projection.
+    `distribute_saved`: under full recompute the checkpoint keeps 1/tp of the layer input on each TP rank and
+    all-gathers it before the recomputed forward (Megatron-LM `--distribute-saved-activations`,
+    megatron/core/tensor_parallel/random.py @004bfb5 CheckpointFunction: split_tensor_into_1d_equal_chunks in the
+    forward, gather_split_1d_tensor in the backward; DeepSpeed `partition_activations`; metaseq
+    `--distribute-checkpointed-activations`). Under SP the saved input is already 1/tp: the same bytes.
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise MeshplanError(f"unknown recompute policy '{recompute}' (known: {', '.join(RECOMPUTE_POLICIES)})")
@@ -419,7 +425,9 @@ def activation_bytes_per_layer(
     mask = 1.0 if dropout else 0.0
 
     if recompute == "full":
-        return {"layer_input": a * sb * D * rep, "total": a * sb * D * rep}
+        # the checkpointed layer input: sharded over TP under SP or when the checkpoint distributes it
+        held = 1.0 / tp if sequence_parallel or distribute_saved else 1.0
+        return {"layer_input": a * sb * D * held, "total": a * sb * D * held}
 
     parts: dict[str, float] = {}
     if recompute == "gemm-last":

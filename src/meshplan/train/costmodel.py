@@ -381,6 +381,17 @@ class Options:
     # Collectives only: the recompute's GEMMs are still charged whole (the partitioner drops the MLP down-projection's
     # rerun too, as remat_dce models for XLA; not modelled here).
     compiled_recompute: bool = False
+    # Full recompute's checkpointed layer input kept as 1/tp on each TP rank and all-gathered over TP at the start of
+    # the layer's backward, before the recomputed forward (`tm.activation_bytes_per_layer` distribute_saved;
+    # `_tp_terms`). Megatron-LM `--distribute-saved-activations` (megatron/core/tensor_parallel/random.py @004bfb5
+    # CheckpointFunction: split_tensor_into_1d_equal_chunks after the forward, gather_split_1d_tensor in the backward;
+    # arguments.py: full recompute granularity and TP > 1 only; legacy transformer.py applies it `and not
+    # sequence_parallel`, Megatron-Core's TransformerConfig refuses it with SP), DeepSpeed activation checkpointing
+    # `partition_activations` (deepspeed/runtime/activation_checkpointing/checkpointing.py: get_full_inputs
+    # dist.all_gather over the model-parallel group), metaseq `--distribute-checkpointed-activations`
+    # (metaseq/modules/checkpoint_activation_wrapper/checkpoint_activations.py @9b0bbc6, through Megatron's mpu
+    # split/gather). No effect with SP (the saved input is already 1/tp), tp = 1 or another recompute policy.
+    distribute_saved_activations: bool = False
     # Under tp_overlap the backward's input-gradient reduce-scatters are decomposed with their dgrad GEMM (TE's
     # userbuffers: bulk overlap with qkv/fc1 wgrad, `_collective_matmul_exposed`). PyTorch's async TP cannot pair them
     # in torchtitan's Llama: micro_pipeline_tp's fuse_matmul_reduce_scatter needs the reduce-scatter's input to be one
@@ -1157,6 +1168,11 @@ class CostModel:
         # the compiled rerun's gathers are the backward's gathers: their time is in rc_exp, not beside the dgrad GEMMs
         regather_exp = np.where(rc_cmp, 0.0, np.maximum(regather - ct["layer_matmul_fwd"], 0))
         rc_link = np.where(rc_fwd, tp_layer, 0.0) + np.where(rc_cmp, np.where(sp, rs, ar), 0.0)
+        # Options.distribute_saved_activations (full recompute, no SP): the backward of each layer first all-gathers
+        # its checkpointed input, [b, s, D] gathered, over TP (Megatron's gather_split_1d_tensor, DeepSpeed's
+        # get_full_inputs: a blocking all-gather the recomputed forward waits for, with no GEMM to hide behind)
+        dist = np.asarray(self.opt.distribute_saved_activations) & (L.recompute == 2) & ~sp & (tp > 1)
+        dist_ag = np.where(dist, ag, 0.0)
         # the embedding and the logits' input: a reduce-scatter and an all-gather each way (an all-reduce without SP)
         outside = np.where(sp, 2 * (ag + rs), 2 * ar)
         ce = 3 * comm.time("allreduce", 4.0 * g["t_mb"], tp, 1)
@@ -1166,16 +1182,17 @@ class CostModel:
         # ZeRO-2 reduces every micro-batch's gradients into its shard (`_grad_reduces`), the norm scales' partial sums
         # over `tensor` with them (verify DP4×TP2 ZeRO-2 with 2 micro-batches: all_reduce/tensor +45% without)
         norm_ar = norm_ar * self._grad_reduces(L, g)
-        out["tp_mb"] = on * (nl * (tp_exp + regather_exp + rc_rs + rc_exp)
+        out["tp_mb"] = on * (nl * (tp_exp + regather_exp + rc_rs + rc_exp + dist_ag)
                              + outside + ce + norm_ar / nm)
-        out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs + rc_link) + outside + ce + norm_ar / nm)
+        out["tp_link_mb"] = on * (nl * (2 * tp_layer + regather + rc_rs + rc_link + dist_ag) + outside + ce
+                                  + norm_ar / nm)
         axes = [("tensor", tp)]
         nlr = nl * g["bubble_runs"]  # an SPMD pipeline's bubble iterations run the layers' collectives too
         n_rs = nlr * ((2 + rc_fwd) * pairs + (L.recompute == 2) * self.opt.remat_dce + rc_cmp) + 2
         # per layer pass: forward, output-gradient and re-gather all-gathers (+ the recomputed forward's under
         # PyTorch's eager full checkpoint; a compiled one's are the re-gathers); outside: the logits' input, each way
         ag_bytes = nlr * (3 + rc_fwd) * (v_ag + k_mlp * v_ag_mlp) + 2 * v_tp
-        led.collective("all_gather", axes, np.where(sp, nm * ag_bytes, 0.0))
+        led.collective("all_gather", axes, np.where(sp, nm * ag_bytes, 0.0) + np.where(dist, nm * nlr * v_tp, 0.0))
         led.collective("reduce_scatter", axes, np.where(sp, nm * n_rs * v_tp, 0.0))
         led.collective("all_reduce", axes, nm * (np.where(sp, 0.0, (nlr * (4 + 2 * rc_fwd + rc_cmp) + 2) * v_tp)
                                                  + 3 * 4.0 * g["t_mb"]))
@@ -1812,7 +1829,8 @@ class CostModel:
                 sequence_parallel=L.sequence_parallel and tp > 1, cp=cp,
                 flash_attention=self.opt.flash_attention, dropout=self.opt.dropout,
                 act_bytes=self.opt.act_bytes, glu_saves_input=self.opt.glu_saves_input,
-                gemm_input_bytes=self._fp8_saved_input_bytes())["total"]
+                gemm_input_bytes=self._fp8_saved_input_bytes(),
+                distribute_saved=self.opt.distribute_saved_activations)["total"]
             for tp, cp, mb, rc in combos])
         return vals[inv.ravel()]
 
