@@ -79,6 +79,11 @@ def train(
         help="With optimizer offload, ZeRO-Offload's one-step delayed update: the host's Adam overlaps the next step.")
     ] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism with TP.")] = True,
+    distribute_saved_activations: Annotated[bool | None, typer.Option(
+        "--distribute-saved-activations/--no-distribute-saved-activations",
+        help="Full recompute keeps 1/tp of each checkpointed layer input per TP rank and all-gathers it in the "
+             "backward (Megatron-LM --distribute-saved-activations, DeepSpeed partition_activations); needs --no-sp."
+    )] = None,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
     weight_dtype: Annotated[str | None, typer.Option(
         help="Stored weights without a separate fp32 master (MaxText's weight_dtype): bf16 or fp32; gradients and "
@@ -227,7 +232,7 @@ def train(
         moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
-        cuda_graph_scopes=graph_scopes)
+        cuda_graph_scopes=graph_scopes, distribute_saved_activations=distribute_saved_activations)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -329,6 +334,15 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
         fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
     if explicit["cuda_graph_scopes"] and problem.chip.kind != "gpu":
         fail(f"--cuda-graph needs a GPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
+    if explicit["distribute_saved_activations"]:
+        # Megatron-LM's checks (arguments.py: TP > 1 and full recompute granularity; Megatron-Core's TransformerConfig
+        # refuses it with sequence parallelism, whose saved layer input is already split over TP)
+        if pins.sequence_parallel:
+            fail("--distribute-saved-activations goes with --no-sp (under SP the saved layer input is already 1/tp)")
+        if pins.recompute not in (None, "full"):
+            fail(f"--distribute-saved-activations needs full recompute (the layout pins {pins.recompute})")
+        if pins.tp == 1:
+            fail("--distribute-saved-activations needs tensor parallelism and the layout pins tp=1: drop it")
 
 
 def assumptions(problem: Problem, opts: Options) -> str:
@@ -350,6 +364,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
         parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)"}[opts.attention_kernel])
     if opts.pp_schedule != "1f1b":
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
+    if opts.distribute_saved_activations:
+        parts.append("full recompute's saved layer inputs split over TP, gathered in the backward")
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
         parts.append("experts split over TP (ETP = TP)" if opts.expert_tp else "whole experts per rank (ETP 1)")

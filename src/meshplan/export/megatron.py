@@ -96,6 +96,10 @@ def export(plan: PlanToExport) -> str:
         flags.append("--use-distributed-optimizer")
     if c.recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+        # Options.distribute_saved_activations: arguments.py allows it with TP > 1 and full recompute only, and
+        # Megatron-Core's TransformerConfig refuses it with --sequence-parallel (the saved input is split there already)
+        if o.distribute_saved_activations and c.tp > 1 and not c.sequence_parallel:
+            flags.append("--distribute-saved-activations")
     elif c.recompute == "selective":
         args += ["--recompute-granularity", "selective"]
     if o.compute_dtype == "fp8":  # Transformer Engine: casts fused, weights cached per step
@@ -133,7 +137,8 @@ _SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--use-megatr
              "--overlap-grad-reduce", "--overlap-param-gather", "--overlap-moe-expert-parallel-comm", "--bf16",
              "--moe-router-force-load-balancing", "--moe-enable-deepep",
              "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}
+             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+             "--distribute-saved-activations"}
 
 
 def load(text: str, chips: int | None = None) -> Job:
@@ -212,6 +217,7 @@ def load(text: str, chips: int | None = None) -> Job:
         overlap_param_gather="--overlap-param-gather" in switches,
         ep_overlap="--overlap-moe-expert-parallel-comm" in switches, pp_schedule="1f1b",
         pp_head_in_split="--account-for-loss-in-pipeline-split" in switches,
+        distribute_saved_activations="--distribute-saved-activations" in switches,
         moe_force_balance="--moe-router-force-load-balancing" in switches, expert_tp=expert_tp,
         moe_dispatcher=("deepep" if values.get("--moe-token-dispatcher-type") == "flex"
                         and "--moe-enable-deepep" in switches else "alltoall"),
