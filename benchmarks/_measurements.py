@@ -495,6 +495,10 @@ def options_of(e: dict) -> Options:
         moe_capacity_factor=_capacity_factor(text),
         cuda_graph_scopes=cuda_graph_scopes_of(e),
         grad_reduce_bytes=weight_dtype_bytes_of(text) or grad_reduce_bytes_of("deepspeed" in text, "fp16" in prec),
+        # the checkpointed layer inputs split over TP, where the source's flags say so (`training.
+        # distribute_saved_activations`: Megatron-LM --distribute-saved-activations, DeepSpeed partition_activations,
+        # metaseq --distribute-checkpointed-activations)
+        distribute_saved_activations=e["training"].get("distribute_saved_activations") is True,
     ), **framework_kw)
 
 

@@ -43,11 +43,11 @@ KNOWN_UNPLANNABLE: dict[str, set[str]] = {}
 # Llama 3 on sequences of 8K tokens without activation checkpointing" say it fit. A memory-model gap, left
 # open (validation rows: no change was chosen on them).
 # OPT-175B on 992 A100 80GB (TP 8, FSDP kept gathered through the backward, read as ZeRO-2; 8 sequences per rank, full
-# recompute): metaseq's --distribute-checkpointed-activations splits each checkpointed layer input over the 8 TP ranks,
-# which the schema cannot say, so the plan keeps them whole: 8 x 2048 x 12288 x 2 B x 96 layers = 38.7 GB per GPU
-# beside 175e9 / 8 x 2 B = 43.8 GB of fp16 weights, past 80 GB (split over TP: 4.8 GB). A schema gap, left open.
-KNOWN_DOES_NOT_FIT: set[str] = {"llama3_herd_t4_405b_8192gpu_8k", "llama3_herd_t4_405b_16384gpu_8k",
-                                "opt_175b_992_a100_80gb"}
+# recompute) fits since its row says `training.distribute_saved_activations` (metaseq's
+# --distribute-checkpointed-activations, Options.distribute_saved_activations): each checkpointed layer input is split
+# over the 8 TP ranks, 8 x 2048 x 12288 x 2 B x 96 layers = 38.7 GB per GPU whole, 4.8 GB split, beside
+# 175e9 / 8 x 2 B = 43.8 GB of fp16 weights.
+KNOWN_DOES_NOT_FIT: set[str] = {"llama3_herd_t4_405b_8192gpu_8k", "llama3_herd_t4_405b_16384gpu_8k"}
 
 
 def _known_reason(entry_id: str) -> str | None:
