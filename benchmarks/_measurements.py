@@ -541,9 +541,13 @@ def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
 def maxtext_recipe_of(e: dict, table: dict | None = None) -> dict:
     """The splash-attention block grid a tpu-recipes (MaxText) row's recipe ran (data/maxtext_recipes.yaml, read from
     the recipe's workload details; `table` replaces that file): `attention_block_fwd`, `attention_block_bwd` as
-    (block_q, block_kv); {} for other rows (the maxtext preset's base.yml default)."""
+    (block_q, block_kv), and `sparsecore_reduce` (its XLA flags offload the gradient reduction to the SparseCores);
+    {} for other rows (the maxtext preset's base.yml default, no offload)."""
     entry = (_bench_table("maxtext_recipes.yaml") if table is None else table).get(e["id"]) or {}
-    return {k: tuple(int(v) for v in entry[k]) for k in ("attention_block_fwd", "attention_block_bwd") if k in entry}
+    out: dict = {k: tuple(int(v) for v in entry[k]) for k in ("attention_block_fwd", "attention_block_bwd") if k in entry}
+    if "sparsecore_reduce" in entry:
+        out["sparsecore_reduce"] = bool(entry["sparsecore_reduce"])
+    return out
 
 
 def _mbridge_moe_dispatch() -> dict:
