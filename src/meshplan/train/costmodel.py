@@ -422,6 +422,9 @@ class Options:
     # ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE, v6e): their merges then take no TensorCore time. False (every TPU
     # without that flag, and v4/v5e/v5p's programs): the TensorCore merges them (`_tpu_reduction_s`)
     sparsecore_reduce: bool = False
+    # MaxText's `use_iota_embed` (layers/embeddings.py @tpu-recipes-v0.1.4): the token embedding as a one-hot dot on
+    # the MXU, not a gather (`_iota_embedding_term`); base.yml's default is False, every tpu-recipes v6e recipe sets it
+    iota_embedding: bool = False
     # MaxText's dropping MoE (capacity_factor > 0 with megablox and sparse_matmul off): fixed expert buffers filled by
     # one-hot einsums (`_capacity_einsum_moe`); 0 = dropless routing through grouped GEMMs
     moe_capacity_factor: float = 0.0
@@ -955,6 +958,18 @@ class CostModel:
         f_s = f_un / (peak * self.eff.matmul(t, c["V"] / tp, c["D"]))
         return dict(f_s=f_s + hbm / self.hbm, flops=f_un, hbm=hbm)
 
+    def _iota_embedding_term(self, g: dict) -> dict:
+        """MaxText's `use_iota_embed` (Options.iota_embedding; layers/embeddings.py @tpu-recipes-v0.1.4:
+        `one_hot = inputs[..., None] == iota(V)`, `jnp.dot(one_hot, embedding)`): the embedding lookup is a
+        [t, V/tp] x [V/tp, D] matmul, 2·t·V·D/tp FLOPs forward, and the table's gradient one_hotᵀ·dY the same again in
+        the backward (the one-hot of integer ids has no gradient); both timed at the forward's shape. With pipelining
+        it is timed with the loss on the last stage (it runs on the first). Zero without the option."""
+        c, t, tp = self.c, g["t_mb"], g["tp"]
+        if not self.opt.iota_embedding:
+            return dict(f_s=0.0, flops=0.0)
+        f = 2 * t * c["V"] * c["D"] / tp
+        return dict(f_s=self._matmul_time(f, t, c["D"], c["V"] / tp), flops=f)
+
     def _recompute_parts(self, policy: str) -> dict[str, float]:
         """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
         if policy == "selective":
@@ -997,6 +1012,8 @@ class CostModel:
         nl = g["layers_stage"] * g["bubble_runs"]  # layer passes per micro-batch, an SPMD pipeline's bubble included
         led.flops("matmul", nm * (nl * (3 * mm["flops"] + np.select(pick, rc_mm, 0.0)) + 3 * loss["flops"]))
         led.flops("attention", nm * nl * (core["flops_f"] + core["flops_b"] + np.select(pick, rc_core, 0.0)))
+        emb = self._iota_embedding_term(g)
+        led.flops("matmul", nm * 2 * emb["flops"])  # the one-hot embedding dot forward and the table's gradient
         led.flops("other", 0.0)  # pointwise work is costed by its HBM bytes, not its FLOPs
         led.add("hbm", nm * (nl * (elem["hbm"] + elem["hbm_b"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
@@ -1008,6 +1025,7 @@ class CostModel:
         loss_f = np.where(head, np.maximum(loss["f_s"], middle * full) - full, loss["f_s"])
         loss_b = np.where(head, np.maximum(2 * loss["f_s"], middle * (layer_bwd + recompute)) - layer_bwd - recompute,
                           2 * loss["f_s"])
+        loss_f, loss_b = loss_f + emb["f_s"], loss_b + emb["f_s"]
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
