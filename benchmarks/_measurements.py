@@ -541,9 +541,14 @@ def mbridge_recipe_of(e: dict, table: dict | None = None) -> dict:
 def maxtext_recipe_of(e: dict, table: dict | None = None) -> dict:
     """The splash-attention block grid a tpu-recipes (MaxText) row's recipe ran (data/maxtext_recipes.yaml, read from
     the recipe's workload details; `table` replaces that file): `attention_block_fwd`, `attention_block_bwd` as
-    (block_q, block_kv); {} for other rows (the maxtext preset's base.yml default)."""
+    (block_q, block_kv), `sparsecore_reduce` (its XLA flags offload the gradient reduction to the SparseCores) and
+    `iota_embedding` (use_iota_embed); {} for other rows (the maxtext preset's base.yml defaults)."""
     entry = (_bench_table("maxtext_recipes.yaml") if table is None else table).get(e["id"]) or {}
-    return {k: tuple(int(v) for v in entry[k]) for k in ("attention_block_fwd", "attention_block_bwd") if k in entry}
+    out: dict = {k: tuple(int(v) for v in entry[k]) for k in ("attention_block_fwd", "attention_block_bwd") if k in entry}
+    for key in ("sparsecore_reduce", "iota_embedding"):
+        if key in entry:
+            out[key] = bool(entry[key])
+    return out
 
 
 def _mbridge_moe_dispatch() -> dict:

@@ -147,6 +147,23 @@ def test_tpu_recipes_rows_get_their_splash_block_grid() -> None:
     assert all(_rows()[k]["framework"] == "maxtext" for k in table)
 
 
+def test_tpu_recipes_rows_that_offload_the_gradient_reduction_to_the_sparsecores_and_embed_by_matmul() -> None:
+    # tpu-recipes @c8cfe2f "Workload Details": Mistral-7B-MaxText (mistral_7b) lists
+    # xla_flags_library.ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE; Llama3.1-70B-MaxText/v6e-64 (llama3_1_70b_8192_bs2)
+    # and Mixtral-8x7B-MaxText (mixtral_8x7b_dropped) do not
+    assert H.options_of(_row("tpurecipes_v6e_mistral-7b_8x1")).sparsecore_reduce
+    assert not H.options_of(_row("tpurecipes_v6e_llama3p1-70b_64x1")).sparsecore_reduce
+    assert not H.options_of(_row("tpurecipes_v6e_mixtral-8x7b_256x1")).sparsecore_reduce
+    # a row the table does not list, and a GPU row: no offload
+    assert not H.options_of(dict(_row("tpurecipes_v6e_mistral-7b_8x1"), id="not_in_the_table")).sparsecore_reduce
+    assert not H.options_of(_row("torchtitan_trainy_h200_llama3p1_8b_32")).sparsecore_reduce
+    # every recipe of the table sets use_iota_embed True (the one-hot embedding matmul); base.yml's default is False
+    assert all(H.options_of(_row(k)).iota_embedding for k in ("tpurecipes_v6e_llama3p1-70b_64x1",
+                                                              "tpurecipes_v6e_mixtral-8x7b_256x1",
+                                                              "tpurecipes_v6e_mistral-7b_8x1"))
+    assert not H.options_of(dict(_row("tpurecipes_v6e_mistral-7b_8x1"), id="not_in_the_table")).iota_embedding
+
+
 def test_maxtext_per_device_batch_is_one_pass_of_the_tensor_parallel_group() -> None:
     # MaxText largest_job/128b.sh (reference maxtext_v5e_128b_*): per_device_batch_size=1, ici_fsdp 16 x
     # ici_tensor 16 on 256 chips: global batch 256, each of the 16 FSDP ranks runs its 16 sequences in one pass

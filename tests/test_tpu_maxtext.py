@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import run_cli
 
@@ -198,3 +199,24 @@ def test_splash_block_grid_scales_the_tpu_attention_core_only() -> None:
         Options(attention_block_fwd=(2048,))
     with pytest.raises(MeshplanError, match=r"attention_block_bwd\[1\]"):
         Options(attention_block_bwd=(2048, -1))
+
+
+def test_maxtext_iota_embedding_is_a_one_hot_matmul_forward_and_for_the_table_gradient() -> None:
+    """MaxText use_iota_embed (layers/embeddings.py @tpu-recipes-v0.1.4: jnp.dot(one_hot(ids), embedding)): Llama 3 8B
+    (V = 128,256, D = 4,096) on one v6e, one sequence of 4,096 tokens: 2 x 4096 x 128256 x 4096 = 4.3036e12 FLOPs
+    forward and the same for the table's gradient = 8.6072e12 more matmul FLOPs a step, each pass at the matmul rate
+    of its shape: 0.92 x 4096/(4096 + 256) (matmul_half_dim, the narrowest dim D) x 9.2e14 FLOP/s."""
+    prob = Problem(load_model("llama3-8b"), load_chip("tpu-v6e"), 1, 4096, 1)
+    eff = default_efficiency(prob.chip)
+    L = LayoutArrays.from_configs([ParallelConfig(microbatch=1, recompute="none")])
+    out = {}
+    for on in (False, True):
+        cm = CostModel(prob, eff, Options(iota_embedding=on))
+        g = cm.geometry(L)
+        ct = cm.compute_terms(L, g)
+        out[on] = (float(np.ravel(g["ledger"]["flops/matmul"])[0]), float(np.ravel(ct["fwd"] + ct["bwd"])[0]))
+    f_pass = 2 * 4096 * 128_256 * 4096
+    assert f_pass == pytest.approx(4.3036e12, rel=1e-4)
+    assert out[True][0] - out[False][0] == pytest.approx(2 * f_pass, rel=1e-9)
+    rate = 0.92 * 4096 / (4096 + 256) * 9.2e14
+    assert out[True][1] - out[False][1] == pytest.approx(2 * f_pass / rate, rel=1e-6)

@@ -700,10 +700,53 @@ def test_gpu_fsdp_pays_the_copy_out_of_every_gathered_layer() -> None:
     assert float(cc["fsdp_copy_mb"][0]) == pytest.approx((2 * 4 + 6) * per_gather / hbm, rel=1e-9)
     bcast = CostModel(prob, eff, Options(zero3_fetch="broadcast"))
     assert float(bcast.comm_terms(L, g, cm.compute_terms(L, g))["fsdp_copy_mb"][0]) == 0.0
+    # XLA gathers in place: a TPU has no copies (what it pays is the reduction's merge, below; none when the
+    # SparseCores take the reduction)
     tpu = Problem(load_model("llama3-8b"), load_chip("tpu-v5e"), 8, 4096, 8)
-    cm_tpu = CostModel(tpu, default_efficiency(tpu.chip), Options())
+    cm_tpu = CostModel(tpu, default_efficiency(tpu.chip), Options(sparsecore_reduce=True))
     g_tpu = cm_tpu.geometry(L)
     assert float(cm_tpu.comm_terms(L, g_tpu, cm_tpu.compute_terms(L, g_tpu))["fsdp_copy_mb"][0]) == 0.0
+
+
+def test_tpu_reduce_scatter_merges_on_the_tensorcore() -> None:
+    """A TPU's reduce-scatter merges each received chunk into the local partial sum on the TensorCore: read both,
+    write the sum, 3 HBM accesses per merged element, (n - 1)/n of the array on each of n ranks
+    (collective_efficiency.yaml `tpu_reduction`). Llama 3 8B, FSDP 8 on a v5e-8, fp32 gradients (4 B): the 32 layers
+    of 218,112,000 parameters, 2 x 128,256 x 4,096 embedding/unembedding and 4,096 final-norm scales =
+    8,030,261,248 parameters; 3 x 4 x 8,030,261,248 x 7/8 = 84,317,743,104 B at 0.85 x 8.2e11 B/s = 6.97e11 B/s
+    -> 0.12097 s per micro-batch. With the reduction on the SparseCores (v6e, Options.sparsecore_reduce): 0."""
+    from meshplan.train.config import LayoutArrays, ParallelConfig
+    from meshplan.train.costmodel import CostModel
+
+    tpu = Problem(load_model("llama3-8b"), load_chip("tpu-v5e"), 8, 4096, 8)
+    eff = default_efficiency(tpu.chip)
+    L = LayoutArrays.from_configs([ParallelConfig(fsdp=8, microbatch=1, recompute="none")])
+    params = 32 * 218_112_000 + 2 * 128_256 * 4096 + 4096
+    assert params == 8_030_261_248
+    merged_bytes = 3 * 4 * params * 7 / 8
+    assert merged_bytes == pytest.approx(84_317_743_104, rel=1e-12)
+    for sc, expect in ((False, merged_bytes / (0.85 * 8.2e11)), (True, 0.0)):
+        cm = CostModel(tpu, eff, Options(sparsecore_reduce=sc))
+        g = cm.geometry(L)
+        cc = cm.comm_terms(L, g, cm.compute_terms(L, g))
+        assert float(cc["fsdp_copy_mb"][0]) == pytest.approx(expect, rel=1e-9, abs=1e-15)
+    assert merged_bytes / (0.85 * 8.2e11) == pytest.approx(0.12097, rel=1e-4)
+    # a replica all-reduce behind the backward (dp_overlap) merges too: dp 2 x fsdp 4, the FSDP shard of
+    # 8,030,261,248 / 4 = 2,007,565,312 parameters over 2 replicas, 3 x 4 x 2,007,565,312 x 1/2 = 12,045,391,872 B once
+    # a step, beside the reduce-scatter's 3 x 4 x params x 3/4 per micro-batch; exposed (the TPU default), the merges
+    # run inside the all-reduce's own exposed time: nothing more
+    L2 = LayoutArrays.from_configs([ParallelConfig(dp=2, fsdp=4, microbatch=1, recompute="none")])
+    for overlap, expect in ((True, 12_045_391_872 / (0.85 * 8.2e11)), (False, 0.0)):
+        cm = CostModel(tpu, eff, Options(dp_overlap=overlap))
+        g = cm.geometry(L2)
+        cc = cm.comm_terms(L2, g, cm.compute_terms(L2, g))
+        assert float(cc["fsdp_copy_step"][0]) == pytest.approx(expect, rel=1e-9, abs=1e-15)
+        assert float(cc["fsdp_copy_mb"][0]) == pytest.approx(3 * 4 * params * 3 / 4 / (0.85 * 8.2e11), rel=1e-9)
+    # GPUs: no merge term (NCCL's reduction kernels are in the SM slow-down)
+    gpu = Problem(load_model("llama3-8b"), load_chip("h100-sxm"), 8, 4096, 8)
+    cm_gpu = CostModel(gpu, default_efficiency(gpu.chip), Options(fsdp_copies=False))
+    g_gpu = cm_gpu.geometry(L)
+    assert float(cm_gpu.comm_terms(L, g_gpu, cm_gpu.compute_terms(L, g_gpu))["fsdp_copy_mb"][0]) == 0.0
 
 
 def test_zero_global_batch_is_a_clear_error() -> None:

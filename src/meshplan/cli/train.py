@@ -84,6 +84,11 @@ def train(
         help="Full recompute keeps 1/tp of each checkpointed layer input per TP rank and all-gathers it in the "
              "backward (Megatron-LM --distribute-saved-activations, DeepSpeed partition_activations); needs --no-sp."
     )] = None,
+    sparsecore_reduce: Annotated[bool | None, typer.Option(
+        "--sparsecore-reduce/--no-sparsecore-reduce",
+        help="TPU: the gradient reductions run on the SparseCores (XLA's SparseCore all-reduce offload, MaxText "
+             "ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE on v6e), so their merges take no TensorCore time."
+    )] = None,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
     weight_dtype: Annotated[str | None, typer.Option(
         help="Stored weights without a separate fp32 master (MaxText's weight_dtype): bf16 or fp32; gradients and "
@@ -232,7 +237,8 @@ def train(
         moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
-        cuda_graph_scopes=graph_scopes, distribute_saved_activations=distribute_saved_activations)
+        cuda_graph_scopes=graph_scopes, distribute_saved_activations=distribute_saved_activations,
+        sparsecore_reduce=sparsecore_reduce)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -332,6 +338,8 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
     fp8 = given("fp8_recipe", "fp8_weight_cache", "fp8_fused_casts")
     if fp8 and dtype != "fp8":
         fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
+    if explicit["sparsecore_reduce"] and problem.chip.kind != "tpu":
+        fail(f"--sparsecore-reduce needs a TPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
     if explicit["cuda_graph_scopes"] and problem.chip.kind != "gpu":
         fail(f"--cuda-graph needs a GPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
     if explicit["distribute_saved_activations"]:
@@ -366,6 +374,9 @@ def assumptions(problem: Problem, opts: Options) -> str:
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
     if opts.distribute_saved_activations:
         parts.append("full recompute's saved layer inputs split over TP, gathered in the backward")
+    if problem.chip.kind == "tpu":
+        parts.append("gradient reductions merged on the SparseCores" if opts.sparsecore_reduce
+                     else "gradient reductions merged on the TensorCore")
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
         parts.append("experts split over TP (ETP = TP)" if opts.expert_tp else "whole experts per rank (ETP 1)")

@@ -105,6 +105,12 @@ def sharp_speedup(ideal: bool) -> float:
     return 2.0 if ideal else float(_catalog()["sharp"]["allreduce_speedup"]["value"])
 
 
+def tpu_reduction_hbm_passes() -> float:
+    """HBM accesses per element a TPU reduce-scatter or all-reduce makes its TensorCore do for each element it merges
+    (data/collective_efficiency.yaml `tpu_reduction`: read the local partial, read the received chunk, write the sum)."""
+    return float(_catalog()["tpu_reduction"]["hbm_passes_per_element"]["value"])
+
+
 def leaf_degree_nodes(domain_size: int) -> int:
     """Nodes under one leaf level of the fat tree (DGX SuperPOD SU: 32 nodes; NVL72: 8 racks)."""
     key = "leaf_degree_nodes_nvl72" if domain_size >= 72 else "leaf_degree_nodes"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations
+from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations, tpu_reduction_hbm_passes
 from meshplan.cost.efficiency import Efficiency, attention_head_dim_rate, host_constant, moe_constant
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.math import transformer as tm
@@ -417,6 +417,14 @@ class Options:
     # 'key_proj', 'value_proj', 'out_proj') are kept (offloaded to the host with the layer input when --offload is
     # set) instead of rematerialised: under full recompute their GEMMs are not run again (KEPT_PROJECTIONS)
     kept_projections: tuple[str, ...] = ()
+    # The gradient reductions (FSDP reduce-scatter, replica all-reduce) run on the TPU's SparseCores (XLA
+    # --xla_tpu_enable_sparse_core_collective_offload_all_reduce, MaxText xla_flags_library.py
+    # ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE, v6e): their merges then take no TensorCore time. False (every TPU
+    # without that flag, and v4/v5e/v5p's programs): the TensorCore merges them (`_tpu_reduction_s`)
+    sparsecore_reduce: bool = False
+    # MaxText's `use_iota_embed` (layers/embeddings.py @tpu-recipes-v0.1.4): the token embedding as a one-hot dot on
+    # the MXU, not a gather (`_iota_embedding_term`); base.yml's default is False, every tpu-recipes v6e recipe sets it
+    iota_embedding: bool = False
     # MaxText's dropping MoE (capacity_factor > 0 with megablox and sparse_matmul off): fixed expert buffers filled by
     # one-hot einsums (`_capacity_einsum_moe`); 0 = dropless routing through grouped GEMMs
     moe_capacity_factor: float = 0.0
@@ -950,6 +958,18 @@ class CostModel:
         f_s = f_un / (peak * self.eff.matmul(t, c["V"] / tp, c["D"]))
         return dict(f_s=f_s + hbm / self.hbm, flops=f_un, hbm=hbm)
 
+    def _iota_embedding_term(self, g: dict) -> dict:
+        """MaxText's `use_iota_embed` (Options.iota_embedding; layers/embeddings.py @tpu-recipes-v0.1.4:
+        `one_hot = inputs[..., None] == iota(V)`, `jnp.dot(one_hot, embedding)`): the embedding lookup is a
+        [t, V/tp] x [V/tp, D] matmul, 2·t·V·D/tp FLOPs forward, and the table's gradient one_hotᵀ·dY the same again in
+        the backward (the one-hot of integer ids has no gradient); both timed at the forward's shape. With pipelining
+        it is timed with the loss on the last stage (it runs on the first). Zero without the option."""
+        c, t, tp = self.c, g["t_mb"], g["tp"]
+        if not self.opt.iota_embedding:
+            return dict(f_s=0.0, flops=0.0)
+        f = 2 * t * c["V"] * c["D"] / tp
+        return dict(f_s=self._matmul_time(f, t, c["D"], c["V"] / tp), flops=f)
+
     def _recompute_parts(self, policy: str) -> dict[str, float]:
         """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
         if policy == "selective":
@@ -992,6 +1012,8 @@ class CostModel:
         nl = g["layers_stage"] * g["bubble_runs"]  # layer passes per micro-batch, an SPMD pipeline's bubble included
         led.flops("matmul", nm * (nl * (3 * mm["flops"] + np.select(pick, rc_mm, 0.0)) + 3 * loss["flops"]))
         led.flops("attention", nm * nl * (core["flops_f"] + core["flops_b"] + np.select(pick, rc_core, 0.0)))
+        emb = self._iota_embedding_term(g)
+        led.flops("matmul", nm * 2 * emb["flops"])  # the one-hot embedding dot forward and the table's gradient
         led.flops("other", 0.0)  # pointwise work is costed by its HBM bytes, not its FLOPs
         led.add("hbm", nm * (nl * (elem["hbm"] + elem["hbm_b"] + cast["hbm_f"] + cast["hbm_b"] + core["hbm_f"] + core["hbm_b"]
                                    + np.select(pick, rc_hbm, 0.0)) + 3 * loss["hbm"]))
@@ -1003,6 +1025,7 @@ class CostModel:
         loss_f = np.where(head, np.maximum(loss["f_s"], middle * full) - full, loss["f_s"])
         loss_b = np.where(head, np.maximum(2 * loss["f_s"], middle * (layer_bwd + recompute)) - layer_bwd - recompute,
                           2 * loss["f_s"])
+        loss_f, loss_b = loss_f + emb["f_s"], loss_b + emb["f_s"]
         return Terms(
             layer_fwd=full, layer_bwd=layer_bwd, layer_recompute=recompute,
             layer_matmul_fwd=mm["f_s"], layer_core_fwd=core["f_s"], layer_core_bwd=core["b_s"],
@@ -1592,6 +1615,11 @@ class CostModel:
         def layer_time(kind, nbytes):
             dense = comm.time(kind, nbytes * w_dense, sh, tp)
             return dense + np.where((w_exp > 0) & (sh_e > 1), comm.time(kind, nbytes * w_exp, sh_e, tp * g["ep"]), 0.0)
+        # a TPU merges every reduce-scatter step's received chunk on its TensorCore (_tpu_reduction_s): the layers'
+        # gradients over the shard group, the experts' over theirs. The backward's TensorCore time is then the
+        # layers' and the merges': the gathers and scatters hide behind both, and what they cannot hide shows
+        merge = self._tpu_reduction_s(o.grad_reduce_bytes * (nl * w_dense + emb), sh) \
+            + self._tpu_reduction_s(o.grad_reduce_bytes * nl * w_exp, sh_e)
         # mesh order (dp, fsdp, cp, tp): the shard group fsdp×cp is contiguous at stride tp
         if o.zero3_fetch == "broadcast":
             # owner broadcast / reduce-to-owner: every byte of the layer crosses one owner's link (a ring
@@ -1625,7 +1653,7 @@ class CostModel:
             # does not reshard the root module after its forward (`fully_shard`, reshard_after_forward: "the root
             # FSDP state has its value specially set to False"), and XLA keeps the gathered table (verify: FSDP8).
             comp_f = nl * ct["layer_fwd"]
-            comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"])
+            comp_b = nl * (ct["layer_bwd"] + ct["layer_recompute"]) + merge
             fs_f = np.maximum(nl * ag + ag_rest - comp_f, 0) + ag + ag_edge
             fs_b = np.maximum(nl * (ag + rs) + rs_rest - comp_b, 0) + rs + rs_edge
             once_f = fs_f
@@ -1650,6 +1678,7 @@ class CostModel:
             copy_in = (FSDP_COPY_IN_READ_BYTES + o.grad_reduce_bytes) * w_all / self.hbm
         else:
             copy_out = copy_in = np.zeros_like(w_layer)
+        copy_in = copy_in + merge
         out["fsdp_copy_mb"] = np.where(per_mb, 2 * copy_out + copy_in, 0.0)
         out["fsdp_copy_step"] = np.where(once, copy_out + copy_in, 0.0)
         led, nm = g["ledger"], g["n_micro"]
@@ -1699,6 +1728,13 @@ class CostModel:
         first_fwd = nl * ct["layer_fwd"]
         gather = np.where(zero >= 1, np.where(o.overlap_param_gather, np.maximum(ag_dp - first_fwd, 0), ag_dp), 0.0)
         out["dp_step"] = np.where(rep > 1, n_reduce * np.maximum(reduce - window, 0) + gather, 0.0)
+        # ... and the replicas' reduction of the gradients it holds (the experts' over their own replicas) where it
+        # runs behind the backward (dp_overlap); an exposed reduction merges inside its own exposed time
+        dp_merge = np.where(self.dp_overlap, n_reduce, 0.0) * (
+            self._tpu_reduction_s(o.grad_reduce_bytes * (grads - expert), rep)
+            + self._tpu_reduction_s(o.grad_reduce_bytes * expert, self._expert_replicas(g)))
+        out["fsdp_copy_step"] = out["fsdp_copy_step"] + dp_merge
+        led.add("hbm", dp_merge * self.hbm)
         out["dp_link_step"] = np.where(rep > 1, n_reduce * reduce + np.where(zero >= 1, ag_dp, 0.0), 0.0)
         ctx = ("context", np.where(sh > 1, 1, g["cp"]))
         # the norm scales already reduced over context with `tensor` (_tp_terms) are reduced over the rest only (or
@@ -1726,6 +1762,20 @@ class CostModel:
         # issued after the forward and read only for logging, so it runs behind the backward (no seconds)
         led.collective("all_reduce", [("data", data), ("fsdp", g["fsdp"] / ep_f), ("expert", expert_n * ep_f),
                                       ("context", g["cp"])], 4.0)
+
+    def _tpu_reduction_s(self, nbytes, n):
+        """TensorCore seconds of a TPU reduce-scatter (or an all-reduce's reduce-scatter half) of an `nbytes` array
+        per rank over `n` ranks: each rank merges (n - 1)/n of the array's elements, each merge an HBM-bound pass of
+        tpu_reduction_hbm_passes() accesses (read the local partial sum and the received chunk, write the sum;
+        data/collective_efficiency.yaml `tpu_reduction`), at the chip's HBM rate (self.hbm, hbm_fraction). The ring's
+        DMAs run beside compute, the merges do not (the reason v6e recipes offload them to the SparseCores,
+        Options.sparsecore_reduce: 0 then). 0 on GPUs (NCCL's reduction kernels are in the SM slow-down) and for a
+        group of one. E.g. 1 GB of fp32 gradients over 4 v6e chips: 3 x 1e9 x 3/4 / (1.6e12 x 0.85) = 1.65 ms."""
+        if self.p.chip.kind != "tpu" or self.opt.sparsecore_reduce:
+            return np.zeros_like(np.asarray(nbytes, float))
+        n = np.asarray(n, float)
+        frac = np.where(n > 1, (n - 1) / np.maximum(n, 1.0), 0.0)
+        return tpu_reduction_hbm_passes() * nbytes * frac / self.hbm
 
     def _fsdp_edge_params(self, g: dict):
         """Parameters (local to a TP rank) of the FSDP group that nothing hides (Options.fsdp_edge_group): none; the
