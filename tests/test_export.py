@@ -167,6 +167,92 @@ def test_maxtext_file_carries_the_splash_block_grid():
         train_module("maxtext").load("sa_block_kv: 0\nici_fsdp_parallelism: 8\n", 8)
 
 
+# benchmarks/xla_flags_library.py at AI-Hypercomputer/maxtext@e591f30cbbf217ed67ef71263ec0538239f9c3b8, copied by
+# hand: ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE = (its three flags) + ENABLE_SPARSECORE_OFFLOADING_BASE_FLAGS
+# (four), each string starting with a space as the module writes them; MaxText passes the concatenation as
+# LIBTPU_INIT_ARGS='{xla_flags}' (benchmarks/maxtext_xpk_runner.py)
+MAXTEXT_SC_ALL_REDUCE = (
+    " --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false"
+    " --xla_tpu_enable_sparse_core_collective_offload_all_reduce=true"
+    " --xla_tpu_enable_all_reduce_offload_tracing=true"
+) + (
+    " --xla_tpu_use_tc_device_shape_on_sc=true"
+    " --xla_sc_enable_instruction_fusion=false"
+    " --xla_sc_disjoint_spmem=false"
+    " --xla_sc_disable_megacore_partitioning=true"
+)
+V6E = dict(fw="maxtext", model="llama3-8b", hw="tpu-v6e", chips=8, seq=8192, gb=32, fsdp=8, microbatch=1,
+           recompute="full")
+
+
+def _libtpu_args(text: str) -> list[str]:
+    """The LIBTPU_INIT_ARGS values the file's comment lines assign."""
+    return [w.split("=", 1)[1] for line in text.splitlines() if line.startswith("#")
+            for w in shlex.split(line[1:]) if w.startswith("LIBTPU_INIT_ARGS=")]
+
+
+def test_maxtext_file_carries_the_sparsecore_reduce_flags_and_the_iota_embedding():
+    # a v6e plan that assumes the SparseCore gradient reduction and MaxText's one-hot embedding: the file sets
+    # use_iota_embed (base.yml: false by default) and launches with MaxText's own flag group, and reads back to both
+    pe, _, text, job = _roundtrip(dict(V6E, opts={"sparsecore_reduce": True, "iota_embedding": True}))
+    doc = yaml.safe_load(text)
+    assert doc["use_iota_embed"] is True and set(doc) <= framework_keys("maxtext")
+    assert _libtpu_args(text) == [MAXTEXT_SC_ALL_REDUCE.strip()]
+    assert "python3 -m maxtext.trainers.pre_train.train FILE" in text
+    assert job.options["sparsecore_reduce"] is True and job.options["iota_embedding"] is True
+    assert "use_iota_embed" not in job.unmodelled_keys
+    opts = job.resolved_options(Options())
+    assert opts.sparsecore_reduce and opts.iota_embedding
+    again = plan(pe.problem, job.pins, default_efficiency(pe.problem.chip), opts, top=1).plans[0]
+    assert again["step_time_s"] == pe.prediction["step_time_s"]
+    # without them: no flags, no key, and the file reads back to neither
+    pe0, _, text0, job0 = _roundtrip(V6E)
+    assert _libtpu_args(text0) == [] and "use_iota_embed" not in yaml.safe_load(text0)
+    assert not job0.resolved_options(Options()).sparsecore_reduce
+    assert not job0.resolved_options(Options()).iota_embedding
+    # the SparseCore merge is TensorCore time saved (costmodel._tpu_reduction_s), so the two plans differ
+    assert pe0.prediction["step_time_s"] != pe.prediction["step_time_s"]
+
+
+def test_maxtext_loader_reads_libtpu_init_args_and_use_iota_embed_from_a_hand_written_file():
+    load = train_module("maxtext").load
+    base = "ici_fsdp_parallelism: 8\n"
+    on = load('# export LIBTPU_INIT_ARGS="--xla_tpu_scoped_vmem_limit_kib=98304' + MAXTEXT_SC_ALL_REDUCE + '"\n'
+              + base + "use_iota_embed: false\n", 8)
+    assert on.options["sparsecore_reduce"] is True and on.options["iota_embedding"] is False
+    off = load("# LIBTPU_INIT_ARGS='--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false'\n" + base, 8)
+    assert off.options["sparsecore_reduce"] is False
+    other = load("# LIBTPU_INIT_ARGS='--xla_tpu_scoped_vmem_limit_kib=98304'\n" + base, 8)
+    assert "sparsecore_reduce" not in other.options and "iota_embedding" not in other.options
+    with pytest.raises(MeshplanError, match="use_iota_embed must be true or false"):
+        load(base + "use_iota_embed: 1\n", 8)
+    with pytest.raises(MeshplanError, match="cannot read the LIBTPU_INIT_ARGS line"):
+        load("# LIBTPU_INIT_ARGS='--a\n" + base, 8)
+
+
+def test_cli_exports_and_reads_back_the_tpu_options_and_refuses_them_on_gpus(capsys, tmp_path):
+    args = ["train", "--model", "llama3-8b", "--hardware", "tpu-v6e", "--chips", "8", "--seq-len", "8192",
+            "--global-batch", "32", "--top", "1"]
+    code, out, err = run_cli(args + ["--sparsecore-reduce", "--iota-embedding", "--export", "maxtext", "--out",
+                                     str(tmp_path)], capsys)
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "gradient reductions merged on the SparseCores" in said
+    assert "embedding as a one-hot matmul (MaxText use_iota_embed)" in said
+    text = (tmp_path / "maxtext.yml").read_text()
+    assert _libtpu_args(text) == [MAXTEXT_SC_ALL_REDUCE.strip()] and yaml.safe_load(text)["use_iota_embed"] is True
+    code, out, err = run_cli(["train", "--from", str(tmp_path / "maxtext.yml"), "--hardware", "tpu-v6e", "--model",
+                              "llama3-8b"], capsys)
+    said = " ".join(out.split())
+    assert code == 0 and "merged on the SparseCores" in said and "embedding as a one-hot matmul" in said, err
+    code, out, _ = run_cli(args, capsys)
+    said = " ".join(out.split())
+    assert code == 0 and "merged on the TensorCore" in said and "embedding by gather" in said
+    code, _, err = run_cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len",
+                            "8192", "--global-batch", "32", "--iota-embedding"], capsys)
+    assert code == 2 and "error: --iota-embedding needs a TPU (h100-sxm is a GPU)" in err
+
+
 # ---- refused features: one test per feature a framework cannot express -------------------------------------
 
 REFUSED = [

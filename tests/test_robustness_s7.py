@@ -103,6 +103,7 @@ CONFLICTS = [
     (DENSE + ["--fp8-weight-cache"], "--fp8-weight-cache goes with --dtype fp8"),
     (DENSE[:4] + ["tpu-v5e"] + DENSE[5:] + ["--cuda-graph", "attn"], "--cuda-graph needs a GPU (tpu-v5e is a TPU)"),
     (DENSE + ["--sparsecore-reduce"], "--sparsecore-reduce needs a TPU (h100-sxm is a GPU)"),
+    (DENSE + ["--iota-embedding"], "--iota-embedding needs a TPU (h100-sxm is a GPU)"),
     (DENSE + ["--cuda-graph", "none,attn"], "--cuda-graph must be none or a comma list"),
     (DENSE + ["--cuda-graph", ""], "--cuda-graph must be none or a comma list"),
     (DENSE + ["--recompute", ""], "unknown recompute policy ''"),
@@ -131,6 +132,7 @@ def test_flag_that_cannot_apply_is_one_error(capsys, args, needle):
     DENSE[:6] + ["1"] + DENSE[7:] + ["--seq-len", "1", "--global-batch", "1"],  # one chip, one token
     SERVE[:4] + ["tpu-v5e"] + SERVE[5:] + ["--engine", "vllm"],  # vLLM has a TPU backend
     DENSE[:4] + ["tpu-v6e"] + DENSE[5:] + ["--sparsecore-reduce"], DENSE + ["--no-sparsecore-reduce"],
+    DENSE[:4] + ["tpu-v6e"] + DENSE[5:] + ["--iota-embedding"], DENSE + ["--no-iota-embedding"],
     SERVE + ["--concurrency", "4"],  # closed-loop clients without --simulate: the closed form ranks under them
 ])
 def test_the_same_flags_plan_where_they_apply(capsys, args):

@@ -89,6 +89,11 @@ def train(
         help="TPU: the gradient reductions run on the SparseCores (XLA's SparseCore all-reduce offload, MaxText "
              "ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE on v6e), so their merges take no TensorCore time."
     )] = None,
+    iota_embedding: Annotated[bool | None, typer.Option(
+        "--iota-embedding/--no-iota-embedding",
+        help="TPU: the token embedding as a one-hot matmul on the MXU (MaxText use_iota_embed, set by the v6e "
+             "recipes), 2 x tokens x vocab x d_model FLOPs forward and again for the table gradient, not a gather."
+    )] = None,
     dtype: Annotated[str, typer.Option(help="Matmul precision: bf16 or fp8.")] = "bf16",
     weight_dtype: Annotated[str | None, typer.Option(
         help="Stored weights without a separate fp32 master (MaxText's weight_dtype): bf16 or fp32; gradients and "
@@ -238,7 +243,7 @@ def train(
         fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
         cuda_graph_scopes=graph_scopes, distribute_saved_activations=distribute_saved_activations,
-        sparsecore_reduce=sparsecore_reduce)
+        sparsecore_reduce=sparsecore_reduce, iota_embedding=iota_embedding)
     if from_file is not None:
         train_from(from_file, model=model, hardware=hardware, chips=chips, seq_len=seq_len, global_batch=global_batch,
                    slice_shape=parse_slice_shape(slice_shape), profile=profile, headroom=headroom, top=top,
@@ -340,6 +345,8 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
         fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
     if explicit["sparsecore_reduce"] and problem.chip.kind != "tpu":
         fail(f"--sparsecore-reduce needs a TPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
+    if explicit["iota_embedding"] and problem.chip.kind != "tpu":
+        fail(f"--iota-embedding needs a TPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
     if explicit["cuda_graph_scopes"] and problem.chip.kind != "gpu":
         fail(f"--cuda-graph needs a GPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
     if explicit["distribute_saved_activations"]:
@@ -377,6 +384,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
     if problem.chip.kind == "tpu":
         parts.append("gradient reductions merged on the SparseCores" if opts.sparsecore_reduce
                      else "gradient reductions merged on the TensorCore")
+        parts.append("embedding as a one-hot matmul (MaxText use_iota_embed)" if opts.iota_embedding
+                     else "embedding by gather")
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
         parts.append("experts split over TP (ETP = TP)" if opts.expert_tp else "whole experts per rank (ETP 1)")

@@ -8,17 +8,24 @@ expert axis also shards the batch and the non-expert weights (its logical rule `
 so meshplan's expert parallelism, carved out of the FSDP ranks, is MaxText's expert axis times its fsdp axis.
 Batch: global batch = per_device_batch_size x devices x gradient_accumulation_steps (base.yml); with pipelining,
 the micro-batch is global batch / num_pipeline_microbatches (base.yml).
+libtpu flags: what MaxText sets through XLA flags rather than config keys (the SparseCore gradient reduction,
+Options.sparsecore_reduce) goes in a `launch:` comment line as the LIBTPU_INIT_ARGS environment variable, where
+MaxText's own runner puts it (benchmarks/maxtext_xpk_runner.py); the flag strings are data/maxtext_libtpu_flags.yaml
+(benchmarks/xla_flags_library.py at the same commit), and the loader reads that line back.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
+from functools import cache
 
 import yaml
 
 from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
+    KEYS_DIR,
     NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
@@ -55,6 +62,46 @@ REASONS = {
 MODEL_KEYS = {"base_num_decoder_layers": "n_layers", "base_emb_dim": "d_model", "base_num_query_heads": "n_heads",
               "base_num_kv_heads": "n_kv_heads", "base_mlp_dim": "d_ff", "head_dim": "head_dim",
               "vocab_size": "vocab_size", "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
+
+
+# the module MaxText trains with (docstring above); the exported file is its config argument
+LAUNCH = "python3 -m maxtext.trainers.pre_train.train FILE"
+LIBTPU_ENV = "LIBTPU_INIT_ARGS"
+
+
+@cache
+def libtpu_flags() -> dict[str, dict]:
+    """{Options field: {"flags": [...], "switch": flag name}}: data/maxtext_libtpu_flags.yaml, the flag groups of
+    AI-Hypercomputer/maxtext@e591f30cbbf217ed67ef71263ec0538239f9c3b8 benchmarks/xla_flags_library.py (sparsecore_reduce:
+    ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE + ENABLE_SPARSECORE_OFFLOADING_BASE_FLAGS), copied verbatim."""
+    return yaml.safe_load((KEYS_DIR / "maxtext_libtpu_flags.yaml").read_text())
+
+
+def _launch_line(o, tpu: bool) -> str:
+    """How to run the file: LIBTPU_INIT_ARGS with the flags of every option on (TPU only), then the trainer."""
+    flags = [f for name, group in libtpu_flags().items() if tpu and getattr(o, name) for f in group["flags"]]
+    env = f"{LIBTPU_ENV}={shlex.quote(' '.join(flags))} " if flags else ""
+    return f"launch: {env}{LAUNCH}"
+
+
+def _read_libtpu_flags(text: str) -> dict[str, bool]:
+    """Options set by a LIBTPU_INIT_ARGS=... assignment in the file's comments (the last one wins): each option
+    whose switch flag it sets, true or false; an option whose switch it does not name is left to the preset."""
+    value = None
+    for line in text.splitlines():
+        body = line.strip()
+        if not body.startswith("#") or f"{LIBTPU_ENV}=" not in body:
+            continue
+        try:
+            words = shlex.split(body.lstrip("#"))
+        except ValueError as exc:  # an unclosed quote
+            raise MeshplanError(f"maxtext file: cannot read the {LIBTPU_ENV} line: {exc}") from None
+        value = next((w.split("=", 1)[1] for w in words if w.startswith(f"{LIBTPU_ENV}=")), value)
+    if value is None:
+        return {}
+    given = dict(f.split("=", 1) if "=" in f else (f, "true") for f in value.split())
+    return {name: given[g["switch"]].lower() in ("true", "1") for name, g in libtpu_flags().items()
+            if g["switch"] in given}
 
 
 # splash attention's block sizes (configs/base.yml; Options.attention_block_fwd = the first two, _bwd = the dKV pair)
@@ -101,6 +148,8 @@ def export(plan: PlanToExport) -> str:
         "quantization": "fp8" if o.compute_dtype == "fp8" else "",
         "attention": "flash" if p.chip.kind == "tpu" else "cudnn_flash_te",
     })
+    if o.iota_embedding:  # base.yml `use_iota_embed: false`: the embedding as a one-hot matmul (Options.iota_embedding)
+        doc["use_iota_embed"] = True
     if c.pp > 1:
         doc["num_pipeline_microbatches"] = n_micro
         doc["num_layers_per_pipeline_stage"] = -(-m.n_layers // (c.pp * c.vpp))
@@ -113,7 +162,8 @@ def export(plan: PlanToExport) -> str:
         ici = degrees[attr] // dcn[attr] if degrees[attr] % dcn[attr] == 0 else 0
         doc[f"ici_{axis}_parallelism"], doc[f"dcn_{axis}_parallelism"] = ici, dcn[attr]
     doc["ici_expert_parallelism"], doc["dcn_expert_parallelism"] = ep_axis, 1
-    return commented(header_lines(plan, NAME)) + yaml.safe_dump(doc, sort_keys=False)
+    header = header_lines(plan, NAME) + [_launch_line(o, p.chip.kind == "tpu")]
+    return commented(header) + yaml.safe_dump(doc, sort_keys=False)
 
 
 def load(text: str, chips: int | None = None) -> Job:
@@ -122,7 +172,8 @@ def load(text: str, chips: int | None = None) -> Job:
     known = framework_keys(NAME)
     used = {"base_config", "hardware", "model_name", "max_target_length", "per_device_batch_size",
             "gradient_accumulation_steps", "remat_policy", "dtype", "quantization", "attention",
-            "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_slices", *MODEL_KEYS, *SA_BLOCK_KEYS}
+            "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_slices", "use_iota_embed", *MODEL_KEYS,
+            *SA_BLOCK_KEYS}
     used |= {f"{kind}_{axis}_parallelism" for kind in ("ici", "dcn")
              for axis in ("data", "fsdp", "tensor", "pipeline", "context", "sequence", "expert")}
     job = Job(NAME, Pins())
@@ -196,6 +247,11 @@ def load(text: str, chips: int | None = None) -> Job:
     for name, pair in (("attention_block_fwd", blocks[:2]), ("attention_block_bwd", blocks[2:])):
         if any(b is not None for b in pair):
             job.options[name] = tuple(d if b is None else b for b, d in zip(pair, FRAMEWORKS[NAME][name], strict=True))
+    if "use_iota_embed" in doc:
+        if not isinstance(doc["use_iota_embed"], bool):
+            raise MeshplanError(f"maxtext file: use_iota_embed must be true or false, got {doc['use_iota_embed']!r}")
+        job.options["iota_embedding"] = doc["use_iota_embed"]
+    job.options.update(_read_libtpu_flags(text))
     hw = str(doc.get("hardware", "tpu"))
     job.chip_kind = "gpu" if hw.startswith("gpu") else "tpu" if hw.startswith("tpu") else None
     name = doc.get("model_name")
