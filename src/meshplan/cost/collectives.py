@@ -71,15 +71,19 @@ def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
     pts = entry.get("points")
     if not pts or nbytes <= 0:
         return float(entry["value"])
+    return _log_interp(pts, nbytes)
+
+
+def _log_interp(pts, x: float) -> float:
+    """y at `x` on measured [x, y] points sorted by x: linear in log(x) between neighbours, clamped outside."""
     (x0, y0), (x1, y1) = pts[0], pts[-1]
-    if nbytes <= x0:
+    if x <= x0:
         return float(y0)
-    if nbytes >= x1:
+    if x >= x1:
         return float(y1)
     for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
-        if xa <= nbytes <= xb:
-            f = math.log(nbytes / xa) / math.log(xb / xa)
-            return float(ya + f * (yb - ya))
+        if xa <= x <= xb:
+            return float(ya + math.log(x / xa) / math.log(xb / xa) * (yb - ya))
     return float(y1)
 
 
@@ -91,13 +95,7 @@ def ep_dispatch_scale_out_efficiency(backend: str, nodes: float) -> float | None
     entry = _catalog().get("ep_dispatch_scale_out", {}).get(backend)
     if entry is None:
         return None
-    pts = entry["points"]
-    if nodes <= pts[0][0]:
-        return float(pts[0][1])
-    for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
-        if xa <= nodes <= xb:
-            return float(ya + math.log(nodes / xa) / math.log(xb / xa) * (yb - ya))
-    return float(pts[-1][1])
+    return _log_interp(entry["points"], nodes)
 
 
 def sharp_speedup(ideal: bool) -> float:
