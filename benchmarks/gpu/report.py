@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 # issue #15, "Must show": (row kind, compared quantity, efficiencies, statistic, bound on |error|)
@@ -104,8 +105,46 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def refit_profile(path: Path, chip: Any) -> Any:
+    """The efficiency of a committed profile, fitted again from its stored records by the current fit
+    (`meshplan.measure.fit`): the measurements stay as they were, the way they are read follows the code."""
+    from meshplan.cost.efficiency import Efficiency
+    from meshplan.measure.fit import build_profile
+
+    prof = json.loads(path.read_text())
+    eff = build_profile(chip, prof["benchmarks"], {"platform": prof.get("platform")})["efficiency"]
+    return Efficiency(**eff, origin=f"refit of {path.name}")
+
+
+def repredict(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The results with every row predicted again by the current model: with the default efficiencies, and with
+    the file's profile (`profile_file`, beside it) re-fitted from its records."""
+    from predict import errors, predict_case
+
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip(data["chip"])
+    effs = {"defaults": default_efficiency(chip)}
+    if data.get("profile_file"):
+        effs["calibrated"] = refit_profile(folder / data["profile_file"], chip)
+    rows = []
+    for r in data["rows"]:
+        row = {k: v for k, v in r.items() if not k.startswith(("predicted_", "errors_"))}
+        if "error" not in r["measured"]:
+            for key, eff in effs.items():
+                row[f"predicted_{key}"] = pred = predict_case(r["case"], chip, eff)
+                row[f"errors_{key}"] = errors(r["case"]["kind"], r["measured"], pred)
+        rows.append(row)
+    return {**data, "rows": rows}
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: report.py RESULTS.json", file=sys.stderr)
+    args = [a for a in sys.argv[1:] if a != "--repredict"]
+    if len(args) != 1:
+        print("usage: report.py RESULTS.json [--repredict]  (--repredict: the current model and fit)",
+              file=sys.stderr)
         sys.exit(2)
-    print(markdown(json.loads(open(sys.argv[1]).read())))
+    path = Path(args[0])
+    data = json.loads(path.read_text())
+    print(markdown(repredict(data, path.parent) if "--repredict" in sys.argv else data))

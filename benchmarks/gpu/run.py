@@ -229,7 +229,7 @@ def part_train(args, ctx: dict[str, Any]) -> None:
     groups = cs.smoke_cases()["train"] if args.cpu_smoke else cs.gpu_train_cases(ctx["chip"], "jax")
     if args.quick:
         groups = groups[:4]
-    _run_cases("train", "train_jax", groups, ctx)
+    _run_cases("train", "train_jax", groups[args.train_from:], ctx)
 
 
 def part_serve(args, ctx: dict[str, Any]) -> None:
@@ -294,6 +294,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--hardware", help="chip to predict for (default: the GPU nvidia-smi names; h100-sxm on the CPU)")
     ap.add_argument("--profile", help="use this calibrated profile instead of running calibrate")
+    ap.add_argument("--train-from", type=int, default=0, metavar="K",
+                    help="start the JAX training grid at its K-th case (0-based; a later call runs what an earlier one "
+                         "had no time for)")
     args = ap.parse_args(argv)
     bad = [p for p in args.parts.split(",") if p not in PARTS]
     if bad:

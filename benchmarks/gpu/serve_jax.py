@@ -53,7 +53,7 @@ def _logits(params: Params, model: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def make_prefill(model: ModelConfig, attention: str, capacity: int):
-    """(params, tokens [B,T]) → (last-position logits [B,V], cache [L × (k, v) of [B, capacity, K, H]])."""
+    """(params, tokens [B,T]) → (last-position logits [B,V], cache [L × (k, v) of [B, K, capacity, H]], heads-major)."""
     core = jm.ATTENTION_CORES[attention]
 
     def prefill(params, tokens):
@@ -66,8 +66,8 @@ def make_prefill(model: ModelConfig, attention: str, capacity: int):
             o = core(q, k, v, pos, pos)
             x = x + jnp.einsum("btnh,nhd->btd", o, lp["wo"])
             x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
-            pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
-            cache.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+            pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
+            cache.append((jnp.pad(k.transpose(0, 2, 1, 3), pad), jnp.pad(v.transpose(0, 2, 1, 3), pad)))
         return _logits(params, model, x[:, -1:])[:, 0], cache
 
     return jax.jit(prefill)
@@ -75,16 +75,19 @@ def make_prefill(model: ModelConfig, attention: str, capacity: int):
 
 def make_decode(model: ModelConfig):
     """(params, cache, tokens [B], pos scalar) → (logits [B,V], cache): one token per sequence at position
-    `pos`, its K/V written into the cache in place (the cache is donated)."""
+    `pos`, its K/V written into the cache in place (the cache is donated). The cache is heads-major [B, K, S, H]
+    (vLLM's and TensorRT-LLM's KV blocks keep a head's positions together), so QKᵀ and AV contract it where it lies:
+    a [B, S, K, H] cache made XLA transpose the whole cache of every layer at every step (the first H200 run,
+    benchmarks/results/gpu_h200_2026-12-04.json: 45 ms for a 1B model's batch 64 × 8k step, ~11x the cache read)."""
 
     def attend(q, ck, cv, pos):
         B, _, N, H = q.shape
-        K = ck.shape[2]
+        K = ck.shape[1]
         qg = q.reshape(B, K, N // K, H)
-        s = jnp.einsum("bkgh,bskh->bkgs", qg, ck).astype(jnp.float32) * (H ** -0.5)
-        s = jnp.where(jnp.arange(ck.shape[1]) <= pos, s, -jnp.inf)
+        s = jnp.einsum("bkgh,bksh->bkgs", qg, ck).astype(jnp.float32) * (H ** -0.5)
+        s = jnp.where(jnp.arange(ck.shape[2]) <= pos, s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1).astype(cv.dtype)
-        return jnp.einsum("bkgs,bskh->bkgh", p, cv).reshape(B, 1, N, H)
+        return jnp.einsum("bkgs,bksh->bkgh", p, cv).reshape(B, 1, N, H)
 
     def decode(params, cache, tokens, pos):
         x = jnp.take(params["embed"], tokens[:, None], axis=0)  # [B,1,D]
@@ -92,8 +95,8 @@ def make_decode(model: ModelConfig):
         new_cache = []
         for lp, (ck, cv) in zip(params["layers"], cache, strict=True):
             q, k, v = _qkv(lp, jm.rmsnorm(x, lp["attn_norm"]), p)
-            ck = jax.lax.dynamic_update_slice_in_dim(ck, k, pos, axis=1)
-            cv = jax.lax.dynamic_update_slice_in_dim(cv, v, pos, axis=1)
+            ck = jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), pos, axis=2)
+            cv = jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), pos, axis=2)
             x = x + jnp.einsum("btnh,nhd->btd", attend(q, ck, cv, pos), lp["wo"])
             x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
             new_cache.append((ck, cv))
@@ -104,7 +107,7 @@ def make_decode(model: ModelConfig):
 
 def random_cache(model: ModelConfig, batch: int, capacity: int, dtype: Any, seed: int) -> list:
     """A filled cache (random values, never zeros) of `capacity` positions per sequence."""
-    shape = (batch, capacity, model.n_kv_heads, model.head_dim)
+    shape = (batch, model.n_kv_heads, capacity, model.head_dim)  # heads-major (make_decode)
     make = jax.jit(lambda k: tuple(jax.random.normal(kk, shape, jnp.float32).astype(dtype)
                                    for kk in jax.random.split(k, 2)))
     return [make(k) for k in jax.random.split(jax.random.key(seed), model.n_layers)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -58,6 +59,12 @@ class Grid:
     attn_shapes: tuple[tuple[int, int], ...] = ()  # further (heads, head_dim) timed at attn_shape_seq
     attn_shape_seq: int = 0
     norm_tokens: int = 0  # rows of the norm/elementwise kernels (0: not run)
+    # GEMMs and copies per timed program (each on its own operands): one short kernel per program is timed at the
+    # host's dispatch rate, not the device's (seen on an H200 with JAX 0.11: ~46 us per program, more than a
+    # 2048^3 bf16 GEMM takes; benchmarks/results/gpu_h200_2026-12-04.json)
+    ops_per_program: int = 1
+    program_bytes: int = 2 * 1024 * MiB  # cap on one program's operands and results
+    batch_bytes: int = 1024 * MiB  # cap on the inputs of one timed batch of programs (timing.auto_inner)
     norm_width: int = 0  # D of the norm and residual; the SwiGLU product runs at 3.5·D (LLaMA 3's F/D)
 
 
@@ -69,11 +76,13 @@ GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6
                    hbm_bytes=(64 * MiB, 256 * MiB, 1024 * MiB, 4096 * MiB), attn_lengths=(512, 1024, 2048, 4096, 8192, 16384),
                    host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
                    repeats=15, target_s=0.05)
-GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096)
+GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_program=16,
+                    batch_bytes=8 * 1024 * MiB)
 GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
-                   norm_width=8192)
+                   norm_width=8192, ops_per_program=16, batch_bytes=8 * 1024 * MiB)
 CPU_QUICK = Grid((32, 64, 128, 256), (8, 32), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
-                 4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256)
+                 4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256,
+                 ops_per_program=2)
 CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
                    matmul_big=512, hbm_bytes=(16 * MiB, 64 * MiB), attn_lengths=(128, 256, 512, 1024), attn_tokens=1024,
                    repeats=7, target_s=0.02, attn_shapes=((8, 16),), attn_shape_seq=256, norm_width=512)
@@ -113,14 +122,29 @@ def _timed(fn: Callable, specs: list[tuple[tuple[int, ...], Any]], grid: Grid, s
     if inner is not None:
         return time_fn(fn, make, warmup=2, repeats=grid.repeats, inner=inner)
     nbytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs)
-    inner = auto_inner(fn, make, grid.target_s, nbytes)  # compiles and runs twice: the warm-up
+    inner = auto_inner(fn, make, grid.target_s, nbytes, grid.batch_bytes)  # compiles and runs twice: the warm-up
     return time_fn(fn, make, warmup=0, repeats=grid.repeats, inner=inner)
 
 
 # --- matmul ----------------------------------------------------------------------------------------
 
-def _matmul_fn(out_dtype: Any) -> Callable:
-    return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out_dtype))
+def _many(op: Callable, arity: int, n: int) -> Callable:
+    """One program of `n` independent copies of `op`, each on its own `arity` operands (so no copy reuses another's
+    operands from cache and XLA merges none of them)."""
+    def f(*args):
+        return tuple(op(*args[i * arity:(i + 1) * arity]) for i in range(n))
+
+    return jax.jit(f)
+
+
+def _timed_many(op: Callable, specs: list[tuple[tuple[int, ...], Any]], out_bytes: float,
+                grid: Grid) -> tuple[Timing, int]:
+    """(seconds per `op`, copies per program): `op` timed as Grid.ops_per_program copies in one program (fewer where
+    the operands would pass Grid.program_bytes), divided by the copies: the program's dispatch is paid once."""
+    op_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs) + out_bytes
+    n = int(max(1, min(grid.ops_per_program, grid.program_bytes // max(op_bytes, 1))))
+    t = _timed(_many(op, len(specs), n), specs * n, grid)
+    return Timing(t.median_s / n, t.min_s / n, t.max_s / n, t.repeats, t.inner), n
 
 
 def matmul_shapes(grid: Grid) -> list[tuple[int, int, int]]:
@@ -132,9 +156,10 @@ def bench_matmul(ctx: Context) -> list[Record]:
     out = []
     dt = jnp.dtype(ctx.grid.dtype)
     for m, n, k in matmul_shapes(ctx.grid):
-        t = _timed(_matmul_fn(dt), [((m, k), dt), ((k, n), dt)], ctx.grid)
+        op = partial(jnp.dot, preferred_element_type=dt)
+        t, ops = _timed_many(op, [((m, k), dt), ((k, n), dt)], m * n * dt.itemsize, ctx.grid)
         out.append(_record("matmul", f"{m}x{n}x{k}", t, ctx.chip.peak("bf16"), 2.0 * m * n * k, "FLOP",
-                           dtype=str(dt), m=m, n=n, k=k))
+                           dtype=str(dt), m=m, n=n, k=k, ops_per_program=ops))
     return out + bench_fp8(ctx)
 
 
@@ -146,11 +171,12 @@ def bench_fp8(ctx: Context) -> list[Record]:
     out = []
     for d in ctx.grid.fp8_square:
         try:
-            t = _timed(_matmul_fn(jnp.bfloat16), [((d, d), f8), ((d, d), f8)], ctx.grid)
+            op = partial(jnp.dot, preferred_element_type=jnp.bfloat16)
+            t, ops = _timed_many(op, [((d, d), f8), ((d, d), f8)], d * d * 2, ctx.grid)
         except Exception as exc:  # noqa: BLE001 - an XLA build without fp8 GEMMs: record and go on
             return out + [{"benchmark": "matmul", "name": f"fp8 {d}", "skipped": str(exc).splitlines()[0]}]
         out.append(_record("matmul", f"fp8 {d}x{d}x{d}", t, ctx.chip.peak("fp8"), 2.0 * d**3, "FLOP",
-                           dtype="float8_e4m3fn", m=d, n=d, k=d))
+                           dtype="float8_e4m3fn", m=d, n=d, k=d, ops_per_program=ops))
     return out
 
 
@@ -158,12 +184,11 @@ def bench_fp8(ctx: Context) -> list[Record]:
 
 def bench_hbm(ctx: Context) -> list[Record]:
     """y = 1.5·x + 0.5 over a large fp32 array: reads and writes every byte once."""
-    fn = jax.jit(lambda x: x * 1.5 + 0.5)
     out = []
     for nbytes in ctx.grid.hbm_bytes:
-        t = _timed(fn, [((nbytes // 4,), jnp.float32)], ctx.grid)
+        t, ops = _timed_many(lambda x: x * 1.5 + 0.5, [((nbytes // 4,), jnp.float32)], nbytes, ctx.grid)
         out.append(_record("hbm", f"copy {nbytes // MiB} MiB", t, ctx.chip.hbm_bandwidth_bytes_per_s,
-                           2.0 * nbytes, "B", bytes=nbytes))
+                           2.0 * nbytes, "B", bytes=nbytes, ops_per_program=ops))
     return out
 
 

@@ -1,0 +1,44 @@
+"""calibrate's timing of short kernels (found on the first GPU run, an H200): one program per GEMM is timed at the
+host's dispatch rate, so GEMMs and copies run as several independent copies per program, and the fit leaves out
+any point whose program time is under twice the run's own one-kernel program time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplan.measure.fit import DISPATCH_BOUND_FACTOR, device_bound, fit_efficiency
+from meshplan.specs.hardware import load_chip
+
+
+def _mm(name: str, d: int, time_s: float, ops: int = 1) -> dict:
+    peak = load_chip("h100-sxm").peak("bf16")
+    return {"benchmark": "matmul", "name": name, "time_s": time_s, "m": d, "n": d, "k": d, "dtype": "bfloat16",
+            "fraction": 2.0 * d**3 / time_s / peak, "ops_per_program": ops}
+
+
+def test_points_under_twice_the_program_time_leave_the_fit() -> None:
+    overhead = {"benchmark": "overhead", "name": "program of 1 tiny kernel", "time_s": 50e-6}
+    # 512^3 alone in a program: 40 us < 2 x 50 us, dispatch-bound; the same GEMM 16 to a program: 640 us, kept
+    alone, batched, big = _mm("a", 512, 40e-6), _mm("b", 512, 40e-6, ops=16), _mm("c", 4096, 200e-6)
+    assert DISPATCH_BOUND_FACTOR == 2.0
+    assert device_bound([alone, batched, big], 50e-6) == [batched, big]
+    assert device_bound([alone], None) == [alone]  # no overhead measured: nothing is left out
+    _, curves = fit_efficiency([overhead, alone, batched, big], load_chip("h100-sxm"))
+    assert curves["dispatch_bound"] == {"matmul": ["a"]}
+    assert [p[0] for p in curves["matmul"]["points"]] == [512.0, 4096.0]
+
+
+@pytest.mark.jax
+def test_many_runs_independent_copies_in_one_program() -> None:
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from meshplan.measure.calibrate import _many
+
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal((4, 4), dtype=np.float32)) for _ in range(6)]
+    outs = _many(jnp.dot, 2, 3)(*args)
+    assert len(outs) == 3
+    for i, o in enumerate(outs):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(args[2 * i] @ args[2 * i + 1]), rtol=1e-5)
