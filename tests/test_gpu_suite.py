@@ -240,3 +240,16 @@ def test_fit_reads_sdpa_into_its_own_fields_and_leaves_the_head_shape_sweep_out(
     assert eff["attention_bwd_fraction"] == pytest.approx(0.50)
     assert eff["attention_sdpa_fwd_fraction"] == pytest.approx(0.30)
     assert eff["attention_sdpa_bwd_fraction"] == pytest.approx(0.25)
+
+
+def test_experts_report_sets_meshplans_gemm_time_beside_the_measured_one() -> None:
+    """experts.py --report runs without PyTorch; its meshplan column for the 8192^3 dense GEMM on the H200 is
+    2·8192³ / (989e12 × 0.75 × 8192/(8192 + 256)) + 4 us = 1533 us (efficiency.yaml's GPU defaults: peak fraction
+    0.75, half dimension 256, 4 us per launch), beside the 1394 us measured there with bf16 cuBLAS."""
+    path = ROOT / "benchmarks" / "results" / "experts_h200_2026-12-04.json"
+    r = subprocess.run([sys.executable, str(SUITE / "experts.py"), "--report", str(path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("| dense | dense | 1 | 8192 | 8192 | 8192 |"))
+    assert line.split("|")[7].strip() == "1533" and line.split("|")[8].strip() == "1394"
+    assert len([x for x in r.stdout.splitlines() if x.startswith("| ")]) == 1 + 4 + 2 * 11  # header, 4 dense, 11 expert shapes × 2 GEMMs

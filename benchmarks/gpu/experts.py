@@ -4,6 +4,7 @@ way) or as one grouped GEMM (torch._grouped_mm / torch._scaled_grouped_mm, torch
 beside them (tensorwise and rowwise scales, with and without quantizing the input).
 
     python benchmarks/gpu/experts.py [--out DIR] [--budget-s S]
+    python benchmarks/gpu/experts.py --report FILE [--hardware h200]   # markdown table, beside meshplan's GEMM time
 
 Shapes (d_model, expert d_ff) from the models' published configs: Qwen3-30B-A3B (2048, 768), GPT-OSS-120B
 (2880, 2880), DeepSeek-V3 (7168, 2048). Per expert two GEMMs of the forward: gate+up [m, D]·[D, 2F] and down
@@ -23,9 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value (OCP FP8 spec)
 # (model, D, F, local experts, tokens per local expert)
 GRID = [("qwen3-30b-a3b", 2048, 768, 8, m) for m in (128, 512, 2048, 8192)] + \
@@ -36,6 +34,8 @@ DENSE = [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (4096, 
 
 
 def timed(fn: Callable[[], Any], reps: int = 10, warm: int = 3) -> float:
+    import torch
+
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
@@ -48,19 +48,25 @@ def timed(fn: Callable[[], Any], reps: int = 10, warm: int = 3) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def quant_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_tensorwise(x: Any) -> tuple[Any, Any]:
     """Current (per-tensor) scaling in eager PyTorch: amax, scale, scaled cast (what TE fuses into 1-3 kernels)."""
+    import torch
+
     amax = x.abs().amax().float().clamp(min=1e-12)
-    return (x.float() * (FP8_MAX / amax)).to(FP8), (amax / FP8_MAX).reshape(())
+    return (x.float() * (FP8_MAX / amax)).to(torch.float8_e4m3fn), (amax / FP8_MAX).reshape(())
 
 
-def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rowwise(x: Any) -> tuple[Any, Any]:
+    import torch
+
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-    return (x.float() * (FP8_MAX / amax)).to(FP8), amax / FP8_MAX
+    return (x.float() * (FP8_MAX / amax)).to(torch.float8_e4m3fn), amax / FP8_MAX
 
 
 def gemm_variants(m: int, n: int, k: int, experts: int) -> dict[str, Callable[[], Any]]:
     """One forward linear of `experts` local experts, m rows each: x [E·m, k], w [E, n, k]."""
+    import torch
+
     dev = "cuda"
     x = torch.randn(experts * m, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
@@ -102,6 +108,33 @@ def gemm_variants(m: int, n: int, k: int, experts: int) -> dict[str, Callable[[]
     return v
 
 
+def report(path: Path, hardware: str) -> str:
+    """Markdown: microseconds per variant, and meshplan's time for the same GEMMs (Efficiency.matmul at the GEMM's
+    shape, one launch per expert: the planner's `_grouped_gemm_s` without the load ratio) with the defaults."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.specs.hardware import load_chip
+
+    data = json.loads(path.read_text())
+    chip = load_chip(hardware)
+    eff = default_efficiency(chip)
+    variants: list[str] = []
+    table: dict[tuple, dict[str, Any]] = {}
+    for r in data["rows"]:
+        key = (r["model"], r["gemm"], r["experts"], r["m"], r["n"], r["k"])
+        table.setdefault(key, {})[r["variant"]] = r.get("time_s")
+        if r["variant"] not in variants:
+            variants.append(r["variant"])
+    lines = [f"Expert GEMMs on {data['gpu']} (torch {data['torch']}, CUDA {data['cuda']}), microseconds for all "
+             f"experts; meshplan: the defaults of {chip.name}.", "",
+             "| model | GEMM | experts | m | n | k | meshplan | " + " | ".join(variants) + " |",
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(variants)]
+    for (model, gemm, e, m, n, k), v in table.items():
+        pred = e * (2.0 * m * n * k / (chip.peak("bf16") * float(eff.matmul(m, n, k))) + eff.kernel_overhead_s)
+        cells = " | ".join("err" if v.get(x) is None else f"{v[x] * 1e6:.0f}" for x in variants)
+        lines.append(f"| {model} | {gemm} | {e} | {m} | {n} | {k} | {pred * 1e6:.0f} | {cells} |")
+    return "\n".join(lines)
+
+
 def measure(rows: list[dict[str, Any]], label: dict[str, Any], m: int, n: int, k: int, experts: int) -> None:
     flops = 2.0 * m * n * k * experts
     for name, fn in gemm_variants(m, n, k, experts).items():
@@ -116,6 +149,8 @@ def measure(rows: list[dict[str, Any]], label: dict[str, Any], m: int, n: int, k
             else row["error"]
         print(f"  {label.get('model', 'dense'):14s} {label['gemm']:8s} E={experts:3d} m={m:5d} n={n:5d} k={k:5d} "
               f"{name:34s} {t_txt}", flush=True)
+    import torch
+
     torch.cuda.empty_cache()
 
 
@@ -123,7 +158,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output folder (default $OUT, else ./out/gpu)")
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new shapes after this")
+    ap.add_argument("--report", metavar="FILE", help="print the markdown table of a results file and stop")
+    ap.add_argument("--hardware", default="h200", help="chip whose default efficiencies --report compares with")
     args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report), args.hardware))
+        return 0
+    import torch
+
     if not torch.cuda.is_available():
         print("error: no CUDA device for PyTorch")
         return 2
