@@ -126,6 +126,31 @@ def test_decode_steps_reproduce_the_prefill() -> None:
     np.testing.assert_allclose(np.asarray(cache[1][0]), np.asarray(want_cache[1][0]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.jax
+@needs_jax
+def test_decode_steps_in_one_program_equal_single_steps() -> None:
+    """make_decode_steps (n greedy steps in one scan) leaves the cache and the last token that n single-step calls
+    give when each step's argmax feeds the next (fp32 on the CPU)."""
+    import jax.numpy as jnp
+    import serve_jax as sj
+
+    from meshplan.specs.model import load_model
+
+    m = load_model("llama3.2-1b").with_overrides(**TINY)
+    params = sj.init_weights(m, jnp.float32)
+    tok = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2,), dtype=np.int32))
+    one, cache = sj.make_decode(m), sj.random_cache(m, 2, 16, jnp.float32, seed=2)
+    want_tok, want_cache = tok, [(k.copy(), v.copy()) for k, v in cache]
+    for i in range(5):
+        logits, want_cache = one(params, want_cache, want_tok, jnp.int32(7 + i))
+        want_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    got_tok, got_cache = sj.make_decode_steps(m, 5)(params, cache, tok, jnp.int32(7))
+    np.testing.assert_array_equal(np.asarray(got_tok), np.asarray(want_tok))
+    for (gk, gv), (wk, wv) in zip(got_cache, want_cache, strict=True):
+        np.testing.assert_allclose(np.asarray(gk), np.asarray(wk), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_that_does_not_fit_is_cut_and_named() -> None:
     import cases as cs
     from predict import case_model, predict_train

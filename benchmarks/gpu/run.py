@@ -5,7 +5,7 @@ measured beside meshplan's predictions with the default efficiencies and with th
     python benchmarks/gpu/run.py --cpu-smoke      # every code path at toy sizes on the CPU (tests use it)
 
 Parts, in order (a global time budget; whatever does not fit is skipped with a note in the results):
-  calibrate  `meshplan calibrate` (full grid; --quick: the quick grid) → profile_<chip>_<date>.json
+  calibrate  `meshplan calibrate` (the quick grid; --full-calibrate: the full grid) → profile_<chip>_<date>.json
   train      JAX reference model (cuDNN flash attention, bf16 compute on fp32 master weights, AdamW): step
              time, MFU and device memory, one process per case
   serve      prefill at 512-16k tokens and decode steps at batch 1-256, context 1k-32k (KV cache), JAX
@@ -91,8 +91,8 @@ def run_process(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
         return proc.returncode, err
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None, ""
+        _, err = proc.communicate()
+        return None, err or ""
 
 
 def run_worker(kind: str, payload: Any, timeout_s: float, tmp: Path) -> dict[str, Any]:
@@ -146,7 +146,8 @@ def make_row(case: Case, measured: dict[str, Any], chip: Chip, effs: dict[str, A
 # --- parts -----------------------------------------------------------------------------------------
 
 def part_calibrate(args, ctx: dict[str, Any]) -> None:
-    """`meshplan calibrate` (full grid unless --quick); if the full grid overruns its share, the quick grid once
+    """`meshplan calibrate` (the quick grid, unless --full-calibrate: on the first H200 run the full grid overran its
+    142 s share and the quick grid took 89 s); if the full grid overruns its share, the quick grid once
     more within the next part's time, so that calibrated predictions exist (the results say which grid)."""
     if args.profile:
         ctx["notes"].append(f"calibrate: not run; profile {args.profile} given")
@@ -155,7 +156,7 @@ def part_calibrate(args, ctx: dict[str, Any]) -> None:
     if left < ctx["budget"].min_case_s:
         ctx["notes"].append("calibrate: skipped, no time left")
         return
-    quick = args.quick or args.cpu_smoke
+    quick = args.quick or args.cpu_smoke or not args.full_calibrate
     if not _calibrate(args, ctx, quick, left) and not quick and ctx["calibration"]["timed_out"]:
         ctx["notes"].append(f"calibrate: the full grid overran its {left:.0f} s; the quick grid was run instead")
         rest = ctx["budget"].total_s - ctx["budget"].elapsed()
@@ -171,12 +172,15 @@ def _calibrate(args, ctx: dict[str, Any], quick: bool, limit_s: float) -> bool:
     t0 = time.monotonic()
     log(f"calibrate: {' '.join(cmd[3:])} (limit {limit_s:.0f} s)")
     code, err = run_process(cmd, max(limit_s, 1.0))
+    steps = [ln for ln in err.splitlines() if ln.startswith("calibrate: ")]  # one timed line per benchmark
+    for ln in steps:
+        log("  " + ln)
     ok = code == 0 and path.exists()
     msg = f"stopped at its time limit ({limit_s:.0f} s)" if code is None else (err.strip().splitlines() or ["?"])[-1]
     wall = time.monotonic() - t0
     earlier = [ctx["calibration"]] if ctx.get("calibration") else []  # the full grid's attempt, if this is the retry
     ctx["calibration"] = {"wall_s": wall, "command": " ".join(cmd[3:]), "ok": ok, "timed_out": code is None,
-                          "earlier_attempts": earlier}
+                          "benchmarks_done": steps, "earlier_attempts": earlier}
     if ok:
         ctx["profile"] = str(path)
         prof = json.loads(path.read_text())
@@ -288,6 +292,8 @@ def write_results(ctx: dict[str, Any]) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="calibrate --quick and a few cases of each part")
+    ap.add_argument("--full-calibrate", action="store_true",
+                    help="calibrate's full grid (falls back to the quick grid if it overruns its share)")
     ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: proves the code paths")
     ap.add_argument("--out", help="output folder (default: $OUT, else ./out/gpu)")
     ap.add_argument("--budget-s", type=float, help="global time budget (default 450 s; --cpu-smoke 60 s)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -121,8 +122,16 @@ def _run_with_progress(cal: Any, ctx: Any, names: list[str], show_bar: bool) -> 
     with Progress(*columns, console=err_console, disable=not show_bar) as progress:
         task = progress.add_task(f"calibrating {ctx.chip.name}", total=len(names))
 
+        t0 = last = time.monotonic()
+
         def done(name: str, count: int) -> None:
+            nonlocal last
             progress.update(task, advance=1, description=f"{name}: {count} measurements")
+            if not err_console.is_terminal:  # a log (the GPU suite, CI): one plain line per benchmark, timed
+                now = time.monotonic()
+                err_console.print(f"calibrate: {name} done, {count} measurements, {now - last:.1f} s "
+                                  f"({now - t0:.1f} s in all)", markup=False, highlight=False)
+                last = now
 
         return cal.run_benchmarks(ctx, names, done)
 
