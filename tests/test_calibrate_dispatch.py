@@ -42,3 +42,25 @@ def test_many_runs_independent_copies_in_one_program() -> None:
     assert len(outs) == 3
     for i, o in enumerate(outs):
         np.testing.assert_allclose(np.asarray(o), np.asarray(args[2 * i] @ args[2 * i + 1]), rtol=1e-5)
+
+
+def test_show_names_the_points_left_out_of_the_fit(tmp_path, capsys) -> None:
+    """`calibrate --show` on the H200 profile fitted again by the current fit says which GEMMs were left out."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_cli
+
+    from meshplan.measure.fit import build_profile
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile_h200_2026-12-04.json"
+    prof = json.loads(src.read_text())
+    new = build_profile(load_chip("h200"), prof["benchmarks"], {"platform": prof["platform"],
+                                                                 "device_kind": prof["device_kind"]})
+    path = tmp_path / "refit.json"
+    path.write_text(json.dumps(new))
+    code, out, _ = run_cli(["calibrate", "--show", str(path)], capsys)
+    assert code == 0
+    line = " ".join(out.split())  # the console wraps long lines
+    assert "left out of the matmul fit, bound by the host's dispatch rather than the device: 512x512x512, " \
+           "1024x1024x1024, 2048x2048x2048, 64x8192x8192" in line

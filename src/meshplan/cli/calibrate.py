@@ -153,6 +153,10 @@ def _print_efficiency(profile: dict[str, Any], chip: Chip | None) -> None:
     for k, v in profile["efficiency"].items():
         t.add_row(k, f"{v:.4g}", origin.get(k, "?"), f"{defaults[k]:.4g}" if k in defaults else "")
     console.print(t)
+    dropped = (profile.get("fitted_curves") or {}).get("dispatch_bound") or {}
+    for bench, names in dropped.items():  # measure/fit.py DISPATCH_BOUND_FACTOR
+        console.print(f"left out of the {bench} fit, bound by the host's dispatch rather than the device: "
+                      f"{', '.join(names)}", markup=False, highlight=False)
     if profile.get("cpu_only"):
         console.print(f"[bold]cpu_only[/bold]: {profile.get('warning', CPU_WARNING)}")
 
