@@ -64,3 +64,17 @@ def test_show_names_the_points_left_out_of_the_fit(tmp_path, capsys) -> None:
     line = " ".join(out.split())  # the console wraps long lines
     assert "left out of the matmul fit, bound by the host's dispatch rather than the device: 512x512x512, " \
            "1024x1024x1024, 2048x2048x2048, 64x8192x8192" in line
+
+
+def test_sdpa_backend_is_named_from_its_kernel() -> None:
+    """The H200 run timed SDPA's default backend at 0.53/0.51 of peak (fwd/bwd, 8k) without knowing which backend
+    ran; calibrate now names it from the forward kernel (names as printed in pytorch/pytorch#142132 and
+    meta-pytorch/tritonbench#41)."""
+    from meshplan.measure.torch_timing import backend_of_kernel
+
+    assert backend_of_kernel("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0") == "cudnn"
+    assert backend_of_kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") \
+        == "flash (FlashAttention-2)"
+    assert backend_of_kernel("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "efficient (memory-efficient, CUTLASS)"
+    assert backend_of_kernel(None) == "not identified"
+    assert backend_of_kernel("some_other_kernel").startswith("kernel some_other_kernel")

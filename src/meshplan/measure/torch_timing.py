@@ -69,7 +69,39 @@ def time_sdpa(shape: tuple[int, int, int, int], repeats: int) -> tuple[Timing, T
 
     t_f = time_cuda(fwd, lambda s: make(s, False), repeats)
     t_fb = time_cuda(fwd_bwd, lambda s: make(s, True), repeats)
-    return t_f, t_fb, f"default backend, torch {torch.__version__}"
+    kernel = _slowest_cuda_kernel(fwd, make(7, False))
+    return t_f, t_fb, f"default backend: {backend_of_kernel(kernel)}, torch {torch.__version__}"
+
+
+# SDPA backends by a fragment of their CUDA kernel's name (PyTorch's bundled FlashAttention-2 `pytorch_flash::
+# flash_fwd_kernel`, cuDNN's `cudnn_generated_fort_native_sdpa_sm90_...`, the memory-efficient `fmha_cutlassF_...`;
+# the names seen in pytorch/pytorch#142132 and meta-pytorch/tritonbench#41), first match wins
+SDPA_KERNEL_BACKENDS = (("cudnn", "cudnn"), ("flash_fwd", "flash (FlashAttention-2)"),
+                        ("fmha_cutlass", "efficient (memory-efficient, CUTLASS)"), ("flash", "flash"))
+
+
+def backend_of_kernel(kernel: str | None) -> str:
+    """The SDPA backend a forward kernel's name belongs to (SDPA_KERNEL_BACKENDS), or the name itself."""
+    if not kernel:
+        return "not identified"
+    low = kernel.lower()
+    return next((backend for frag, backend in SDPA_KERNEL_BACKENDS if frag in low), f"kernel {kernel[:80]}")
+
+
+def _slowest_cuda_kernel(fn: Callable[..., Any], args: tuple) -> str | None:
+    """Name of the CUDA kernel with the most device time in one call of `fn` (torch.profiler); None if the profiler
+    gives nothing (the backend then stays unnamed, the timing stands)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+        stats = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+        return max(stats, key=lambda e: e.device_time_total).key if stats else None
+    except Exception:  # noqa: BLE001 - naming the backend is a report, never a failure
+        return None
 
 
 def sdpa_in_subprocess(shapes: list[tuple[int, int, int, int]], repeats: int,
