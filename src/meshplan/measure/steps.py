@@ -5,7 +5,8 @@ Measured MFU uses the DESIGN.md formula: model FLOPs per step ÷ (step time × c
 FLOPs = 3 × (2 × matmul parameters + causal attention) per token × tokens per step (book ch.4).
 
 By default the reference model computes attention by materialising the score matrix (no flash kernel) and runs
-the whole global batch as one micro-batch, so the prediction is made with Options(flash_attention=False) and one
+the whole global batch as one micro-batch, so the prediction is made with Options(flash_attention=False,
+xla_program=True: the step is one XLA program, whose memory follows XLA's buffers) and one
 micro-batch per step; `run_training(attention="cudnn")` runs cuDNN's flash kernel instead (predict with
 flash_attention=True, as `meshplan measure --attention` and benchmarks/gpu do).
 """
@@ -204,4 +205,4 @@ def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global
                 microbatch=layout.microbatch, recompute=layout.recompute, zero=0, offload=0.0,
                 offload_optimizer=0, offload_params=0,  # the measured program keeps its state on the device
                 sequence_parallel=layout.sequence_parallel)
-    return plan(problem, pins, eff, options or Options(flash_attention=False), top=1).plans[0]
+    return plan(problem, pins, eff, options or Options(flash_attention=False, xla_program=True), top=1).plans[0]

@@ -244,6 +244,10 @@ class Options:
     dp_overlap: bool | None = None  # replica gradient reduction hidden behind the backward; None = GPU yes, TPU no
     fused_elementwise: bool = True  # pointwise chains fused (torch.compile, XLA, Megatron fused kernels)
     fused_loss: bool = True  # fused cross-entropy (Megatron, XLA); False = eager PyTorch loss (torchtitan)
+    # the step is one program XLA compiles (JAX, MaxText), whose memory follows XLA's buffers (`_xla_saved_layer`,
+    # `_xla_activations`: verified against XLA's buffer assignment by `meshplan verify`) and which gathers each FSDP
+    # weight just before its dot; None = on TPUs only (every TPU program is XLA's; a GPU one is XLA's when JAX runs it)
+    xla_program: bool | None = None
     fp8_weight_cache: bool = True  # FP8 weights cast once per step (Transformer Engine); False = every forward
     # FP8 casts fused as Transformer Engine fuses them (norm kernels emit fp8, fused cast-transpose, delayed
     # scaling); False = torchao's Float8Linear, its casts kernel by kernel as torchao's roofline counts them (torchtitan)
@@ -1938,7 +1942,7 @@ class CostModel:
             none = self.activation_per_layer(L, g, np.zeros_like(L.recompute))
             full = self.activation_per_layer(L, g, np.full_like(L.recompute, 2))
             act_layer = np.where(L.recompute == 1, 0.5 * (none + full), act_layer)
-        xla = self.p.chip.kind == "tpu"  # the program XLA compiles for a TPU (MaxText, JAX): `_xla_activations`
+        xla = self._xla_program()  # the program XLA compiles (MaxText, JAX): `_xla_activations`
         if xla:
             act_layer = self._xla_saved_layer(L, g, act_layer)
         # Context parallelism that keeps the other ranks' K/V for the backward: the all-gather form saves the gathered
@@ -1995,12 +1999,12 @@ class CostModel:
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
         once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
-        # PyTorch FSDP gathers a whole transformer block; XLA (TPU) gathers each weight just before its matmul
+        # PyTorch FSDP gathers a whole transformer block; XLA (Options.xla_program) gathers each weight just before its matmul
         # and reduce-scatters each gradient as it is produced, and DeepSpeed ZeRO-3 fetches parameter by parameter,
         # so there only the largest weight (and the prefetched next one) is ever whole
         # experts whose FSDP group is one rank (EP carved out of the whole FSDP group) are never gathered
         whole_experts = g["shard_expert"] <= 1
-        if self.p.chip.kind == "tpu" or self.opt.zero3_fetch == "broadcast":
+        if xla or self.opt.zero3_fetch == "broadcast":
             m, c = self.p.model, self.c
             experts_local = np.where(whole_experts, 0.0, m.n_experts / g["ep"]) if m.is_moe else 1.0
             gathered = 2 * np.maximum(c["D"] * m.q_dim / g["tp"], c["D"] * c["F"] * experts_local / g["etp"])
@@ -2073,6 +2077,10 @@ class CostModel:
         led.add("memory/temp", t["other"])  # transient buffers: gathered weights, CP buffers, the runtime's reserve
         led.add("host/memory", t["host"])
         return t
+
+    def _xla_program(self) -> bool:
+        """Whether the step is one XLA-compiled program (Options.xla_program; unset: on TPUs)."""
+        return self.opt.xla_program if self.opt.xla_program is not None else self.p.chip.kind == "tpu"
 
     def _xla_saved_layer(self, L: LayoutArrays, g: dict, act_layer):
         """What one layer of XLA's scanned layer stack saves for its backward under no recompute and selective: the

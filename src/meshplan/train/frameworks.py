@@ -71,7 +71,9 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # (layers/pipeline.py, layers/decoders.py; Options.pp_spmd_loop); its splash attention runs 512 × 512 blocks
     # forward and backward unless a config says otherwise (configs/base.yml sa_block_q, sa_block_kv, sa_block_q_dkv,
     # sa_block_kv_dkv: 512 at tpu-recipes-v0.1.2 and v0.1.4; Options.attention_block_fwd/_bwd, TPU only)
+    # and its step is one XLA program on GPUs too (Options.xla_program: XLA's buffers, per-weight FSDP gathers)
     "maxtext": dict(fused_elementwise=True, fused_loss=True, tp_overlap=True, dp_overlap=False, remat_dce=True,
+                    xla_program=True,
                     pp_spmd_loop=True, fold_all_reduces=True, attention_block_fwd=(512, 512),
                     attention_block_bwd=(512, 512)),
     # DeepSpeed wraps the user's own PyTorch model, typically a Hugging Face transformers one run eagerly: one kernel
