@@ -47,3 +47,24 @@ def test_the_h200_jax_step_need_matches_xlas_peak() -> None:
     mem = _memory("h200", Options(flash_attention=True, fused_loss=True, attention_kernel="fused", xla_program=True))
     need = mem["total"] - default_efficiency(load_chip("h200")).memory_reserved_bytes
     assert need / (35.62 * 2**30) - 1 == pytest.approx(0.0, abs=0.03)
+
+
+@pytest.mark.jax
+def test_measures_bare_loop_is_predicted_without_the_framework_step_overhead() -> None:
+    """`meshplan measure` times bare steps (batches placed beforehand, nothing else per iteration): its prediction
+    is the planner's for the same layout less efficiency.yaml's GPU step_overhead_s (0.02 s), nothing else."""
+    pytest.importorskip("jax")
+    from meshplan.measure import steps as st
+    from meshplan.measure.layout import Layout
+
+    chip, m = load_chip("h100-sxm"), load_model("llama3.2-1b")
+    eff = default_efficiency(chip)
+    layout = st.default_layout(1, 1, 1, 1, "none", 4)
+    assert isinstance(layout, Layout)
+    got = st.predict(m, chip, layout, 2048, 4, eff)
+    opts = Options(flash_attention=False, xla_program=True)
+    pins = Pins(dp=1, fsdp=1, tp=1, pp=1, vpp=1, cp=1, ep=1, microbatch=layout.microbatch, recompute="none", zero=0,
+                offload=0.0, offload_optimizer=0, offload_params=0, sequence_parallel=False)
+    framework = plan(Problem(m, chip, 1, 2048, 4), pins, eff, opts, top=1).plans[0]
+    assert eff.step_overhead_s == 0.02
+    assert framework["step_time_s"] - got["step_time_s"] == pytest.approx(0.02, rel=1e-9)

@@ -104,6 +104,13 @@ def overlap_constant(name: str, chip: Chip) -> float:
     return 0.0 if entry is None else float(entry["value"])
 
 
+def bare_loop(eff: Efficiency) -> Efficiency:
+    """The efficiency of a bare training loop (`meshplan measure`'s and the GPU suite's reference steps: each
+    iteration runs the step on a batch placed beforehand and waits for it, nothing else), so without the per-step
+    framework work that `step_overhead_s` stands for (data loading, logging, grad-norm: efficiency.yaml)."""
+    return replace(eff, step_overhead_s=0.0)
+
+
 def default_efficiency(chip: Chip) -> Efficiency:
     """Look up each efficiency for the chip by name, then by kind ('gpu'/'tpu')."""
     table = _table()

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshplan.cost.efficiency import Efficiency
+from meshplan.cost.efficiency import Efficiency, bare_loop
 from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.measure import jaxmodel as jm
@@ -205,4 +205,5 @@ def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global
                 microbatch=layout.microbatch, recompute=layout.recompute, zero=0, offload=0.0,
                 offload_optimizer=0, offload_params=0,  # the measured program keeps its state on the device
                 sequence_parallel=layout.sequence_parallel)
-    return plan(problem, pins, eff, options or Options(flash_attention=False, xla_program=True), top=1).plans[0]
+    return plan(problem, pins, bare_loop(eff), options or Options(flash_attention=False, xla_program=True),
+                top=1).plans[0]
