@@ -109,12 +109,12 @@ def markdown(data: dict[str, Any]) -> str:
 def refit_profile(path: Path, chip: Any) -> Any:
     """The efficiency of a committed profile, fitted again from its stored records by the current fit
     (`meshplan.measure.fit`): the measurements stay as they were, the way they are read follows the code."""
-    from meshplan.cost.efficiency import Efficiency
+    from meshplan.cost.efficiency import profile_efficiency
     from meshplan.measure.fit import build_profile
 
     prof = json.loads(path.read_text())
-    eff = build_profile(chip, prof["benchmarks"], {"platform": prof.get("platform")})["efficiency"]
-    return Efficiency(**eff, origin=f"refit of {path.name}")
+    refit = build_profile(chip, prof["benchmarks"], {"platform": prof.get("platform")})
+    return profile_efficiency(refit, chip, str(path), f"refit of {path.name}")
 
 
 def repredict(data: dict[str, Any], folder: Path) -> dict[str, Any]:

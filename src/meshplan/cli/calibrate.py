@@ -303,8 +303,7 @@ def _measure_result(m, chip, layout, seq_len, batch, run, profile, summary, atte
         effs["profile"] = load_profile(profile, chip)
     for key, eff in effs.items():
         try:
-            p = st.predict(m, chip, layout, seq_len, batch, eff, Options(flash_attention=attention != "materialized",
-                                                                          xla_program=True))
+            p = st.predict(m, chip, layout, seq_len, batch, eff, Options(flash_attention=attention != "materialized"))
         except MeshplanError as exc:
             out["predicted"][key] = {"error": str(exc)}
             continue

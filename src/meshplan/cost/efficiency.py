@@ -193,8 +193,12 @@ def read_profile_json(path: str | Path) -> Any:
 
 def load_profile(path: str | Path, chip: Chip) -> Efficiency:
     """Read a calibrated profile; refuse one measured on another device kind (exit 2 at the CLI)."""
-    p = Path(path)
-    data = read_profile_json(path)
+    return profile_efficiency(read_profile_json(path), chip, str(path), f"profile {Path(path).name}")
+
+
+def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficiency:
+    """The Efficiency of a meshplan-profile/1 object (read from `path`, named in errors); fields it lacks keep the
+    chip's defaults."""
     if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
         raise MeshplanError(f"profile '{path}' is not a {PROFILE_SCHEMA} file")
     measured_on = data.get("chip")
@@ -211,7 +215,7 @@ def load_profile(path: str | Path, chip: Chip) -> Efficiency:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise MeshplanError(f"profile '{path}': efficiency.{f} must be a non-negative number")
             changes[f] = float(v)
-    return replace(base, **changes, origin=f"profile {p.name}")
+    return replace(base, **changes, origin=origin)
 
 
 ALLOW_CPU_PROFILE_ENV = "MESHPLAN_ALLOW_CPU_PROFILE"

@@ -84,10 +84,11 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     out: dict[str, float] = {}
     curves: dict[str, Any] = {}
     ovh_s = program_overhead_s(records)
-    dropped = {k: [r["name"] for r in by.get(k, []) if r not in device_bound(by[k], ovh_s)] for k in ("matmul", "hbm")}
-    for k, names in dropped.items():
+    for k in ("matmul", "hbm"):
+        kept = device_bound(by.get(k, []), ovh_s)
+        names = [r["name"] for r in by.get(k, []) if r not in kept]
         if names:
-            by[k] = device_bound(by[k], ovh_s)
+            by[k] = kept
             curves.setdefault("dispatch_bound", {})[k] = names  # reported, left out of the fit
     mm = fit_matmul(by.get("matmul", []))
     if "_curve" in mm:

@@ -5,9 +5,9 @@ Measured MFU uses the DESIGN.md formula: model FLOPs per step ÷ (step time × c
 FLOPs = 3 × (2 × matmul parameters + causal attention) per token × tokens per step (book ch.4).
 
 By default the reference model computes attention by materialising the score matrix (no flash kernel) and runs
-the whole global batch as one micro-batch, so the prediction is made with Options(flash_attention=False,
-xla_program=True: the step is one XLA program, whose memory follows XLA's buffers) and one
-micro-batch per step; `run_training(attention="cudnn")` runs cuDNN's flash kernel instead (predict with
+the whole global batch as one micro-batch, so the prediction is made with Options(flash_attention=False) and one
+micro-batch per step (always as an XLA program, Options.xla_program, whose memory follows XLA's buffers, and as a
+bare loop, efficiency.bare_loop); `run_training(attention="cudnn")` runs cuDNN's flash kernel instead (predict with
 flash_attention=True, as `meshplan measure --attention` and benchmarks/gpu do).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -205,5 +205,5 @@ def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global
                 microbatch=layout.microbatch, recompute=layout.recompute, zero=0, offload=0.0,
                 offload_optimizer=0, offload_params=0,  # the measured program keeps its state on the device
                 sequence_parallel=layout.sequence_parallel)
-    return plan(problem, pins, bare_loop(eff), options or Options(flash_attention=False, xla_program=True),
-                top=1).plans[0]
+    opts = replace(options or Options(flash_attention=False), xla_program=True)  # the measured step is XLA's
+    return plan(problem, pins, bare_loop(eff), opts, top=1).plans[0]

@@ -1994,7 +1994,7 @@ class CostModel:
         logits = loss_bytes * g["t_mb"] * np.where(self._spmd_pp(g), g["n_micro"], 1.0) * self.c["V"] / g["tp"]
         saved = acts
         # the layer being rematerialised is what the backward computes with: it stays on the device under offload
-        # (on TPUs `_xla_activations` holds it, as the larger of the step's two peaks)
+        # (in an XLA program `_xla_activations` holds it, as the larger of the step's two peaks)
         acts = acts * (1 - L.offload) + (0.0 if xla else logits + working)
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
