@@ -69,8 +69,10 @@ def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
     assert data["device_kind"] == "cpu" and data["cpu_only"] is True
     assert {"jax", "jaxlib"} <= set(data["versions"]) and data["measured_at"]
     measured = {k for k, v in data["efficiency_origin"].items() if v == "measured"}
+    overhead = [(r["name"], r["time_s"]) for r in data["benchmarks"] if r["benchmark"] == "overhead"]
     assert {"matmul_peak_fraction", "matmul_half_dim", "hbm_fraction", "attention_fwd_fraction",
-            "attention_bwd_fraction", "kernel_overhead_s"} <= measured
+            "attention_bwd_fraction", "kernel_overhead_s"} <= measured, (
+        data["fitted_curves"].get("dispatch_bound"), overhead)
     kinds = {r["benchmark"] for r in data["benchmarks"] if "skipped" not in r}
     assert kinds >= {"matmul", "hbm", "attention", "host", "overhead", "layer"}
     eff = load_profile(cpu_profile, load_chip("h100-sxm"))

@@ -80,7 +80,9 @@ GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_progr
                     batch_bytes=8 * 1024 * MiB)
 GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
                    norm_width=8192, ops_per_program=16, batch_bytes=8 * 1024 * MiB)
-CPU_QUICK = Grid((32, 64, 128, 256), (8, 32), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
+# The CPU grid reaches 512 so that at least two GEMM sizes stay above fit.DISPATCH_BOUND_FACTOR × the program
+# time on a loaded runner (a CI run with 64-256 only kept one size and fell back to the defaults).
+CPU_QUICK = Grid((32, 64, 128, 256, 512), (8, 32, 128), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
                  4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256,
                  ops_per_program=2)
 CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
