@@ -29,7 +29,7 @@ from meshplan.infer.config import KV_DTYPES, ServeConfig, Workload, check_layout
 from meshplan.infer.frontier import best_point, frontier
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.metrics import evaluate
-from meshplan.infer.simulate import SimSpec, simulate
+from meshplan.infer.simulate import SimSpec, load_length_trace, simulate
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -111,10 +111,15 @@ def _simulated(e: dict, m, chip, cfg: ServeConfig, eff, w: Workload, mb: int, ho
     """Mean TTFT and TPOT (the published means) and output tokens/s of the simulated benchmark: `arrivals` gives
     its request count, rate (requests/s, 'inf' = all at t = 0) and closed-loop concurrency, from the source."""
     a = e["arrivals"]
-    spec = SimSpec(rate=float(a.get("rate", "inf")), n_requests=int(a["requests"]), concurrency=a.get("concurrency"))
+    # a dataset's sample replays its own requests' lengths where the data names the sample (length_trace)
+    trace = load_length_trace(DATA / e["length_trace"]) if e.get("length_trace") else ()
+    spec = SimSpec(rate=float(a.get("rate", "inf")), n_requests=int(a["requests"]), concurrency=a.get("concurrency"),
+                   lengths=trace)
     limit = min(mb, int(a["max_num_seqs"])) if a.get("max_num_seqs") else mb
     sim = simulate(m, chip, e["chips"], cfg, eff, w, limit, spec)
-    return {"output_tokens_per_s": sim["throughput_tokens_per_s"], "tpot_s": sim["tpot_s"]["mean"],
+    # a published mean ITL pools every gap between two tokens (tpot_measure: pooled_itl); a mean TPOT weighs requests
+    tpot = sim["itl_s"]["mean"] if e.get("tpot_measure") == "pooled_itl" else sim["tpot_s"]["mean"]
+    return {"output_tokens_per_s": sim["throughput_tokens_per_s"], "tpot_s": tpot,
             "ttft_s": sim["ttft_s"]["mean"], "batch": limit, "max_batch": mb, "mode": "simulated", "lengths": how,
             "kv_dtype": cfg.kv_dtype}
 

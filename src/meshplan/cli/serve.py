@@ -26,7 +26,7 @@ from meshplan.infer.frontier import Targets, frontier, search
 from meshplan.infer.ideal import ideal_serving, print_ideal
 from meshplan.infer.memory import max_batch_per_replica, require_fit
 from meshplan.infer.metrics import MODES
-from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, simulate
+from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, load_length_trace, simulate
 from meshplan.specs.hardware import load_chip, with_price
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_time
@@ -168,6 +168,10 @@ def serve(
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",
     output_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --output-len).")] = "fixed",
+    length_trace: Annotated[str | None, typer.Option(
+        help="--simulate replays these request lengths in order: a JSON file with 'input_lens' and 'output_lens' "
+             "lists (vLLM benchmark_serving --save-result) or a CSV of input,output per line. --input-len and "
+             "--output-len default to its means.")] = None,
     disaggregate_: Annotated[bool, typer.Option("--disaggregate", help="Size prefill and decode pools.")] = False,
     profile: Annotated[str | None, typer.Option(help="Calibrated profile JSON from `meshplan calibrate`.")] = None,
     plot: Annotated[str | None, typer.Option(help="Write the latency-throughput frontier to this PNG.")] = None,
@@ -183,6 +187,14 @@ def serve(
     out_dir: Annotated[str | None, typer.Option("--out", help="Folder --export writes to.")] = None,
 ) -> None:
     """Serve a model: layout, batch, TTFT/TPOT, throughput, memory and cost per million tokens."""
+    trace: tuple[tuple[int, int], ...] = ()
+    if length_trace is not None:
+        if not do_simulate:
+            fail("--length-trace goes with --simulate")
+        trace = load_length_trace(length_trace)
+        # the layout and batch are planned at the trace's mean lengths (the closed form's workload)
+        input_len = input_len or max(round(sum(i for i, _ in trace) / len(trace)), 1)
+        output_len = output_len or max(round(sum(o for _, o in trace) / len(trace)), 1)
     needed = (("--hardware", hardware), ("--input-len", input_len), ("--output-len", output_len))
     for flag, v in needed + ((("--model", model), ("--chips", chips)) if from_file is None else ()):
         if v is None:
@@ -221,7 +233,7 @@ def serve(
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
-                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency))
+                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency, trace))
     if disaggregate_:
         out["disaggregated"] = disaggregate(m, chip, chips, *[_disagg_config(best.config, out["layouts"], chips)] * 2,
                                             eff, w, batch).as_dict()

@@ -7,7 +7,9 @@ its decode and prefill tokens; the step token budget is the layout's max_num_bat
 Requests go to replicas round-robin. Seeded: the same inputs give the same percentiles.
 
 Arrivals, as serving benchmarks issue them: a Poisson process at `rate` requests/s; `rate = inf` sends every
-request at t = 0 (TensorRT-LLM's "QPS INF", vLLM benchmark_serving's default --request-rate inf); `concurrency`
+request at t = 0 (TensorRT-LLM's "QPS INF", vLLM benchmark_serving's default --request-rate inf); request lengths are
+fixed at the workload's means, drawn from a distribution, or replayed from a benchmark's own sample (a length trace:
+a dataset's requests differ in length, and the longest ones set how long a closed batch of them runs); `concurrency`
 C makes the client closed-loop (vLLM --max-concurrency, NIM/GenAI-Perf concurrency): C requests in flight, each
 finished one replaced at once by the next, the first C all sent at t = 0. A request joins the first step scheduled
 after it arrives: a replacement misses the step the engine schedules as its predecessor ends, and an engine that
@@ -19,8 +21,10 @@ request reaches the engine that much after its predecessor's last token.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +44,9 @@ from meshplan.infer.config import (
 from meshplan.infer.step import step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
-from meshplan.validate import MAX_SIM_TOKENS
+from meshplan.validate import CLI_RULES, MAX_SIM_TOKENS
+
+_MAX_TRACE_BYTES = 64 * 2**20  # MAX_SIM_REQUESTS rows of two lengths take about 2 MB
 
 DISTRIBUTIONS = ("fixed", "exponential", "uniform")
 
@@ -53,6 +59,9 @@ class SimSpec:
     input_dist: str = "fixed"
     output_dist: str = "fixed"
     concurrency: int | None = None  # closed-loop client: at most this many requests outstanding (None = open loop)
+    # (input, output) tokens of each request, replayed in order and cycled past the end (a benchmark's own sample,
+    # `load_length_trace`); replaces input_dist/output_dist
+    lengths: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -79,19 +88,64 @@ def _lengths(rng: np.random.Generator, dist: str, mean: int, n: int) -> np.ndarr
     raise MeshplanError(f"unknown length distribution '{dist}' (known: {', '.join(DISTRIBUTIONS)})")
 
 
+def load_length_trace(path: str | Path) -> tuple[tuple[int, int], ...]:
+    """(input, output) tokens per request, in order, from a JSON object with `input_lens` and `output_lens` lists (the
+    keys vLLM's benchmark_serving --save-result writes) or a CSV of two integer columns, input then output (a header
+    line allowed). Every length in [1, MAX_SEQ_TOKENS], 1 to MAX_SIM_REQUESTS requests."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > _MAX_TRACE_BYTES:
+            raise MeshplanError(f"length trace {p.name} is over {_MAX_TRACE_BYTES // 2**20} MiB")
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MeshplanError(f"cannot read length trace {p}: {exc}") from None
+    if p.suffix.lower() == ".json":
+        try:
+            d = json.loads(text)
+            ins, outs = d["input_lens"], d["output_lens"]
+        except (ValueError, KeyError, TypeError):
+            raise MeshplanError(f"length trace {p.name}: expected a JSON object with 'input_lens' and 'output_lens' "
+                                "lists") from None
+        if not (isinstance(ins, list) and isinstance(outs, list)) or len(ins) != len(outs):
+            raise MeshplanError(f"length trace {p.name}: 'input_lens' and 'output_lens' must be lists of one length")
+        rows = list(zip(ins, outs, strict=True))
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            cells = [c.strip() for c in line.split(",")]
+            if not line.strip() or (n == 1 and not cells[0].lstrip("-").isdigit()):
+                continue  # a blank line or the header
+            if len(cells) != 2 or not all(c.lstrip("-").isdigit() for c in cells):
+                raise MeshplanError(f"length trace {p.name} line {n}: expected 'input,output' (two integers), "
+                                    f"got {line[:40]!r}")
+            rows.append((int(cells[0]), int(cells[1])))
+    CLI_RULES["requests"].check(len(rows), f"requests in {p.name}")
+    seq = CLI_RULES["input_len"]
+    return tuple((seq.check(i, f"input length in {p.name}"), seq.check(o, f"output length in {p.name}"))
+                 for i, o in rows)
+
+
 def make_requests(spec: SimSpec, w: Workload) -> list[_Req]:
     if spec.rate <= 0 or spec.n_requests <= 0:
         raise MeshplanError(f"--rate and --requests must be positive (got {spec.rate}, {spec.n_requests})")
     if spec.concurrency is not None and spec.concurrency <= 0:
         raise MeshplanError(f"--concurrency must be positive, got {spec.concurrency}")
-    if spec.n_requests * w.output_len > MAX_SIM_TOKENS:  # the simulation steps every generated token
-        raise MeshplanError(f"--requests x --output-len = {spec.n_requests * w.output_len:,} tokens to simulate; at "
+    if spec.lengths and (spec.input_dist, spec.output_dist) != ("fixed", "fixed"):
+        raise MeshplanError("a length trace gives every request's lengths: it does not combine with "
+                            "--input-dist/--output-dist")
+    trace = [spec.lengths[j % len(spec.lengths)] for j in range(spec.n_requests)] if spec.lengths else None
+    generated = sum(o for _, o in trace) if trace else spec.n_requests * w.output_len
+    if generated > MAX_SIM_TOKENS:  # the simulation steps every generated token
+        raise MeshplanError(f"{generated:,} output tokens to simulate (requests x output length); at "
                             f"most {MAX_SIM_TOKENS:,} (about 20 s on one core): simulate fewer requests")
     rng = np.random.default_rng(spec.seed)
     gaps = rng.exponential(1.0 / spec.rate, spec.n_requests) if math.isfinite(spec.rate) else np.zeros(spec.n_requests)
     arrivals = np.cumsum(gaps)  # Poisson process; all at t = 0 for an infinite rate
-    ins = _lengths(rng, spec.input_dist, w.input_len, spec.n_requests)
-    outs = _lengths(rng, spec.output_dist, w.output_len, spec.n_requests)
+    if trace:
+        ins, outs = (np.array(col) for col in zip(*trace, strict=True))
+    else:
+        ins = _lengths(rng, spec.input_dist, w.input_len, spec.n_requests)
+        outs = _lengths(rng, spec.output_dist, w.output_len, spec.n_requests)
     return [_Req(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
 
 
@@ -205,7 +259,8 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
              max_batch: int, spec: SimSpec) -> dict:
-    """TTFT and TPOT percentiles (p50/p90/p99) and achieved output throughput under Poisson arrivals."""
+    """TTFT, TPOT (per request) and ITL (per token gap) percentiles (p50/p90/p99, mean) and achieved output throughput
+    under the arrivals of `spec`."""
     if max_batch <= 0:
         raise MeshplanError("the simulation needs a batch limit of at least 1 sequence per replica")
     reqs = make_requests(spec, w)
@@ -218,9 +273,14 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     frontend_s = frontend_first_token_s(cfg, chip)
     ttft = [r.first_token - r.arrival + frontend_s for r in reqs]
     tpot = [(r.finish - r.first_token) / (r.out - 1) for r in reqs if r.out > 1]
+    # every gap between two tokens of a request, pooled over the requests (vLLM benchmark_serving's "Mean ITL":
+    # np.mean of all requests' itl lists); TPOT above weighs each request once, the pooled gaps weigh each token
+    # once, and the two differ where requests differ in length
+    itl = [b - a for r in reqs for a, b in zip(r.times, r.times[1:], strict=False)]
     span = max(r.finish for r in reqs) - reqs[0].arrival
     return {"rate_requests_per_s": spec.rate, "requests": spec.n_requests, "seed": spec.seed,
             "concurrency": spec.concurrency, "max_num_batched_tokens": step_token_budget(chip, cfg),
-            "input_dist": spec.input_dist, "output_dist": spec.output_dist, "max_batch_per_replica": max_batch,
-            "ttft_s": _pct(ttft), "tpot_s": _pct(tpot),
+            "input_dist": "trace" if spec.lengths else spec.input_dist,
+            "output_dist": "trace" if spec.lengths else spec.output_dist, "max_batch_per_replica": max_batch,
+            "ttft_s": _pct(ttft), "tpot_s": _pct(tpot), "itl_s": _pct(itl),
             "throughput_tokens_per_s": sum(r.out for r in reqs) / span if span > 0 else 0.0}
