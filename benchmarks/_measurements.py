@@ -416,6 +416,8 @@ def options_of(e: dict) -> Options:
         tp_default = FRAMEWORKS["nemo"]["tp_overlap"]
     if _vpp_of(e["parallel"].get("vpp")) != 1:
         named["pp_schedule"] = "1f1b"  # interleaving was printed: the schedule is interleaved 1F1B
+    if e["parallel"].get("pp_schedule"):
+        named["pp_schedule"] = e["parallel"]["pp_schedule"]  # a schedule the source names (meshplan's name for it)
     # torchtitan's own behaviour (its preset of the release the source's date falls in): eager fp32 loss, torchao
     # float8 (weights cast every forward, dynamic scaling), PyTorch's context_parallel, SDPA attention, the FSDP2
     # group that nothing hides
@@ -454,6 +456,8 @@ def options_of(e: dict) -> Options:
         framework_kw = {k: FRAMEWORKS["maxtext"][k] for k in ("remat_dce", "fold_all_reduces", "pp_spmd_loop",
                                                              "attention_block_fwd", "attention_block_bwd")}
         framework_kw.update(maxtext_recipe_of(e))
+    if e["parallel"].get("cp_impl"):
+        framework_kw["cp_impl"] = e["parallel"]["cp_impl"]  # the context-parallel algorithm the source describes
     if named["expert_tp"] is not None:
         # the expert tensor parallel size the run's flags print (the model zoo's --expert-tensor-parallel-size 1)
         framework_kw["expert_tp"] = named["expert_tp"]

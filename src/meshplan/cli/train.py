@@ -163,7 +163,9 @@ def train(
              "rate on Hopper.")] = None,
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
-             "GEMMs fill the bubble) or dualpipe (DeepSeek-V3: two directions, twice the model state per rank).")] = None,
+             "GEMMs fill the bubble), dualpipe (DeepSeek-V3: two directions, twice the model state per rank) or gpipe "
+             "(all forwards, then all backwards: every micro-batch's activations held; with --vpp looped breadth-first, "
+             "where ZeRO-2 reduces each chunk's gradients once a step).")] = None,
     pp_overlap: Annotated[bool | None, typer.Option(
         "--pp-overlap/--no-pp-overlap",
         help="Interleaved pipeline sends hidden behind the next model chunk (Megatron-Core overlap_p2p_comm; on in "
@@ -378,7 +380,8 @@ def assumptions(problem: Problem, opts: Options) -> str:
     if opts.attention_kernel != "fused":
         parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)"}[opts.attention_kernel])
     if opts.pp_schedule != "1f1b":
-        parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline"}[opts.pp_schedule])
+        parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline",
+                      "gpipe": "GPipe (all-forward-all-backward) pipeline"}[opts.pp_schedule])
     if opts.distribute_saved_activations:
         parts.append("full recompute's saved layer inputs split over TP, gathered in the backward")
     if problem.chip.kind == "tpu":

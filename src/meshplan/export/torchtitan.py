@@ -41,7 +41,9 @@ SWITCHES = {
 FLAVORS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
 # meshplan schedule -> torch.distributed.pipelining schedule name (torch/distributed/pipelining/schedules.py)
 SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb1p": "InterleavedZeroBubble",
-             "dualpipe": "DualPipeV"}
+             "dualpipe": "DualPipeV", "gpipe": "GPipe", "looped_bfs": "LoopedBFS"}
+# schedules with virtual stages (pipeline_parallel_layers_per_stage sets their count) -> meshplan's schedule
+MULTI_STAGE = {"interleaved": "1f1b", "looped_bfs": "gpipe"}
 RECOMPUTE = {"none": "none", "selective": "selective", "full": "full"}
 # selective_ac_option: "op" = the per-op policy, an integer n = every n-th layer fully recomputed; meshplan's
 # "layer" flavour is torchtitan's default of every second layer
@@ -69,7 +71,8 @@ def export(plan: PlanToExport) -> str:
     data = c.dp * c.fsdp
     pp = c.pp > 1
     local = p.global_batch // data
-    sched = SCHEDULES["interleaved" if c.vpp > 1 and o.pp_schedule == "1f1b" else o.pp_schedule]
+    multi = {v: k for k, v in MULTI_STAGE.items()}
+    sched = SCHEDULES[multi[o.pp_schedule] if c.vpp > 1 and o.pp_schedule in multi else o.pp_schedule]
     components = ["model"] + (["loss"] if o.fused_loss else [])
     model: dict[str, Any] = {}
     flavor = next((k for k, v in FLAVORS.items() if v == plan.model_arg), None)
@@ -213,13 +216,13 @@ def load(text: str, chips: int | None = None) -> Job:
         if sched not in back:
             raise MeshplanError(f"torchtitan pipeline_parallel_schedule '{sched}' is not one meshplan models "
                                 f"(known: {', '.join(SCHEDULES.values())})")
-        schedule = "1f1b" if back[sched] == "interleaved" else back[sched]
+        schedule = MULTI_STAGE.get(back[sched], back[sched])
         vpp = 1
-        if back[sched] == "interleaved":  # virtual stages from the layers per stage once the model is known
+        if back[sched] in MULTI_STAGE:  # virtual stages from the layers per stage once the model is known
             vpp, job.layers_per_stage = None, par.get("pipeline_parallel_layers_per_stage")
             if job.layers_per_stage is None:
                 vpp = 2
-                job.notes.append("Interleaved1F1B without pipeline_parallel_layers_per_stage: 2 stages per rank")
+                job.notes.append(f"{sched} without pipeline_parallel_layers_per_stage: 2 stages per rank")
         job.options["pp_schedule"] = schedule
         if schedule == "dualpipe":
             job.options["ep_overlap"] = bool(par.get("pipeline_parallel_expert_parallel_overlap", True))

@@ -102,7 +102,8 @@ def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     ax.set_yticks(range(-1, pp), ["comm"] + [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (white gaps = bubbles)")
-    name = {"zb1p": "ZB-H1 (drawn as 1F1B)", "dualpipe": "DualPipe (drawn as 1F1B)"}.get(pp_schedule, "1F1B")
+    name = {"zb1p": "ZB-H1 (drawn as 1F1B)", "dualpipe": "DualPipe (drawn as 1F1B)",
+            "gpipe": "GPipe (drawn as 1F1B)"}.get(pp_schedule, "1F1B")
     ax.set_title(f"{name} schedule: pp={pp}, vpp={vpp}, {m} micro-batches shown; "
                  f"bubble {plan['time_s']['bubble']:.3g} s")
     fig.tight_layout()

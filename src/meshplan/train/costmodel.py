@@ -324,7 +324,10 @@ class Options:
     cp_impl: str = "ring"
     # Pipeline schedule (DeepSeek-V3 report, Table 2, compares the three): "1f1b" (Narayanan et al. 2021; interleaved
     # when vpp > 1), "zb1p" (zero-bubble ZB-H1, Qi et al. 2024: the weight-gradient GEMMs fill the bubble), or
-    # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages).
+    # "dualpipe" (DeepSeek-V3 §3.2.1: two pipelines in opposite directions, each rank holding two stages), or "gpipe"
+    # (all forwards, then all backwards: GPipe, Huang et al. 2019; with vpp > 1 looped breadth-first, each chunk run
+    # for every micro-batch before the next, Lamy-Poirier 2023 and torchtitan's LoopedBFS; Llama 3 405B at 16K GPUs,
+    # Chu et al. ISCA 2025 §3.1.3: "ZeRO-2 with all-forward-all-backward when bs < 2×pp").
     pp_schedule: str = "1f1b"
     # The pipeline as one SPMD loop (MaxText layers/pipeline.py `Pipeline.__call__`: total_iterations =
     # num_pipeline_microbatches·num_pipeline_repeats + (num_stages − 1), every iteration running every stage through
@@ -1346,8 +1349,15 @@ class CostModel:
     def _grad_reduces(self, L: LayoutArrays, g: dict):
         """Gradient reductions per step: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's are
         reduced (DeepSpeed reduces at each micro-step; the JAX program's accumulation does too); ZeRO-0/1 accumulate
-        and reduce once a step."""
-        return np.where(L.zero == 2, g["n_micro"], 1.0)
+        and reduce once a step, and so does ZeRO-2 under a looped breadth-first pipeline (`_chunk_major_backward`)."""
+        return np.where((L.zero == 2) & ~self._chunk_major_backward(g), g["n_micro"], 1.0)
+
+    def _chunk_major_backward(self, g: dict):
+        """A pipeline whose backward runs each model chunk for every micro-batch before the next chunk (Options.
+        pp_schedule "gpipe" with vpp > 1, looped breadth-first): a chunk's gradients are whole once its micro-batches
+        are done, so ZeRO-2 reduce-scatters them once a step and holds one chunk's unsharded gradients meanwhile
+        (Chu et al., ISCA 2025 §3.1.3, Llama 3 405B: ZeRO-2 with all-forward-all-backward)."""
+        return (self.opt.pp_schedule == "gpipe") & (g["pp"] > 1) & (g["vpp"] > 1)
 
     def _spmd_pp(self, g: dict):
         """The layers run in MaxText's SPMD pipeline loop (Options.pp_spmd_loop with pp > 1)."""
@@ -1959,6 +1969,11 @@ class CostModel:
         # DualPipe keeps PP + 1 (DeepSeek-V3 Table 2); zero-bubble ZB-H1 as many as 1F1B
         depth = pp + 1 if self.opt.pp_schedule == "dualpipe" else pp
         inflight = np.where(pp > 1, np.minimum(depth, g["n_micro"]) * (1 + (pp - 1) / (pp * vpp)) ** (vpp > 1), 1.0)
+        if self.opt.pp_schedule == "gpipe":
+            # every forward runs before the first backward: at the turn each stage holds all its layers' activations
+            # of every micro-batch (GPipe, Huang et al. 2019 §2.2; looped breadth-first alike, Lamy-Poirier 2023 §3),
+            # the most on a full middle stage (no relief where the embedding or the loss takes a layer's slot)
+            inflight = np.where(pp > 1, g["n_micro"], 1.0)
         # MaxText's SPMD pipeline (Options.pp_spmd_loop) is no 1F1B: its forward is a loop of M·v + pp − 1
         # iterations, each running one repeat's layers (layers_stage / v) on one micro-batch, and the backward is
         # jax's autodiff of that loop, so every iteration's saved residuals (bubble iterations' too) stay live until
@@ -2045,6 +2060,9 @@ class CostModel:
         gathered_stage = np.where(once, self.opt.fsdp_param_bytes * (P - np.where(whole_experts, E, 0.0)), 0.0)
         # unsharded accumulation under pipelining; gradients take the weights' dtype where it is set (JAX)
         grads = (w_bytes or self.opt.grad_reduce_bytes) * np.where(once, P, P_g)
+        # a chunk-major backward accumulates the chunk in progress unsharded beside the ZeRO-2 shards
+        grads = grads + np.where(self._chunk_major_backward(g) & (zero >= 2) & ~once,
+                                 (w_bytes or self.opt.grad_reduce_bytes) * P / g["vpp"], 0.0)
         if xla and not self.dp_overlap:
             # XLA reduces the scanned layers' gradients across the replicas after the backward (MaxText; dp_overlap
             # off): the backward's loop writes the micro-batch's whole (1/fs) gradients, so under ZeRO-2 they are

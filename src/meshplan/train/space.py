@@ -19,7 +19,7 @@ from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import OFFLOAD_FLAGS, RECOMPUTE_CODES, LayoutArrays, check_recompute
 
-PP_SCHEDULES = ("1f1b", "zb1p", "dualpipe")
+PP_SCHEDULES = ("1f1b", "zb1p", "dualpipe", "gpipe")
 
 
 
@@ -182,7 +182,7 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     validate_pins(p, pins)
     if pp_schedule not in PP_SCHEDULES:
         raise MeshplanError(f"unknown pipeline schedule '{pp_schedule}' (known: {', '.join(PP_SCHEDULES)})")
-    if pp_schedule != "1f1b":
+    if pp_schedule not in ("1f1b", "gpipe"):  # interleaved 1F1B and looped breadth-first have virtual stages
         if pins.vpp not in (None, 1):
             raise MeshplanError(f"the {pp_schedule} schedule has no virtual stages: drop --vpp {pins.vpp}")
         if pp_schedule == "dualpipe" and pins.pp is not None and pins.pp > 1 and pins.pp % 2:
