@@ -96,7 +96,7 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
         (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
          {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int",
           "--concurrency": "int", "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy",
-          "--max-num-batched-tokens": "int"}),
+          "--max-num-batched-tokens": "int", "--length-trace": "trace"}),
     ]
 
 
@@ -231,6 +231,22 @@ class Files:
             p.write_text(text.replace("4096", "NaN") if value == 4096 else text)
         return str(p)
 
+    def trace(self) -> str:
+        """A request-length trace for `serve --simulate --length-trace`: JSON or CSV, valid, out of bounds or bytes."""
+        p = self._path(self.rng.choice([".json", ".csv", ".txt"]))
+        r = self.rng.random()
+        lens = [self.rng.choice([1, 7, 200, 0, -3, 2**40, 1.5, "x", None]) for _ in range(self.rng.randint(0, 6))]
+        if r < 0.2:
+            p.write_bytes(self.rng.randbytes(self.rng.randint(0, 200)))
+        elif p.suffix == ".json":
+            p.write_text(json.dumps(self.rng.choice([
+                {"input_lens": lens, "output_lens": lens}, {"input_lens": lens, "output_lens": lens[:-1]},
+                {"input_lens": "x"}, [], lens, {"input_lens": [100] * 3, "output_lens": [10**7] * 3}])))
+        else:
+            p.write_text("\n".join(self.rng.choice(["input,output", f"{a},{b}", f"{a}", f"{a},{b},{a}", ""])
+                                   for a, b in zip(lens, reversed(lens), strict=True)))
+        return str(p)
+
     def profile(self) -> str:
         p = self._path(".json")
         p.write_text(json.dumps(self.rng.choice([{}, [], {"chip": "h100-sxm"}, {"efficiency": {"matmul": -1}},
@@ -250,6 +266,8 @@ def value_for(kind: str, rng: random.Random, files: Files) -> str:
         return rng.choice(ODD_TEXT + [files.hardware()] * 3) if odd else rng.choice(CHIPS)
     if kind == "profile":
         return rng.choice([files.profile(), "/nonexistent.json", ""])
+    if kind == "trace":
+        return rng.choice([files.trace()] * 4 + ["/nonexistent.csv", "", "/dev/null"])
     if kind == "outdir":
         return rng.choice([files.outdir()] * 3 + ["/proc/x/y", "/dev/null", ""])
     if kind == "framework":

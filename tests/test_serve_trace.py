@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
@@ -99,6 +101,8 @@ def test_a_closed_batch_of_a_trace_lasts_as_long_as_its_longest_request():
     ("input,output\n5,6\n7\n", ".csv", "line 3"),
     ("5,6\n7,-1\n", ".csv", "output length"),
     ("", ".csv", "requests in"),
+    ("5,\u00b2\n", ".csv", "line 1"),  # a superscript two: a digit to str.isdigit, not to int()
+    ("[" * 100_000, ".json", "JSON object"),
 ])
 def test_bad_traces_are_one_line_errors(tmp_path, body, suffix, message):
     p = tmp_path / f"t{suffix}"
@@ -134,3 +138,27 @@ def test_cli_length_trace(tmp_path):
                    "--rate", "1", "--length-trace", str(tmp_path / "none.json"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read length trace")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+_LEN = st.one_of(st.integers(min_value=-5, max_value=2**60), st.floats(allow_nan=True), st.text(max_size=5),
+                 st.none(), st.booleans())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.one_of(
+    st.binary(max_size=300).map(lambda b: (".csv", b)),
+    st.binary(max_size=300).map(lambda b: (".json", b)),
+    st.fixed_dictionaries({"input_lens": st.lists(_LEN, max_size=6), "output_lens": st.lists(_LEN, max_size=6)})
+    .map(lambda d: (".json", json.dumps(d).encode())),
+    st.lists(st.tuples(_LEN, _LEN), max_size=6).map(
+        lambda rows: (".csv", "\n".join(f"{a},{b}" for a, b in rows).encode()))))
+def test_any_trace_file_loads_or_is_one_meshplan_error(tmp_path, data):
+    suffix, body = data
+    p = tmp_path / f"t{suffix}"
+    p.write_bytes(body)
+    try:
+        trace = load_length_trace(p)
+    except MeshplanError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert trace and all(isinstance(i, int) and isinstance(o, int) and i >= 1 and o >= 1 for i, o in trace)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from meshplan.specs.model import ModelConfig
 from meshplan.validate import CLI_RULES, MAX_SIM_TOKENS
 
 _MAX_TRACE_BYTES = 64 * 2**20  # MAX_SIM_REQUESTS rows of two lengths take about 2 MB
+_INT = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (str.isdigit also takes '²', which int() refuses)
 
 DISTRIBUTIONS = ("fixed", "exponential", "uniform")
 
@@ -103,7 +105,7 @@ def load_length_trace(path: str | Path) -> tuple[tuple[int, int], ...]:
         try:
             d = json.loads(text)
             ins, outs = d["input_lens"], d["output_lens"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise MeshplanError(f"length trace {p.name}: expected a JSON object with 'input_lens' and 'output_lens' "
                                 "lists") from None
         if not (isinstance(ins, list) and isinstance(outs, list)) or len(ins) != len(outs):
@@ -113,9 +115,9 @@ def load_length_trace(path: str | Path) -> tuple[tuple[int, int], ...]:
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
             cells = [c.strip() for c in line.split(",")]
-            if not line.strip() or (n == 1 and not cells[0].lstrip("-").isdigit()):
+            if not line.strip() or (n == 1 and not _INT.fullmatch(cells[0])):
                 continue  # a blank line or the header
-            if len(cells) != 2 or not all(c.lstrip("-").isdigit() for c in cells):
+            if len(cells) != 2 or not all(_INT.fullmatch(c) for c in cells):
                 raise MeshplanError(f"length trace {p.name} line {n}: expected 'input,output' (two integers), "
                                     f"got {line[:40]!r}")
             rows.append((int(cells[0]), int(cells[1])))
