@@ -294,6 +294,8 @@ def _print_table(o: dict) -> None:
         s = o["simulation"]
         t.add_row("sim TTFT p50/p90/p99", " / ".join(fmt_time(s["ttft_s"][k]) for k in ("p50", "p90", "p99")))
         t.add_row("sim TPOT p50/p90/p99", " / ".join(fmt_time(s["tpot_s"][k]) for k in ("p50", "p90", "p99")))
+        t.add_row("sim ITL mean (every token gap)", fmt_time(s["itl_s"]["mean"]))
+        t.add_row("sim output throughput", f"{s['throughput_tokens_per_s']:,.0f} tok/s")
     if "disaggregated" in o:
         d = o["disaggregated"]
         t.add_row("disaggregated prefill:decode instances", f"{d['prefill_instances']}:{d['decode_instances']} "
