@@ -69,7 +69,7 @@ def test_schedules_constrain_the_search() -> None:
     with pytest.raises(MeshplanError, match="must be even"):
         enumerate_layouts(odd, Pins(tp=8, pp=5), pp_schedule="dualpipe")
     with pytest.raises(MeshplanError, match="unknown pipeline schedule"):
-        enumerate_layouts(PROB, Pins(), pp_schedule="gpipe")
+        enumerate_layouts(PROB, Pins(), pp_schedule="pipedream")
     best = plan(PROB, Pins(tp=8, pp=8), default_efficiency(PROB.chip), Options(pp_schedule="zb1p"), top=1)
     assert best.plans[0]["config"]["vpp"] == 1
 
@@ -77,7 +77,9 @@ def test_schedules_constrain_the_search() -> None:
 def test_cli_pp_schedule(capsys) -> None:
     base = ["train", "--model", "llama3-70b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len", "4096",
             "--global-batch", "256", "--tp", "8", "--pp", "8", "--top", "1"]
-    rc, _, err = run_cli([*base, "--pp-schedule", "gpipe"], capsys)
-    assert rc == 2 and "--pp-schedule must be one of 1f1b, zb1p, dualpipe" in err
+    rc, _, err = run_cli([*base, "--pp-schedule", "pipedream"], capsys)
+    assert rc == 2 and "--pp-schedule must be one of 1f1b, zb1p, dualpipe, gpipe" in err
+    rc, out, _ = run_cli([*base, "--pp-schedule", "gpipe"], capsys)
+    assert rc == 0 and "GPipe (all-forward-all-backward) pipeline" in " ".join(out.split())
     rc, out, _ = run_cli([*base, "--pp-schedule", "dualpipe"], capsys)
     assert rc == 0 and "DualPipe pipeline" in " ".join(out.split())
