@@ -27,10 +27,6 @@ NO_RESULTS = ("no GPU results committed yet (benchmarks/results/gpu_*.json): iss
 
 # (file, kind, quantity, efficiencies, statistic) → what the committed rows reach and why (benchmarks/gpu/README.md)
 KNOWN_GAPS = {
-    ("gpu_h200_2026-12-04.json", "train", "step_time_s", "calibrated", "median"):
-        "calibrated +3.5/+8.1/+11.4%: the H200 profile's hbm_fraction 0.51 comes from one 1 GiB copy timed once per "
-        "call (median 0.88 ms, min 0.65 ms); the dispatch-amortised copy timing has no GPU reading yet",
-    ("gpu_h200_2026-12-04.json", "train", "step_time_s", "calibrated", "worst"): "as the median: +11.4% worst",
     ("gpu_h200_2026-12-04.json", "decode", "step_time_s", "calibrated", "median"):
         "the first call's decode loop kept the cache [B, S, K, H] and XLA transposed it every step (fixed in "
         "serve_jax.py; the second call's file holds the fixed loop's rows)",

@@ -98,7 +98,11 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     if fp8:
         out["fp8_peak_fraction"] = max(fp8, key=lambda r: r["m"])["fraction"]
     if by.get("hbm"):
-        out["hbm_fraction"] = max(by["hbm"], key=lambda r: r["bytes"])["fraction"]
+        # the best rate over the device-bound copy sizes: time is only ever added to a copy (an allocation, a
+        # dispatch, another process), so the fastest reading is the least biased one (STREAM, McCalpin 1995, reports
+        # the best of its trials for the same reason); was the largest copy's, 0.51 on the H200 where its 256 MiB
+        # copy ran at 0.64 and its norm kernels at 0.56-0.65 (benchmarks/results/profile_h200_2026-12-04.json)
+        out["hbm_fraction"] = max(r["fraction"] for r in by["hbm"])
     out.update(_fit_attention(by.get("attention", []), chip, curves, "attention"))
     out.update(_fit_attention(by.get("sdpa", []), chip, curves, "attention_sdpa"))
     if by.get("norm"):
