@@ -60,10 +60,10 @@ def test_make_requests_replays_the_trace_in_order_and_cycles():
         make_requests(SimSpec(rate=1.0, n_requests=3, lengths=((1, 8_000_000),)), Workload(100, 30))
 
 
-def _sim(trace, rate=float("inf"), batch=8):
+def _sim(trace, rate=float("inf"), batch=8, w=Workload(200, 60)):
     cfg = ServeConfig(engine="trtllm")
     spec = SimSpec(rate=rate, n_requests=len(trace), lengths=tuple(trace))
-    return simulate(M8, H100, 1, cfg, EFF, Workload(200, 60), batch, spec)
+    return simulate(M8, H100, 1, cfg, EFF, w, batch, spec)
 
 
 def test_pooled_itl_weighs_tokens_not_requests():
@@ -74,16 +74,37 @@ def test_pooled_itl_weighs_tokens_not_requests():
     assert even["itl_s"]["mean"] == pytest.approx(even["tpot_s"]["mean"], rel=1e-9)
     # two slots: the 3-token request ends, the 7000-token prompt takes its slot and its prefill step lands in one gap
     # of the 40-token request (39 gaps), not in the short one's (2 gaps)
-    trace = ((8, 3), (8, 40), (7000, 5))
-    reqs = make_requests(SimSpec(rate=float("inf"), n_requests=3, lengths=trace), Workload(200, 60))
+    # (a workload of 7000 + 60 tokens sizes two slots' cache at 14,120 tokens: the slots, not the cache, limit here)
+    trace, big = ((8, 3), (8, 40), (7000, 5)), Workload(7000, 60)
+    reqs = make_requests(SimSpec(rate=float("inf"), n_requests=3, lengths=trace), big)
     _Replica(M8, H100, ServeConfig(engine="trtllm"), EFF, 2).run(reqs)
     tpots = [(r.finish - r.first_token) / (r.out - 1) for r in reqs]
     pooled = sum((r.out - 1) * t for r, t in zip(reqs, tpots, strict=True)) / sum(r.out - 1 for r in reqs)
-    mixed = _sim(trace, batch=2)
+    mixed = _sim(trace, batch=2, w=big)
     assert mixed["itl_s"]["mean"] == pytest.approx(pooled, rel=1e-9)
     assert mixed["tpot_s"]["mean"] == pytest.approx(sum(tpots) / 3, rel=1e-9)
     assert mixed["input_dist"] == "trace"
     assert mixed["itl_s"]["mean"] > 1.1 * mixed["tpot_s"]["mean"]
+
+
+def test_requests_of_a_trace_fill_the_cache_in_tokens():
+    # TensorRT-LLM reserves a request's whole input + output at admission (GUARANTEED_NO_EVICT). 4 slots sized for the
+    # workload's 200 + 60 tokens are a cache of 4 x 260 = 1,040 tokens: two requests of 500 + 20 = 520 tokens fill it,
+    # so 4 of them run two at a time (the 3rd starts when one of the first two ends), where 4 short ones run at once
+    cfg = ServeConfig(engine="trtllm")
+    long = make_requests(SimSpec(rate=float("inf"), n_requests=4, lengths=((500, 20),)), Workload(200, 60))
+    _Replica(M8, H100, cfg, EFF, 4, kv_tokens=4 * 260).run(long)
+    first, third = sorted(r.first_token for r in long)[0], sorted(r.first_token for r in long)[2]
+    assert third > min(r.finish for r in long) - 1e-12 > first
+    short = make_requests(SimSpec(rate=float("inf"), n_requests=4, lengths=((100, 20),)), Workload(200, 60))
+    _Replica(M8, H100, cfg, EFF, 4, kv_tokens=4 * 260).run(short)
+    assert len({r.first_token for r in short}) == 1  # all four prefilled in the first step
+    # simulate() applies the cache when the lengths vary: a 2,000-token request and short ones on 4 slots of 260
+    mixed = _sim([(2000, 20), (100, 20), (100, 20), (100, 20)], batch=4)
+    slots_only = make_requests(SimSpec(rate=float("inf"), n_requests=4, lengths=((2000, 20), (100, 20), (100, 20),
+                                                                                (100, 20))), Workload(200, 60))
+    _Replica(M8, H100, cfg, EFF, 4).run(slots_only)
+    assert mixed["ttft_s"]["mean"] > sum(r.first_token - r.arrival for r in slots_only) / 4
 
 
 def test_a_closed_batch_of_a_trace_lasts_as_long_as_its_longest_request():

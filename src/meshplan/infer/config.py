@@ -209,13 +209,18 @@ def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
     return int(hit) * ranks
 
 
+def kv_on_demand(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether the engine allocates KV blocks as tokens are written (serving.yaml engine_kv_on_demand) instead of
+    reserving a request's whole length at admission."""
+    return bool(_engine_entry("engine_kv_on_demand", cfg.engine, chip))
+
+
 def kv_reserved_per_sequence(cfg: ServeConfig, chip: Chip, w: Workload) -> float:
     """KV tokens the engine holds per running sequence when sizing its batch: the full input + output for engines
     that reserve a request's whole length at admission (TensorRT-LLM GUARANTEED_NO_EVICT, meshplan's default);
     the mean context input + output/2 of sequences at uniformly spread ages for engines that allocate KV blocks as
     tokens are written and preempt when full (serving.yaml engine_kv_on_demand)."""
-    on_demand = _engine_entry("engine_kv_on_demand", cfg.engine, chip)
-    return w.mean_decode_context if on_demand else float(w.max_context)
+    return w.mean_decode_context if kv_on_demand(cfg, chip) else float(w.max_context)
 
 
 def step_token_budget(chip: Chip, cfg: ServeConfig) -> int:

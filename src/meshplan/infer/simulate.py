@@ -36,6 +36,8 @@ from meshplan.infer.config import (
     Workload,
     clients_per_replica,
     frontend_first_token_s,
+    kv_on_demand,
+    kv_reserved_per_sequence,
     prefill_len,
     prefill_room,
     prompt_chunk,
@@ -153,9 +155,14 @@ def make_requests(spec: SimSpec, w: Workload) -> list[_Req]:
 
 class _Replica:
     def __init__(self, m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, max_batch: int,
-                 concurrency: int | None = None):
+                 concurrency: int | None = None, kv_tokens: float | None = None):
         self.m, self.chip, self.cfg, self.eff, self.max_batch = m, chip, cfg, eff, max_batch
         self.concurrency = concurrency
+        # KV tokens the replica's cache holds (None: the slots alone limit admission, as at fixed lengths, where the
+        # slot count was sized from the same cache); the engine's reservation rule (config.kv_reserved_per_sequence):
+        # a request's whole input + output at admission, or only its current tokens where KV is allocated on demand
+        self.kv_tokens = kv_tokens
+        self.on_demand = kv_on_demand(cfg, chip)
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
         self.frontend_s = frontend_first_token_s(cfg, chip)
         self._cache: dict[tuple, float] = {}
@@ -167,6 +174,16 @@ class _Replica:
             self._cache[key] = step_cost(self.m, self.chip, self.cfg, self.eff, n_dec, ctx, n_pre, pre_ctx,
                                          seqs, n_chunks or None).time_s
         return self._cache[key]
+
+    def _kv_tokens_of(self, r: _Req) -> int:
+        return r.inp + (r.generated if self.on_demand else r.out)
+
+    def _kv_admits(self, running: list[_Req], r: _Req) -> bool:
+        """Whether the cache has room for `r` beside the running requests (a request alone is always admitted: an
+        engine whose cache cannot hold one request rejects it at once, which the simulation does not model)."""
+        if self.kv_tokens is None or not running:
+            return True
+        return sum(self._kv_tokens_of(x) for x in running) + self._kv_tokens_of(r) <= self.kv_tokens
 
     def run(self, reqs: list[_Req]) -> None:
         if self.concurrency is not None:  # closed loop: request j >= C is sent when the (j-C)-th one finishes
@@ -194,7 +211,7 @@ class _Replica:
             # An engine one step ahead picked this step's batch before the last step ended, while the sequences that
             # ended in it still held their slots (SGLang event_loop_overlap: get_next_batch_to_run, then
             # process_batch_result of the previous batch): their slots are reused one step later
-            while waiting and len(running) < self.max_batch - held:
+            while waiting and len(running) < self.max_batch - held and self._kv_admits(running, waiting[0]):
                 running.append(waiting.pop(0))
             if not running and waiting:  # every slot held by an ended sequence: that step decodes only them
                 start, t, held = t, t + self._cost(held, self.last_ctx, 0, 0.0, held), 0
@@ -268,8 +285,12 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     reqs = make_requests(spec, w)
     replicas = n_chips // cfg.chips_per_replica
     conc = clients_per_replica(n_chips, cfg, spec.concurrency)
+    # requests of different lengths fill the cache in tokens, not in slots: the replica's cache holds max_batch
+    # sequences of the workload's reservation (memory.max_batch_per_replica sized it so)
+    varied = len({(r.inp, r.out) for r in reqs}) > 1
+    kv_tokens = max_batch * kv_reserved_per_sequence(cfg, chip, w) if varied else None
     for k in range(replicas):
-        _Replica(m, chip, cfg, eff, max_batch, conc).run(reqs[k::replicas])
+        _Replica(m, chip, cfg, eff, max_batch, conc, kv_tokens).run(reqs[k::replicas])
     # a request's arrival is when the engine can see it; the client's TTFT adds the server path's ways in and out
     # (config.frontend_first_token_s); the later tokens' gaps are the engine's
     frontend_s = frontend_first_token_s(cfg, chip)
