@@ -252,3 +252,46 @@ def test_device_kind_maps_to_the_catalog(kind, chip):
 
     assert chip_for_device_kind(kind) == chip
     assert chip is None or chip in preset_chips()
+
+
+@pytest.mark.jax
+@needs_jax
+def test_time_limit_writes_a_profile_of_what_was_measured(tmp_path):
+    """`--time-limit`: no measurement starts past the limit; the profile is still written, with the benchmarks that
+    did not run listed as skipped and their fields left at the defaults (the H200 run of session 14 lost its whole
+    profile when the GPU suite stopped calibrate at its share)."""
+    out = tmp_path / "p.json"
+    r = meshplan("calibrate", "--quick", "--hardware", "h100-sxm", "--bench", "matmul,hbm", "--time-limit", "0.001",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["benchmarks"] and all(rec.get("skipped") == "stopped at calibrate's time limit"
+                                      for rec in data["benchmarks"])
+    assert {rec["benchmark"] for rec in data["benchmarks"]} == {"matmul", "hbm"}
+    assert data["efficiency_origin"]["matmul_peak_fraction"] == "default"
+    assert data["efficiency_origin"]["hbm_fraction"] == "default"
+
+
+@pytest.mark.jax
+@needs_jax
+def test_records_carry_their_setup_and_wall_time(cpu_profile):
+    """Each timed record says how long its compile and trial took and its whole measurement (what a run that
+    overruns its time needs to know: session 14's GEMM grid took 186 s of a 222 s calibrate)."""
+    data = json.loads(cpu_profile.read_text())
+    timed = [r for r in data["benchmarks"] if r["benchmark"] in ("matmul", "hbm") and "skipped" not in r]
+    assert timed
+    for r in timed:
+        t = r["timing"]
+        assert 0 < t["setup_s"] <= t["wall_s"]
+        # the timed batches alone took at least repeats x inner calls of the program (ops_per_program GEMMs each)
+        assert t["wall_s"] - t["setup_s"] >= 0.9 * t["repeats"] * t["inner"] * r["time_s"] * r["ops_per_program"]
+    assert any(r["name"] == "program of 2 tiny matmuls" for r in data["benchmarks"])  # the CPU grid's 2 per program
+
+
+def test_bad_time_limit_is_one_error_line(capsys):
+    for bad in ("0", "-3"):
+        code, _, err = run_cli(["calibrate", "--time-limit", bad], capsys)
+        assert code == 2 and "error: --time-limit must be a positive number" in err, (bad, err)
+    for bad in ("nan", "inf", "soon"):  # the CLI's own check of every float option
+        code, _, err = run_cli(["calibrate", "--time-limit", bad], capsys)
+        assert code == 2 and err.startswith("error: ") and "--time-limit" in err and len(err.splitlines()) == 1

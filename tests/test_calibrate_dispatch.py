@@ -78,3 +78,25 @@ def test_sdpa_backend_is_named_from_its_kernel() -> None:
     assert backend_of_kernel("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "efficient (memory-efficient, CUTLASS)"
     assert backend_of_kernel(None) == "not identified"
     assert backend_of_kernel("some_other_kernel").startswith("kernel some_other_kernel")
+
+
+def test_the_floor_of_a_many_gemm_program_is_its_own_tiny_program() -> None:
+    """The H200 run of session 14 (profile_h200_2026-12-04_s14.json): one-kernel program 40.0 us, 512^3 and
+    1024^3 GEMMs 16 to a program at 13.9 and 11.3 us each (222 and 181 us a program: above twice the one-kernel
+    time, so the one-kernel floor keeps them, at 2% and 19% of peak). With a 16-tiny-GEMM program measured (here
+    200 us, about what those programs show), the floor for n GEMMs is 40 + 160·(n − 1)/15 us: 512^3 and 1024^3 fall
+    under twice 200 us and leave the fit; 2048^3 (26.9 us, 430 us a program) and the 15-to-a-program thin 64-row
+    GEMM (46.4 us, 696 us against twice 189.3 us) stay."""
+    from meshplan.measure.fit import program_floor
+
+    one = {"benchmark": "overhead", "name": "program of 1 tiny kernel", "time_s": 40.0e-6}
+    many = {"benchmark": "overhead", "name": "program of 16 tiny matmuls", "time_s": 200e-6, "ops_per_program": 16}
+    a, b, c = _mm("512", 512, 13.9e-6, 16), _mm("1024", 1024, 11.3e-6, 16), _mm("2048", 2048, 26.9e-6, 16)
+    thin = {**_mm("64x8192x8192", 64, 46.4e-6, 15), "n": 8192, "k": 8192}
+    floor = program_floor([one, many])
+    assert floor(1) == pytest.approx(40e-6) and floor(16) == pytest.approx(200e-6)
+    assert floor(15) == pytest.approx(40e-6 + 160e-6 * 14 / 15)
+    assert device_bound([a, b, c, thin], floor) == [c, thin]
+    assert device_bound([a, b, c, thin], program_floor([one])) == [a, b, c, thin]  # the one-kernel floor alone
+    _, curves = fit_efficiency([one, many, a, b, c, thin], load_chip("h100-sxm"))
+    assert curves["dispatch_bound"] == {"matmul": ["512", "1024"]}

@@ -59,18 +59,24 @@ def calibrate(
     model: Annotated[str | None, typer.Option(help="Model whose decoder layer is timed (default llama3.2-1b).")] = None,
     bench: Annotated[str | None, typer.Option(help="Comma list of benchmarks (default all): matmul, hbm, "
                                                    "attention, sdpa, norm, host, overhead, layer, collectives.")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Seconds: start no measurement after this; fit and write what was measured (the rest is "
+                             "listed as skipped in the profile).")] = None,
     coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
 ) -> None:
     """Microbenchmark the local accelerator(s) and fit meshplan's efficiency model (a --profile for train/serve)."""
     if show is not None:  # --show '' is a missing file, not a calibration run
         show_profile(show)
         return
+    if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
+        fail(f"--time-limit must be a positive number of seconds, got {time_limit}")
     names = parse_benchmarks(bench)
     require_jax("calibrate")
     from meshplan.measure.cluster import stdout_to_stderr
 
     with stdout_to_stderr():
-        summary, chip, profile = _calibrate(names, quick, hardware, model, coordinator, num_processes, process_id)
+        summary, chip, profile = _calibrate(names, quick, hardware, model, coordinator, num_processes, process_id,
+                                            time_limit)
     if not is_main(summary):
         return
     Path(out).write_text(json.dumps(profile, indent=2, default=_json_default) + "\n")
@@ -79,14 +85,15 @@ def calibrate(
 
 
 def _calibrate(names: list[str], quick: bool, hardware: str | None, model: str | None, coordinator: str | None,
-               num_processes: int | None, process_id: int | None) -> tuple[dict[str, Any], Chip, dict[str, Any]]:
+               num_processes: int | None, process_id: int | None,
+               time_limit_s: float | None = None) -> tuple[dict[str, Any], Chip, dict[str, Any]]:
     summary = start_runtime("calibrate", coordinator, num_processes, process_id)
     chip = _calibration_chip(hardware, summary)
     from meshplan.measure import calibrate as cal
     from meshplan.measure.cluster import now_utc, versions
     from meshplan.measure.fit import build_profile
 
-    ctx = cal.make_context(chip, summary["platform"], quick, model)
+    ctx = cal.make_context(chip, summary["platform"], quick, model, time_limit_s)
     meta = {"measured_at": now_utc(), "mode": "quick" if quick else "full", "platform": summary["platform"],
             "device_kind": summary["device_kind"], "devices": summary, "versions": versions()}
     records = _run_with_progress(cal, ctx, names, show_bar=is_main(summary))

@@ -18,6 +18,7 @@ fraction of the chip's catalog peak; `measure/fit.py` turns them into the effici
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -104,6 +105,13 @@ class Context:
     grid: Grid
     platform: str
     model: ModelConfig
+    deadline_s: float | None = None  # time.monotonic() past which no further measurement starts (--time-limit)
+
+    def out_of_time(self) -> bool:
+        return self.deadline_s is not None and time.monotonic() >= self.deadline_s
+
+
+TIME_LIMIT = "stopped at calibrate's time limit"
 
 
 def _record(bench: str, name: str, t: Timing, peak: float, work: float, unit: str, **extra: Any) -> Record:
@@ -124,8 +132,11 @@ def _timed(fn: Callable, specs: list[tuple[tuple[int, ...], Any]], grid: Grid, s
     if inner is not None:
         return time_fn(fn, make, warmup=2, repeats=grid.repeats, inner=inner)
     nbytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs)
+    t0 = time.monotonic()
     inner = auto_inner(fn, make, grid.target_s, nbytes, grid.batch_bytes)  # compiles and runs twice: the warm-up
-    return time_fn(fn, make, warmup=0, repeats=grid.repeats, inner=inner)
+    setup_s = time.monotonic() - t0  # compilation (with XLA's GEMM autotuning) and the trial: where a run's time goes
+    return replace(time_fn(fn, make, warmup=0, repeats=grid.repeats, inner=inner), setup_s=setup_s,
+                   wall_s=time.monotonic() - t0)
 
 
 # --- matmul ----------------------------------------------------------------------------------------
@@ -146,18 +157,28 @@ def _timed_many(op: Callable, specs: list[tuple[tuple[int, ...], Any]], out_byte
     op_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs) + out_bytes
     n = int(max(1, min(grid.ops_per_program, grid.program_bytes // max(op_bytes, 1))))
     t = _timed(_many(op, len(specs), n), specs * n, grid)
-    return Timing(t.median_s / n, t.min_s / n, t.max_s / n, t.repeats, t.inner), n
+    return replace(t, median_s=t.median_s / n, min_s=t.min_s / n, max_s=t.max_s / n), n
 
 
 def matmul_shapes(grid: Grid) -> list[tuple[int, int, int]]:
-    """(m, n, k): squares, then thin m against a big square weight."""
-    return [(d, d, d) for d in grid.matmul_square] + [(m, grid.matmul_big, grid.matmul_big) for m in grid.matmul_thin]
+    """(m, n, k): squares, then thin m against a big square weight, each largest first: under a time limit the
+    points cut are the small ones, the likeliest to be bound by the host's dispatch (fit.DISPATCH_BOUND_FACTOR)."""
+    return ([(d, d, d) for d in sorted(grid.matmul_square, reverse=True)]
+            + [(m, grid.matmul_big, grid.matmul_big) for m in sorted(grid.matmul_thin, reverse=True)])
+
+
+def _stopped(bench: str, what: list[str]) -> list[Record]:
+    """The measurements a time limit left out, named, so that the profile says what it lacks."""
+    return [{"benchmark": bench, "name": name, "skipped": TIME_LIMIT} for name in what]
 
 
 def bench_matmul(ctx: Context) -> list[Record]:
     out = []
     dt = jnp.dtype(ctx.grid.dtype)
-    for m, n, k in matmul_shapes(ctx.grid):
+    shapes = matmul_shapes(ctx.grid)
+    for i, (m, n, k) in enumerate(shapes):
+        if ctx.out_of_time():
+            return out + _stopped("matmul", [f"{a}x{b}x{c}" for a, b, c in shapes[i:]]) + bench_fp8(ctx)
         op = partial(jnp.dot, preferred_element_type=dt)
         t, ops = _timed_many(op, [((m, k), dt), ((k, n), dt)], m * n * dt.itemsize, ctx.grid)
         out.append(_record("matmul", f"{m}x{n}x{k}", t, ctx.chip.peak("bf16"), 2.0 * m * n * k, "FLOP",
@@ -171,7 +192,10 @@ def bench_fp8(ctx: Context) -> list[Record]:
         return []
     f8 = jnp.float8_e4m3fn
     out = []
-    for d in ctx.grid.fp8_square:
+    sizes = sorted(ctx.grid.fp8_square, reverse=True)  # the largest first: the fit reads the largest (fit.py)
+    for i, d in enumerate(sizes):
+        if ctx.out_of_time():
+            return out + _stopped("matmul", [f"fp8 {x}x{x}x{x}" for x in sizes[i:]])
         try:
             op = partial(jnp.dot, preferred_element_type=jnp.bfloat16)
             t, ops = _timed_many(op, [((d, d), f8), ((d, d), f8)], d * d * 2, ctx.grid)
@@ -187,7 +211,9 @@ def bench_fp8(ctx: Context) -> list[Record]:
 def bench_hbm(ctx: Context) -> list[Record]:
     """y = 1.5·x + 0.5 over a large fp32 array: reads and writes every byte once."""
     out = []
-    for nbytes in ctx.grid.hbm_bytes:
+    for i, nbytes in enumerate(ctx.grid.hbm_bytes):
+        if ctx.out_of_time():
+            return out + _stopped("hbm", [f"copy {x // MiB} MiB" for x in ctx.grid.hbm_bytes[i:]])
         t, ops = _timed_many(lambda x: x * 1.5 + 0.5, [((nbytes // 4,), jnp.float32)], nbytes, ctx.grid)
         out.append(_record("hbm", f"copy {nbytes // MiB} MiB", t, ctx.chip.hbm_bandwidth_bytes_per_s,
                            2.0 * nbytes, "B", bytes=nbytes, ops_per_program=ops))
@@ -227,10 +253,16 @@ def bench_overhead(ctx: Context) -> list[Record]:
     specs = [((32, 32), jnp.float32), ((32, 32), jnp.float32)]
     t1, t65 = (_timed(_chain(n), specs, ctx.grid) for n in (1, 65))
     per_kernel = max((t65.median_s - t1.median_s) / 64, 0.0)
-    return [{"benchmark": "overhead", "name": "program of 1 tiny kernel", "time_s": t1.median_s,
-             "timing": t1.as_dict()},
-            {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": t65.median_s,
-             "timing": t65.as_dict(), "per_kernel_s": per_kernel}]
+    out = [{"benchmark": "overhead", "name": "program of 1 tiny kernel", "time_s": t1.median_s,
+            "timing": t1.as_dict()},
+           {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": t65.median_s,
+            "timing": t65.as_dict(), "per_kernel_s": per_kernel}]
+    n = ctx.grid.ops_per_program
+    if n > 1:  # the GEMM benchmark's program with no work to speak of: its own dispatch floor (fit.device_bound)
+        t = _timed(_many(jnp.dot, 2, n), specs * n, ctx.grid)
+        out.append({"benchmark": "overhead", "name": f"program of {n} tiny matmuls", "time_s": t.median_s,
+                    "timing": t.as_dict(), "ops_per_program": n})
+    return out
 
 
 # --- attention -------------------------------------------------------------------------------------
@@ -264,9 +296,11 @@ def bench_attention(ctx: Context) -> list[Record]:
     fwd, fwd_bwd = _attention_fns(impl)
     peak = ctx.chip.peak("bf16")
     out = []
-    for T in g.attn_lengths:
+    for i, T in enumerate(g.attn_lengths):
+        if ctx.out_of_time():
+            return out + _stopped("attention", [f"fwd T={x}" for x in g.attn_lengths[i:]])
         out += _attention_pair(fwd, fwd_bwd, g, T, g.attn_heads, g.head_dim, impl, peak, "")
-    for heads, head_dim in g.attn_shapes:  # other head shapes at one length; the fit reads only the above
+    for heads, head_dim in g.attn_shapes if not ctx.out_of_time() else ():  # other head shapes at one length; the fit reads only the above
         suffix = f" N={heads} H={head_dim}"
         try:
             out += _attention_pair(fwd, fwd_bwd, g, g.attn_shape_seq, heads, head_dim, impl, peak, suffix,
@@ -439,8 +473,10 @@ BENCH_FNS: dict[str, Callable[[Context], list[Record]]] = {
     "overhead": bench_overhead, "layer": bench_layer, "collectives": bench_collectives}
 
 
-def make_context(chip: Chip, platform: str, quick: bool, model: str | None) -> Context:
-    return Context(chip, grid_for(platform, quick), platform, load_model(model or "llama3.2-1b"))
+def make_context(chip: Chip, platform: str, quick: bool, model: str | None,
+                 time_limit_s: float | None = None) -> Context:
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    return Context(chip, grid_for(platform, quick), platform, load_model(model or "llama3.2-1b"), deadline)
 
 
 def run_benchmarks(ctx: Context, names: list[str], on_done: Callable[[str, int], None] | None = None) -> list[Record]:
@@ -448,6 +484,12 @@ def run_benchmarks(ctx: Context, names: list[str], on_done: Callable[[str, int],
     with its reason, and the rest go on."""
     records: list[Record] = []
     for name in names:
+        if ctx.out_of_time():
+            recs = [{"benchmark": name, "name": name, "skipped": TIME_LIMIT}]
+            records.extend(recs)
+            if on_done:
+                on_done(name, 0)
+            continue
         try:
             recs = BENCH_FNS[name](ctx)
         except Exception as exc:  # noqa: BLE001 - keep the other measurements

@@ -31,10 +31,14 @@ class Timing:
     max_s: float
     repeats: int
     inner: int
+    setup_s: float | None = None  # compilation and the trial call before the timed batches, where measured
+    wall_s: float | None = None  # the whole measurement, setup included
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s,
-                "repeats": self.repeats, "inner": self.inner}
+        out: dict[str, float | int] = {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s,
+                                       "repeats": self.repeats, "inner": self.inner}
+        out.update({k: v for k, v in (("setup_s", self.setup_s), ("wall_s", self.wall_s)) if v is not None})
+        return out
 
 
 Specs = tuple[tuple[tuple[int, ...], Any], ...]
