@@ -278,3 +278,41 @@ def test_experts_report_sets_meshplans_gemm_time_beside_the_measured_one() -> No
     line = next(x for x in r.stdout.splitlines() if x.startswith("| dense | dense | 1 | 8192 | 8192 | 8192 |"))
     assert line.split("|")[7].strip() == "1533" and line.split("|")[8].strip() == "1394"
     assert len([x for x in r.stdout.splitlines() if x.startswith("| ")]) == 1 + 4 + 2 * 11  # header, 4 dense, 11 expert shapes × 2 GEMMs
+
+
+def test_split_count_divides_the_cache_near_the_target() -> None:
+    import serve_jax as sj
+
+    assert sj.split_count(32768) == 32  # 1024 per split
+    assert sj.split_count(32768 + 18) == 26  # 32786 = 2·13²·97: splits of 1261
+    assert sj.split_count(1024 + 18) == 1  # 1042 = 2·521: no split of 256..: one
+    assert sj.split_count(4096 + 18) == 11  # 4114 = 2·11²·17: splits of 374
+    for cap in (16, 1042, 4114, 8210, 32786):
+        c = sj.split_count(cap)
+        assert cap % c == 0 and (c == 1 or cap // c >= sj.SPLIT_TARGET // 4)
+
+
+@pytest.mark.jax
+@needs_jax
+def test_split_decode_attention_equals_one_softmax() -> None:
+    """The split attention (split_count > 1) gives what one softmax over the whole cache gives (fp32 on the CPU)."""
+    import jax
+    import jax.numpy as jnp
+    import serve_jax as sj
+
+    from meshplan.specs.model import load_model
+
+    m = load_model("llama3.2-1b").with_overrides(**TINY)
+    params = sj.init_weights(m, jnp.float32)
+    cache = sj.random_cache(m, 2, 1024, jnp.float32, seed=3)  # 1024 positions: 4 splits of 256 at target 256
+    tok = jnp.asarray([3, 5], dtype=jnp.int32)
+    old = sj.SPLIT_TARGET
+    try:
+        sj.SPLIT_TARGET = 256
+        assert sj.split_count(1024, sj.SPLIT_TARGET) == 4
+        split, _ = jax.jit(sj._decode_fn(m))(params, [(k.copy(), v.copy()) for k, v in cache], tok, jnp.int32(700))
+        sj.SPLIT_TARGET = 10**9  # one split
+        whole, _ = jax.jit(sj._decode_fn(m))(params, [(k.copy(), v.copy()) for k, v in cache], tok, jnp.int32(700))
+    finally:
+        sj.SPLIT_TARGET = old
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-4, atol=1e-4)

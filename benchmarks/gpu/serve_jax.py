@@ -5,7 +5,8 @@ training model (`meshplan.measure.jaxmodel`: fused QKV per KV group, fused gate/
 Layers are a Python loop over per-layer weight arrays (no scan: a scan's dynamic slices could copy weights or
 the cache each step, which would distort a memory-bound decode step). Prefill attention is
 jax.nn.dot_product_attention (cuDNN flash attention on GPUs); decode attention reads the cache with two
-einsums (QKᵀ and AV over the whole cache, later positions masked), as memory-bound as a decode kernel.
+einsums (QKᵀ and AV over the whole cache, later positions masked), as memory-bound as a decode kernel, the cache's
+positions cut into splits that run in parallel (Flash-Decoding; `split_count`).
 Only the last prompt position's logits are computed in prefill, as serving engines do.
 """
 
@@ -103,15 +104,41 @@ def make_decode_steps(model: ModelConfig, steps: int):
     return jax.jit(run, donate_argnums=(1,))
 
 
+SPLIT_TARGET = 1024  # cache positions per split of a decode step's attention (split_count)
+
+
+def split_count(capacity: int, target: int = SPLIT_TARGET) -> int:
+    """How many equal splits a decode step cuts the cache's positions into (Flash-Decoding, Dao, Haziza, Massa and
+    Sizov 2023: split the keys/values so that one query's attention runs in parallel over the long axis, then combine
+    the splits' partial softmaxes): the divisor of `capacity` whose split length is nearest `target`, 1 where no split
+    would be at least target/4 long. Without it XLA ran AV for a long context as one GEMM per (sequence, KV head)
+    with the context as its reduction: the H200 rows at batch 32 × 32k, batch 16 × 4k and batch 1 × 32k took
+    1.3-2.2x the cache read (benchmarks/results/gpu_h200_2026-12-04_s14.json) where batch 256 × 1k, with the same
+    bytes in short rows, took 1.0x."""
+    best = 1
+    for c in range(2, capacity // max(target // 4, 1) + 1):
+        if capacity % c == 0 and abs(capacity / c - target) < abs(capacity / best - target):
+            best = c
+    return best
+
+
 def _decode_fn(model: ModelConfig):
     def attend(q, ck, cv, pos):
         B, _, N, H = q.shape
-        K = ck.shape[1]
+        K, S = ck.shape[1], ck.shape[2]
+        C = split_count(S, SPLIT_TARGET)  # the module value when traced (a test sets it)
         qg = q.reshape(B, K, N // K, H)
-        s = jnp.einsum("bkgh,bksh->bkgs", qg, ck).astype(jnp.float32) * (H ** -0.5)
-        s = jnp.where(jnp.arange(ck.shape[2]) <= pos, s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(cv.dtype)
-        return jnp.einsum("bkgs,bksh->bkgh", p, cv).reshape(B, 1, N, H)
+        # the cache's positions as C splits of S/C (a free reshape of the heads-major cache)
+        ks, vs = (x.reshape(B, K, C, S // C, H) for x in (ck, cv))
+        s = jnp.einsum("bkgh,bkcsh->bkgcs", qg, ks).astype(jnp.float32) * (H ** -0.5)
+        s = jnp.where(jnp.arange(S).reshape(C, S // C) <= pos, s, -jnp.inf)
+        m = jnp.max(s, axis=(-2, -1), keepdims=True)  # one softmax over all positions: the splits share its max
+        e = jnp.exp(s - m)
+        den = jnp.sum(e, axis=(-2, -1))  # [B,K,G]
+        part = jnp.einsum("bkgcs,bkcsh->bkgch", e.astype(cv.dtype), vs,
+                          preferred_element_type=jnp.float32)  # each split's AV, the splits a batch dimension
+        o = jnp.sum(part, axis=3) / den[..., None]
+        return o.astype(cv.dtype).reshape(B, 1, N, H)
 
     def decode(params, cache, tokens, pos):
         x = jnp.take(params["embed"], tokens[:, None], axis=0)  # [B,1,D]
