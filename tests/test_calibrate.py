@@ -286,6 +286,14 @@ def test_records_carry_their_setup_and_wall_time(cpu_profile):
         # the timed batches alone took at least repeats x inner calls of the program (ops_per_program GEMMs each)
         assert t["wall_s"] - t["setup_s"] >= 0.9 * t["repeats"] * t["inner"] * r["time_s"] * r["ops_per_program"]
     assert any(r["name"] == "program of 2 tiny matmuls" for r in data["benchmarks"])  # the CPU grid's 2 per program
+    chain = [r for r in data["benchmarks"] if "chain" in r]
+    assert [r["bytes"] for r in chain] == [2 * 2**18, 2 * 2**20, 2 * 2**22]  # read + write of each buffer
+    # each program runs its 32 dependent copies one after another: the largest copy takes longer than the smallest
+    assert chain[-1]["time_s"] > chain[0]["time_s"]
+    fit = data["fitted_curves"]["kernel_overhead"]
+    assert len(fit["points"]) == 3
+    if fit["t0_s"] > 0:
+        assert data["efficiency"]["kernel_overhead_s"] == pytest.approx(fit["t0_s"])
 
 
 def test_bad_time_limit_is_one_error_line(capsys):

@@ -67,6 +67,9 @@ class Grid:
     program_bytes: int = 2 * 1024 * MiB  # cap on one program's operands and results
     batch_bytes: int = 1024 * MiB  # cap on the inputs of one timed batch of programs (timing.auto_inner)
     norm_width: int = 0  # D of the norm and residual; the SwiGLU product runs at 3.5·D (LLaMA 3's F/D)
+    # fp32 buffer sizes of the dependent copy chain (bench_overhead): time per copy against bytes gives the fixed
+    # cost of one memory-bound kernel (the intercept), what the cost model adds per kernel (kernel_overhead_s)
+    chain_copy_bytes: tuple[int, ...] = ()
 
 
 GPU_QUICK = Grid((512, 1024, 2048, 4096, 8192), (64, 128, 256, 512, 1024, 2048), 8192, (2048, 4096, 8192),
@@ -78,14 +81,15 @@ GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6
                    host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
                    repeats=15, target_s=0.05)
 GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_program=16,
-                    batch_bytes=8 * 1024 * MiB)
+                    batch_bytes=8 * 1024 * MiB, chain_copy_bytes=(MiB // 4, MiB, 4 * MiB, 16 * MiB))
 GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
-                   norm_width=8192, ops_per_program=16, batch_bytes=8 * 1024 * MiB)
+                   norm_width=8192, ops_per_program=16, batch_bytes=8 * 1024 * MiB,
+                   chain_copy_bytes=(MiB // 4, MiB // 2, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB))
 # The CPU grid reaches 512 so that at least two GEMM sizes stay above fit.DISPATCH_BOUND_FACTOR × the program
 # time on a loaded runner (a CI run with 64-256 only kept one size and fell back to the defaults).
 CPU_QUICK = Grid((32, 64, 128, 256, 512), (8, 32, 128), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
                  4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256,
-                 ops_per_program=2)
+                 ops_per_program=2, chain_copy_bytes=(MiB // 4, MiB, 4 * MiB))
 CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
                    matmul_big=512, hbm_bytes=(16 * MiB, 64 * MiB), attn_lengths=(128, 256, 512, 1024), attn_tokens=1024,
                    repeats=7, target_s=0.02, attn_shapes=((8, 16),), attn_shape_seq=256, norm_width=512)
@@ -248,6 +252,33 @@ def _chain(n: int) -> Callable:
     return jax.jit(f)
 
 
+CHAIN_LENGTH = 32  # dependent copies per program in _copy_chain
+
+
+def _copy_chain(ctx: Context) -> list[Record]:
+    """y = 1.5·x + 0.5, CHAIN_LENGTH times in a row in one program, each step its own kernel (an optimization
+    barrier between steps keeps XLA from fusing them into one), at each of Grid.chain_copy_bytes: seconds per copy
+    (the program's time over its copies, its dispatch paid once) against the bytes it moves. fit.py fits
+    t = t0 + bytes / rate (Hockney's latency-bandwidth model, Parallel Computing 20(3), 1994): t0 is one
+    memory-bound kernel's fixed cost (launch, ramp-up and tail), which the cost model adds per kernel."""
+    out: list[Record] = []
+    for nbytes in ctx.grid.chain_copy_bytes:
+        if ctx.out_of_time():
+            return out + _stopped("overhead", [f"copy chain {_fmt_size(x)}" for x in ctx.grid.chain_copy_bytes
+                                                if x >= nbytes])
+
+        def chain(x):
+            for _ in range(CHAIN_LENGTH):
+                x = jax.lax.optimization_barrier(x * 1.5 + 0.5)
+            return x
+
+        t = _timed(jax.jit(chain), [((nbytes // 4,), jnp.float32)], ctx.grid)
+        out.append({"benchmark": "overhead", "name": f"copy chain {_fmt_size(nbytes)}",
+                    "time_s": t.median_s / CHAIN_LENGTH, "bytes": 2.0 * nbytes, "chain": CHAIN_LENGTH,
+                    "timing": t.as_dict()})
+    return out
+
+
 def bench_overhead(ctx: Context) -> list[Record]:
     """Kernels per program 1 and 65 (each a dependent 32×32 matmul + tanh): the slope is one kernel's cost."""
     specs = [((32, 32), jnp.float32), ((32, 32), jnp.float32)]
@@ -257,6 +288,7 @@ def bench_overhead(ctx: Context) -> list[Record]:
             "timing": t1.as_dict()},
            {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": t65.median_s,
             "timing": t65.as_dict(), "per_kernel_s": per_kernel}]
+    out += _copy_chain(ctx)
     n = ctx.grid.ops_per_program
     if n > 1:  # the GEMM benchmark's program with no work to speak of: its own dispatch floor (fit.device_bound)
         t = _timed(_many(jnp.dot, 2, n), specs * n, ctx.grid)

@@ -4,7 +4,7 @@ Fits (relative to the chip's catalog peaks, book ch.1): matmul_peak_fraction and
 squares of fraction = p·d/(d + d_half) over d = min(m, n, k) (the planner's `Efficiency.matmul`);
 fp8_peak_fraction at the largest fp8 shape; hbm_fraction from the largest copy; attention_fwd/bwd_fraction at
 the two longest lengths (causal FLOPs, the backward counted as attention_bwd_flops_ratio × forward, as the
-planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the slope of the tiny-kernel chain. Fields not measured keep their
+planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the intercept of the dependent copy chain's time against its bytes (the slope of the tiny-kernel chain where no chain was timed, or the intercept is not positive). Fields not measured keep their
 defaults and are marked "default" in `efficiency_origin`.
 """
 
@@ -130,7 +130,29 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     ovh = [r for r in by.get("overhead", []) if "per_kernel_s" in r]
     if ovh:
         out["kernel_overhead_s"] = ovh[0]["per_kernel_s"]
+    chain = fit_copy_chain([r for r in by.get("overhead", []) if "chain" in r])
+    if chain:
+        curves["kernel_overhead"] = chain
+        if chain["t0_s"] > 0:
+            # the intercept, not the tiny-kernel chain's slope: the cost model adds kernel_overhead_s to each kernel's
+            # roofline time (cost/roofline.py), so it is the fixed cost of a kernel that moves data, which the slope
+            # of back-to-back 32x32 matmuls undercounts (0.93 us on the H200 against the 4 us default, and the
+            # calibrated 1B decode step at batch 1 x 32k came out 24.5% fast: results/gpu_h200_2026-12-04_s14.json)
+            out["kernel_overhead_s"] = chain["t0_s"]
     return out, curves
+
+
+def fit_copy_chain(recs: list[Record]) -> dict[str, Any]:
+    """Least squares of seconds per copy against bytes moved, t = t0 + bytes / rate (Hockney 1994), over the
+    dependent copy chain's sizes (calibrate._copy_chain); {} with fewer than three sizes."""
+    if len({r["bytes"] for r in recs}) < 3:
+        return {}
+    x = np.array([r["bytes"] for r in recs], dtype=float)
+    y = np.array([r["time_s"] for r in recs], dtype=float)
+    slope, t0 = np.polyfit(x, y, 1)
+    return {"model": "t = t0 + bytes / rate (Hockney 1994)", "t0_s": float(t0),
+            "rate_bytes_per_s": float(1.0 / slope) if slope > 0 else None,
+            "points": [[float(a), float(b)] for a, b in zip(x, y, strict=True)]}
 
 
 def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any], prefix: str) -> dict[str, float]:
