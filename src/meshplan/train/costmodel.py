@@ -408,6 +408,14 @@ class Options:
     # "feed_forward.w1", "feed_forward.w3" as separate colwise linears behind one PrepareModuleInput gather). False:
     # those reduce-scatters stay exposed whole. Off for torchtitan (train/frameworks.py).
     tp_overlap_dgrad_rs: bool = True
+    # The attention's Q, K and V as three GEMMs of their own widths on the layer input, not one fused QKV GEMM
+    # (torchtitan's Llama: `self.wq`, `self.wk`, `self.wv` nn.Linear, torchtitan models/llama3/model.py @9dec370 and
+    # models/llama3/model/model.py @v0.2.2; Megatron-Core and Transformer Engine fuse them in `linear_qkv`). Under GQA
+    # and TP the K and V GEMMs are narrow (Llama 3 8B at TP 8: 128 columns each), where a GEMM runs far from peak
+    # (Efficiency.matmul at its smallest dimension); torchtitan#1207 found those two layers ~40% slower under float8
+    # rowwise than in bf16 (its fix, torchtitan#1319, leaves them in bf16 through torchao's auto filter). On for
+    # torchtitan (train/frameworks.py). The MLP is timed at F/tp wide either way (torchtitan's separate w1/w3).
+    separate_qkv: bool = False
     # XLA folds an all-reduce of an all-reduce's result into one over both groups (AllReduceFolder, run by the GPU and
     # TPU compilers right after SPMD partitioning): the norm scales' gradients, partial over `tensor`/`context` and
     # over the replicas, are reduced in one step. On for maxtext/jax; Megatron reduces them over TP, then over DP.
@@ -1079,7 +1087,14 @@ class CostModel:
             qkv_width = self._qkv_width(tp)
             f_qkv = 2 * t * c["D"] * qkv_width
             f_o = 2 * t * c["D"] * c["N"] * c["H"] / tp
-            return self._matmul_time(f_qkv, t, qkv_width, c["D"]) + self._out_projection_s(t, tp), f_qkv + f_o
+            if self.opt.separate_qkv:  # Q, then K and V alike (Options.separate_qkv): the same FLOPs, narrower GEMMs
+                q_width = c["N"] / tp * c["H"]
+                kv_width = (qkv_width - q_width) / 2
+                qkv_s = (self._matmul_time(2 * t * c["D"] * q_width, t, q_width, c["D"])
+                         + 2 * self._matmul_time(2 * t * c["D"] * kv_width, t, kv_width, c["D"]))
+            else:
+                qkv_s = self._matmul_time(f_qkv, t, qkv_width, c["D"])
+            return qkv_s + self._out_projection_s(t, tp), f_qkv + f_o
         # MLA (DeepSeek-V2 §2.1): the latent down-projections are computed whole on every TP rank; the per-head
         # up-projections and the output projection split over the heads
         w, N = m.mla_weights(), m.n_heads

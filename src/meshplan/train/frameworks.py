@@ -60,11 +60,12 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # still view_as_complex); GQA by SDPA's enable_gqa, no K/V repeat (#2259, 2026-01-27, v0.2.2); fused AdamW
     # (config/job_config.py @v0.2.0 `optimizer.implementation` default "fused"); full AC compiled with the block, so
     # the recomputed forward is part of the compiled backward graph (Options.compiled_recompute); async TP leaves the
-    # input-gradient reduce-scatters of the separate wq/wk/wv and w1/w3 unfused (Options.tp_overlap_dgrad_rs)
+    # input-gradient reduce-scatters of the separate wq/wk/wv and w1/w3 unfused (Options.tp_overlap_dgrad_rs), and those
+    # separate wq/wk/wv are three GEMMs (Options.separate_qkv)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
                        fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False, optimizer_impl="fused",
-                       compiled_recompute=True, tp_overlap_dgrad_rs=False),
+                       compiled_recompute=True, tp_overlap_dgrad_rs=False, separate_qkv=True),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
