@@ -118,10 +118,11 @@ SLOW = [
                                                                     "--attention", "--framework", "--rank"]),
     (["verify", "--plan", "PLANFILE", "--no-loss-check"], ["--rank", "--plan", "--devices", "--tp", "-m"]),
     (["measure", "-m", "llama3.2-1b", "--steps", "1"], ["--seq-len", "--steps", "--layers", "--global-batch"]),
-    (["calibrate", "--quick"], ["--bench", "--show"]),
+    (["calibrate", "--quick"], ["--bench", "--show", "--time-limit"]),
 ]
 SLOW_BAD = ["0", "-1", "nan", "9223372036854775808", "1" + "0" * 30, "abc", ""]
 SLOW_BAD_BENCH = ["nan", "abc", "matmul,nope", ","]
+SLOW_BAD_LIMIT = ["0", "-1", "nan", "inf", "-inf", "abc", ""]  # a huge limit is valid: calibrate would run
 
 
 class Files:
@@ -330,7 +331,8 @@ def invocations(n: int, seed: int, root: Path) -> list[list[str]]:
             args = [files.plan(broken=False) if a == "PLANFILE" else a for a in base]
             f = rng.choice(flags)
             valid_zero = f in ("--zero", "--microbatch")  # 0 is a valid value of these two
-            bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD[1:] if valid_zero else SLOW_BAD)
+            bad = rng.choice(SLOW_BAD_BENCH if f == "--bench" else SLOW_BAD_LIMIT if f == "--time-limit"
+                             else SLOW_BAD[1:] if valid_zero else SLOW_BAD)
             if f == "--plan" or (f in ("--devices", "--tp", "-m") and "--plan" in base):
                 # a broken plan file, or a layout flag beside --plan (refused: the plan brings its own)
                 bad = files.plan(broken=True) if f == "--plan" else rng.choice(["2", "llama3-8b", "16"])
