@@ -335,3 +335,18 @@ def test_harness_reads_maxtext_custom_policy_and_dropping_moe() -> None:
     notes = "maxtext pure fsdp: ici_fsdp_parallelism -1; megablox false, sparse_matmul false, capacity_factor 1.25"
     assert H._capacity_factor(notes) == 1.25
     assert H._capacity_factor("capacity_factor 1.25 with megablox") == 0.0  # sparse kernels: dropless path
+
+
+def test_llama3_causal_convention_halves_the_palm_attention_term() -> None:
+    """The Llama 3 rows' convention (session 14): 6N + 6·L·H·Q·T a token, PaLM's form with causal attention. At 131K
+    tokens on Llama 3 405B (126 layers, 128 heads of 128) the attention term is 6·126·128·128·131072 = 1.62e12 a
+    token beside 6N = 2.44e12, against 3.25e12 non-causal: the step a 380 TFLOPs/GPU figure means is 0.714x as long."""
+    llama405 = {"name": "Llama 3 405B", "layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "head_dim": 128,
+                "ffn": 53248, "ffn_act": "swiglu", "vocab": 128256, "seq_len": 131072}
+    causal, _ = H.convention_flops_per_step(_entry(llama405, 131072, 1, 1, "llama3_6N_plus_6LHQT_causal", {}))
+    palm, _ = H.convention_flops_per_step(_entry(llama405, 131072, 1, 1, "palm_6N_plus_12LHQT", {}))
+    attention = 12 * 126 * 128 * 128 * 131072 * 131072
+    assert palm - causal == pytest.approx(attention / 2, rel=1e-12)
+    six_n = palm - attention
+    assert six_n / 131072 == pytest.approx(6 * 405.9e9, rel=0.01)
+    assert causal / palm == pytest.approx((2.435e12 + 1.623e12) / (2.435e12 + 3.246e12), rel=0.005)
