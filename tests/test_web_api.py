@@ -250,7 +250,8 @@ def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
         with urllib.request.urlopen(url.group(0) + "api/presets", timeout=30) as r:
             assert r.status == 200
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        # 90 s: on a loaded 2-core runner (a CI run beside the fuzz benchmark, session 14) the exit outran 30 s once
+        assert proc.wait(timeout=90) == 0, proc.stderr.read()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
