@@ -285,7 +285,8 @@ def test_records_carry_their_setup_and_wall_time(cpu_profile):
         assert 0 < t["setup_s"] <= t["wall_s"]
         # the timed batches alone took at least repeats x inner calls of the program (ops_per_program GEMMs each)
         assert t["wall_s"] - t["setup_s"] >= 0.9 * t["repeats"] * t["inner"] * r["time_s"] * r["ops_per_program"]
-    assert any(r["name"] == "program of 2 tiny matmuls" for r in data["benchmarks"])  # the CPU grid's 2 per program
+    # the many-GEMM dispatch floor is a GPU measurement (no dispatch to hide on the CPU)
+    assert not any(r["name"].startswith("program of 2 ") for r in data["benchmarks"])
     chain = [r for r in data["benchmarks"] if "chain" in r]
     assert [r["bytes"] for r in chain] == [2 * 2**18, 2 * 2**20, 2 * 2**22]  # read + write of each buffer
     # each program runs its 32 dependent copies one after another: the largest copy takes longer than the smallest

@@ -241,8 +241,12 @@ def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
     import urllib.request
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    # Ctrl-C as a terminal delivers it: the child takes SIGINT's default even where this run inherited it ignored (a
+    # test run started as a background job of a non-interactive shell ignores SIGINT, as does every process it starts,
+    # and Python then never raises KeyboardInterrupt: session 14's local CI check)
     proc = subprocess.Popen([sys.executable, "-c", "from meshplan.cli import main; main()", "web", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
@@ -250,8 +254,7 @@ def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
         with urllib.request.urlopen(url.group(0) + "api/presets", timeout=30) as r:
             assert r.status == 200
         proc.send_signal(signal.SIGINT)
-        # 90 s: on a loaded 2-core runner (a CI run beside the fuzz benchmark, session 14) the exit outran 30 s once
-        assert proc.wait(timeout=90) == 0, proc.stderr.read()[-2000:]
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
