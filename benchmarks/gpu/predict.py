@@ -10,6 +10,7 @@ A case is a plain dict (it is stored in the results file):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshplan.cost.efficiency import Efficiency, bare_loop
@@ -34,9 +35,10 @@ def case_model(case: Case) -> ModelConfig:
 def train_options(case: Case) -> Options:
     """How the planner should model the run. JAX: XLA fuses pointwise chains and the loss; flash attention when
     the reference model runs jax.nn.dot_product_attention (cuDNN's fused kernel: the chip's best, "fused").
-    PyTorch: torchtitan's behaviour (framework preset), SDPA attention, the loss eager on fp32 logits."""
+    PyTorch: torchtitan's behaviour (framework preset), SDPA attention, the loss eager on fp32 logits, but one fused
+    QKV GEMM as the suite's own model has (torch_model.py `wqkv`; torchtitan's Llama has three, Options.separate_qkv)."""
     if case["framework"] == "torch":
-        return framework_options("torchtitan", Options(), {})
+        return replace(framework_options("torchtitan", Options(), {}), separate_qkv=False)
     flash = case["attention"] != "materialized"
     return Options(flash_attention=flash, attention_kernel="fused", fused_loss=True, xla_program=True)
 
