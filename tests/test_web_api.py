@@ -241,12 +241,14 @@ def test_web_command_prints_its_address_and_stops_on_ctrl_c(port):
     import urllib.request
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    # Ctrl-C as a terminal delivers it: the child takes SIGINT's default even where this run inherited it ignored (a
-    # test run started as a background job of a non-interactive shell ignores SIGINT, as does every process it starts,
-    # and Python then never raises KeyboardInterrupt: session 14's local CI check)
-    proc = subprocess.Popen([sys.executable, "-c", "from meshplan.cli import main; main()", "web", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Ctrl-C as a terminal delivers it: the child raises KeyboardInterrupt on SIGINT even where this run inherited
+    # SIGINT ignored (a test run started as a background job of a non-interactive shell ignores it, as does every
+    # process it starts, and Python then installs no handler: session 14's local CI check). Set in the child's own
+    # code, not by preexec_fn, which forks a process that has JAX's threads
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from meshplan.cli import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code, "web", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
