@@ -660,20 +660,20 @@ def convention_flops_per_step(e: dict) -> tuple[float, bool] | None:
         gate = 1.5 if m.gated else 1.0
         per = (1 + g / a + s / h) * (m.head_dim * a / h) + (m.d_ff / h) * k * gate + V / (2 * L * h)
         return 12 * B * s * L * h * h * per, False
-    if conv in ("palm_6N_plus_12LHQT", "torchtitan_6N_plus_12LHQT", "llama3_mfu_unspecified", "unspecified"):
+    if conv in ("palm_6N_plus_12LHQT", "torchtitan_6N_plus_12LHQT", "llama3_mfu_unspecified", "unspecified",
+                "llama3_6N_plus_6LHQT_causal"):
         # 6N + 12·L·H·Q·T per token (PaLM appendix B); torchtitan's N leaves out the input embedding
         n = pc.total - (pc.embedding if conv == "torchtitan_6N_plus_12LHQT" else 0)
         if m.is_moe:
             n = pc.active
-        return tokens * (6 * n + 12 * L * a * m.head_dim * s), False
-    if conv == "llama3_6N_plus_6LHQT_causal":
-        # Llama 3's TFLOPs/GPU read with causal attention (half of PaLM's 12·L·H·Q·T): Chu et al. ISCA 2025 put the
-        # 131K job's exposed context-parallel time at 7.64% of the step (§7.3.2) and its CP attention at >= 95% of one
-        # GPU's FlashAttention HFU (§7.2), the per-GPU GEMMs being the 8K job's (8K tokens a rank), so its 380
-        # TFLOPs/GPU against the 8K job's 400 leaves room for ~5% lost, not the ~29% that counting the
-        # 131K job's attention non-causal would mean (4.06e12 against 5.68e12 FLOP a token). Read in session 14
-        # after seeing the row (benchmarks/README.md)
-        return tokens * (6 * pc.total + 6 * L * a * m.head_dim * s), False
+        # llama3_6N_plus_6LHQT_causal: Llama 3's TFLOPs/GPU read with causal attention (half of PaLM's term). Chu et
+        # al. ISCA 2025 put the 131K job's exposed context-parallel time at 7.64% of the step (§7.3.2) and its CP
+        # attention at >= 95% of one GPU's FlashAttention HFU (§7.2), the per-GPU GEMMs being the 8K job's (8K tokens
+        # a rank), so its 380 TFLOPs/GPU against the 8K job's 400 leaves room for ~5% lost, not the ~29% that
+        # counting the 131K job's attention non-causal would mean (4.06e12 against 5.68e12 FLOP a token). Read in
+        # session 14 after seeing the row (benchmarks/README.md)
+        attention = 6 if conv == "llama3_6N_plus_6LHQT_causal" else 12
+        return tokens * (6 * n + attention * L * a * m.head_dim * s), False
     if conv == "nemo_model_flops_no_recompute":  # 6·N_non-embedding + 12·L·h·s per token (checked on the rows)
         return tokens * (6 * (pc.active if m.is_moe else pc.total - pc.embedding) + 12 * L * h * s), False
     if conv == "maxtext_6N_plus_attention":  # 6·N_total + 12·H·L·hd·s per token (non-causal, Nov 2023)

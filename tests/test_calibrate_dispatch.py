@@ -22,7 +22,7 @@ def test_points_under_twice_the_program_time_leave_the_fit() -> None:
     # 512^3 alone in a program: 40 us < 2 x 50 us, dispatch-bound; the same GEMM 16 to a program: 640 us, kept
     alone, batched, big = _mm("a", 512, 40e-6), _mm("b", 512, 40e-6, ops=16), _mm("c", 4096, 200e-6)
     assert DISPATCH_BOUND_FACTOR == 2.0
-    assert device_bound([alone, batched, big], 50e-6) == [batched, big]
+    assert device_bound([alone, batched, big], lambda n: 50e-6) == [batched, big]
     assert device_bound([alone], None) == [alone]  # no overhead measured: nothing is left out
     _, curves = fit_efficiency([overhead, alone, batched, big], load_chip("h100-sxm"))
     assert curves["dispatch_bound"] == {"matmul": ["a"]}

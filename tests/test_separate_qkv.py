@@ -16,6 +16,14 @@ from meshplan.train.space import Problem
 
 CHIP = load_chip("h100-sxm")
 D, N, K, H = 4096, 32, 8, 128  # Llama 3 8B
+T = 2 * 8192  # rows of one micro-batch (two sequences of 8192)
+
+
+def gemm_s(n: float, k: float = D) -> float:
+    """2·T·k·n FLOPs at p·d/(d + d_half), d the smallest dimension (Efficiency.matmul by hand)."""
+    eff = default_efficiency(CHIP)
+    d = min(T, n, k)
+    return 2 * T * k * n / (CHIP.peak("bf16") * eff.matmul_peak_fraction * d / (d + eff.matmul_half_dim))
 
 
 def _projections(separate: bool, tp: int, mb: int = 2, seq: int = 8192) -> tuple[float, float]:
@@ -28,19 +36,11 @@ def _projections(separate: bool, tp: int, mb: int = 2, seq: int = 8192) -> tuple
 
 
 def test_separate_qkv_times_each_gemm_at_its_width() -> None:
-    eff = default_efficiency(CHIP)
-    p, dh = eff.matmul_peak_fraction, eff.matmul_half_dim
-    peak = CHIP.peak("bf16")
-    tp, t = 8, 2 * 8192  # rows of one micro-batch (two sequences of 8192)
-
-    def gemm_s(n: float, k: float = D) -> float:  # 2·t·k·n FLOPs at p·d/(d + d_half), d the smallest dimension
-        d = min(t, n, k)
-        return 2 * t * k * n / (peak * p * d / (d + dh))
-
+    tp = 8
     out_s = gemm_s(D, N * H / tp)  # the output projection, unchanged
     fused_s, fused_f = _projections(False, tp)
     sep_s, sep_f = _projections(True, tp)
-    assert sep_f == fused_f == pytest.approx(2 * t * D * (N + 2 * K) * H / tp + 2 * t * D * N * H / tp)
+    assert sep_f == fused_f == pytest.approx(2 * T * D * (N + 2 * K) * H / tp + 2 * T * D * N * H / tp)
     assert fused_s == pytest.approx(gemm_s((N + 2 * K) * H / tp) + out_s, rel=1e-9)
     # Q 512 wide, K and V 128 wide each at TP 8
     assert sep_s == pytest.approx(gemm_s(N * H / tp) + 2 * gemm_s(K * H / tp) + out_s, rel=1e-9)
@@ -50,13 +50,6 @@ def test_separate_qkv_times_each_gemm_at_its_width() -> None:
 def test_kv_heads_replicated_past_tp() -> None:
     """At TP 16 (> 8 KV heads) each rank keeps one whole KV head (H wide) for K and for V: the widths follow
     _qkv_width, as the fused GEMM's do."""
-    eff = default_efficiency(CHIP)
-    p, dh, peak, t = eff.matmul_peak_fraction, eff.matmul_half_dim, CHIP.peak("bf16"), 2 * 8192
-
-    def gemm_s(n: float, k: float = D) -> float:
-        d = min(t, n, k)
-        return 2 * t * k * n / (peak * p * d / (d + dh))
-
     sep_s, _ = _projections(True, 16)
     assert sep_s == pytest.approx(gemm_s(N * H / 16) + 2 * gemm_s(H) + gemm_s(D, N * H / 16), rel=1e-9)
 

@@ -82,7 +82,8 @@ def env_for_workers() -> dict[str, str]:
     so the cap is raised to 0.95."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
     return env
 
 

@@ -261,18 +261,18 @@ def _copy_chain(ctx: Context) -> list[Record]:
     (the program's time over its copies, its dispatch paid once) against the bytes it moves. fit.py fits
     t = t0 + bytes / rate (Hockney's latency-bandwidth model, Parallel Computing 20(3), 1994): t0 is one
     memory-bound kernel's fixed cost (launch, ramp-up and tail), which the cost model adds per kernel."""
+    @jax.jit
+    def chain(x):
+        for _ in range(CHAIN_LENGTH):
+            x = jax.lax.optimization_barrier(x * 1.5 + 0.5)
+        return x
+
     out: list[Record] = []
-    for nbytes in ctx.grid.chain_copy_bytes:
+    sizes = ctx.grid.chain_copy_bytes
+    for i, nbytes in enumerate(sizes):
         if ctx.out_of_time():
-            return out + _stopped("overhead", [f"copy chain {_fmt_size(x)}" for x in ctx.grid.chain_copy_bytes
-                                                if x >= nbytes])
-
-        def chain(x):
-            for _ in range(CHAIN_LENGTH):
-                x = jax.lax.optimization_barrier(x * 1.5 + 0.5)
-            return x
-
-        t = _timed(jax.jit(chain), [((nbytes // 4,), jnp.float32)], ctx.grid)
+            return out + _stopped("overhead", [f"copy chain {_fmt_size(x)}" for x in sizes[i:]])
+        t = _timed(chain, [((nbytes // 4,), jnp.float32)], ctx.grid)
         out.append({"benchmark": "overhead", "name": f"copy chain {_fmt_size(nbytes)}",
                     "time_s": t.median_s / CHAIN_LENGTH, "bytes": 2.0 * nbytes, "chain": CHAIN_LENGTH,
                     "timing": t.as_dict()})
@@ -335,7 +335,9 @@ def bench_attention(ctx: Context) -> list[Record]:
         if ctx.out_of_time():
             return out + _stopped("attention", [f"fwd T={x}" for x in g.attn_lengths[i:]])
         out += _attention_pair(fwd, fwd_bwd, g, T, g.attn_heads, g.head_dim, impl, peak, "")
-    for heads, head_dim in g.attn_shapes if not ctx.out_of_time() else ():  # other head shapes at one length; the fit reads only the above
+    for heads, head_dim in g.attn_shapes:  # other head shapes at one length; the fit reads only the above
+        if ctx.out_of_time():
+            break
         suffix = f" N={heads} H={head_dim}"
         try:
             out += _attention_pair(fwd, fwd_bwd, g, g.attn_shape_seq, heads, head_dim, impl, peak, suffix,

@@ -4,7 +4,9 @@ Fits (relative to the chip's catalog peaks, book ch.1): matmul_peak_fraction and
 squares of fraction = p·d/(d + d_half) over d = min(m, n, k) (the planner's `Efficiency.matmul`);
 fp8_peak_fraction at the largest fp8 shape; hbm_fraction from the largest copy; attention_fwd/bwd_fraction at
 the two longest lengths (causal FLOPs, the backward counted as attention_bwd_flops_ratio × forward, as the
-planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the intercept of the dependent copy chain's time against its bytes (the slope of the tiny-kernel chain where no chain was timed, or the intercept is not positive). Fields not measured keep their
+planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the
+intercept of the dependent copy chain's time against its bytes (the slope of the tiny-kernel chain where no chain
+was timed, or the intercept is not positive). Fields not measured keep their
 defaults and are marked "default" in `efficiency_origin`.
 """
 
@@ -69,13 +71,12 @@ def program_floor(records: list[Record]) -> Callable[[int], float] | None:
     return lambda n: t1 + (t_many - t1) * (min(n, n_many) - 1) / (n_many - 1)
 
 
-def device_bound(records: list[Record], overhead_s: float | Callable[[int], float] | None) -> list[Record]:
+def device_bound(records: list[Record], floor: Callable[[int], float] | None) -> list[Record]:
     """The records whose program time (time per op × ops per program) is at least DISPATCH_BOUND_FACTOR × the
-    program's dispatch floor (`program_floor`; a number: the one-kernel program time for any program); all of them
-    where no floor was measured."""
-    if overhead_s is None:
+    program's dispatch floor (`program_floor`: seconds for a program of n ops); all of them where no floor was
+    measured."""
+    if floor is None:
         return records
-    floor = overhead_s if callable(overhead_s) else (lambda n: overhead_s)
     return [r for r in records
             if r["time_s"] * r.get("ops_per_program", 1) >= DISPATCH_BOUND_FACTOR * floor(r.get("ops_per_program", 1))]
 
@@ -105,9 +106,9 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
             by.setdefault(r["benchmark"], []).append(r)
     out: dict[str, float] = {}
     curves: dict[str, Any] = {}
-    ovh_s = program_floor(records)
+    floor = program_floor(records)
     for k in ("matmul", "hbm"):
-        kept = device_bound(by.get(k, []), ovh_s)
+        kept = device_bound(by.get(k, []), floor)
         names = [r["name"] for r in by.get(k, []) if r not in kept]
         if names:
             by[k] = kept
