@@ -21,10 +21,12 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -227,6 +229,7 @@ def _run_cases(part: str, kind: str, groups: list[Any], ctx: dict[str, Any]) -> 
             ctx.setdefault("device", data["device"])
         done = {json.dumps(r["case"], sort_keys=True) for r in data["results"]}
         for r in data["results"]:
+            keep_hlo(r, ctx)
             row = make_row(r["case"], r["measured"], ctx["chip"], _effs(ctx))
             ctx["rows"].append(row)
             log("  " + report.one_line(row))
@@ -236,6 +239,19 @@ def _run_cases(part: str, kind: str, groups: list[Any], ctx: dict[str, Any]) -> 
                 ctx["rows"].append({"id": describe(case), "case": case, "measured": {"error": reason}})
                 log(f"  {describe(case)}: {reason}")
         write_results(ctx)
+
+
+def keep_hlo(result: dict[str, Any], ctx: dict[str, Any]) -> None:
+    """Move a training case's compiled HLO (the worker's gzipped text) into one tar under the output folder
+    (one file: the device tool returns few), named by the case; the row keeps the member's name."""
+    src = result["measured"].pop("hlo_file", None)
+    if not src or not Path(src).exists():
+        return
+    member = re.sub(r"[^A-Za-z0-9._-]+", "_", describe(result["case"]))[:150] + ".hlo.txt.gz"
+    with tarfile.open(ctx["out"] / f"hlo_{ctx['chip_tag']}_{ctx['date']}.tar", "a") as tar:
+        tar.add(src, arcname=member)
+    result["measured"]["hlo_member"] = member
+    Path(src).unlink()
 
 
 def part_train(args, ctx: dict[str, Any]) -> None:

@@ -62,7 +62,8 @@ def memory_measured(peak_alloc: float, source: str, used_before: float | None) -
 
 # --- training: JAX ---------------------------------------------------------------------------------
 
-def train_jax(case: Case, used_before: float | None) -> dict[str, Any]:
+def train_jax(case: Case, used_before: float | None, hlo_path: Path | None = None) -> dict[str, Any]:
+    """`hlo_path`: where the compiled step's optimised HLO goes (gzipped), for reading offline what XLA ran."""
     import jax.numpy as jnp
 
     from meshplan.measure import steps as st
@@ -71,9 +72,10 @@ def train_jax(case: Case, used_before: float | None) -> dict[str, Any]:
     layout = st.default_layout(1, 1, 1, 1, case["recompute"], case["batch"])
     compute = _dtype(case.get("compute_dtype", "bf16"))
     run = st.run_training(m, layout, case["seq_len"], case["batch"], case["steps"], param_dtype=jnp.float32,
-                          attention=case["attention"], compute_dtype=compute)
+                          attention=case["attention"], compute_dtype=compute, hlo_path=hlo_path)
+    hlo = {"hlo_file": str(hlo_path)} if hlo_path is not None and hlo_path.exists() else {}
     return {"step_time_s": run.step_time_s, "step_times_s": run.step_times_s, "compile_s": run.compile_s,
-            "losses": run.losses, "model_flops_per_step": run.model_flops_per_step,
+            "losses": run.losses, "model_flops_per_step": run.model_flops_per_step, "xla_cost": run.xla_cost, **hlo,
             **memory_measured(run.peak_memory_bytes, run.memory_source, used_before)}
 
 
@@ -196,8 +198,9 @@ def main(argv: list[str]) -> int:
         if kind == "serve":
             serve(cases, write)
         else:
-            fn = train_jax if kind == "train_jax" else train_torch
-            write(cases[0], fn(cases[0], used_before))
+            measured = (train_jax(cases[0], used_before, Path(out_path + ".hlo.txt.gz")) if kind == "train_jax"
+                        else train_torch(cases[0], used_before))
+            write(cases[0], measured)
     except Exception as exc:  # noqa: BLE001 - reported in the results, the suite goes on
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"

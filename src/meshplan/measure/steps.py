@@ -13,9 +13,11 @@ flash_attention=True, as `meshplan measure --attention` and benchmarks/gpu do).
 
 from __future__ import annotations
 
+import gzip
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,6 +28,7 @@ from meshplan.errors import MeshplanError
 from meshplan.math import transformer as tm
 from meshplan.measure import jaxmodel as jm
 from meshplan.measure.layout import Layout
+from meshplan.measure.verify import compiled_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.train.costmodel import Options
@@ -44,6 +47,9 @@ class StepRun:
     losses: list[float]
     model_flops_per_step: float
     devices: int
+    # XLA's own count for the compiled step (cost_analysis: "flops", "bytes accessed", ...; on GPUs the GEMMs are
+    # cuBLAS custom calls, which XLA's GPU cost analysis counts too)
+    xla_cost: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_time_s(self) -> float:
@@ -55,7 +61,8 @@ class StepRun:
     def as_dict(self) -> dict[str, Any]:
         return {"step_time_s": self.step_time_s, "step_times_s": self.step_times_s, "compile_s": self.compile_s,
                 "peak_memory_bytes": self.peak_memory_bytes, "memory_source": self.memory_source,
-                "losses": self.losses, "model_flops_per_step": self.model_flops_per_step, "devices": self.devices}
+                "losses": self.losses, "model_flops_per_step": self.model_flops_per_step, "devices": self.devices,
+                "xla_cost": self.xla_cost}
 
 
 def default_layout(devices: int, dp: int | None, fsdp: int | None, tp: int | None, recompute: str,
@@ -151,11 +158,11 @@ def _check_compiled_memory(model: ModelConfig, compiled: Any, layout: Layout) ->
 
 def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int,
                  param_dtype: Any = jnp.bfloat16, attention: str = "materialized",
-                 compute_dtype: Any = None, progress: Any = None) -> StepRun:
+                 compute_dtype: Any = None, progress: Any = None, hlo_path: str | Path | None = None) -> StepRun:
     """Compile, warm up once, then time `steps` steps, each on a fresh random batch placed beforehand.
     `attention` and `compute_dtype` go to `jaxmodel.build_program` (e.g. "cudnn" and bf16 compute over fp32
     params: the mixed precision the planner's memory model assumes). `progress(message)` is called before each long
-    stage (compile, warm-up, every timed step)."""
+    stage (compile, warm-up, every timed step). `hlo_path`: also write the compiled (optimised) HLO there, gzipped."""
     say = progress or (lambda _msg: None)
     if steps < 1:
         raise MeshplanError(f"--steps must be at least 1, got {steps}")
@@ -174,6 +181,9 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
     compiled = prog.step.lower(params, opt, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     _check_compiled_memory(model, compiled, layout)
+    xla_cost = {k: float(v) for k, v in compiled_cost(compiled).items() if isinstance(v, int | float)}
+    if hlo_path is not None:
+        Path(hlo_path).write_bytes(gzip.compress(compiled.as_text().encode()))
     say(f"compiled in {compile_s:.1f} s; warm-up step")
     try:
         params, opt, loss = jax.block_until_ready(compiled(params, opt, batches[0]))
@@ -193,7 +203,7 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
         say(f"step {i}/{steps}: {times[-1]:.3f} s")
     mem, source = _peak_memory(compiled)
     return StepRun(times, compile_s, mem, source, losses, model_flops_per_step(model, seq_len, global_batch),
-                   layout.devices)
+                   layout.devices, xla_cost)
 
 
 def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global_batch: int,

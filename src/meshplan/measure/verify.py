@@ -174,7 +174,7 @@ def ledger_quantities(ledger: dict[str, Any]) -> dict[str, float]:
 
 # --- the compiled side ---------------------------------------------------------------------------
 
-def _cost(compiled: Any) -> dict[str, float]:
+def compiled_cost(compiled: Any) -> dict[str, float]:
     """cost_analysis() is a dict in new JAX and a list of one dict in older versions."""
     ca = compiled.cost_analysis()
     if isinstance(ca, list | tuple):
@@ -208,7 +208,7 @@ def measure_compiled(prog: Any, compiled: Any) -> dict[str, Any]:
     module = read_module(compiled.as_text())  # parsed once: the collectives and the dots are read from it
     colls = parse_collectives(module, device_coords(prog.mesh), tuple(prog.mesh.axis_names))
     mem = compiled.memory_analysis()
-    out: dict[str, Any] = {"flops": float(_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(module)}
+    out: dict[str, Any] = {"flops": float(compiled_cost(compiled).get("flops", 0.0)), "matmul flops": dot_flops(module)}
     for kind in COLLECTIVES:
         out[f"{kind} bytes"] = float(sum(c.bytes for c in colls if c.kind == kind))
     ledger_kind = {v: k for k, v in HLO_KIND.items()}
