@@ -34,10 +34,14 @@ KNOWN_GAPS = {
         "heads-major cache: batch 1 steps take 3.2-3.9 ms against a 0.65 ms weight read; not yet explained "
         "(no device time left to profile)",
     ("gpu_h200_2026-12-04_s14.json", "train", "step_time_s", "calibrated", "worst"):
-        "1B with full recompute: measured 295.7 ms, 22 ms over no recompute, where the extra layer forward the "
-        "ledger counts (XLA's own matmul FLOPs agree, meshplan verify) should take ~60 ms at the rate the no-recompute "
-        "step ran (+18.5% calibrated, +15.8% defaults); selective and gemm-last likewise cost ~1 ms against 8-11 ms "
-        "predicted. Not yet explained (no device time left to profile)",
+        "1B with full recompute: measured 295.7 ms, 22 ms over no recompute. Session 15's compiled HLO showed XLA "
+        "drops the down-projection from the recomputed forward (remat_dce) and the measured gemm-last step showed "
+        "a recomputed pointwise op costs nothing under XLA: +18.5% → +11.5% with this run's own profile (+8.5% "
+        "with session 15's). The rest (~25 ms for ~27 TFLOP of recomputed GEMMs and attention) is not explained",
+    ("gpu_h200_2026-12-04_s15.json", "decode", "step_time_s", "calibrated", "median"):
+        "the split decode attention (first timed here) slowed the steps that attend 512 or more (sequence, KV "
+        "head) rows: 64 × 8k 6.12 → 7.81 ms, 256 × 4k 10.8 → 16.6 ms against session 14's unsplit loop; "
+        "serve_jax now splits only below twice the SMs (split_rows_limit), not yet timed",
 }
 
 

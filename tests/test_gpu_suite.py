@@ -292,6 +292,17 @@ def test_split_count_divides_the_cache_near_the_target() -> None:
         assert cap % c == 0 and (c == 1 or cap // c >= sj.SPLIT_TARGET // 4)
 
 
+def test_split_count_leaves_enough_rows_unsplit() -> None:
+    """No split once the step attends max_rows (sequence, KV head) rows or more; below that the length rule."""
+    import serve_jax as sj
+
+    limit = 2 * 132  # the H200's SMs × SPLIT_ROWS_PER_SM
+    assert sj.split_count(32768 + 18, rows=32 * 8, max_rows=limit) == 26  # batch 32, 8 KV heads: 256 rows, split
+    assert sj.split_count(4096 + 18, rows=256 * 8, max_rows=limit) == 1  # batch 256: 2048 rows, one
+    assert sj.split_count(8192 + 18, rows=64 * 8, max_rows=limit) == 1  # batch 64: 512 rows, one
+    assert sj.split_count(8192 + 18, rows=64 * 8) == 10  # no limit given: the length rule alone (8210 = 2·5·821)
+
+
 @pytest.mark.jax
 @needs_jax
 def test_split_decode_attention_equals_one_softmax() -> None:

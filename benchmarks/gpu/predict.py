@@ -40,7 +40,13 @@ def train_options(case: Case) -> Options:
     if case["framework"] == "torch":
         return replace(framework_options("torchtitan", Options(), {}), separate_qkv=False)
     flash = case["attention"] != "materialized"
-    return Options(flash_attention=flash, attention_kernel="fused", fused_loss=True, xla_program=True)
+    # remat_dce: XLA drops what the backward never reads from the rematerialised forward (the compiled HLO of the
+    # full-recompute case, results/hlo_h200_2026-12-04_s15.tar: the backward loop body reruns QKV, attention,
+    # out-projection and gate/up, not the down-projection), as for MaxText (train/frameworks.py)
+    # weight_dtype_bytes: the program keeps fp32 weights and no other master copy, Adam's moments fp32 (worker.py
+    # train_jax: param_dtype float32, bf16 compute), as MaxText's weight_dtype float32
+    return Options(flash_attention=flash, attention_kernel="fused", fused_loss=True, xla_program=True,
+                   remat_dce=True, weight_dtype_bytes=4.0)
 
 
 def predict_train(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:

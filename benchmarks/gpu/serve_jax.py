@@ -105,16 +105,33 @@ def make_decode_steps(model: ModelConfig, steps: int):
 
 
 SPLIT_TARGET = 1024  # cache positions per split of a decode step's attention (split_count)
+# Split only while a step attends fewer (sequence, KV head) rows than twice the GPU's SMs: with at least that many
+# rows each SM already has two to work on (FlashInfer's decode scheduler splits the KV only to fill the SMs). On the
+# H200 (132 SMs; benchmarks/results/gpu_h200_2026-12-04_s15.json against _s14.json) splitting sped up the rows
+# of 8, 128 and 256 (batch 1 × 32k 2.05 → 1.70 ms, 16 × 4k 2.50 → 1.97, 32 × 32k 21.7 → 12.4) and slowed those
+# of 512 and 2048 (64 × 8k 6.12 → 7.81 ms, 256 × 4k 10.8 → 16.6); the bound falls between 256 and 512
+SPLIT_ROWS_PER_SM = 2
+SMS_FALLBACK = 132  # H100/H200 SXM's SMs, where the device reports none (the CPU)
 
 
-def split_count(capacity: int, target: int = SPLIT_TARGET) -> int:
+def split_rows_limit() -> int:
+    """Rows (sequence × KV head) below which a decode step splits the cache: SPLIT_ROWS_PER_SM × the device's SMs
+    (JAX's core_count on GPUs)."""
+    sms = getattr(jax.devices()[0], "core_count", None) or SMS_FALLBACK
+    return SPLIT_ROWS_PER_SM * int(sms)
+
+
+def split_count(capacity: int, target: int = SPLIT_TARGET, rows: int = 1, max_rows: int | None = None) -> int:
     """How many equal splits a decode step cuts the cache's positions into (Flash-Decoding, Dao, Haziza, Massa and
     Sizov 2023: split the keys/values so that one query's attention runs in parallel over the long axis, then combine
     the splits' partial softmaxes): the divisor of `capacity` whose split length is nearest `target`, 1 where no split
     would be at least target/4 long. Without it XLA ran AV for a long context as one GEMM per (sequence, KV head)
     with the context as its reduction: the H200 rows at batch 32 × 32k, batch 16 × 4k and batch 1 × 32k took
     1.3-2.2x the cache read (benchmarks/results/gpu_h200_2026-12-04_s14.json) where batch 256 × 1k, with the same
-    bytes in short rows, took 1.0x."""
+    bytes in short rows, took 1.0x. `rows`: the (sequence, KV head) pairs the step attends; none split at
+    `max_rows` or more (split_rows_limit)."""
+    if max_rows is not None and rows >= max_rows:
+        return 1
     best = 1
     for c in range(2, capacity // max(target // 4, 1) + 1):
         if capacity % c == 0 and abs(capacity / c - target) < abs(capacity / best - target):
@@ -126,7 +143,7 @@ def _decode_fn(model: ModelConfig):
     def attend(q, ck, cv, pos):
         B, _, N, H = q.shape
         K, S = ck.shape[1], ck.shape[2]
-        C = split_count(S, SPLIT_TARGET)  # the module value when traced (a test sets it)
+        C = split_count(S, SPLIT_TARGET, B * K, split_rows_limit())  # module values when traced (a test sets them)
         qg = q.reshape(B, K, N // K, H)
         # the cache's positions as C splits of S/C (a free reshape of the heads-major cache)
         ks, vs = (x.reshape(B, K, C, S // C, H) for x in (ck, cv))

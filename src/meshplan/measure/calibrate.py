@@ -18,6 +18,7 @@ fraction of the chip's catalog peak; `measure/fit.py` turns them into the effici
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -64,11 +65,18 @@ class Grid:
     # host's dispatch rate, not the device's (seen on an H200 with JAX 0.11: ~46 us per program, more than a
     # 2048^3 bf16 GEMM takes; benchmarks/results/gpu_h200_2026-12-04.json)
     ops_per_program: int = 1
+    # a GEMM program needs no more copies than make it last this long at the chip's peak (0: always ops_per_program):
+    # ten times the ~46 us dispatch floor. Each copy costs compile time: on the H200 (session 15, setup_s in
+    # benchmarks/results/profile_h200_2026-12-04_s15.json) the 16-copy programs of 4096^3, 2048^3 and 1024^3 took
+    # 31-37 s each to compile and autotune, the 5-copy 8192^3 one 5 s
+    program_min_s: float = 0.0
     program_bytes: int = 2 * 1024 * MiB  # cap on one program's operands and results
     batch_bytes: int = 1024 * MiB  # cap on the inputs of one timed batch of programs (timing.auto_inner)
     norm_width: int = 0  # D of the norm and residual; the SwiGLU product runs at 3.5·D (LLaMA 3's F/D)
     # fp32 buffer sizes of the dependent copy chain (bench_overhead): time per copy against bytes gives the fixed
     # cost of one memory-bound kernel (the intercept), what the cost model adds per kernel (kernel_overhead_s)
+    # On GPUs every size is past the largest L2 (B200: 126 MB with in- and output; the H200's 256 KiB-16 MiB chain of
+    # session 15 ran from its 50 MB L2 at 8.7 TB/s, fit.fit_efficiency)
     chain_copy_bytes: tuple[int, ...] = ()
 
 
@@ -80,11 +88,11 @@ GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6
                    hbm_bytes=(64 * MiB, 256 * MiB, 1024 * MiB, 4096 * MiB), attn_lengths=(512, 1024, 2048, 4096, 8192, 16384),
                    host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
                    repeats=15, target_s=0.05)
-GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_program=16,
-                    batch_bytes=8 * 1024 * MiB, chain_copy_bytes=(MiB // 4, MiB, 4 * MiB, 16 * MiB))
+GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_program=16, program_min_s=5e-4,
+                    batch_bytes=8 * 1024 * MiB, chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB))
 GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
-                   norm_width=8192, ops_per_program=16, batch_bytes=8 * 1024 * MiB,
-                   chain_copy_bytes=(MiB // 4, MiB // 2, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB))
+                   norm_width=8192, ops_per_program=16, program_min_s=5e-4, batch_bytes=8 * 1024 * MiB,
+                   chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB))
 # The CPU grid reaches 512 so that at least two GEMM sizes stay above fit.DISPATCH_BOUND_FACTOR × the program
 # time on a loaded runner (a CI run with 64-256 only kept one size and fell back to the defaults).
 CPU_QUICK = Grid((32, 64, 128, 256, 512), (8, 32, 128), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
@@ -155,20 +163,26 @@ def _many(op: Callable, arity: int, n: int) -> Callable:
 
 
 def _timed_many(op: Callable, specs: list[tuple[tuple[int, ...], Any]], out_bytes: float,
-                grid: Grid) -> tuple[Timing, int]:
+                grid: Grid, ideal_s: float = 0.0) -> tuple[Timing, int]:
     """(seconds per `op`, copies per program): `op` timed as Grid.ops_per_program copies in one program (fewer where
-    the operands would pass Grid.program_bytes), divided by the copies: the program's dispatch is paid once."""
+    the operands would pass Grid.program_bytes, or where `ideal_s`, the op's time at the chip's peak, already makes
+    the program last Grid.program_min_s), divided by the copies: the program's dispatch is paid once."""
     op_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in specs) + out_bytes
     n = int(max(1, min(grid.ops_per_program, grid.program_bytes // max(op_bytes, 1))))
+    if grid.program_min_s > 0 and ideal_s > 0:
+        n = max(1, min(n, math.ceil(grid.program_min_s / ideal_s)))
     t = _timed(_many(op, len(specs), n), specs * n, grid)
     return replace(t, median_s=t.median_s / n, min_s=t.min_s / n, max_s=t.max_s / n), n
 
 
 def matmul_shapes(grid: Grid) -> list[tuple[int, int, int]]:
-    """(m, n, k): squares, then thin m against a big square weight, each largest first: under a time limit the
-    points cut are the small ones, the likeliest to be bound by the host's dispatch (fit.DISPATCH_BOUND_FACTOR)."""
-    return ([(d, d, d) for d in sorted(grid.matmul_square, reverse=True)]
-            + [(m, grid.matmul_big, grid.matmul_big) for m in sorted(grid.matmul_thin, reverse=True)])
+    """(m, n, k): the squares and the thin m against a big square weight, together, the most FLOPs first (a square
+    before a thin shape of the same FLOPs): under a time limit the points cut are the small ones, the likeliest to
+    be bound by the host's dispatch (fit.DISPATCH_BOUND_FACTOR), and both kinds keep points (the H200's quick grid
+    of session 15, squares first, lost every thin shape)."""
+    shapes = ([(d, d, d) for d in grid.matmul_square]
+              + [(m, grid.matmul_big, grid.matmul_big) for m in grid.matmul_thin])
+    return sorted(shapes, key=lambda s: (-s[0] * s[1] * s[2], s[1] != s[0]))
 
 
 def _stopped(bench: str, what: list[str]) -> list[Record]:
@@ -184,7 +198,8 @@ def bench_matmul(ctx: Context) -> list[Record]:
         if ctx.out_of_time():
             return out + _stopped("matmul", [f"{a}x{b}x{c}" for a, b, c in shapes[i:]]) + bench_fp8(ctx)
         op = partial(jnp.dot, preferred_element_type=dt)
-        t, ops = _timed_many(op, [((m, k), dt), ((k, n), dt)], m * n * dt.itemsize, ctx.grid)
+        t, ops = _timed_many(op, [((m, k), dt), ((k, n), dt)], m * n * dt.itemsize, ctx.grid,
+                             2.0 * m * n * k / ctx.chip.peak("bf16"))
         out.append(_record("matmul", f"{m}x{n}x{k}", t, ctx.chip.peak("bf16"), 2.0 * m * n * k, "FLOP",
                            dtype=str(dt), m=m, n=n, k=k, ops_per_program=ops))
     return out + bench_fp8(ctx)
@@ -202,7 +217,8 @@ def bench_fp8(ctx: Context) -> list[Record]:
             return out + _stopped("matmul", [f"fp8 {x}x{x}x{x}" for x in sizes[i:]])
         try:
             op = partial(jnp.dot, preferred_element_type=jnp.bfloat16)
-            t, ops = _timed_many(op, [((d, d), f8), ((d, d), f8)], d * d * 2, ctx.grid)
+            t, ops = _timed_many(op, [((d, d), f8), ((d, d), f8)], d * d * 2, ctx.grid,
+                                 2.0 * d**3 / ctx.chip.peak("fp8"))
         except Exception as exc:  # noqa: BLE001 - an XLA build without fp8 GEMMs: record and go on
             return out + [{"benchmark": "matmul", "name": f"fp8 {d}", "skipped": str(exc).splitlines()[0]}]
         out.append(_record("matmul", f"fp8 {d}x{d}x{d}", t, ctx.chip.peak("fp8"), 2.0 * d**3, "FLOP",

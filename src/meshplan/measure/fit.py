@@ -136,7 +136,14 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     chain = fit_copy_chain([r for r in by.get("overhead", []) if "chain" in r])
     if chain:
         curves["kernel_overhead"] = chain
-        if chain["t0_s"] > 0:
+        rate = chain["rate_bytes_per_s"]
+        if rate is not None and rate > chip.hbm_bandwidth_bytes_per_s:
+            # faster than HBM: the chain's buffers stayed in the on-chip cache (the H200's quick grid of session 15,
+            # 256 KiB-16 MiB against a 50 MB L2, fitted 8.7 TB/s and a 2.68 us intercept that made the calibrated
+            # decode step at batch 1 x 1k 22% slow: results/gpu_h200_2026-12-04_s15.json); such an intercept is not
+            # a memory-bound kernel's fixed cost, so it is reported and not used
+            chain["not_used"] = "rate above the chip's HBM bandwidth: cache-resident buffers"
+        elif chain["t0_s"] > 0:
             # the intercept, not the tiny-kernel chain's slope: the cost model adds kernel_overhead_s to each kernel's
             # roofline time (cost/roofline.py), so it is the fixed cost of a kernel that moves data, which the slope
             # of back-to-back 32x32 matmuls undercounts (0.93 us on the H200 against the 4 us default, and the

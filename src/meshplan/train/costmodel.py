@@ -986,10 +986,13 @@ class CostModel:
         return dict(f_s=self._matmul_time(f, t, c["D"], c["V"] / tp), flops=f)
 
     def _recompute_parts(self, policy: str) -> dict[str, float]:
-        """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward."""
-        if policy == "selective":
-            return RECOMPUTE_PARTS[f"selective/{self.opt.selective_flavor}"]
-        return RECOMPUTE_PARTS[policy]
+        """Shares of the layer forward's parts (mm, core, elem, cast) a policy runs again in the backward.
+        Under XLA remat (Options.remat_dce) a rematerialised pointwise op is fused into the backward's fusion that
+        reads the same GEMM outputs for that op's own gradient, so it costs no pass of its own: on an H200
+        (benchmarks/results/gpu_h200_2026-12-04_s15.json, JAX 0.11.2) Llama 3.2 1B's step under gemm-last, which
+        recomputes every pointwise op, took 273.0 ms against 272.6 ms with none."""
+        parts = RECOMPUTE_PARTS[f"selective/{self.opt.selective_flavor}" if policy == "selective" else policy]
+        return {k: v for k, v in parts.items() if k != "elem"} if self.opt.remat_dce else parts
 
     def compute_terms(self, L: LayoutArrays, g: dict) -> Terms:
         """Forward/backward/recompute seconds per micro-batch on the busiest pipeline stage; writes the FLOPs and
