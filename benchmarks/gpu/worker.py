@@ -141,6 +141,7 @@ def serve(cases: list[Case], write: Any) -> None:
         return float(s.get("bytes_in_use", float("nan")))
 
     for case in cases:
+        t_case = time.perf_counter()  # each record's setup_s: inputs, compile and warm-up (where a case's time goes)
         try:
             if case["kind"] == "prefill":
                 B, T = case["batch"], case["prompt_len"]
@@ -150,8 +151,10 @@ def serve(cases: list[Case], write: Any) -> None:
                     return params, jnp.asarray(rng.integers(0, m.vocab_size, (B, T), dtype=np.int32))
 
                 fn(*args_for(-1))  # compile and warm up
+                setup_s = time.perf_counter() - t_case
                 med, times = _median_time(fn, args_for, case["repeats"])
-                write(case, {"step_time_s": med, "times_s": times})
+                write(case, {"step_time_s": med, "times_s": times, "setup_s": setup_s,
+                             "wall_s": time.perf_counter() - t_case})
             else:
                 B, C, n = case["batch"], case["context"], case["steps"]
                 before = in_use()
@@ -164,6 +167,7 @@ def serve(cases: list[Case], write: Any) -> None:
                 pos0 = jnp.int32(C)
                 _, cache = fn(params, cache, tok0, pos0)  # compile and warm up
                 jax.block_until_ready(cache)
+                setup_s = time.perf_counter() - t_case
                 times = []
                 for _ in range(3):  # each call writes positions C .. C + n − 1 again: the same work every call
                     t0 = time.perf_counter()
@@ -175,7 +179,8 @@ def serve(cases: list[Case], write: Any) -> None:
                 measured_kv = kv_alloc if kv_alloc == kv_alloc and kv_alloc > 0 else kv_bytes
                 write(case, {"step_time_s": statistics.median(times), "times_s": times,
                              "attended_context": decode_context(case), "kv_cache_bytes": measured_kv,
-                             "kv_cache_array_bytes": kv_bytes, "kv_cache_allocated_bytes": kv_alloc})
+                             "kv_cache_array_bytes": kv_bytes, "kv_cache_allocated_bytes": kv_alloc,
+                             "setup_s": setup_s, "wall_s": time.perf_counter() - t_case})
                 del cache
         except Exception as exc:  # noqa: BLE001 - one case failing (OOM) must not lose the others
             write(case, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
