@@ -93,3 +93,61 @@ def test_the_refit_drops_the_dispatch_bound_gemms_of_the_h200_run() -> None:
     assert min(kept) <= fitted["matmul_peak_fraction"] <= max(kept) + 0.02
     assert prof["efficiency"]["matmul_half_dim"] > 400  # the run's own fit, dragged by the dispatch-bound points
     assert fitted["matmul_half_dim"] < 100
+
+
+def _hlo_rows() -> list[tuple[Path, dict, str]]:
+    """(tar, row, member) for every committed training row whose compiled HLO is archived beside its results."""
+    out = []
+    for path in FILES:
+        data = json.loads(path.read_text())
+        tar = path.parent / path.name.replace("gpu_", "hlo_", 1).replace(".json", ".tar")
+        for row in data["rows"]:
+            member = row["measured"].get("hlo_member")
+            if member and tar.exists():
+                out.append((tar, row, member))
+    return out
+
+
+def _hlo_text(tar_path: Path, member: str) -> str:
+    import gzip
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        return gzip.decompress(tar.extractfile(member).read()).decode()
+
+
+@pytest.mark.parametrize("tar_path,row,member", _hlo_rows() or [(None, None, None)],
+                         ids=[m[:60] for _, _, m in _hlo_rows()] or ["no-hlo"])
+def test_ledger_matmul_flops_equal_the_gpu_programs_gemms(tar_path, row, member) -> None:
+    """The GEMM FLOPs of each measured step as the GPU compiler emitted it (cuBLAS calls and Triton GEMM fusions,
+    times their loops' trips: hlo.dot_flops of the archived HLO) equal the ledger's matmul FLOPs for the case,
+    recompute included: one ledger, checked against what ran on the chip."""
+    if tar_path is None:
+        pytest.skip("no compiled HLO archived with the GPU results (benchmarks/results/hlo_*.tar)")
+    from predict import predict_train
+
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.measure.hlo import dot_flops
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip(json.loads((tar_path.parent / tar_path.name.replace("hlo_", "gpu_", 1)
+                                 .replace(".tar", ".json")).read_text())["chip"])
+    hlo = dot_flops(_hlo_text(tar_path, member))
+    ledger = predict_train(row["case"], chip, default_efficiency(chip))["matmul_flops"]
+    assert hlo == pytest.approx(ledger, rel=1e-3)
+
+
+def test_full_recompute_reruns_the_layer_but_its_down_projection_on_the_h200() -> None:
+    """By hand, Llama 3.2 1B (D 2048, 32 query and 8 KV heads of 64, F 8192, 16 layers) at 4 × 4096 tokens: the
+    compiled full-recompute step runs the QKV (2048 → 3072), out-projection (2048 → 2048) and gate/up (2048 → 2·8192)
+    GEMMs once more per layer, and not the down-projection (8192 → 2048): XLA drops what the backward never reads."""
+    rows = {r["case"]["recompute"]: (t, m) for t, r, m in _hlo_rows()
+            if r["case"]["model"] == "llama3.2-1b" and r["case"]["framework"] == "jax" and not r["case"]["overrides"]}
+    if not {"none", "full"} <= set(rows):
+        pytest.skip("no archived 1B none/full HLO")
+    from meshplan.measure.hlo import dot_flops
+
+    none, full = (dot_flops(_hlo_text(*rows[k])) for k in ("none", "full"))
+    tokens, D, layers = 4 * 4096, 2048, 16
+    rerun = 2 * tokens * D * (3072 + 2048 + 2 * 8192) * layers
+    assert full - none == pytest.approx(rerun, rel=1e-9)

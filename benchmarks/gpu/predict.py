@@ -66,7 +66,10 @@ def predict_train(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
             # what the framework's allocator should hold at its peak: the total less the runtime reserve (CUDA
             # context, communicator buffers, fragmentation), which no allocator statistic counts
             "memory_allocated_bytes": total - (eff.memory_reserved_bytes if opts.runtime_reserve else 0.0),
-            "fits": bool(p["fits"])}
+            "fits": bool(p["fits"]),
+            # the ledger's GEMM FLOPs per step (recompute included), what the compiled program's GEMMs add up to
+            # (measured side: hlo.dot_flops of the case's compiled HLO, worker.train_jax)
+            "matmul_flops": p["ledger"]["flops"]["matmul"]}
 
 
 def predict_prefill(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
@@ -106,7 +109,7 @@ def predict_case(case: Case, chip: Chip, eff: Efficiency) -> dict[str, Any]:
 # against the whole prediction, which for JAX without preallocation is the pool XLA's allocator grew to (64.6 GiB for
 # a 35.6 GiB peak on the first H200 run), so it is reported, and the bound is checked on the allocator's peak
 COMPARED = {"train": {"step_time_s": "step_time_s", "allocator_peak_bytes": "memory_allocated_bytes",
-                      "memory_bytes": "memory_bytes"},
+                      "memory_bytes": "memory_bytes", "hlo_matmul_flops": "matmul_flops"},
             "prefill": {"step_time_s": "step_time_s"},
             "decode": {"step_time_s": "step_time_s", "kv_cache_bytes": "kv_cache_bytes"}}
 

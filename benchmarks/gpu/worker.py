@@ -73,7 +73,14 @@ def train_jax(case: Case, used_before: float | None, hlo_path: Path | None = Non
     compute = _dtype(case.get("compute_dtype", "bf16"))
     run = st.run_training(m, layout, case["seq_len"], case["batch"], case["steps"], param_dtype=jnp.float32,
                           attention=case["attention"], compute_dtype=compute, hlo_path=hlo_path)
-    hlo = {"hlo_file": str(hlo_path)} if hlo_path is not None and hlo_path.exists() else {}
+    hlo: dict[str, Any] = {}
+    if hlo_path is not None and hlo_path.exists():
+        import gzip
+
+        from meshplan.measure.hlo import dot_flops
+
+        # the GEMM FLOPs the GPU compiler kept (cuBLAS calls and Triton GEMM fusions, times their loops' trips)
+        hlo = {"hlo_file": str(hlo_path), "hlo_matmul_flops": dot_flops(gzip.decompress(hlo_path.read_bytes()).decode())}
     return {"step_time_s": run.step_time_s, "step_times_s": run.step_times_s, "compile_s": run.compile_s,
             "losses": run.losses, "model_flops_per_step": run.model_flops_per_step, "xla_cost": run.xla_cost, **hlo,
             **memory_measured(run.peak_memory_bytes, run.memory_source, used_before)}

@@ -400,21 +400,35 @@ def parse_collectives(hlo: Module | str, coords: dict[int, tuple[int, ...]], axi
     return out
 
 
+# XLA's GPU GEMM library calls (the dot rewritten to a cuBLAS / cuBLASLt custom call; its result is a tuple of the
+# product and a workspace): the contraction is in the call's backend_config (gemm_backend_config.dot_dimension_numbers)
+GEMM_CUSTOM_CALLS = ('"__cublas$gemm"', '"__cublas$lt$matmul"', '"__cublas$lt$matmul$f8"')
+
+
 def dot_flops(hlo: Module | str) -> float:
-    """2 × (result elements) × (contracted size) summed over every dot, fused or not, times the runs of its
-    computation (`trip_counts`: a dot in a loop body counts once per iteration) (book ch.4). `hlo`: the module's
-    text, or the `read_module` of it."""
+    """2 × (result elements) × (contracted size) summed over every dot, fused or not (a Triton GEMM fusion's dot
+    too), and every cuBLAS GEMM custom call of a GPU module, times the runs of its computation (`trip_counts`: a
+    dot in a loop body counts once per iteration) (book ch.4). `hlo`: the module's text, or the `read_module` of
+    it."""
     module = _as_module(hlo)
     instrs, runs = module.instrs, module.runs
     total = 0.0
     for ins in instrs.values():
-        if ins.op != "dot" or not ins.operands:
+        if not ins.operands:
+            continue
+        if ins.op == "dot":
+            cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+            dims = _ints(cdims.group(1)) if cdims else []
+        elif ins.op == "custom-call" and any(f"custom_call_target={t}" in ins.rest for t in GEMM_CUSTOM_CALLS):
+            cdims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.rest)
+            dims = [int(x) for x in re.findall(r"\d+", cdims.group(1))] if cdims else []
+        else:
             continue
         lhs = instrs.get(ins.operands[0])
-        cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
         lhs_dims = arrays(lhs.shape if lhs else "")
-        if not lhs_dims:
+        out = arrays(ins.shape)
+        if not lhs_dims or not out:
             continue
-        contracted = math.prod(lhs_dims[0][1][i] for i in _ints(cdims.group(1))) if cdims else 1
-        total += 2.0 * math.prod(arrays(ins.shape)[0][1]) * contracted * runs.get(ins.computation, 1.0)
+        contracted = math.prod(lhs_dims[0][1][i] for i in dims)
+        total += 2.0 * math.prod(out[0][1]) * contracted * runs.get(ins.computation, 1.0)
     return total
