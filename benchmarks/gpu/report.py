@@ -101,9 +101,27 @@ def markdown(data: dict[str, Any]) -> str:
     lines.append(f"| JAX reference model, best MFU (≥ {MFU_BOUND:.0%}) | | "
                  f"{'—' if mfu is None else f'{mfu:.1%}'} | | "
                  f"{'—' if mfu is None else ('yes' if mfu >= MFU_BOUND else '**no**')} |")
+    lines += kernel_lines(rows)
     if data.get("notes"):
         lines += ["", "Notes: " + "; ".join(data["notes"])]
     return "\n".join(lines)
+
+
+def kernel_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The profiled step of each training row that has one (measure/kernels.py): device time by kind of work, and
+    the ledger's GEMM FLOPs against the compiled program's (hlo_matmul_flops)."""
+    prof = [r for r in rows if (r["measured"].get("kernels") or {}).get("kernel_time_s")]
+    if not prof:
+        return []
+    from meshplan.measure.kernels import KINDS
+
+    out = ["", "| case (one profiled step) | " + " | ".join(KINDS) + " | kernels in all | step measured |",
+           "|---|" + "---:|" * (len(KINDS) + 2)]
+    for r in prof:
+        k = r["measured"]["kernels"]
+        out.append(f"| {r['id']} | " + " | ".join(_time(k["kernel_time_s"][x]) for x in KINDS)
+                   + f" | {_time(k['kernel_total_s'])} | {_time(r['measured']['step_time_s'])} |")
+    return out
 
 
 def refit_profile(path: Path, chip: Any) -> Any:

@@ -72,7 +72,8 @@ def train_jax(case: Case, used_before: float | None, hlo_path: Path | None = Non
     layout = st.default_layout(1, 1, 1, 1, case["recompute"], case["batch"])
     compute = _dtype(case.get("compute_dtype", "bf16"))
     run = st.run_training(m, layout, case["seq_len"], case["batch"], case["steps"], param_dtype=jnp.float32,
-                          attention=case["attention"], compute_dtype=compute, hlo_path=hlo_path)
+                          attention=case["attention"], compute_dtype=compute, hlo_path=hlo_path,
+                          profile_kernels=bool(case.get("profile_kernels", True)))
     hlo: dict[str, Any] = {}
     if hlo_path is not None and hlo_path.exists():
         import gzip
@@ -82,7 +83,8 @@ def train_jax(case: Case, used_before: float | None, hlo_path: Path | None = Non
         # the GEMM FLOPs the GPU compiler kept (cuBLAS calls and Triton GEMM fusions, times their loops' trips)
         hlo = {"hlo_file": str(hlo_path), "hlo_matmul_flops": dot_flops(gzip.decompress(hlo_path.read_bytes()).decode())}
     return {"step_time_s": run.step_time_s, "step_times_s": run.step_times_s, "compile_s": run.compile_s,
-            "losses": run.losses, "model_flops_per_step": run.model_flops_per_step, "xla_cost": run.xla_cost, **hlo,
+            "losses": run.losses, "model_flops_per_step": run.model_flops_per_step, "xla_cost": run.xla_cost,
+            "kernels": run.kernels, **hlo,
             **memory_measured(run.peak_memory_bytes, run.memory_source, used_before)}
 
 

@@ -50,6 +50,9 @@ class StepRun:
     # XLA's own count for the compiled step (cost_analysis: "flops", "bytes accessed", ...; on GPUs the GEMMs are
     # cuBLAS custom calls, which XLA's GPU cost analysis counts too)
     xla_cost: dict[str, float] = field(default_factory=dict)
+    # one more step under the profiler, its device time by kind of work (measure/kernels.py; {} on the CPU or
+    # when not asked for)
+    kernels: dict[str, Any] = field(default_factory=dict)
 
     @property
     def step_time_s(self) -> float:
@@ -62,7 +65,7 @@ class StepRun:
         return {"step_time_s": self.step_time_s, "step_times_s": self.step_times_s, "compile_s": self.compile_s,
                 "peak_memory_bytes": self.peak_memory_bytes, "memory_source": self.memory_source,
                 "losses": self.losses, "model_flops_per_step": self.model_flops_per_step, "devices": self.devices,
-                "xla_cost": self.xla_cost}
+                "xla_cost": self.xla_cost, "kernels": self.kernels}
 
 
 def default_layout(devices: int, dp: int | None, fsdp: int | None, tp: int | None, recompute: str,
@@ -158,11 +161,14 @@ def _check_compiled_memory(model: ModelConfig, compiled: Any, layout: Layout) ->
 
 def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, steps: int,
                  param_dtype: Any = jnp.bfloat16, attention: str = "materialized",
-                 compute_dtype: Any = None, progress: Any = None, hlo_path: str | Path | None = None) -> StepRun:
+                 compute_dtype: Any = None, progress: Any = None, hlo_path: str | Path | None = None,
+                 profile_kernels: bool = False) -> StepRun:
     """Compile, warm up once, then time `steps` steps, each on a fresh random batch placed beforehand.
     `attention` and `compute_dtype` go to `jaxmodel.build_program` (e.g. "cudnn" and bf16 compute over fp32
     params: the mixed precision the planner's memory model assumes). `progress(message)` is called before each long
-    stage (compile, warm-up, every timed step). `hlo_path`: also write the compiled (optimised) HLO there, gzipped."""
+    stage (compile, warm-up, every timed step). `hlo_path`: also write the compiled (optimised) HLO there, gzipped.
+    `profile_kernels`: after the timed steps, one more under JAX's profiler, its device time by kind of work
+    (`kernels.profile_step`), so that the timed steps carry no profiler overhead."""
     say = progress or (lambda _msg: None)
     if steps < 1:
         raise MeshplanError(f"--steps must be at least 1, got {steps}")
@@ -202,8 +208,22 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
         losses.append(float(loss))
         say(f"step {i}/{steps}: {times[-1]:.3f} s")
     mem, source = _peak_memory(compiled)
+    kernels: dict[str, Any] = {}
+    if profile_kernels:
+        from meshplan.measure.kernels import profile_step
+
+        say("one step under the profiler")
+        state = [params, opt]
+
+        def once() -> None:
+            state[0], state[1], _ = jax.block_until_ready(compiled(state[0], state[1], batches[0]))
+
+        try:
+            kernels = profile_step(once, compiled.as_text())
+        except Exception as exc:  # noqa: BLE001 - a profiler that will not start (CUPTI) leaves the timed steps
+            kernels = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return StepRun(times, compile_s, mem, source, losses, model_flops_per_step(model, seq_len, global_batch),
-                   layout.devices, xla_cost)
+                   layout.devices, xla_cost, kernels)
 
 
 def predict(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global_batch: int,
