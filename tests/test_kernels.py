@@ -85,3 +85,19 @@ def test_report_prints_the_profiled_steps_kinds() -> None:
     assert lines[1].startswith("| case (one profiled step) | gemm | attention |")
     assert lines[3] == "| jax train x | 200.00 ms | 30.00 ms | 0.00 ms | 0.00 ms | 40.00 ms | 0.00 ms | 270.00 ms | 280.00 ms |"
     assert len(lines) == 4  # the row without a profile is left out
+
+
+@pytest.mark.jax
+def test_measure_kernels_on_the_cpu_says_there_are_none() -> None:
+    """`meshplan measure --kernels` runs the extra profiled step and says the CPU's profile has no device kernels."""
+    pytest.importorskip("jax")
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import sys; from meshplan.cli import main; main(sys.argv[1:])",
+                        "measure", "--model", "llama3.2-1b", "--layers", "1",
+                        "--seq-len", "32", "--steps", "1", "--kernels", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert json.loads(r.stdout)["measured"]["kernels"] == {"note": "the profile has no device kernels (the CPU)"}

@@ -228,6 +228,9 @@ def measure(
     attention: Annotated[str, typer.Option(help="materialized (the score matrix, as verify compiles it), dpa "
                                                 "(jax.nn.dot_product_attention) or cudnn (its cuDNN flash kernel; "
                                                 "predicted as flash attention).")] = "materialized",
+    kernels: Annotated[bool, typer.Option("--kernels", help="After the timed steps, one more under JAX's profiler: "
+                                                            "device time by kind of work (GEMM, attention, "
+                                                            "collective, copy, pointwise). Accelerators only.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
 ) -> None:
@@ -256,7 +259,7 @@ def measure(
         batch = global_batch or summary["devices"]
         layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, batch)
         run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]),
-                              attention=attention,
+                              attention=attention, profile_kernels=kernels,
                               progress=lambda msg: err_console.print(f"measure: {msg}", markup=False,
                                                                      highlight=False))
         result = _measure_result(m, chip, layout, seq_len, batch, run, profile, summary, attention)
@@ -337,10 +340,23 @@ def _print_measure(r: dict[str, Any]) -> None:
     console.print(t)
     console.print(f"compile {fmt_time(meas['compile_s'])}; losses {', '.join(f'{x:.3f}' for x in meas['losses'])}; "
                   f"memory: {meas['memory_source']}")
+    _print_kernels(meas.get("kernels") or {})
     if r.get("cpu_only"):
         console.print(f"[bold]cpu_only[/bold]: {CPU_WARNING}")
     if "note" in r:
         console.print(r["note"])
+
+
+def _print_kernels(k: dict[str, Any]) -> None:
+    """The profiled step's device time by kind of work (measure/kernels.py), where one was asked for and ran."""
+    if "error" in k or "note" in k:
+        console.print(f"kernels: {k.get('error') or k['note']}", markup=False)
+    if not k.get("kernel_time_s"):
+        return
+    total = k["kernel_total_s"] or 1.0
+    console.print("device time of one profiled step: " + ", ".join(
+        f"{kind} {fmt_time(t)} ({t / total:.0%})" for kind, t in k["kernel_time_s"].items() if t > 0)
+        + f"; {fmt_time(k['kernel_total_s'])} in all", markup=False)
 
 
 def _pred_cell(p: dict[str, Any], key: str) -> str:

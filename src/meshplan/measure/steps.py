@@ -219,7 +219,7 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
             state[0], state[1], _ = jax.block_until_ready(compiled(state[0], state[1], batches[0]))
 
         try:
-            kernels = profile_step(once, compiled.as_text())
+            kernels = profile_step(once, compiled.as_text()) or {"note": "the profile has no device kernels (the CPU)"}
         except Exception as exc:  # noqa: BLE001 - a profiler that will not start (CUPTI) leaves the timed steps
             kernels = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return StepRun(times, compile_s, mem, source, losses, model_flops_per_step(model, seq_len, global_batch),
