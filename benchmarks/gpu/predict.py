@@ -74,7 +74,8 @@ def predict_train(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
 
 def predict_prefill(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
     m = case_model(case)
-    cost = prefill_step(m, chip, ServeConfig(), eff, case["batch"], case["prompt_len"])
+    # one jitted call per prefill: the host dispatches a program, no serving engine iterates (engine_loop False)
+    cost = prefill_step(m, chip, ServeConfig(), eff, case["batch"], case["prompt_len"], engine_loop=False)
     return {"step_time_s": cost.time_s, "bound": cost.bound}
 
 
@@ -90,7 +91,9 @@ def decode_capacity(case: Case) -> int:
 
 def predict_decode(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
     m = case_model(case)
-    cost = decode_step(m, chip, ServeConfig(), eff, case["batch"], decode_context(case))
+    # the reference loop runs its 16 greedy steps in one XLA program (serve_jax.make_decode_steps): no engine
+    # iteration on the host between steps, so none of the serving engines' per-step host overhead
+    cost = decode_step(m, chip, ServeConfig(), eff, case["batch"], decode_context(case), engine_loop=False)
     mem = memory_per_chip(m, chip, ServeConfig(), eff, case["batch"], decode_capacity(case))
     return {"step_time_s": cost.time_s, "bound": cost.bound, "kv_cache_bytes": mem.kv_cache,
             "weight_bytes": mem.weights}

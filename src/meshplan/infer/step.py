@@ -353,9 +353,12 @@ def _rank_load(cfg: ServeConfig, decode_seqs: float, prefill_tokens: float,
 
 def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
               decode_ctx: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
-              sequences: float | None = None, prefill_seqs: float | None = None) -> StepCost:
+              sequences: float | None = None, prefill_seqs: float | None = None,
+              engine_loop: bool = True) -> StepCost:
     """One engine step of a replica. `sequences` (default: decode_seqs, at least 1) sets the PP micro-batches;
-    `prefill_seqs` counts the prompt chunks (default: sequences - decode_seqs, at least 1 with prefill tokens)."""
+    `prefill_seqs` counts the prompt chunks (default: sequences - decode_seqs, at least 1 with prefill tokens).
+    `engine_loop` False: the step runs inside a device program with no engine iteration on the host (the GPU
+    suite's reference loop: 16 greedy decode steps in one XLA program), so without decode_step_overhead_s."""
     seqs = max(sequences if sequences is not None else decode_seqs, 1.0)
     mb = min(float(cfg.pp), seqs)
     if prefill_seqs is None and prefill_tokens > 0:
@@ -363,18 +366,19 @@ def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, dec
     chunks = None if prefill_seqs is None else prefill_seqs / mb
     stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx, chunks)
     parts = {k: cfg.pp * v for k, v in stage.items()}
-    parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip)
+    parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip) if engine_loop else 0.0
     total = sum(parts.values())
     return StepCost(total, parts, max(parts, key=parts.get))
 
 
 def decode_step(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, batch: float,
-                context: float) -> StepCost:
+                context: float, engine_loop: bool = True) -> StepCost:
     """A pure decode step: `batch` sequences each attending `context` cached tokens."""
-    return step_cost(m, chip, cfg, eff, batch, context)
+    return step_cost(m, chip, cfg, eff, batch, context, engine_loop=engine_loop)
 
 
 def prefill_step(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, sequences: float,
-                 prompt_len: float) -> StepCost:
+                 prompt_len: float, engine_loop: bool = True) -> StepCost:
     """Prefill of `sequences` prompts of `prompt_len` tokens in one pass (causal: average context T/2)."""
-    return step_cost(m, chip, cfg, eff, 0.0, 0.0, sequences * prompt_len, prompt_len / 2.0, sequences)
+    return step_cost(m, chip, cfg, eff, 0.0, 0.0, sequences * prompt_len, prompt_len / 2.0, sequences,
+                     engine_loop=engine_loop)
