@@ -287,14 +287,17 @@ def test_records_carry_their_setup_and_wall_time(cpu_profile):
         assert t["wall_s"] - t["setup_s"] >= 0.9 * t["repeats"] * t["inner"] * r["time_s"] * r["ops_per_program"]
     # the many-GEMM dispatch floor is a GPU measurement (no dispatch to hide on the CPU)
     assert not any(r["name"].startswith("program of 2 ") for r in data["benchmarks"])
+    gemv = [r for r in data["benchmarks"] if "gemv_chain" in r]
+    assert [r["bytes"] for r in gemv] == [4 * d * d for d in (128, 256, 512)]  # fp32 weights on the CPU grid
     chain = [r for r in data["benchmarks"] if "chain" in r]
     assert [r["bytes"] for r in chain] == [2 * 2**18, 2 * 2**20, 2 * 2**22]  # read + write of each buffer
     # each program runs its 32 dependent copies one after another: the largest copy takes longer than the smallest
     assert chain[-1]["time_s"] > chain[0]["time_s"]
-    fit = data["fitted_curves"]["kernel_overhead"]
-    assert len(fit["points"]) == 3
-    if fit["t0_s"] > 0:
-        assert data["efficiency"]["kernel_overhead_s"] == pytest.approx(fit["t0_s"])
+    curves = data["fitted_curves"]
+    assert len(curves["kernel_overhead_gemv"]["points"]) == 3
+    used = [c for c in ("kernel_overhead_gemv", "kernel_overhead") if curves.get(c, {}).get("used")]
+    if used:  # the first usable intercept (GEMV chain, then copies) is the profile's kernel_overhead_s
+        assert data["efficiency"]["kernel_overhead_s"] == pytest.approx(curves[used[0]]["t0_s"])
 
 
 def test_bad_time_limit_is_one_error_line(capsys):

@@ -132,3 +132,24 @@ def test_kernel_overhead_is_the_copy_chains_intercept() -> None:
     # fewer than three sizes: no fit
     assert fit_copy_chain(pts[:2]) == {}
     assert fit_efficiency([slope, *pts[:2]], load_chip("h100-sxm"))[0]["kernel_overhead_s"] == pytest.approx(1e-6)
+
+
+def _gemv(nbytes: float, time_s: float) -> dict:
+    return {"benchmark": "overhead", "name": f"gemv chain {nbytes:.0f}", "time_s": time_s, "bytes": nbytes,
+            "gemv_chain": 32}
+
+
+def test_the_gemv_chains_intercept_comes_before_the_copy_chains() -> None:
+    """GEMVs over 8, 32 and 128 MiB weights at 4 us + bytes at 3 TB/s, copies at 3 us + bytes at 3 TB/s: the GEMV
+    chain's 4 us is kernel_overhead_s (decode's own kernels). A GEMV chain faster than HBM (cached weights) is not
+    used, and the copy chain's 3 us is."""
+    h100 = load_chip("h100-sxm")
+    gemv = [_gemv(b, 4e-6 + b / 3e12) for b in (8 * 2**20, 32 * 2**20, 128 * 2**20)]
+    copies = [_chain(b, 3e-6 + b / 3e12) for b in (64e6, 128e6, 256e6)]
+    eff, curves = fit_efficiency([*copies, *gemv], h100)
+    assert eff["kernel_overhead_s"] == pytest.approx(4e-6, rel=1e-6)
+    assert curves["kernel_overhead_gemv"]["used"] == "kernel_overhead_s" and "kernel_overhead" not in curves
+    cached = [_gemv(b, 4e-6 + b / 9e12) for b in (8 * 2**20, 32 * 2**20, 128 * 2**20)]
+    eff, curves = fit_efficiency([*copies, *cached], h100)
+    assert eff["kernel_overhead_s"] == pytest.approx(3e-6, rel=1e-6)
+    assert "not_used" in curves["kernel_overhead_gemv"] and curves["kernel_overhead"]["used"] == "kernel_overhead_s"

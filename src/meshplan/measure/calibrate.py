@@ -78,6 +78,11 @@ class Grid:
     # On GPUs every size is past the largest L2 (B200: 126 MB with in- and output; the H200's 256 KiB-16 MiB chain of
     # session 15 ran from its 50 MB L2 at 8.7 TB/s, fit.fit_efficiency)
     chain_copy_bytes: tuple[int, ...] = ()
+    # D of the dependent GEMV chain (bench_overhead: one row against CHAIN_LENGTH distinct D×D weights, as a decode
+    # step reads its layers' matrices): time per GEMV against the weight's bytes gives a decode kernel's fixed cost
+    # (the intercept) and the rate it reads weights at. 32 distinct weights of at least 8 MiB (bf16 2048²) pass
+    # through more than any GPU's L2 each run, so every read comes from HBM
+    chain_gemv_dims: tuple[int, ...] = ()
 
 
 GPU_QUICK = Grid((512, 1024, 2048, 4096, 8192), (64, 128, 256, 512, 1024, 2048), 8192, (2048, 4096, 8192),
@@ -89,15 +94,17 @@ GPU_FULL = replace(GPU_QUICK, matmul_square=(256, 512, 1024, 2048, 3072, 4096, 6
                    host_bytes=1024 * MiB, collective_bytes=(64 * 1024, MiB, 16 * MiB, 256 * MiB, 1024 * MiB),
                    repeats=15, target_s=0.05)
 GPU_QUICK = replace(GPU_QUICK, norm_tokens=16384, norm_width=4096, ops_per_program=16, program_min_s=5e-4,
-                    batch_bytes=8 * 1024 * MiB, chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB))
+                    batch_bytes=8 * 1024 * MiB, chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB),
+                    chain_gemv_dims=(2048, 4096, 8192))
 GPU_FULL = replace(GPU_FULL, attn_shapes=((32, 64), (8, 256)), attn_shape_seq=4096, norm_tokens=16384,
                    norm_width=8192, ops_per_program=16, program_min_s=5e-4, batch_bytes=8 * 1024 * MiB,
-                   chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB))
+                   chain_copy_bytes=(64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB),
+                   chain_gemv_dims=(2048, 3072, 4096, 6144, 8192))
 # The CPU grid reaches 512 so that at least two GEMM sizes stay above fit.DISPATCH_BOUND_FACTOR × the program
 # time on a loaded runner (a CI run with 64-256 only kept one size and fell back to the defaults).
 CPU_QUICK = Grid((32, 64, 128, 256, 512), (8, 32, 128), 256, (), "float32", (4 * MiB, 16 * MiB), (64, 128), 256,
                  4, 32, 8 * MiB, (64 * 1024, 1 * MiB), 64, 3, 0.002, norm_tokens=256, norm_width=256,
-                 ops_per_program=2, chain_copy_bytes=(MiB // 4, MiB, 4 * MiB))
+                 ops_per_program=2, chain_copy_bytes=(MiB // 4, MiB, 4 * MiB), chain_gemv_dims=(128, 256, 512))
 CPU_FULL = replace(CPU_QUICK, matmul_square=(32, 64, 128, 256, 512, 1024), matmul_thin=(8, 16, 32, 64, 128),
                    matmul_big=512, hbm_bytes=(16 * MiB, 64 * MiB), attn_lengths=(128, 256, 512, 1024), attn_tokens=1024,
                    repeats=7, target_s=0.02, attn_shapes=((8, 16),), attn_shape_seq=256, norm_width=512)
@@ -295,6 +302,30 @@ def _copy_chain(ctx: Context) -> list[Record]:
     return out
 
 
+def _gemv_chain(ctx: Context) -> list[Record]:
+    """y = y·W_i for CHAIN_LENGTH distinct D×D weights in a row, one row of activations (a decode step's GEMVs, each
+    its own kernel and each on weights no earlier one read), at each D of Grid.chain_gemv_dims: seconds per GEMV
+    against the weight's bytes. fit.py fits t = t0 + bytes / rate (Hockney 1994): t0 is the fixed cost of a
+    memory-bound kernel as decode runs them (launch, ramp-up, tail), the cost model's kernel_overhead_s."""
+    dt = jnp.dtype(ctx.grid.dtype)
+
+    @jax.jit
+    def chain(y, *ws):
+        for w in ws:
+            y = jnp.dot(y, w, preferred_element_type=dt)
+        return y
+
+    out: list[Record] = []
+    dims = ctx.grid.chain_gemv_dims
+    for i, d in enumerate(dims):
+        if ctx.out_of_time():
+            return out + _stopped("overhead", [f"gemv chain {x}x{x}" for x in dims[i:]])
+        t = _timed(chain, [((1, d), dt)] + [((d, d), dt)] * CHAIN_LENGTH, ctx.grid)
+        out.append({"benchmark": "overhead", "name": f"gemv chain {d}x{d}", "time_s": t.median_s / CHAIN_LENGTH,
+                    "bytes": float(d * d * dt.itemsize), "gemv_chain": CHAIN_LENGTH, "timing": t.as_dict()})
+    return out
+
+
 def bench_overhead(ctx: Context) -> list[Record]:
     """Kernels per program 1 and 65 (each a dependent 32×32 matmul + tanh): the slope is one kernel's cost."""
     specs = [((32, 32), jnp.float32), ((32, 32), jnp.float32)]
@@ -304,7 +335,7 @@ def bench_overhead(ctx: Context) -> list[Record]:
             "timing": t1.as_dict()},
            {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": t65.median_s,
             "timing": t65.as_dict(), "per_kernel_s": per_kernel}]
-    out += _copy_chain(ctx)
+    out += _gemv_chain(ctx) + _copy_chain(ctx)
     n = ctx.grid.ops_per_program
     # the GEMM benchmark's program with no work to speak of: its own dispatch floor (fit.device_bound). GPUs only: on
     # the CPU the host is the device (there is no dispatch to hide), and a loaded CI runner timed this 2-GEMM program

@@ -133,28 +133,34 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     ovh = [r for r in by.get("overhead", []) if "per_kernel_s" in r]
     if ovh:
         out["kernel_overhead_s"] = ovh[0]["per_kernel_s"]
-    chain = fit_copy_chain([r for r in by.get("overhead", []) if "chain" in r])
-    if chain:
-        curves["kernel_overhead"] = chain
+    # the intercept of a memory-bound kernel chain, not the tiny-kernel slope: the cost model adds kernel_overhead_s
+    # to each kernel's roofline time (cost/roofline.py), so it is the fixed cost of a kernel that moves data, which
+    # back-to-back 32x32 matmuls undercount (0.93 and 2.0 us on the H200, where the 1B decode rows need ~4 us:
+    # results/gpu_h200_2026-12-04_s14.json, _s15.json). The GEMV chain (decode's own kernels) first, then the copies
+    for key, name in (("gemv_chain", "kernel_overhead_gemv"), ("chain", "kernel_overhead")):
+        chain = fit_copy_chain([r for r in by.get("overhead", []) if key in r])
+        if not chain:
+            continue
+        curves[name] = chain
         rate = chain["rate_bytes_per_s"]
         if rate is not None and rate > chip.hbm_bandwidth_bytes_per_s:
             # faster than HBM: the chain's buffers stayed in the on-chip cache (the H200's quick grid of session 15,
-            # 256 KiB-16 MiB against a 50 MB L2, fitted 8.7 TB/s and a 2.68 us intercept that made the calibrated
-            # decode step at batch 1 x 1k 22% slow: results/gpu_h200_2026-12-04_s15.json); such an intercept is not
-            # a memory-bound kernel's fixed cost, so it is reported and not used
+            # copies of 256 KiB-16 MiB against a 50 MB L2, fitted 8.7 TB/s and a 2.68 us intercept that made the
+            # calibrated decode step at batch 1 x 1k 22% slow: results/gpu_h200_2026-12-04_s15.json); such an
+            # intercept is not a memory-bound kernel's fixed cost, so it is reported and not used
             chain["not_used"] = "rate above the chip's HBM bandwidth: cache-resident buffers"
-        elif chain["t0_s"] > 0:
-            # the intercept, not the tiny-kernel chain's slope: the cost model adds kernel_overhead_s to each kernel's
-            # roofline time (cost/roofline.py), so it is the fixed cost of a kernel that moves data, which the slope
-            # of back-to-back 32x32 matmuls undercounts (0.93 us on the H200 against the 4 us default, and the
-            # calibrated 1B decode step at batch 1 x 32k came out 24.5% fast: results/gpu_h200_2026-12-04_s14.json)
+        elif chain["t0_s"] <= 0:
+            chain["not_used"] = "intercept not positive"
+        else:
             out["kernel_overhead_s"] = chain["t0_s"]
+            chain["used"] = "kernel_overhead_s"
+            break
     return out, curves
 
 
 def fit_copy_chain(recs: list[Record]) -> dict[str, Any]:
-    """Least squares of seconds per copy against bytes moved, t = t0 + bytes / rate (Hockney 1994), over the
-    dependent copy chain's sizes (calibrate._copy_chain); {} with fewer than three sizes."""
+    """Least squares of seconds per kernel against bytes moved, t = t0 + bytes / rate (Hockney 1994), over a
+    dependent kernel chain's sizes (calibrate._copy_chain, calibrate._gemv_chain); {} with fewer than three sizes."""
     if len({r["bytes"] for r in recs}) < 3:
         return {}
     x = np.array([r["bytes"] for r in recs], dtype=float)
