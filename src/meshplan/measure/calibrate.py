@@ -78,10 +78,10 @@ class Grid:
     # On GPUs every size is past the largest L2 (B200: 126 MB with in- and output; the H200's 256 KiB-16 MiB chain of
     # session 15 ran from its 50 MB L2 at 8.7 TB/s, fit.fit_efficiency)
     chain_copy_bytes: tuple[int, ...] = ()
-    # D of the dependent GEMV chain (bench_overhead: one row against CHAIN_LENGTH distinct D×D weights, as a decode
+    # D of the dependent GEMV chain (bench_overhead: one row against GEMV_CHAIN distinct D×D weights, as a decode
     # step reads its layers' matrices): time per GEMV against the weight's bytes gives a decode kernel's fixed cost
-    # (the intercept) and the rate it reads weights at. 32 distinct weights of at least 8 MiB (bf16 2048²) pass
-    # through more than any GPU's L2 each run, so every read comes from HBM
+    # (the intercept) and the rate it reads weights at. 16 distinct weights of at least 8 MiB (bf16 2048²) pass
+    # 128 MiB through the H100's and H200's 50 MB L2 each run, so the reads come from HBM
     chain_gemv_dims: tuple[int, ...] = ()
 
 
@@ -276,6 +276,7 @@ def _chain(n: int) -> Callable:
 
 
 CHAIN_LENGTH = 32  # dependent copies per program in _copy_chain
+GEMV_CHAIN = 16  # dependent GEMVs per program in _gemv_chain, each on its own weights (one random array each)
 
 
 def _copy_chain(ctx: Context) -> list[Record]:
@@ -303,7 +304,7 @@ def _copy_chain(ctx: Context) -> list[Record]:
 
 
 def _gemv_chain(ctx: Context) -> list[Record]:
-    """y = y·W_i for CHAIN_LENGTH distinct D×D weights in a row, one row of activations (a decode step's GEMVs, each
+    """y = y·W_i for GEMV_CHAIN distinct D×D weights in a row, one row of activations (a decode step's GEMVs, each
     its own kernel and each on weights no earlier one read), at each D of Grid.chain_gemv_dims: seconds per GEMV
     against the weight's bytes. fit.py fits t = t0 + bytes / rate (Hockney 1994): t0 is the fixed cost of a
     memory-bound kernel as decode runs them (launch, ramp-up, tail), the cost model's kernel_overhead_s."""
@@ -320,9 +321,9 @@ def _gemv_chain(ctx: Context) -> list[Record]:
     for i, d in enumerate(dims):
         if ctx.out_of_time():
             return out + _stopped("overhead", [f"gemv chain {x}x{x}" for x in dims[i:]])
-        t = _timed(chain, [((1, d), dt)] + [((d, d), dt)] * CHAIN_LENGTH, ctx.grid)
-        out.append({"benchmark": "overhead", "name": f"gemv chain {d}x{d}", "time_s": t.median_s / CHAIN_LENGTH,
-                    "bytes": float(d * d * dt.itemsize), "gemv_chain": CHAIN_LENGTH, "timing": t.as_dict()})
+        t = _timed(chain, [((1, d), dt)] + [((d, d), dt)] * GEMV_CHAIN, ctx.grid)
+        out.append({"benchmark": "overhead", "name": f"gemv chain {d}x{d}", "time_s": t.median_s / GEMV_CHAIN,
+                    "bytes": float(d * d * dt.itemsize), "gemv_chain": GEMV_CHAIN, "timing": t.as_dict()})
     return out
 
 
