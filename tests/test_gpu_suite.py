@@ -327,3 +327,26 @@ def test_split_decode_attention_equals_one_softmax() -> None:
     finally:
         sj.SPLIT_TARGET = old
     np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-4, atol=1e-4)
+
+
+def test_the_suites_decode_and_prefill_carry_no_engine_host_step() -> None:
+    """The reference loop runs its decode steps inside one XLA program and each prefill as one program: the suite
+    predicts them without the serving engines' per-step host overhead (serving.yaml decode_step_overhead_s), which
+    an engine-loop prediction of the same step carries on top of the same device work."""
+    from predict import case_model, decode_context, predict_decode, predict_prefill
+
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.config import ServeConfig, serving_constant
+    from meshplan.infer.step import decode_step, prefill_step
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip("h200")
+    eff = default_efficiency(chip)
+    d = {"model": "llama3.2-1b", "overrides": {}, "kind": "decode", "batch": 16, "context": 4096, "steps": 16}
+    m = case_model(d)
+    host = serving_constant("decode_step_overhead_s", chip)
+    engine = decode_step(m, chip, ServeConfig(), eff, 16, decode_context(d)).time_s
+    assert predict_decode(d, chip, eff)["step_time_s"] == pytest.approx(engine - host, rel=1e-12)
+    p = {"model": "llama3.2-1b", "overrides": {}, "kind": "prefill", "batch": 1, "prompt_len": 2048}
+    engine = prefill_step(m, chip, ServeConfig(), eff, 1, 2048).time_s
+    assert predict_prefill(p, chip, eff)["step_time_s"] == pytest.approx(engine - host, rel=1e-12)
