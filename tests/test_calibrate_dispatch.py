@@ -114,10 +114,10 @@ def test_kernel_overhead_is_the_copy_chains_intercept() -> None:
     """Copies of 0.5, 2, 8 and 32 MB taking 3 us plus their bytes at 3 TB/s (Hockney's t0 + n/r): the fit gives back
     t0 = 3 us and 3 TB/s, and kernel_overhead_s is t0, not the 1 us slope of the tiny-kernel chain. A chain faster
     than the chip's HBM (the H100's 3.35 TB/s) ran from cache: its intercept is reported, not used."""
-    from meshplan.measure.fit import fit_copy_chain
+    from meshplan.measure.fit import fit_kernel_chain
 
     pts = [_chain(b, 3e-6 + b / 3e12) for b in (0.5e6, 2e6, 8e6, 32e6)]
-    fit = fit_copy_chain(pts)
+    fit = fit_kernel_chain(pts)
     assert fit["t0_s"] == pytest.approx(3e-6, rel=1e-6) and fit["rate_bytes_per_s"] == pytest.approx(3e12, rel=1e-6)
     slope = {"benchmark": "overhead", "name": "program of 65 tiny kernels", "time_s": 100e-6, "per_kernel_s": 1e-6}
     eff, curves = fit_efficiency([slope, *pts], load_chip("h100-sxm"))
@@ -130,7 +130,7 @@ def test_kernel_overhead_is_the_copy_chains_intercept() -> None:
     flat = [_chain(b, b / 4e12 - 1e-7) for b in (0.5e6, 2e6, 8e6)]
     assert fit_efficiency([slope, *flat], load_chip("h100-sxm"))[0]["kernel_overhead_s"] == pytest.approx(1e-6)
     # fewer than three sizes: no fit
-    assert fit_copy_chain(pts[:2]) == {}
+    assert fit_kernel_chain(pts[:2]) == {}
     assert fit_efficiency([slope, *pts[:2]], load_chip("h100-sxm"))[0]["kernel_overhead_s"] == pytest.approx(1e-6)
 
 

@@ -123,8 +123,11 @@ def _hlo_text(tar_path: Path, member: str) -> str:
         return gzip.decompress(tar.extractfile(member).read()).decode()
 
 
-@pytest.mark.parametrize("tar_path,row,member", _hlo_rows() or [(None, None, None)],
-                         ids=[m[:60] for _, _, m in _hlo_rows()] or ["no-hlo"])
+HLO_ROWS = _hlo_rows()
+
+
+@pytest.mark.parametrize("tar_path,row,member", HLO_ROWS or [(None, None, None)],
+                         ids=[m[:60] for _, _, m in HLO_ROWS] or ["no-hlo"])
 def test_ledger_matmul_flops_equal_the_gpu_programs_gemms(tar_path, row, member) -> None:
     """The GEMM FLOPs of each measured step as the GPU compiler emitted it (cuBLAS calls and Triton GEMM fusions,
     times their loops' trips: hlo.dot_flops of the archived HLO) equal the ledger's matmul FLOPs for the case,
@@ -148,7 +151,7 @@ def test_full_recompute_reruns_the_layer_but_its_down_projection_on_the_h200() -
     """By hand, Llama 3.2 1B (D 2048, 32 query and 8 KV heads of 64, F 8192, 16 layers) at 4 × 4096 tokens: the
     compiled full-recompute step runs the QKV (2048 → 3072), out-projection (2048 → 2048) and gate/up (2048 → 2·8192)
     GEMMs once more per layer, and not the down-projection (8192 → 2048): XLA drops what the backward never reads."""
-    rows = {r["case"]["recompute"]: (t, m) for t, r, m in _hlo_rows()
+    rows = {r["case"]["recompute"]: (t, m) for t, r, m in HLO_ROWS
             if r["case"]["model"] == "llama3.2-1b" and r["case"]["framework"] == "jax" and not r["case"]["overrides"]}
     if not {"none", "full"} <= set(rows):
         pytest.skip("no archived 1B none/full HLO")

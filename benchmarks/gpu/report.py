@@ -108,8 +108,8 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def kernel_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The profiled step of each training row that has one (measure/kernels.py): device time by kind of work, and
-    the ledger's GEMM FLOPs against the compiled program's (hlo_matmul_flops)."""
+    """The profiled step of each training row that has one (measure/kernels.py): device time by kind of work, its
+    sum, and the row's measured step time."""
     prof = [r for r in rows if (r["measured"].get("kernels") or {}).get("kernel_time_s")]
     if not prof:
         return []

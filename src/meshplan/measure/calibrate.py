@@ -74,7 +74,7 @@ class Grid:
     batch_bytes: int = 1024 * MiB  # cap on the inputs of one timed batch of programs (timing.auto_inner)
     norm_width: int = 0  # D of the norm and residual; the SwiGLU product runs at 3.5·D (LLaMA 3's F/D)
     # fp32 buffer sizes of the dependent copy chain (bench_overhead): time per copy against bytes gives the fixed
-    # cost of one memory-bound kernel (the intercept), what the cost model adds per kernel (kernel_overhead_s)
+    # cost of one memory-bound kernel (the intercept), what the cost model adds per kernel (kernel_overhead_s).
     # On GPUs every size is past the largest L2 (B200: 126 MB with in- and output; the H200's 256 KiB-16 MiB chain of
     # session 15 ran from its 50 MB L2 at 8.7 TB/s, fit.fit_efficiency)
     chain_copy_bytes: tuple[int, ...] = ()
@@ -279,28 +279,35 @@ CHAIN_LENGTH = 32  # dependent copies per program in _copy_chain
 GEMV_CHAIN = 16  # dependent GEMVs per program in _gemv_chain, each on its own weights (one random array each)
 
 
+def _chain_records(ctx: Context, chain: Callable, what: str, key: str, length: int,
+                   points: list[tuple[str, list[tuple[tuple[int, ...], Any]], float]]) -> list[Record]:
+    """One record per (name, input specs, bytes per kernel) point of a dependent chain of `length` kernels in one
+    program: seconds per kernel (the program's time over its kernels, its dispatch paid once) against the bytes
+    one kernel moves, marked `key` for fit.fit_kernel_chain; the points a time limit leaves out, named."""
+    out: list[Record] = []
+    for i, (name, specs, nbytes) in enumerate(points):
+        if ctx.out_of_time():
+            return out + _stopped("overhead", [f"{what} {p[0]}" for p in points[i:]])
+        t = _timed(chain, specs, ctx.grid)
+        out.append({"benchmark": "overhead", "name": f"{what} {name}", "time_s": t.median_s / length,
+                    "bytes": float(nbytes), key: length, "timing": t.as_dict()})
+    return out
+
+
 def _copy_chain(ctx: Context) -> list[Record]:
     """y = 1.5·x + 0.5, CHAIN_LENGTH times in a row in one program, each step its own kernel (an optimization
     barrier between steps keeps XLA from fusing them into one), at each of Grid.chain_copy_bytes: seconds per copy
-    (the program's time over its copies, its dispatch paid once) against the bytes it moves. fit.py fits
-    t = t0 + bytes / rate (Hockney's latency-bandwidth model, Parallel Computing 20(3), 1994): t0 is one
-    memory-bound kernel's fixed cost (launch, ramp-up and tail), which the cost model adds per kernel."""
+    against the bytes it moves (read and write). fit.py fits t = t0 + bytes / rate (Hockney's latency-bandwidth
+    model, Parallel Computing 20(3), 1994): t0 is one memory-bound kernel's fixed cost (launch, ramp-up and tail),
+    which the cost model adds per kernel."""
     @jax.jit
     def chain(x):
         for _ in range(CHAIN_LENGTH):
             x = jax.lax.optimization_barrier(x * 1.5 + 0.5)
         return x
 
-    out: list[Record] = []
-    sizes = ctx.grid.chain_copy_bytes
-    for i, nbytes in enumerate(sizes):
-        if ctx.out_of_time():
-            return out + _stopped("overhead", [f"copy chain {_fmt_size(x)}" for x in sizes[i:]])
-        t = _timed(chain, [((nbytes // 4,), jnp.float32)], ctx.grid)
-        out.append({"benchmark": "overhead", "name": f"copy chain {_fmt_size(nbytes)}",
-                    "time_s": t.median_s / CHAIN_LENGTH, "bytes": 2.0 * nbytes, "chain": CHAIN_LENGTH,
-                    "timing": t.as_dict()})
-    return out
+    points = [(_fmt_size(b), [((b // 4,), jnp.float32)], 2.0 * b) for b in ctx.grid.chain_copy_bytes]
+    return _chain_records(ctx, chain, "copy chain", "chain", CHAIN_LENGTH, points)
 
 
 def _gemv_chain(ctx: Context) -> list[Record]:
@@ -316,15 +323,9 @@ def _gemv_chain(ctx: Context) -> list[Record]:
             y = jnp.dot(y, w, preferred_element_type=dt)
         return y
 
-    out: list[Record] = []
-    dims = ctx.grid.chain_gemv_dims
-    for i, d in enumerate(dims):
-        if ctx.out_of_time():
-            return out + _stopped("overhead", [f"gemv chain {x}x{x}" for x in dims[i:]])
-        t = _timed(chain, [((1, d), dt)] + [((d, d), dt)] * GEMV_CHAIN, ctx.grid)
-        out.append({"benchmark": "overhead", "name": f"gemv chain {d}x{d}", "time_s": t.median_s / GEMV_CHAIN,
-                    "bytes": float(d * d * dt.itemsize), "gemv_chain": GEMV_CHAIN, "timing": t.as_dict()})
-    return out
+    points = [(f"{d}x{d}", [((1, d), dt)] + [((d, d), dt)] * GEMV_CHAIN, d * d * dt.itemsize)
+              for d in ctx.grid.chain_gemv_dims]
+    return _chain_records(ctx, chain, "gemv chain", "gemv_chain", GEMV_CHAIN, points)
 
 
 def bench_overhead(ctx: Context) -> list[Record]:

@@ -5,8 +5,8 @@ squares of fraction = p·d/(d + d_half) over d = min(m, n, k) (the planner's `Ef
 fp8_peak_fraction at the largest fp8 shape; hbm_fraction from the largest copy; attention_fwd/bwd_fraction at
 the two longest lengths (causal FLOPs, the backward counted as attention_bwd_flops_ratio × forward, as the
 planner counts it), and attention_sdpa_fwd/bwd_fraction the same way from PyTorch SDPA; kernel_overhead_s from the
-intercept of the dependent copy chain's time against its bytes (the slope of the tiny-kernel chain where no chain
-was timed, or the intercept is not positive). Fields not measured keep their
+intercept of a dependent kernel chain's time against its bytes, the GEMV chain's before the copy chain's (the slope
+of the tiny-kernel chain where neither gives a positive intercept at a rate HBM can serve). Fields not measured keep their
 defaults and are marked "default" in `efficiency_origin`.
 """
 
@@ -138,7 +138,7 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     # back-to-back 32x32 matmuls undercount (0.93 and 2.0 us on the H200, where the 1B decode rows need ~4 us:
     # results/gpu_h200_2026-12-04_s14.json, _s15.json). The GEMV chain (decode's own kernels) first, then the copies
     for key, name in (("gemv_chain", "kernel_overhead_gemv"), ("chain", "kernel_overhead")):
-        chain = fit_copy_chain([r for r in by.get("overhead", []) if key in r])
+        chain = fit_kernel_chain([r for r in by.get("overhead", []) if key in r])
         if not chain:
             continue
         curves[name] = chain
@@ -158,7 +158,7 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
     return out, curves
 
 
-def fit_copy_chain(recs: list[Record]) -> dict[str, Any]:
+def fit_kernel_chain(recs: list[Record]) -> dict[str, Any]:
     """Least squares of seconds per kernel against bytes moved, t = t0 + bytes / rate (Hockney 1994), over a
     dependent kernel chain's sizes (calibrate._copy_chain, calibrate._gemv_chain); {} with fewer than three sizes."""
     if len({r["bytes"] for r in recs}) < 3:

@@ -405,6 +405,11 @@ def parse_collectives(hlo: Module | str, coords: dict[int, tuple[int, ...]], axi
 GEMM_CUSTOM_CALLS = ('"__cublas$gemm"', '"__cublas$lt$matmul"', '"__cublas$lt$matmul$f8"')
 
 
+def is_gemm_call(ins: Instr) -> bool:
+    """Whether an instruction is one of XLA's GPU GEMM library calls (GEMM_CUSTOM_CALLS)."""
+    return ins.op == "custom-call" and any(f"custom_call_target={t}" in ins.rest for t in GEMM_CUSTOM_CALLS)
+
+
 def dot_flops(hlo: Module | str) -> float:
     """2 × (result elements) × (contracted size) summed over every dot, fused or not (a Triton GEMM fusion's dot
     too), and every cuBLAS GEMM custom call of a GPU module, times the runs of its computation (`trip_counts`: a
@@ -419,7 +424,7 @@ def dot_flops(hlo: Module | str) -> float:
         if ins.op == "dot":
             cdims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
             dims = _ints(cdims.group(1)) if cdims else []
-        elif ins.op == "custom-call" and any(f"custom_call_target={t}" in ins.rest for t in GEMM_CUSTOM_CALLS):
+        elif is_gemm_call(ins):
             cdims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.rest)
             dims = [int(x) for x in re.findall(r"\d+", cdims.group(1))] if cdims else []
         else:

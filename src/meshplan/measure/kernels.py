@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshplan.measure.hlo import COLLECTIVES, GEMM_CUSTOM_CALLS, Instr, parse_module
+from meshplan.measure.hlo import COLLECTIVES, Instr, is_gemm_call, parse_module
 
 KINDS = ("gemm", "attention", "collective", "copy", "pointwise", "other")
 # instructions whose kernels belong to what they call (their own event would count the callees twice)
@@ -40,18 +40,13 @@ def op_kind(ins: Instr | None) -> str | None:
     base = ins.op.removesuffix("-start").removesuffix("-done")
     if base in COLLECTIVES:
         return "collective"
+    if is_gemm_call(ins):
+        return "gemm"
     if ins.op == "custom-call":
-        if any(f"custom_call_target={t}" in ins.rest for t in GEMM_CUSTOM_CALLS):
-            return "gemm"
-        if "__cudnn$fmha" in ins.rest or "__cudnn$flash" in ins.rest:
-            return "attention"
-        return "other"
+        return "attention" if "__cudnn$fmha" in ins.rest or "__cudnn$flash" in ins.rest else "other"
     if ins.op == "fusion":
-        if re.search(r'"kind":"__triton(_nested)?_gemm', ins.rest) or re.search(r"calls=%gemm_fusion", ins.rest):
-            return "gemm"
-        if "__cublas" in ins.rest:  # a GEMM fused with its epilogue and still run by cuBLAS
-            return "gemm"
-        return "pointwise"
+        gemm = re.search(r'"kind":"__triton(_nested)?_gemm', ins.rest) or re.search(r"calls=%gemm_fusion", ins.rest)
+        return "gemm" if gemm else "pointwise"
     if ins.op in COPIES:
         return "copy"
     if ins.op in ("dot", "convolution"):

@@ -188,8 +188,9 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
     compile_s = time.perf_counter() - t0
     _check_compiled_memory(model, compiled, layout)
     xla_cost = {k: float(v) for k, v in compiled_cost(compiled).items() if isinstance(v, int | float)}
+    hlo_text = compiled.as_text() if hlo_path is not None or profile_kernels else ""
     if hlo_path is not None:
-        Path(hlo_path).write_bytes(gzip.compress(compiled.as_text().encode()))
+        Path(hlo_path).write_bytes(gzip.compress(hlo_text.encode()))
     say(f"compiled in {compile_s:.1f} s; warm-up step")
     try:
         params, opt, loss = jax.block_until_ready(compiled(params, opt, batches[0]))
@@ -219,7 +220,7 @@ def run_training(model: ModelConfig, layout: Layout, seq_len: int, global_batch:
             state[0], state[1], _ = jax.block_until_ready(compiled(state[0], state[1], batches[0]))
 
         try:
-            kernels = profile_step(once, compiled.as_text()) or {"note": "the profile has no device kernels (the CPU)"}
+            kernels = profile_step(once, hlo_text) or {"note": "the profile has no device kernels (the CPU)"}
         except Exception as exc:  # noqa: BLE001 - a profiler that will not start (CUPTI) leaves the timed steps
             kernels = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return StepRun(times, compile_s, mem, source, losses, model_flops_per_step(model, seq_len, global_batch),
