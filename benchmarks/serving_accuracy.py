@@ -85,7 +85,8 @@ def predict(e: dict, rules: dict) -> dict:
                       kv_dtype=kv_dtype(e),
                       max_num_batched_tokens=budget, engine=e.get("engine") or "default",
                       overlap_scheduling=e.get("async_scheduling"),  # the source's server flag, else the engine's
-                      frontend=e.get("frontend"))  # the server path the source names (config.frontend_first_token_s)
+                      frontend=e.get("frontend"),  # the server path the source names (config.frontend_first_token_s)
+                      dense_kv_cache=e.get("dense_kv_cache"))  # the source's fixed cache length (JetStream)
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)

@@ -51,7 +51,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
                  price: float | None = None, clients: int | None = None, frontend: str | None = None,
-                 attention_dp: bool | None = None) -> dict:
+                 attention_dp: bool | None = None, dense_kv_cache: int | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
     is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica.
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
@@ -72,11 +72,19 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     eff = resolve_efficiency(chip, profile)
     if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
         fail(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
+    if dense_kv_cache is not None:
+        if dense_kv_cache <= 0:
+            fail(f"--dense-kv-cache must be positive tokens, got {dense_kv_cache}")
+        if engine != "default":
+            fail(f"--dense-kv-cache models an engine with a fixed-length cache per sequence (JetStream); --engine "
+                 f"{engine} pages its KV cache")
+        if w.max_context > dense_kv_cache:
+            fail(f"--dense-kv-cache {dense_kv_cache} is shorter than a request ({w.max_context} tokens, input + output)")
     # the step token budget: the user's, else the engine preset's default (serving.yaml); 'default' keeps None
     if max_num_batched_tokens is None and engine != "default":
         max_num_batched_tokens = engine_token_budget(engine, chip)
     base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
-                       engine=engine, frontend=frontend)
+                       engine=engine, frontend=frontend, dense_kv_cache=dense_kv_cache)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if attention_dp and not m.is_moe:
         fail(f"--attention-dp needs a mixture-of-experts model; {m.name} is dense (a dense model runs data parallel "
@@ -165,6 +173,10 @@ def serve(
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
                                                       "clients' TTFT counts: triton-ensemble, vllm-openai (default: none, the "
                                                       "engine in process).")] = None,
+    dense_kv_cache: Annotated[int | None, typer.Option(
+        help="Tokens per sequence of a dense, fixed-length KV cache whose every slot each decode step reads (JetStream's "
+             "cache length); default: a paged cache read only over the written context (vLLM, SGLang, "
+             "TensorRT-LLM).")] = None,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     input_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --input-len).")] = "fixed",
     output_dist: Annotated[str, typer.Option(help="fixed | exponential | uniform (mean --output-len).")] = "fixed",
@@ -202,15 +214,17 @@ def serve(
                                              if from_file is None else ""))
     if export is None and out_dir is not None:
         fail("--out goes with --export vllm|sglang|trtllm")
+    if export is not None and dense_kv_cache is not None:
+        fail("--export writes a vLLM, SGLang or TensorRT-LLM launch, whose KV cache is paged; drop --dense-kv-cache")
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
         if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency \
                 or attention_dp is not None \
-                or frontend:
+                or frontend or dense_kv_cache is not None:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp or --engine (the command line names its "
-                 "engine)")
+                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp, --dense-kv-cache or --engine "
+                 "(the command line names its engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return
@@ -229,7 +243,7 @@ def serve(
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
                        max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
-                       frontend=frontend, attention_dp=attention_dp)
+                       frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,

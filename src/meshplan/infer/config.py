@@ -69,6 +69,12 @@ class ServeConfig:
     # tokens of all of them (TensorRT-LLM _torch/models/modeling_qwen3_moe.py: no attention all-reduce under
     # enable_attention_dp, the MoE's AllGatherReduceScatter dispatch/combine; SGLang layers/dp_attention.py)
     attention_dp: bool = False
+    # a dense KV cache: every sequence slot holds this many tokens, allocated whole, and each decode step's attention
+    # reads all of them under a mask, however few the sequence has written (JetStream-PyTorch 2024:
+    # jetstream_pt/layers.py Attention.forward, einsum of the query with the whole cache from KVCacheGenerate.update;
+    # its benchmarks' 'cache length'); None = a paged cache whose attention reads only the written tokens (vLLM
+    # PagedAttention, TensorRT-LLM paged KV, SGLang RadixAttention)
+    dense_kv_cache: int | None = None
 
     @property
     def chips_per_replica(self) -> int:
@@ -220,6 +226,11 @@ def kv_reserved_per_sequence(cfg: ServeConfig, chip: Chip, w: Workload) -> float
     that reserve a request's whole length at admission (TensorRT-LLM GUARANTEED_NO_EVICT, meshplan's default);
     the mean context input + output/2 of sequences at uniformly spread ages for engines that allocate KV blocks as
     tokens are written and preempt when full (serving.yaml engine_kv_on_demand)."""
+    if cfg.dense_kv_cache is not None:  # a dense cache holds its whole length for every slot (ServeConfig)
+        if w.max_context > cfg.dense_kv_cache:
+            raise MeshplanError(f"a request of {w.max_context} tokens (input + output) does not fit a dense KV cache "
+                                f"of {cfg.dense_kv_cache} tokens per sequence")
+        return float(cfg.dense_kv_cache)
     return w.mean_decode_context if kv_on_demand(cfg, chip) else float(w.max_context)
 
 
@@ -319,6 +330,8 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown server path '{cfg.frontend}' (known: {', '.join(FRONTENDS)})")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
+    if cfg.dense_kv_cache is not None and cfg.dense_kv_cache <= 0:
+        raise MeshplanError(f"dense KV cache length must be positive, got {cfg.dense_kv_cache}")
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
         if v <= 0:
             raise MeshplanError(f"{name} must be positive, got {v}")

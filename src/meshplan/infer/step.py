@@ -7,7 +7,8 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
                 the layer's dense GEMMs at the step's tokens, the output projection at the sampled rows, MoE routed
                 experts at tokens * k / E rows (each expert's grouped-GEMM problem); efficiency = large-GEMM fraction
                 times the penalty of the most constraining dimension (`_matmul_fraction`)
-  T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2)
+  T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2;
+                a dense cache, ServeConfig.dense_kv_cache, is read over its whole length)
   T_attention = 2 * tokens * context * N * (QK + AV widths, 2H; MLA decode: 2*kv_lora + rope) / (C * attention_fwd_fraction)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
                  with latency terms (small-batch decode is latency-bound, ch.7 App. C)
@@ -275,6 +276,10 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # windowed layers read at most their window of cached keys; a prompt's queries attend the keys of
     # `mean_attended_keys` (prefill_ctx is the causal mean T/2 of a T-token prompt)
     decode_ctx = kv_cached_tokens(m, decode_ctx)
+    if cfg.dense_kv_cache is not None:
+        # a dense cache: decode attention reads every slot of the sequence's cache, written or not
+        # (ServeConfig.dense_kv_cache; JetStream-PyTorch jetstream_pt/layers.py)
+        decode_ctx = float(cfg.dense_kv_cache)
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
     # routed experts run as a grouped GEMM of one problem per expert with ~tokens*k/E rows each (vLLM fused_moe,
