@@ -81,7 +81,7 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
           "--batch": "int", "--tp": "int", "--pp": "int", "--ep": "int", "--quant": "text",
           "--tpot-target": "float", "--ttft-target": "float", "--batching": "text", "--profile": "profile",
           "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy", "--max-num-batched-tokens": "int",
-          "--concurrency": "int"}),
+          "--concurrency": "int", "--dense-kv-cache": "int"}),
         (["train", "-m", rng.choice(["mixtral-8x7b", "qwen3-30b-a3b", "llama3.2-1b"]), "--hardware", h, "--chips",
           rng.choice(["1", "8", "64"]), "--seq-len", "4096", "--global-batch", "256", "--top", "1", "--json"],
          {**NEW_TRAIN, "--ep": "int", "--pp": "int", "--vpp": "int", "--chips": "int"}),
@@ -96,7 +96,7 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
         (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
          {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int",
           "--concurrency": "int", "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy",
-          "--max-num-batched-tokens": "int", "--length-trace": "trace"}),
+          "--max-num-batched-tokens": "int", "--length-trace": "trace", "--dense-kv-cache": "int"}),
     ]
 
 
