@@ -350,3 +350,14 @@ def test_llama3_causal_convention_halves_the_palm_attention_term() -> None:
     six_n = palm - attention
     assert six_n / 131072 == pytest.approx(6 * 405.9e9, rel=0.01)
     assert causal / palm == pytest.approx((2.435e12 + 1.623e12) / (2.435e12 + 3.246e12), rel=0.005)
+
+
+def test_tpu_v3_and_v4_follow_the_datasheet():
+    """Session 16: TPU v3's peak is the datasheet's 123 TFLOP/s (the book's table rounds it to 1.4e14), derived here
+    from the chip's parts (Jouppi et al. CACM 2020, 'A Domain-Specific Supercomputer for Training Deep Neural
+    Networks': 2 TensorCores of 2 MXUs of 128x128 multiply-accumulators at 940 MHz); v3 and v4 hold 32 GiB of HBM
+    (Google Cloud TPU v3 and v4 docs), not 32e9 B."""
+    v3, v4 = load_chip("tpu-v3"), load_chip("tpu-v4")
+    assert v3.peak("bf16") == pytest.approx(2 * 2 * 128 * 128 * 2 * 940e6, rel=2e-3)
+    assert v3.hbm_bytes == pytest.approx(32 * 2**30, rel=1e-3)
+    assert v4.hbm_bytes == pytest.approx(32 * 2**30, rel=1e-3)
