@@ -38,7 +38,7 @@ def test_cpu_smoke_runs_every_part_and_predicts_each_row(smoke) -> None:
     assert data["schema"] == "meshplan-gpu-results/1" and data["mode"] == "cpu-smoke"
     assert data["calibration"]["ok"] and (smoke["out"] / data["profile_file"]).exists()
     kinds = {r["case"]["kind"] for r in data["rows"]}
-    assert kinds == {"train", "prefill", "decode"}
+    assert kinds == {"train", "prefill", "decode", "mixed"}
     for r in data["rows"]:
         assert "error" not in r["measured"], r
         assert r["measured"]["step_time_s"] > 0
@@ -69,7 +69,7 @@ def test_results_test_repredicts_a_results_file(smoke) -> None:
 
     rows = [r for r in report.repredict(smoke["data"], smoke["path"].parent)["rows"] if "error" not in r["measured"]]
     recorded = [r for r in smoke["data"]["rows"] if "error" not in r["measured"]]
-    assert len(rows) == len(recorded) == 3
+    assert len(rows) == len(recorded) == 4
     for new, old in zip(rows, recorded, strict=True):
         for key in ("errors_defaults", "errors_calibrated"):
             assert new[key] == pytest.approx(old[key])
@@ -333,7 +333,7 @@ def test_the_suites_decode_and_prefill_carry_no_engine_host_step() -> None:
     """The reference loop runs its decode steps inside one XLA program and each prefill as one program: the suite
     predicts them without the serving engines' per-step host overhead (serving.yaml decode_step_overhead_s), which
     an engine-loop prediction of the same step carries on top of the same device work."""
-    from predict import case_model, decode_context, predict_decode, predict_prefill
+    from predict import case_model, decode_context, predict_decode, predict_prefill, reference_config
 
     from meshplan.cost.efficiency import default_efficiency
     from meshplan.infer.config import ServeConfig, serving_constant
@@ -345,8 +345,54 @@ def test_the_suites_decode_and_prefill_carry_no_engine_host_step() -> None:
     d = {"model": "llama3.2-1b", "overrides": {}, "kind": "decode", "batch": 16, "context": 4096, "steps": 16}
     m = case_model(d)
     host = serving_constant("decode_step_overhead_s", chip)
-    engine = decode_step(m, chip, ServeConfig(), eff, 16, decode_context(d)).time_s
+    # the reference loop's cache is dense (predict.reference_config): read over its whole capacity
+    engine = decode_step(m, chip, reference_config(d), eff, 16, decode_context(d)).time_s
     assert predict_decode(d, chip, eff)["step_time_s"] == pytest.approx(engine - host, rel=1e-12)
     p = {"model": "llama3.2-1b", "overrides": {}, "kind": "prefill", "batch": 1, "prompt_len": 2048}
     engine = prefill_step(m, chip, ServeConfig(), eff, 1, 2048).time_s
     assert predict_prefill(p, chip, eff)["step_time_s"] == pytest.approx(engine - host, rel=1e-12)
+
+
+@pytest.mark.jax
+@needs_jax
+def test_mixed_step_is_a_decode_step_and_a_prefill_in_one() -> None:
+    """serve_jax's mixed step (session 16) runs B decode tokens and a prompt chunk through the same GEMMs: its decode
+    logits equal a pure decode step's on the same cache, and the chunk's last logits equal a prefill of that prompt
+    (fp32, the tiny model)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import serve_jax as sj
+    from cases import _base
+    from predict import case_model
+
+    preset, over = _base("tiny")
+    m = case_model({"model": preset, "overrides": over})
+    params = sj.init_weights(m, jnp.float32)
+    B, C, P = 2, 32, 16
+    cache = sj.random_cache(m, B, C + 5, jnp.float32, seed=1)
+    tok, prompt = jnp.array([3, 7], jnp.int32), (jnp.arange(P, dtype=jnp.int32)[None] * 5) % m.vocab_size
+    logits_dec, _ = jax.jit(sj._decode_fn(m))(params, cache, tok, jnp.int32(C))
+    logits_mix, _ = jax.jit(sj._mixed_fn(m, "dpa"))(params, cache, tok, jnp.int32(C), prompt)
+    logits_pre, _ = sj.make_prefill(m, "dpa", P)(params, prompt)
+    assert logits_mix.shape == (B + 1, m.vocab_size)
+    np.testing.assert_allclose(np.asarray(logits_mix[:B]), np.asarray(logits_dec), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits_mix[B]), np.asarray(logits_pre[0]), rtol=0, atol=1e-5)
+
+
+def test_mixed_prediction_is_the_serving_step_of_both() -> None:
+    """predict.predict_mixed is step.step_cost with the decodes and the chunk together: slower than the decode step
+    alone and than the chunk's prefill alone, faster than the two one after the other (the weights are read once)."""
+    from predict import predict_decode, predict_mixed, predict_prefill
+
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip("h200")
+    eff = default_efficiency(chip)
+    base = {"model": "llama3-8b", "overrides": {}, "dtype": "bf16"}
+    mixed = predict_mixed({**base, "kind": "mixed", "batch": 64, "context": 1024, "prompt_len": 512,
+                           "attention": "cudnn", "steps": 16}, chip, eff)["step_time_s"]
+    decode = predict_decode({**base, "kind": "decode", "batch": 64, "context": 1024, "steps": 16}, chip, eff)
+    prefill = predict_prefill({**base, "kind": "prefill", "prompt_len": 512, "batch": 1}, chip, eff)["step_time_s"]
+    assert max(decode["step_time_s"], prefill) < mixed < decode["step_time_s"] + prefill

@@ -32,6 +32,10 @@ GPU_TORCH = [("1b", 4096, 4, "none"), ("8b", 4096, 2, "full"), ("1b", 4096, 4, "
 GPU_PREFILL = (512, 1024, 2048, 4096, 8192, 16384)
 GPU_DECODE = [(1, 1024), (1, 32768), (16, 4096), (64, 1024), (64, 8192), (256, 1024), (256, 4096), (32, 32768)]
 SERVE_MODELS = ("1b", "8b")
+# (batch, context, prompt chunk): engine steps that carry decodes and a prompt chunk together (serve_jax
+# make_mixed_steps), against the serving model's sum of the two (issue #14: TensorRT-LLM's online rows run slower than
+# predicted as the running batch grows, benchmarks/README.md "Session 16"); after the decode cases of each model
+GPU_MIXED = [(64, 1024, 512), (256, 1024, 512)]
 
 
 def _base(key: str) -> tuple[str, dict[str, Any]]:
@@ -79,7 +83,7 @@ def gpu_train_cases(chip: Chip, framework: str) -> list[Case]:
 
 
 def gpu_serve_cases(chip: Chip) -> list[list[Case]]:
-    """One list per model (one process each): prefill lengths and decode (batch, context) that fit."""
+    """One list per model (one process each): prefill lengths, decode (batch, context) that fit, then mixed steps."""
     eff = default_efficiency(chip)
     out = []
     for key in SERVE_MODELS:
@@ -92,6 +96,9 @@ def gpu_serve_cases(chip: Chip) -> list[list[Case]]:
             p = predict_decode(d, chip, eff)
             if p["kv_cache_bytes"] + p["weight_bytes"] <= 0.8 * chip.usable_hbm_bytes:
                 cases.append(d)
+        for B, C, P in GPU_MIXED:
+            cases.append({**base, "kind": "mixed", "batch": B, "context": C, "prompt_len": P, "attention": "cudnn",
+                          "steps": 16})
         out.append(cases)
     return out
 
@@ -103,4 +110,6 @@ def smoke_cases() -> dict[str, Any]:
     return {"train": [train_case("tiny", 64, 2, "selective", "jax", "dpa", steps=2)],
             "torch": [train_case("tiny", 64, 2, "none", "torch", "sdpa", steps=2)],
             "serve": [[{**serve, "kind": "prefill", "prompt_len": 32, "batch": 1, "attention": "dpa", "repeats": 2},
-                       {**serve, "kind": "decode", "batch": 2, "context": 32, "steps": 3}]]}
+                       {**serve, "kind": "decode", "batch": 2, "context": 32, "steps": 3},
+                       {**serve, "kind": "mixed", "batch": 2, "context": 32, "prompt_len": 16, "attention": "dpa",
+                        "steps": 3}]]}

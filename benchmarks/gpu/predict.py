@@ -6,6 +6,7 @@ A case is a plain dict (it is stored in the results file):
            "attention": "cudnn"|"dpa"|"sdpa"|"materialized", "steps"}
   prefill {"kind": "prefill", "model", "overrides", "prompt_len", "batch"}
   decode  {"kind": "decode", "model", "overrides", "batch", "context", "steps"}
+  mixed   {"kind": "mixed", "model", "overrides", "batch", "context", "prompt_len", "attention", "steps"}
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from meshplan.cost.efficiency import Efficiency, bare_loop
 from meshplan.infer.config import ServeConfig
 from meshplan.infer.memory import memory_per_chip
-from meshplan.infer.step import decode_step, prefill_step
+from meshplan.infer.step import decode_step, prefill_step, step_cost
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig, load_model
 from meshplan.train.costmodel import Options
@@ -89,17 +90,36 @@ def decode_capacity(case: Case) -> int:
     return case["context"] + case["steps"] + 2
 
 
+def reference_config(case: Case) -> ServeConfig:
+    """The reference loop as a serving layout: its decode attention reads every position of the cache under a mask
+    (serve_jax._attend_cache), a dense cache of decode_capacity positions (ServeConfig.dense_kv_cache)."""
+    return ServeConfig(dense_kv_cache=decode_capacity(case))
+
+
 def predict_decode(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
     m = case_model(case)
     # the reference loop runs its 16 greedy steps in one XLA program (serve_jax.make_decode_steps): no engine
     # iteration on the host between steps, so none of the serving engines' per-step host overhead
-    cost = decode_step(m, chip, ServeConfig(), eff, case["batch"], decode_context(case), engine_loop=False)
-    mem = memory_per_chip(m, chip, ServeConfig(), eff, case["batch"], decode_capacity(case))
+    cfg = reference_config(case)
+    cost = decode_step(m, chip, cfg, eff, case["batch"], decode_context(case), engine_loop=False)
+    mem = memory_per_chip(m, chip, cfg, eff, case["batch"], decode_capacity(case))
     return {"step_time_s": cost.time_s, "bound": cost.bound, "kv_cache_bytes": mem.kv_cache,
             "weight_bytes": mem.weights}
 
 
-PREDICTORS = {"train": predict_train, "prefill": predict_prefill, "decode": predict_decode}
+def predict_mixed(case: Case, chip: Chip, eff: Efficiency) -> dict[str, float]:
+    """A step of `batch` decode tokens and one prompt chunk of `prompt_len` tokens (serve_jax.make_mixed_steps): the
+    engine step the serving model sums (step.step_cost: one set of GEMMs over every row, the decodes' cache read,
+    the chunk's causal attention at mean context prompt_len / 2), in one program (no engine loop)."""
+    m = case_model(case)
+    B, P = case["batch"], case["prompt_len"]
+    cost = step_cost(m, chip, reference_config(case), eff, B, decode_context(case), P, P / 2.0, B + 1,
+                     prefill_seqs=1, engine_loop=False)
+    return {"step_time_s": cost.time_s, "bound": cost.bound,
+            **{f"part_{k}_s": v for k, v in cost.parts.items() if v}}
+
+
+PREDICTORS = {"train": predict_train, "prefill": predict_prefill, "decode": predict_decode, "mixed": predict_mixed}
 
 
 def predict_case(case: Case, chip: Chip, eff: Efficiency) -> dict[str, Any]:
@@ -114,7 +134,8 @@ def predict_case(case: Case, chip: Chip, eff: Efficiency) -> dict[str, Any]:
 COMPARED = {"train": {"step_time_s": "step_time_s", "allocator_peak_bytes": "memory_allocated_bytes",
                       "memory_bytes": "memory_bytes", "hlo_matmul_flops": "matmul_flops"},
             "prefill": {"step_time_s": "step_time_s"},
-            "decode": {"step_time_s": "step_time_s", "kv_cache_bytes": "kv_cache_bytes"}}
+            "decode": {"step_time_s": "step_time_s", "kv_cache_bytes": "kv_cache_bytes"},
+            "mixed": {"step_time_s": "step_time_s"}}
 
 
 def errors(kind: str, measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, float]:

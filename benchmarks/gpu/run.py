@@ -8,7 +8,8 @@ Parts, in order (a global time budget; whatever does not fit is skipped with a n
   calibrate  `meshplan calibrate` (the quick grid; --full-calibrate: the full grid) → profile_<chip>_<date>.json
   train      JAX reference model (cuDNN flash attention, bf16 compute on fp32 master weights, AdamW): step
              time, MFU and device memory, one process per case
-  serve      prefill at 512-16k tokens and decode steps at batch 1-256, context 1k-32k (KV cache), JAX
+  serve      prefill at 512-16k tokens, decode steps at batch 1-256, context 1k-32k (KV cache), and mixed steps
+             (decodes + a prompt chunk in one step), JAX
   torch      the same model in PyTorch (torch.compile per block, SDPA), where torch is installed
 Results: gpu_<chip>_<date>.json (rows of case, measured, predicted with defaults and calibrated, errors) under
 --out, else $OUT, else ./out/gpu. `report.py FILE` prints the markdown table for benchmarks/README.md.
@@ -129,6 +130,8 @@ def describe(case: Case) -> str:
                 f"recompute {case['recompute']} attention {case['attention']} {case.get('compute_dtype', 'bf16')}")
     if case["kind"] == "prefill":
         return f"prefill {name} {case['prompt_len']} tokens batch {case['batch']}"
+    if case["kind"] == "mixed":
+        return f"mixed {name} decode batch {case['batch']} context {case['context']} + prompt chunk {case['prompt_len']}"
     return f"decode {name} batch {case['batch']} context {case['context']}"
 
 

@@ -7,7 +7,9 @@ the cache each step, which would distort a memory-bound decode step). Prefill at
 jax.nn.dot_product_attention (cuDNN flash attention on GPUs); decode attention reads the cache with two
 einsums (QKᵀ and AV over the whole cache, later positions masked), as memory-bound as a decode kernel, the cache's
 positions cut into splits that run in parallel (Flash-Decoding; `split_count`).
-Only the last prompt position's logits are computed in prefill, as serving engines do.
+Only the last prompt position's logits are computed in prefill, as serving engines do. A mixed step
+(`make_mixed_steps`) carries decode tokens and a prompt chunk through the same GEMMs, as a continuous-batching
+engine's step does.
 """
 
 from __future__ import annotations
@@ -139,38 +141,95 @@ def split_count(capacity: int, target: int = SPLIT_TARGET, rows: int = 1, max_ro
     return best
 
 
-def _decode_fn(model: ModelConfig):
-    def attend(q, ck, cv, pos):
-        B, _, N, H = q.shape
-        K, S = ck.shape[1], ck.shape[2]
-        C = split_count(S, SPLIT_TARGET, B * K, split_rows_limit())  # module values when traced (a test sets them)
-        qg = q.reshape(B, K, N // K, H)
-        # the cache's positions as C splits of S/C (a free reshape of the heads-major cache)
-        ks, vs = (x.reshape(B, K, C, S // C, H) for x in (ck, cv))
-        s = jnp.einsum("bkgh,bkcsh->bkgcs", qg, ks).astype(jnp.float32) * (H ** -0.5)
-        s = jnp.where(jnp.arange(S).reshape(C, S // C) <= pos, s, -jnp.inf)
-        m = jnp.max(s, axis=(-2, -1), keepdims=True)  # one softmax over all positions: the splits share its max
-        e = jnp.exp(s - m)
-        den = jnp.sum(e, axis=(-2, -1))  # [B,K,G]
-        part = jnp.einsum("bkgcs,bkcsh->bkgch", e.astype(cv.dtype), vs,
-                          preferred_element_type=jnp.float32)  # each split's AV, the splits a batch dimension
-        o = jnp.sum(part, axis=3) / den[..., None]
-        return o.astype(cv.dtype).reshape(B, 1, N, H)
+def _attend_cache(q: jax.Array, ck: jax.Array, cv: jax.Array, pos: jax.Array) -> jax.Array:
+    """One query per sequence (q [B,1,N,H]) against its heads-major cache [B,K,S,H], positions after `pos` masked,
+    the cache's positions cut into split_count splits (module values when traced: a test sets them)."""
+    B, _, N, H = q.shape
+    K, S = ck.shape[1], ck.shape[2]
+    C = split_count(S, SPLIT_TARGET, B * K, split_rows_limit())
+    qg = q.reshape(B, K, N // K, H)
+    # the cache's positions as C splits of S/C (a free reshape of the heads-major cache)
+    ks, vs = (x.reshape(B, K, C, S // C, H) for x in (ck, cv))
+    s = jnp.einsum("bkgh,bkcsh->bkgcs", qg, ks).astype(jnp.float32) * (H ** -0.5)
+    s = jnp.where(jnp.arange(S).reshape(C, S // C) <= pos, s, -jnp.inf)
+    m = jnp.max(s, axis=(-2, -1), keepdims=True)  # one softmax over all positions: the splits share its max
+    e = jnp.exp(s - m)
+    den = jnp.sum(e, axis=(-2, -1))  # [B,K,G]
+    part = jnp.einsum("bkgcs,bkcsh->bkgch", e.astype(cv.dtype), vs,
+                      preferred_element_type=jnp.float32)  # each split's AV, the splits a batch dimension
+    o = jnp.sum(part, axis=3) / den[..., None]
+    return o.astype(cv.dtype).reshape(B, 1, N, H)
 
+
+def _write_cache(ck: jax.Array, cv: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple:
+    """Write each sequence's new K/V ([B,1,K,H]) at position `pos` of its heads-major cache, in place."""
+    return (jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), pos, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), pos, axis=2))
+
+
+def _decode_fn(model: ModelConfig):
     def decode(params, cache, tokens, pos):
         x = jnp.take(params["embed"], tokens[:, None], axis=0)  # [B,1,D]
         p = jnp.reshape(pos, (1,))
         new_cache = []
         for lp, (ck, cv) in zip(params["layers"], cache, strict=True):
             q, k, v = _qkv(lp, jm.rmsnorm(x, lp["attn_norm"]), p)
-            ck = jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), pos, axis=2)
-            cv = jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), pos, axis=2)
-            x = x + jnp.einsum("btnh,nhd->btd", attend(q, ck, cv, pos), lp["wo"])
+            ck, cv = _write_cache(ck, cv, k, v, pos)
+            x = x + jnp.einsum("btnh,nhd->btd", _attend_cache(q, ck, cv, pos), lp["wo"])
             x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
             new_cache.append((ck, cv))
         return _logits(params, model, x)[:, 0], new_cache
 
     return decode
+
+
+def _mixed_fn(model: ModelConfig, attention: str):
+    """One engine step that carries B decode tokens and one prompt chunk of P tokens (continuous batching with
+    chunked prefill: Orca, Yu et al. OSDI'22; Sarathi-Serve, Agrawal et al. OSDI'24): every GEMM runs once over the
+    B + P rows of the step, the decode tokens attend their caches (_attend_cache) and the chunk attends itself
+    causally (the training model's attention core, cuDNN flash attention on GPUs). The chunk's own K/V are not kept:
+    a fresh prompt of P tokens every step."""
+    core = jm.ATTENTION_CORES[attention]
+
+    def mixed(params, cache, tokens, pos, prompt):
+        B, P = tokens.shape[0], prompt.shape[1]
+        pp = jnp.arange(P, dtype=jnp.int32)
+        # the step's rows as one sequence of B + P tokens: the decode tokens at `pos`, the chunk at 0 .. P − 1
+        x = jnp.concatenate([jnp.take(params["embed"], tokens[None, :], axis=0),
+                             jnp.take(params["embed"], prompt, axis=0)], axis=1)  # [1, B+P, D]
+        rows_pos = jnp.concatenate([jnp.full((B,), pos, jnp.int32), pp])
+        new_cache = []
+        for lp, (ck, cv) in zip(params["layers"], cache, strict=True):
+            q, k, v = _qkv(lp, jm.rmsnorm(x, lp["attn_norm"]), rows_pos)  # one QKV GEMM over B + P rows
+            N, K, H = q.shape[2], k.shape[2], q.shape[3]
+            ck, cv = _write_cache(ck, cv, k[0, :B].reshape(B, 1, K, H), v[0, :B].reshape(B, 1, K, H), pos)
+            o_dec = _attend_cache(q[0, :B].reshape(B, 1, N, H), ck, cv, pos).reshape(1, B, N, H)
+            o_pre = core(q[:, B:], k[:, B:], v[:, B:], pp, pp)
+            o = jnp.concatenate([o_dec, o_pre], axis=1)
+            x = x + jnp.einsum("btnh,nhd->btd", o, lp["wo"])
+            x = x + _mlp(lp, jm.rmsnorm(x, lp["mlp_norm"]))
+            new_cache.append((ck, cv))
+        # logits for the rows that sample, in one GEMM: every decode token and the chunk's last position
+        return _logits(params, model, jnp.concatenate([x[:, :B], x[:, -1:]], axis=1))[0], new_cache
+
+    return mixed
+
+
+def make_mixed_steps(model: ModelConfig, attention: str, steps: int):
+    """(params, cache, tokens [B], pos scalar, prompt [1, P]) → (last tokens [B], cache): `steps` mixed steps
+    (_mixed_fn) in one program, as make_decode_steps; the same prompt chunk rides along every step."""
+    step = _mixed_fn(model, attention)
+
+    def run(params, cache, tokens, pos, prompt):
+        def body(carry, _):
+            cache, tok, p = carry
+            logits, cache = step(params, cache, tok, p, prompt)  # [B + 1, V]: the chunk's row last
+            return (cache, jnp.argmax(logits[:-1], axis=-1).astype(tok.dtype), p + 1), None
+
+        (cache, tok, _), _ = jax.lax.scan(body, (cache, tokens, pos), None, length=steps)
+        return tok, cache
+
+    return jax.jit(run, donate_argnums=(1,))
 
 
 def random_cache(model: ModelConfig, batch: int, capacity: int, dtype: Any, seed: int) -> list:

@@ -1,6 +1,6 @@
 """One measurement process of the GPU suite: `python worker.py KIND CASES_JSON OUT_JSON`.
 
-KIND: train_jax (one case), train_torch (one case), serve (prefill and decode cases of one model, weights
+KIND: train_jax (one case), train_torch (one case), serve (prefill, decode and mixed cases of one model, weights
 loaded once). Every case runs in a fresh process so the allocator's peak belongs to it alone and an OOM or a
 crash loses one case. After each case the results so far are rewritten to OUT_JSON, so a process killed at its
 time limit still returns what it finished. Device memory used is read with NVML where it is installed, before
@@ -164,6 +164,26 @@ def serve(cases: list[Case], write: Any) -> None:
                 med, times = _median_time(fn, args_for, case["repeats"])
                 write(case, {"step_time_s": med, "times_s": times, "setup_s": setup_s,
                              "wall_s": time.perf_counter() - t_case})
+            elif case["kind"] == "mixed":
+                B, C, n, P = case["batch"], case["context"], case["steps"], case["prompt_len"]
+                cache = sj.random_cache(m, B, decode_capacity(case), dt, seed=1)
+                fn = sj.make_mixed_steps(m, case["attention"], n)  # n mixed steps in one program
+                tok0 = jnp.asarray(rng.integers(0, m.vocab_size, (B,), dtype=np.int32))
+                prompt = jnp.asarray(rng.integers(0, m.vocab_size, (1, P), dtype=np.int32))
+                pos0 = jnp.int32(C)
+                _, cache = fn(params, cache, tok0, pos0, prompt)  # compile and warm up
+                jax.block_until_ready(cache)
+                setup_s = time.perf_counter() - t_case
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    _, cache = fn(params, cache, tok0, pos0, prompt)
+                    jax.block_until_ready(cache)
+                    times.append((time.perf_counter() - t0) / n)
+                write(case, {"step_time_s": statistics.median(times), "times_s": times,
+                             "attended_context": decode_context(case), "setup_s": setup_s,
+                             "wall_s": time.perf_counter() - t_case})
+                del cache
             else:
                 B, C, n = case["batch"], case["context"], case["steps"]
                 before = in_use()
