@@ -164,52 +164,38 @@ def serve(cases: list[Case], write: Any) -> None:
                 med, times = _median_time(fn, args_for, case["repeats"])
                 write(case, {"step_time_s": med, "times_s": times, "setup_s": setup_s,
                              "wall_s": time.perf_counter() - t_case})
-            elif case["kind"] == "mixed":
-                B, C, n, P = case["batch"], case["context"], case["steps"], case["prompt_len"]
-                cache = sj.random_cache(m, B, decode_capacity(case), dt, seed=1)
-                fn = sj.make_mixed_steps(m, case["attention"], n)  # n mixed steps in one program
-                tok0 = jnp.asarray(rng.integers(0, m.vocab_size, (B,), dtype=np.int32))
-                prompt = jnp.asarray(rng.integers(0, m.vocab_size, (1, P), dtype=np.int32))
-                pos0 = jnp.int32(C)
-                _, cache = fn(params, cache, tok0, pos0, prompt)  # compile and warm up
-                jax.block_until_ready(cache)
-                setup_s = time.perf_counter() - t_case
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    _, cache = fn(params, cache, tok0, pos0, prompt)
-                    jax.block_until_ready(cache)
-                    times.append((time.perf_counter() - t0) / n)
-                write(case, {"step_time_s": statistics.median(times), "times_s": times,
-                             "attended_context": decode_context(case), "setup_s": setup_s,
-                             "wall_s": time.perf_counter() - t_case})
-                del cache
-            else:
+            else:  # decode, or mixed: decode steps that also carry a prompt chunk through the same GEMMs
                 B, C, n = case["batch"], case["context"], case["steps"]
+                mixed = case["kind"] == "mixed"
                 before = in_use()
                 cache = sj.random_cache(m, B, decode_capacity(case), dt, seed=1)
                 jax.block_until_ready(cache)
                 kv_bytes = float(sum(k.nbytes + v.nbytes for k, v in cache))
                 kv_alloc = in_use() - before
-                fn = sj.make_decode_steps(m, n)  # n greedy steps in one program (serve_jax.make_decode_steps)
+                # n greedy steps in one program (serve_jax.make_decode_steps / make_mixed_steps)
+                fn = sj.make_mixed_steps(m, case["attention"], n) if mixed else sj.make_decode_steps(m, n)
                 tok0 = jnp.asarray(rng.integers(0, m.vocab_size, (B,), dtype=np.int32))
+                extra = (jnp.asarray(rng.integers(0, m.vocab_size, (1, case["prompt_len"]), dtype=np.int32)),) \
+                    if mixed else ()
                 pos0 = jnp.int32(C)
-                _, cache = fn(params, cache, tok0, pos0)  # compile and warm up
+                _, cache = fn(params, cache, tok0, pos0, *extra)  # compile and warm up
                 jax.block_until_ready(cache)
                 setup_s = time.perf_counter() - t_case
                 times = []
                 for _ in range(3):  # each call writes positions C .. C + n − 1 again: the same work every call
                     t0 = time.perf_counter()
-                    _, cache = fn(params, cache, tok0, pos0)
+                    _, cache = fn(params, cache, tok0, pos0, *extra)
                     jax.block_until_ready(cache)
                     times.append((time.perf_counter() - t0) / n)
-                # compared: what the allocator holds for the cache (live bytes after − before); the arrays' own
-                # size where the backend keeps no statistics (the CPU)
-                measured_kv = kv_alloc if kv_alloc == kv_alloc and kv_alloc > 0 else kv_bytes
-                write(case, {"step_time_s": statistics.median(times), "times_s": times,
-                             "attended_context": decode_context(case), "kv_cache_bytes": measured_kv,
-                             "kv_cache_array_bytes": kv_bytes, "kv_cache_allocated_bytes": kv_alloc,
-                             "setup_s": setup_s, "wall_s": time.perf_counter() - t_case})
+                measured = {"step_time_s": statistics.median(times), "times_s": times,
+                            "attended_context": decode_context(case), "setup_s": setup_s,
+                            "wall_s": time.perf_counter() - t_case}
+                if not mixed:
+                    # compared: what the allocator holds for the cache (live bytes after − before); the arrays' own
+                    # size where the backend keeps no statistics (the CPU)
+                    measured.update(kv_cache_bytes=kv_alloc if kv_alloc == kv_alloc and kv_alloc > 0 else kv_bytes,
+                                    kv_cache_array_bytes=kv_bytes, kv_cache_allocated_bytes=kv_alloc)
+                write(case, measured)
                 del cache
         except Exception as exc:  # noqa: BLE001 - one case failing (OOM) must not lose the others
             write(case, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})

@@ -275,11 +275,9 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / atp
     # windowed layers read at most their window of cached keys; a prompt's queries attend the keys of
     # `mean_attended_keys` (prefill_ctx is the causal mean T/2 of a T-token prompt)
-    decode_ctx = kv_cached_tokens(m, decode_ctx)
-    if cfg.dense_kv_cache is not None:
-        # a dense cache: decode attention reads every slot of the sequence's cache, written or not
-        # (ServeConfig.dense_kv_cache; JetStream-PyTorch jetstream_pt/layers.py)
-        decode_ctx = float(cfg.dense_kv_cache)
+    # a dense cache: decode attention reads every slot of the sequence's cache, written or not
+    # (ServeConfig.dense_kv_cache; JetStream-PyTorch jetstream_pt/layers.py)
+    decode_ctx = kv_cached_tokens(m, decode_ctx) if cfg.dense_kv_cache is None else float(cfg.dense_kv_cache)
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
     # routed experts run as a grouped GEMM of one problem per expert with ~tokens*k/E rows each (vLLM fused_moe,
