@@ -467,13 +467,18 @@ def test_moe_under_sequence_parallelism_dispatches_the_tp_slice_and_gathers_k_co
 
 def test_fit_uses_the_memory_the_driver_exposes() -> None:
     """A marketed '80 GB' H100 exposes 81,559 MiB (nvidia-smi): the fit budget is that less the headroom, while
-    the catalog keeps the marketed 80e9 the book's sums use. TPUs have no separate figure."""
+    the catalog keeps the marketed 80e9 the book's sums use. A TPU's figure is XLA's allocator limit: 15.75 GiB on a
+    v5e ('Used ... of 15.75G hbm'), against the marketed 16 GB."""
     h100 = load_chip("h100-sxm")
     assert h100.hbm_bytes == 80e9 and h100.usable_hbm_bytes == pytest.approx(81559 * 2**20, rel=1e-3)
     prob = problem("llama3-8b", "h100-sxm", 8, 4096, 8)
     ev, _, _ = search(prob, full_pins(fsdp=8), default_efficiency(prob.chip), Options(headroom=0.05))
     assert ev.hbm_budget_bytes == pytest.approx(0.95 * h100.usable_hbm_bytes)
-    assert load_chip("tpu-v5e").usable_hbm_bytes == load_chip("tpu-v5e").hbm_bytes
+    v5e = load_chip("tpu-v5e")
+    assert (v5e.hbm_bytes, v5e.usable_hbm_bytes) == (16e9, 15.75 * 2**30)
+    prob = problem("llama3-8b", "tpu-v5e", 8, 4096, 8)
+    ev, _, _ = search(prob, full_pins(fsdp=8), default_efficiency(prob.chip), Options(headroom=0.05))
+    assert ev.hbm_budget_bytes == pytest.approx(0.95 * 15.75 * 2**30)
 
 
 @pytest.mark.parametrize(("chip_name", "mib", "marketed_bytes"), [
