@@ -17,6 +17,7 @@ from conftest import run_cli
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.infer.config import ServeConfig, Workload, kv_reserved_per_sequence
+from meshplan.infer.memory import max_batch_per_replica, memory_per_chip
 from meshplan.infer.step import decode_step
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -112,8 +113,6 @@ def test_v5e_usable_hbm_is_xla_limit_and_holds_the_published_jetstream_batches()
     assert V5E.hbm_usable_bytes == 15.75 * 2**30
     assert V5E.hbm_bytes == 16.0e9  # the marketed figure stays for reports and the book's sums
     cfg = ServeConfig(tp=8, dense_kv_cache=2048)
-    from meshplan.infer.memory import max_batch_per_replica, memory_per_chip
-
     mem = memory_per_chip(M7, V5E, cfg, EFF, 96, 2048.0)
     assert mem.kv_cache == pytest.approx(96 * 2048 * KV_BYTES_PER_TOKEN / 8, rel=1e-9)
     assert mem.fits
