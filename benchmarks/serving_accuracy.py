@@ -118,10 +118,13 @@ def _simulated(e: dict, m, chip, cfg: ServeConfig, eff, w: Workload, mb: int, ho
                    lengths=trace)
     limit = min(mb, int(a["max_num_seqs"])) if a.get("max_num_seqs") else mb
     sim = simulate(m, chip, e["chips"], cfg, eff, w, limit, spec)
-    # a published mean ITL pools every gap between two tokens (tpot_measure: pooled_itl); a mean TPOT weighs requests
-    tpot = sim["itl_s"]["mean"] if e.get("tpot_measure") == "pooled_itl" else sim["tpot_s"]["mean"]
+    # a published mean ITL pools every gap between two tokens (tpot_measure: pooled_itl); a mean TPOT weighs requests;
+    # a published median (`statistic: median`, SGLang bench_serving's 'Median TTFT' / 'Median ITL': np.median of the
+    # requests' TTFTs and of every request's pooled gaps) is compared with the simulation's own p50
+    stat = "p50" if e.get("statistic") == "median" else "mean"
+    tpot = sim["itl_s"][stat] if e.get("tpot_measure") == "pooled_itl" else sim["tpot_s"][stat]
     return {"output_tokens_per_s": sim["throughput_tokens_per_s"], "tpot_s": tpot,
-            "ttft_s": sim["ttft_s"]["mean"], "batch": limit, "max_batch": mb, "mode": "simulated", "lengths": how,
+            "ttft_s": sim["ttft_s"][stat], "batch": limit, "max_batch": mb, "mode": "simulated", "lengths": how,
             "kv_dtype": cfg.kv_dtype}
 
 

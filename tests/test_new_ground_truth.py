@@ -123,3 +123,31 @@ def test_tuning_only_loads_no_validation_entry(monkeypatch: pytest.MonkeyPatch) 
     for loaded, full in ((_split.load_new_training(), TRAINING), (_split.load_new_serving(), SERVING)):
         assert [e["id"] for e in loaded] == [e["id"] for e in full if e["split"] == "tuning"]
         assert 0 < len(loaded) < len(full)
+
+
+def test_a_published_median_is_compared_with_the_simulated_median() -> None:
+    """SGLang's bench_serving prints medians (its 'Median TTFT' is np.median of the requests' TTFTs, its 'Median ITL'
+    np.median of every request's gaps pooled): a row with `statistic: median` is compared with the simulation's p50 of
+    the same quantity, a row without it with the mean. Checked against simulate() run directly on the row's inputs."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.config import ServeConfig, Workload
+    from meshplan.infer.memory import max_batch_per_replica
+    from meshplan.infer.simulate import SimSpec, load_length_trace, simulate
+    from meshplan.specs.hardware import load_chip
+    from meshplan.specs.model import load_model
+
+    row = next(e for e in SERVING if e.get("statistic") == "median" and e["regime"] == "server_qps")
+    row = {**row, "arrivals": {**row["arrivals"], "requests": 200}}  # fewer requests: the same rule, a quicker test
+    m, chip = load_model(row["model"]), load_chip(row["hardware"])
+    eff = default_efficiency(chip)
+    cfg = ServeConfig(tp=row["tp"], engine=row["engine"], overlap_scheduling=row["async_scheduling"])
+    w = Workload(row["input_len"], row["output_len"])
+    trace = load_length_trace(serving_accuracy.DATA / row["length_trace"])
+    sim = simulate(m, chip, row["chips"], cfg, eff, w, max_batch_per_replica(m, chip, cfg, eff, w),
+                   SimSpec(rate=float(row["arrivals"]["rate"]), n_requests=200, lengths=trace))
+    got = serving_accuracy.predict(row, serving_accuracy._assumptions())
+    assert got["ttft_s"] == sim["ttft_s"]["p50"] and got["tpot_s"] == sim["itl_s"]["p50"]
+    assert sim["ttft_s"]["p50"] != sim["ttft_s"]["mean"]  # the two statistics differ on this row
+    mean_row = {k: v for k, v in row.items() if k != "statistic"}
+    got_mean = serving_accuracy.predict(mean_row, serving_accuracy._assumptions())
+    assert got_mean["ttft_s"] == sim["ttft_s"]["mean"] and got_mean["tpot_s"] == sim["itl_s"]["mean"]

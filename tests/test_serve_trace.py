@@ -43,8 +43,9 @@ def test_sharegpt_trace_matches_the_published_sample_totals():
 
 def test_rows_with_a_trace_state_its_means():
     rows = [e for e in yaml.safe_load(NEW_SERVING.read_text())["measurements"] if e.get("length_trace")]
-    # 202/214 rows, H100 and H200: 70B at QPS 2, 8 and INF; 8B at QPS 2, 4, 8, 16, 32 and INF (4, 16, 32 from session 16)
-    assert len(rows) == 18
+    # 202/214 rows, H100 and H200: 70B at QPS 2, 8 and INF; 8B at QPS 2, 4, 8, 16, 32 and INF (4, 16, 32 from session 16);
+    # session 18: SGLang v0.3.0's ShareGPT rows (8B on A100, 70B on 4 x H100: RPS 4, 8 and offline)
+    assert len(rows) == 24
     for e in rows:
         trace = load_length_trace(NEW_SERVING.parent / e["length_trace"])
         assert e["input_len"] == round(sum(i for i, _ in trace) / len(trace))  # 100,895 / 500 = 201.8
