@@ -17,7 +17,13 @@ import _split  # noqa: E402  (benchmark helpers, not part of the package)
 import accuracy  # noqa: E402
 import serving_accuracy  # noqa: E402
 
+from meshplan.cost.efficiency import default_efficiency  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
+from meshplan.infer.config import ServeConfig, Workload  # noqa: E402
+from meshplan.infer.memory import max_batch_per_replica  # noqa: E402
+from meshplan.infer.simulate import SimSpec, load_length_trace, simulate  # noqa: E402
+from meshplan.specs.hardware import load_chip  # noqa: E402
+from meshplan.specs.model import load_model  # noqa: E402
 
 TRAINING = _split.load_new_training()
 SERVING = _split.load_new_serving()
@@ -129,13 +135,6 @@ def test_a_published_median_is_compared_with_the_simulated_median() -> None:
     """SGLang's bench_serving prints medians (its 'Median TTFT' is np.median of the requests' TTFTs, its 'Median ITL'
     np.median of every request's gaps pooled): a row with `statistic: median` is compared with the simulation's p50 of
     the same quantity, a row without it with the mean. Checked against simulate() run directly on the row's inputs."""
-    from meshplan.cost.efficiency import default_efficiency
-    from meshplan.infer.config import ServeConfig, Workload
-    from meshplan.infer.memory import max_batch_per_replica
-    from meshplan.infer.simulate import SimSpec, load_length_trace, simulate
-    from meshplan.specs.hardware import load_chip
-    from meshplan.specs.model import load_model
-
     row = next(e for e in SERVING if e.get("statistic") == "median" and e["regime"] == "server_qps")
     row = {**row, "arrivals": {**row["arrivals"], "requests": 200}}  # fewer requests: the same rule, a quicker test
     m, chip = load_model(row["model"]), load_chip(row["hardware"])
