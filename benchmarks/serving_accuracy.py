@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from meshplan.cost.efficiency import default_efficiency
@@ -108,12 +109,36 @@ def predict(e: dict, rules: dict) -> dict:
             "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype}
 
 
+SAMPLE_GENERATORS = ("sglang_random",)
+
+
+def sample_lengths(spec: dict, n: int) -> list[tuple[int, int]]:
+    """(input, output) tokens of the `n` requests a benchmark's random dataset draws, as its own code draws them.
+    sglang_random: sglang.bench_serving --dataset-name random (sample_random_requests): numpy's global legacy generator
+    seeded with --seed (np.random.seed), then input_lens = randint(max(int(I * r), 1), I + 1, n) and output_lens =
+    randint(int(O * r), O + 1, n), r = --random-range-ratio. numpy's legacy RandomState stream is frozen across versions
+    (NEP 19), so the draw is the benchmark's. Outputs may be 0 here; the simulation runs such a request as 1 token."""
+    if spec.get("generator") not in SAMPLE_GENERATORS:
+        raise MeshplanError(f"unknown length_sample generator {spec.get('generator')!r} (known: {', '.join(SAMPLE_GENERATORS)})")
+    I, O, r = int(spec["random_input_len"]), int(spec["random_output_len"]), float(spec["random_range_ratio"])
+    rng = np.random.RandomState(int(spec["seed"]))
+    ins = rng.randint(max(int(I * r), 1), I + 1, size=n)
+    outs = rng.randint(int(O * r), O + 1, size=n)
+    return [(int(i), int(o)) for i, o in zip(ins, outs, strict=True)]
+
+
 def _simulated(e: dict, m, chip, cfg: ServeConfig, eff, w: Workload, mb: int, how: str) -> dict:
     """Mean TTFT and TPOT (the published means) and output tokens/s of the simulated benchmark: `arrivals` gives
     its request count, rate (requests/s, 'inf' = all at t = 0) and closed-loop concurrency, from the source."""
     a = e["arrivals"]
-    # a dataset's sample replays its own requests' lengths where the data names the sample (length_trace)
-    trace = load_length_trace(DATA / e["length_trace"]) if e.get("length_trace") else ()
+    # a dataset's sample replays its own requests' lengths where the data names the sample (length_trace), or draws
+    # them as the benchmark's own generator does (length_sample)
+    if e.get("length_trace"):
+        trace = load_length_trace(DATA / e["length_trace"])
+    elif e.get("length_sample"):
+        trace = tuple((i, max(o, 1)) for i, o in sample_lengths(e["length_sample"], int(a["requests"])))
+    else:
+        trace = ()
     spec = SimSpec(rate=float(a.get("rate", "inf")), n_requests=int(a["requests"]), concurrency=a.get("concurrency"),
                    lengths=trace)
     limit = min(mb, int(a["max_num_seqs"])) if a.get("max_num_seqs") else mb

@@ -150,3 +150,41 @@ def test_a_published_median_is_compared_with_the_simulated_median() -> None:
     mean_row = {k: v for k, v in row.items() if k != "statistic"}
     got_mean = serving_accuracy.predict(mean_row, serving_accuracy._assumptions())
     assert got_mean["ttft_s"] == sim["ttft_s"]["mean"] and got_mean["tpot_s"] == sim["itl_s"]["mean"]
+
+
+def test_a_random_dataset_sample_reproduces_the_published_token_totals() -> None:
+    """A row whose requests came from a benchmark's random dataset (`length_sample`) is simulated on the sample that
+    benchmark drew. sglang.bench_serving prints the sample's total input and output tokens; drawing it again with the
+    benchmark's rule and seed must give exactly those published totals (the jsonl's total_input_tokens and
+    total_output_tokens, copied into each row's published_totals)."""
+    rows = [e for e in SERVING if e.get("length_sample")]
+    assert len(rows) >= 14
+    for e in rows:
+        spec = e["length_sample"]
+        lens = serving_accuracy.sample_lengths(spec, int(e["arrivals"]["requests"]))
+        assert sum(i for i, _ in lens) == spec["published_totals"]["input"], e["id"]
+        assert sum(o for _, o in lens) == spec["published_totals"]["output"], e["id"]
+        assert all(1 <= i <= spec["random_input_len"] and 0 <= o <= spec["random_output_len"] for i, o in lens)
+
+
+def test_a_sampled_row_is_simulated_on_its_own_sample() -> None:
+    """predict() on a `length_sample` row equals simulate() run directly on the drawn lengths (0-token outputs as 1)."""
+    row = next(e for e in SERVING if e.get("length_sample") and e["regime"] == "server_qps")
+    row = {**row, "arrivals": {**row["arrivals"], "requests": 150}}  # fewer requests: the same rule, a quicker test
+    m, chip = load_model(row["model"]), load_chip(row["hardware"])
+    eff = default_efficiency(chip)
+    cfg = ServeConfig(tp=row["tp"], engine=row["engine"])
+    w = Workload(row["input_len"], row["output_len"])
+    lens = tuple((i, max(o, 1)) for i, o in serving_accuracy.sample_lengths(row["length_sample"], 150))
+    sim = simulate(m, chip, row["chips"], cfg, eff, w, max_batch_per_replica(m, chip, cfg, eff, w),
+                   SimSpec(rate=float(row["arrivals"]["rate"]), n_requests=150, lengths=lens))
+    got = serving_accuracy.predict(row, serving_accuracy._assumptions())
+    assert got["ttft_s"] == sim["ttft_s"]["p50"] and got["tpot_s"] == sim["itl_s"]["p50"]
+    fixed = {k: v for k, v in row.items() if k != "length_sample"}  # at the means instead: a different answer
+    assert serving_accuracy.predict(fixed, serving_accuracy._assumptions())["ttft_s"] != got["ttft_s"]
+
+
+def test_an_unknown_sample_generator_is_refused() -> None:
+    with pytest.raises(MeshplanError, match="unknown length_sample generator"):
+        serving_accuracy.sample_lengths({"generator": "vllm_random", "seed": 0, "random_input_len": 8,
+                                         "random_output_len": 8, "random_range_ratio": 0.0}, 4)
