@@ -11,10 +11,11 @@ from rich.table import Table
 from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.infer.config import (
-    ENGINES,
+    ENGINE_NAMES,
     FRONTENDS,
     ServeConfig,
     Workload,
+    base_engine,
     check_layout,
     check_workload,
     engine_token_budget,
@@ -57,7 +58,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
     or --tp --pp --ep) runs without it, a search tries both for MoE models."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
-    if engine in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
+    if base_engine(engine) in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
         # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
         fail(f"--engine {engine} runs on GPUs, not on {chip.name} (a TPU): use vllm, sglang or default")
     w = Workload(input_len, output_len)
@@ -167,7 +168,8 @@ def serve(
                                                          "slot; --json key 'clients'), and --simulate runs them.")] = None,
     engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm | lmdeploy "
                                              "(the engine's defaults: step token budget, KV sizing, kernel "
-                                             "fusion, when the first token comes).")] = "default",
+                                             "fusion, when the first token comes), or an older release whose "
+                                             "defaults differ: sglang@0.3 (no overlap scheduler).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
@@ -231,7 +233,7 @@ def serve(
     _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
-    _choice("--engine", engine, ENGINES)
+    _choice("--engine", engine, ENGINE_NAMES)
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
     if do_simulate:

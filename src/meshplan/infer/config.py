@@ -115,6 +115,21 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
+# older releases with their own defaults, `engine@release` (serving.yaml engine_releases)
+ENGINE_RELEASES = tuple(sorted(_table().get("engine_releases") or {}))
+ENGINE_NAMES = ENGINES + ENGINE_RELEASES
+
+
+def base_engine(engine: str) -> str:
+    """The engine preset a name belongs to: `sglang@0.3` -> `sglang`."""
+    return engine.split("@", 1)[0]
+
+
+def check_engine(engine: str) -> str:
+    """`engine` if it is a preset (ENGINES) or a listed release of one (ENGINE_RELEASES), else a MeshplanError."""
+    if engine not in ENGINE_NAMES:
+        raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINE_NAMES)})")
+    return engine
 FRONTENDS = ("triton-ensemble", "vllm-openai")
 
 
@@ -126,8 +141,7 @@ def default_token_budget(chip: Chip) -> int:
 def engine_token_budget(engine: str, chip: Chip) -> int:
     """The engine's default step token budget on this chip (serving.yaml engine_max_num_batched_tokens, sourced
     from each engine's argument defaults); `default` is serving.yaml's max_num_tokens."""
-    if engine not in ENGINES:
-        raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINES)})")
+    check_engine(engine)
     if engine == "default":
         return default_token_budget(chip)
     hit = _engine_entry("engine_max_num_batched_tokens", engine, chip)
@@ -136,8 +150,10 @@ def engine_token_budget(engine: str, chip: Chip) -> int:
 
 def _engine_entry(key: str, engine: str, chip: Chip) -> float | None:
     """An engine default from serving.yaml `key`, by chip name, then `gpu_large` (a GPU with >= 70 GiB that is not
-    an A100: the split vLLM makes in vllm/engine/arg_utils.py get_batch_defaults), then chip kind; None if absent."""
-    table = _table()[key].get(engine) or {}
+    an A100: the split vLLM makes in vllm/engine/arg_utils.py get_batch_defaults), then chip kind; None if absent.
+    A release (`sglang@0.3`) takes its own entry where serving.yaml engine_releases gives one, else its preset's."""
+    release = (_table().get("engine_releases") or {}).get(engine) or {}
+    table = release.get(key) or _table()[key].get(base_engine(engine)) or {}
     big = chip.kind == "gpu" and chip.hbm_bytes >= 70 * 2**30 and not chip.name.startswith("a100")
     hit = table.get(chip.name) or (table.get("gpu_large") if big else None) or table.get(chip.kind)
     return None if hit is None else float(hit["value"])
@@ -324,8 +340,7 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown weight quantization '{cfg.weight_dtype}' (known: {', '.join(WEIGHT_DTYPES)})")
     if cfg.kv_dtype not in KV_DTYPES:
         raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
-    if cfg.engine not in ENGINES:
-        raise MeshplanError(f"unknown engine '{cfg.engine}' (known: {', '.join(ENGINES)})")
+    check_engine(cfg.engine)
     if cfg.frontend is not None and cfg.frontend not in FRONTENDS:
         raise MeshplanError(f"unknown server path '{cfg.frontend}' (known: {', '.join(FRONTENDS)})")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
