@@ -187,14 +187,15 @@ def _fmt(v: float | None, scale: float = 1.0, spec: str = ".1f") -> str:
 
 
 def print_report(res: dict) -> None:
-    print(f"{'id':48s} {'mode':5s} {'B':>5s} {'tok/s pred':>10s} {'meas':>9s} {'err':>6s} "
+    w = max([48] + [len(r["id"]) for r in res["rows"]])  # every id whole (the new rows' ids run to 59 characters)
+    print(f"{'id':{w}s} {'mode':5s} {'B':>5s} {'tok/s pred':>10s} {'meas':>9s} {'err':>6s} "
           f"{'TPOT ms':>8s} {'meas':>7s} {'err':>6s} {'TTFT s':>7s} {'meas':>6s}")
     for r in res["rows"]:
         if "skipped" in r:
-            print(f"{r['id']:48s} skipped: {r['skipped']}")
+            print(f"{r['id']:{w}s} skipped: {r['skipped']}")
             continue
         p, m, e = r["predicted"], r["measured"], r["error"]
-        print(f"{r['id'][:48]:48s} {p['mode'][:5]:5s} {p['batch']:5d} {p['output_tokens_per_s']:10.0f} "
+        print(f"{r['id']:{w}s} {p['mode'][:5]:5s} {p['batch']:5d} {p['output_tokens_per_s']:10.0f} "
               f"{_fmt(m.get('output_tokens_per_s'), 1, '.0f'):>9s} {_fmt(e['output_tokens_per_s'], 100, '+.0f'):>5s}% "
               f"{p['tpot_s'] * 1e3:8.1f} {_fmt(m.get('tpot_s'), 1e3):>7s} {_fmt(e['tpot_s'], 100, '+.0f'):>5s}% "
               f"{p['ttft_s']:7.3f} {_fmt(m.get('ttft_s'), 1, '.3f'):>6s}")
