@@ -23,7 +23,8 @@ M8 = load_model("llama3.1-8b")
 def test_engines_that_schedule_ahead():
     assert schedules_ahead(ServeConfig(engine="sglang"), H100)  # SGLang v0.4+: overlap scheduler on by default
     assert not schedules_ahead(ServeConfig(engine="vllm"), H100)  # vLLM: --async-scheduling is opt-in
-    assert not schedules_ahead(ServeConfig(engine="trtllm"), H100)  # C++ executor: serial executionLoop
+    assert schedules_ahead(ServeConfig(engine="trtllm"), H100)  # PyTorch backend (1.x): overlap scheduler on by default
+    assert not schedules_ahead(ServeConfig(engine="trtllm@0.17"), H100)  # C++ executor: serial executionLoop
     assert not schedules_ahead(ServeConfig(), H100)
     assert schedules_ahead(ServeConfig(engine="vllm", overlap_scheduling=True), H100)  # the layout's own flag wins
     assert not schedules_ahead(ServeConfig(engine="sglang", overlap_scheduling=False), H100)

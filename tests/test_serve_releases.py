@@ -20,7 +20,7 @@ EFF = default_efficiency(H100)
 
 def test_every_release_names_a_preset_and_overrides_known_keys_with_a_source():
     table = C._table()
-    assert "sglang@0.3" in C.ENGINE_RELEASES
+    assert {"sglang@0.3", "trtllm@0.17"} <= set(C.ENGINE_RELEASES)
     for name, overrides in table["engine_releases"].items():
         assert C.base_engine(name) in C.ENGINES and name.count("@") == 1
         assert overrides
@@ -42,6 +42,16 @@ def test_sglang_0_3_runs_serially_and_keeps_every_other_sglang_default():
     assert schedules_ahead(ServeConfig(engine="sglang@0.3", overlap_scheduling=True), H100)
 
 
+def test_trtllm_0_17_is_the_serial_cpp_executor_and_trtllm_the_pytorch_backend():
+    # TensorRT-LLM's PyTorch backend overlaps (docs/source/features/overlap-scheduler.md: 'Enabled by default'); the
+    # C++ executor of the TensorRT engine path (the v0.14 and v0.17 tables) runs each step after the last
+    assert schedules_ahead(ServeConfig(engine="trtllm"), H100)
+    assert not schedules_ahead(ServeConfig(engine="trtllm@0.17"), H100)
+    assert engine_token_budget("trtllm@0.17", H100) == engine_token_budget("trtllm", H100)
+    for fn in (C.chunked_prefill, C.fused_add_norm, C.custom_allreduce, C.kv_on_demand):
+        assert fn(ServeConfig(engine="trtllm@0.17"), H100) == fn(ServeConfig(engine="trtllm"), H100), fn.__name__
+
+
 def test_a_release_simulates_as_its_preset_with_that_default_changed():
     w = Workload(1000, 200)
     spec = SimSpec(rate=6.0, n_requests=120, seed=3)
@@ -60,4 +70,4 @@ def test_an_unknown_release_is_one_clear_error(capsys):
                               "100", "--output-len", "10", "--engine", "vllm@0.1"], capsys)
     assert code == 2
     assert (out + err).strip().splitlines() == [
-        "error: --engine must be one of default, vllm, sglang, trtllm, lmdeploy, sglang@0.3, got 'vllm@0.1'"]
+        "error: --engine must be one of default, vllm, sglang, trtllm, lmdeploy, sglang@0.3, trtllm@0.17, got 'vllm@0.1'"]

@@ -169,7 +169,8 @@ def serve(
     engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm | lmdeploy "
                                              "(the engine's defaults: step token budget, KV sizing, kernel "
                                              "fusion, when the first token comes), or an older release whose "
-                                             "defaults differ: sglang@0.3 (no overlap scheduler).")] = "default",
+                                             "defaults differ: sglang@0.3 (no overlap scheduler), trtllm@0.17 (the TensorRT "
+                                             "engine path's serial C++ executor; trtllm is the PyTorch backend).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
