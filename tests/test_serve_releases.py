@@ -20,7 +20,7 @@ EFF = default_efficiency(H100)
 
 def test_every_release_names_a_preset_and_overrides_known_keys_with_a_source():
     table = C._table()
-    assert {"sglang@0.3", "trtllm@0.17"} <= set(C.ENGINE_RELEASES)
+    assert {"sglang@0.3", "trtllm@0.17"} <= set(C.engine_releases())
     for name, overrides in table["engine_releases"].items():
         assert C.base_engine(name) in C.ENGINES and name.count("@") == 1
         assert overrides

@@ -11,13 +11,13 @@ from rich.table import Table
 from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.infer.config import (
-    ENGINE_NAMES,
     FRONTENDS,
     ServeConfig,
     Workload,
     base_engine,
     check_layout,
     check_workload,
+    engine_names,
     engine_token_budget,
     replica_token_budget,
     step_token_budget,
@@ -234,7 +234,7 @@ def serve(
     _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
-    _choice("--engine", engine, ENGINE_NAMES)
+    _choice("--engine", engine, engine_names())
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
     if do_simulate:

@@ -115,9 +115,18 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
-# older releases with their own defaults, `engine@release` (serving.yaml engine_releases)
-ENGINE_RELEASES = tuple(sorted(_table().get("engine_releases") or {}))
-ENGINE_NAMES = ENGINES + ENGINE_RELEASES
+FRONTENDS = ("triton-ensemble", "vllm-openai")
+
+
+def engine_releases() -> tuple[str, ...]:
+    """Older releases with their own defaults, `engine@release` (serving.yaml engine_releases; read when first asked,
+    not at import)."""
+    return tuple(sorted(_table().get("engine_releases") or {}))
+
+
+def engine_names() -> tuple[str, ...]:
+    """Every name --engine takes: the presets (ENGINES), then their listed releases."""
+    return ENGINES + engine_releases()
 
 
 def base_engine(engine: str) -> str:
@@ -126,11 +135,11 @@ def base_engine(engine: str) -> str:
 
 
 def check_engine(engine: str) -> str:
-    """`engine` if it is a preset (ENGINES) or a listed release of one (ENGINE_RELEASES), else a MeshplanError."""
-    if engine not in ENGINE_NAMES:
-        raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(ENGINE_NAMES)})")
+    """`engine` if it is a preset (ENGINES) or a listed release of one (engine_releases), else a MeshplanError."""
+    names = engine_names()
+    if engine not in names:
+        raise MeshplanError(f"unknown engine '{engine}' (known: {', '.join(names)})")
     return engine
-FRONTENDS = ("triton-ensemble", "vllm-openai")
 
 
 def default_token_budget(chip: Chip) -> int:
