@@ -28,9 +28,10 @@ import numpy as np
 
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.infer.step import _matmul_fraction
-from meshplan.specs.hardware import load_chip
+from meshplan.specs.hardware import Chip, load_chip
 
 TABLE = Path(__file__).parent / "data" / "xla_matmul_sm90_bf16.csv"
+CHIP = "h100-sxm"  # the table's sm_90 part (data/xla_matmul_sm90_bf16.csv header: read as the SXM part)
 FLOP_BINS = ((0.0, 1e9), (1e9, 1e10), (1e10, 1e11), (1e11, float("inf")))
 
 
@@ -41,18 +42,22 @@ def load_table(path: Path = TABLE) -> list[tuple[int, int, int, int, float]]:
     out = []
     for r in rows:
         b, m, n, k = (int(r[x]) for x in ("b", "m", "n", "k"))
-        out.append((b, m, n, k, 2.0 * b * m * n * k / int(r["bf16_flops_per_s"])))
+        out.append((b, m, n, k, gemm_flops(b, m, n, k) / int(r["bf16_flops_per_s"])))
     return out
 
 
-def predictions(rows: list[tuple[int, int, int, int, float]], chip_name: str = "h100-sxm") -> dict[str, np.ndarray]:
-    chip = load_chip(chip_name)
+def gemm_flops(b: int, m: int, n: int, k: int) -> float:
+    """2 * b * m * n * k: one multiply and one add per MAC of b [m,k] x [k,n] products."""
+    return 2.0 * b * m * n * k
+
+
+def predictions(rows: list[tuple[int, int, int, int, float]], chip: Chip) -> dict[str, np.ndarray]:
     eff = default_efficiency(chip)
     peak = chip.peak("bf16")
     hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     train, serve = [], []
     for b, m, n, k, _ in rows:
-        flops = 2.0 * b * m * n * k
+        flops = gemm_flops(b, m, n, k)
         train.append(flops / (peak * float(eff.matmul(m, n, k))))
         t_mm = flops / (peak * _matmul_fraction(eff, "bf16", m, min(n, k)))
         t_mem = b * (m * k + k * n + m * n) * 2.0 / hbm
@@ -62,7 +67,7 @@ def predictions(rows: list[tuple[int, int, int, int, float]], chip_name: str = "
 
 def fit_latency_fraction(rows: list[tuple[int, int, int, int, float]], peak: float) -> tuple[float, float]:
     """Least squares of measured time = latency + flops / (peak * fraction) over the rows: (latency_s, fraction)."""
-    flops = np.array([2.0 * b * m * n * k for b, m, n, k, _ in rows])
+    flops = np.array([gemm_flops(*r[:4]) for r in rows])
     t = np.array([r[4] for r in rows])
     A = np.stack([np.ones_like(flops), flops / peak], axis=1)
     (lat, inv_frac), *_ = np.linalg.lstsq(A, t, rcond=None)
@@ -70,10 +75,12 @@ def fit_latency_fraction(rows: list[tuple[int, int, int, int, float]], peak: flo
 
 
 def report(rows: list[tuple[int, int, int, int, float]]) -> dict:
+    chip = load_chip(CHIP)
+    peak = chip.peak("bf16")
     meas = np.array([r[4] for r in rows])
-    flops = np.array([2.0 * b * m * n * k for b, m, n, k, _ in rows])
-    out: dict = {"rows": len(rows), "models": {}}
-    for name, pred in predictions(rows).items():
+    flops = np.array([gemm_flops(*r[:4]) for r in rows])
+    out: dict = {"rows": len(rows), "chip": chip.name, "peak_bf16_flops_per_s": peak, "models": {}}
+    for name, pred in predictions(rows, chip).items():
         err = pred / meas - 1.0
         bins = []
         for lo, hi in FLOP_BINS:
@@ -82,8 +89,8 @@ def report(rows: list[tuple[int, int, int, int, float]]) -> dict:
                          "signed_median": float(np.median(err[sel])), "median_abs": float(np.median(abs(err[sel])))})
         out["models"][name] = {"signed_median": float(np.median(err)), "median_abs": float(np.median(abs(err))),
                                "p90_abs": float(np.percentile(abs(err), 90)), "by_flops": bins}
-    lat, frac = fit_latency_fraction(rows, load_chip("h100-sxm").peak("bf16"))
-    fit = lat + flops / (load_chip("h100-sxm").peak("bf16") * frac)
+    lat, frac = fit_latency_fraction(rows, peak)
+    fit = lat + flops / (peak * frac)
     out["table_fit"] = {"latency_s": lat, "fraction_of_peak": frac,
                         "median_abs": float(np.median(abs(fit / meas - 1.0)))}
     return out
@@ -110,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * bn['median_abs']:.1f}% |")
     f = res["table_fit"]
     print(f"\nthe table's own fit, time = latency + flops / (peak x fraction): latency {f['latency_s'] * 1e6:.2f} us, "
-          f"fraction {f['fraction_of_peak']:.3f} of 989 TFLOP/s; median |error| of that fit {100 * f['median_abs']:.1f}%")
+          f"fraction {f['fraction_of_peak']:.3f} of {res['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s ({res['chip']}); "
+          f"median |error| of that fit {100 * f['median_abs']:.1f}%")
     return 0
 
 
