@@ -229,6 +229,17 @@ def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
     return float(hit["value"])
 
 
+def frontend_token_s(cfg: ServeConfig, chip: Chip) -> float:
+    """Host seconds each streamed token costs the engine's loop on the layout's server path (serving.yaml
+    frontend_token_s): the per-token response an engine creates and hands to the server path while streaming. Zero
+    in process (cfg.frontend None) and on a path with no published figure (the table lists only measured paths)."""
+    if cfg.frontend is None:
+        return 0.0
+    table = _table().get("frontend_token_s", {}).get(cfg.frontend) or {}
+    hit = table.get(chip.name) or table.get(chip.kind)
+    return 0.0 if hit is None else float(hit["value"])
+
+
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
     """The engine's default cap on sequences in flight per replica (vLLM max_num_seqs); None where the KV cache alone
     limits it (serving.yaml engine_max_num_seqs). Under attention DP an engine that caps each rank (vLLM: one engine

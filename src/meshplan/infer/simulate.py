@@ -168,11 +168,13 @@ class _Replica:
         self._cache: dict[tuple, float] = {}
         self.last_ctx = 0.0  # mean decode context of the last step
 
-    def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int, n_chunks: int = 0) -> float:
-        key = (n_dec, round(ctx / 64), round(n_pre / 16), round(pre_ctx / 64), seqs, n_chunks)
+    def _cost(self, n_dec: int, ctx: float, n_pre: int, pre_ctx: float, seqs: int, n_chunks: int = 0,
+              streamed: int | None = None) -> float:
+        """`streamed`: tokens the step emits to the server path (default: its decodes and chunks, step_cost's)."""
+        key = (n_dec, round(ctx / 64), round(n_pre / 16), round(pre_ctx / 64), seqs, n_chunks, streamed)
         if key not in self._cache:
             self._cache[key] = step_cost(self.m, self.chip, self.cfg, self.eff, n_dec, ctx, n_pre, pre_ctx,
-                                         seqs, n_chunks or None).time_s
+                                         seqs, n_chunks or None, streamed_tokens=streamed).time_s
         return self._cache[key]
 
     def _kv_tokens_of(self, r: _Req) -> int:
@@ -251,7 +253,9 @@ class _Replica:
         self.last_ctx = ctx
         n_pre = sum(c for _, c in chunks)
         pre_ctx = float(np.mean([r.prefilled + c / 2 for r, c in chunks])) if chunks else 0.0
-        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks))
+        # tokens out to the server path: one per decode, one per prompt whose last chunk this is (its first token)
+        firsts = sum(1 for r, c in chunks if r.prefilled + c >= r.prompt == r.inp)
+        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks), len(dec) + firsts)
         for r in dec:
             r.generated += 1
             r.times.append(t)

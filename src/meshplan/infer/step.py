@@ -20,7 +20,8 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
 The output projection runs only for the rows that sample a token: every decode sequence and the last position of
 each prompt chunk (vLLM LogitsProcessor over logits_indices; TensorRT-LLM gather_context_logits off by default).
 With PP the batch splits into m = min(pp, sequences) micro-batches; a token step visits every stage, so
-  T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead.
+  T_step = pp * T_stage(batch / m) + pp * T_p2p + step overhead + streamed tokens * per-token host cost of the
+  server path (serving.yaml frontend_token_s; in series for a serial engine loop, its excess for one a step ahead).
 Attention data parallelism (ServeConfig.attention_dp, `_rank_load`): each of the tp ranks runs the attention side of
 the layer (whole attention weights, its own sequences' KV, norms, dense MLP and shared experts, LM head) for its own
 tokens, the busiest rank setting the step (the ranks meet at the MoE); the MoE sees every rank's tokens, gathered
@@ -39,8 +40,10 @@ from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
     custom_allreduce,
+    frontend_token_s,
     fused_add_norm,
     kv_heads_per_chip,
+    schedules_ahead,
     serving_constant,
 )
 from meshplan.infer.memory import (
@@ -357,11 +360,15 @@ def _rank_load(cfg: ServeConfig, decode_seqs: float, prefill_tokens: float,
 def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
               decode_ctx: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
               sequences: float | None = None, prefill_seqs: float | None = None,
-              engine_loop: bool = True) -> StepCost:
+              engine_loop: bool = True, streamed_tokens: float | None = None) -> StepCost:
     """One engine step of a replica. `sequences` (default: decode_seqs, at least 1) sets the PP micro-batches;
     `prefill_seqs` counts the prompt chunks (default: sequences - decode_seqs, at least 1 with prefill tokens).
     `engine_loop` False: the step runs inside a device program with no engine iteration on the host (the GPU
-    suite's reference loop: 16 greedy decode steps in one XLA program), so without decode_step_overhead_s."""
+    suite's reference loop: 16 greedy decode steps in one XLA program), so without decode_step_overhead_s.
+    `streamed_tokens`: the tokens the step emits to the server path (default: one per decode sequence and per prompt
+    chunk); on a path with a per-token host cost (config.frontend_token_s) they cost `stream_responses`: in series
+    with the device step for an engine that runs each step after the last, only its excess over the step for one that
+    schedules a step ahead (config.schedules_ahead: the host work of step n runs beside step n+1)."""
     seqs = max(sequences if sequences is not None else decode_seqs, 1.0)
     mb = min(float(cfg.pp), seqs)
     if prefill_seqs is None and prefill_tokens > 0:
@@ -370,6 +377,12 @@ def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, dec
     stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx, chunks)
     parts = {k: cfg.pp * v for k, v in stage.items()}
     parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip) if engine_loop else 0.0
+    per_token = frontend_token_s(cfg, chip) if engine_loop else 0.0
+    if per_token > 0.0:
+        if streamed_tokens is None:
+            streamed_tokens = decode_seqs + (prefill_seqs or 0.0)
+        host = per_token * streamed_tokens
+        parts["stream_responses"] = max(host - sum(parts.values()), 0.0) if schedules_ahead(cfg, chip) else host
     total = sum(parts.values())
     return StepCost(total, parts, max(parts, key=parts.get))
 
