@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshplan.cost.efficiency import default_efficiency
@@ -72,3 +74,18 @@ def test_the_simulated_gap_grows_by_the_streamed_tokens_of_each_step():
     grown = on["itl_s"]["p50"] - off["itl_s"]["p50"]
     assert grown == pytest.approx(32 * c, rel=0.05)
     assert on["throughput_tokens_per_s"] < off["throughput_tokens_per_s"]
+
+
+def test_serve_json_reports_the_streamed_tokens_part(capsys):
+    from conftest import run_cli
+
+    base = ["serve", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--engine", "trtllm@0.17",
+            "--batch", "64", "--input-len", "467", "--output-len", "256", "--json"]
+    code, out, _ = run_cli(base + ["--frontend", "triton-ensemble"], capsys)
+    assert code == 0
+    parts = json.loads(out)["decode_step"]["parts"]
+    # the mean step of 64 decodes plus the steady state's prompts (64 / 256 per step, each with its first token)
+    assert parts["stream_responses"] == pytest.approx(frontend_token_s(SERIAL, H100) * (64 + 64 / 256), rel=1e-6)
+    code, out, _ = run_cli(base, capsys)
+    assert code == 0
+    assert "stream_responses" not in json.loads(out)["decode_step"]["parts"]  # in process: nothing streamed out
