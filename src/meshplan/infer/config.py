@@ -217,12 +217,12 @@ def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
     way in (HTTP/gRPC, the tokenizer) and the first token's way out (detokenizer, streamed response), which the
     client's TTFT counts (vLLM benchmark_serving and genai-perf time TTFT from sending the request to the first
     streamed chunk) and no engine step does. Each later token takes the same way out, so inter-token gaps do not
-    change. Zero for an engine measured in process (cfg.frontend None: gptSessionBenchmark, trtllm-bench,
-    LMDeploy profile_generation, MLPerf's in-process SUT). serving.yaml frontend_first_token_s."""
+    change by it (their host cost on the engine loop is frontend_token_s). Zero for an engine measured in process
+    (cfg.frontend None: gptSessionBenchmark, trtllm-bench, LMDeploy profile_generation, MLPerf's in-process SUT).
+    serving.yaml frontend_first_token_s."""
     if cfg.frontend is None:
         return 0.0
-    table = _table()["frontend_first_token_s"].get(cfg.frontend)
-    hit = None if table is None else (table.get(chip.name) or table.get(chip.kind))
+    hit = _frontend_entry("frontend_first_token_s", cfg.frontend, chip)
     if hit is None:
         raise MeshplanError(f"no first-token latency for the '{cfg.frontend}' server path on {chip.name} "
                             f"(known: {', '.join(FRONTENDS)}; triton-ensemble on GPUs only)")
@@ -235,9 +235,14 @@ def frontend_token_s(cfg: ServeConfig, chip: Chip) -> float:
     in process (cfg.frontend None) and on a path with no published figure (the table lists only measured paths)."""
     if cfg.frontend is None:
         return 0.0
-    table = _table().get("frontend_token_s", {}).get(cfg.frontend) or {}
-    hit = table.get(chip.name) or table.get(chip.kind)
+    hit = _frontend_entry("frontend_token_s", cfg.frontend, chip)
     return 0.0 if hit is None else float(hit["value"])
+
+
+def _frontend_entry(key: str, frontend: str, chip: Chip) -> dict | None:
+    """A server path's entry in serving.yaml `key`, by chip name, then chip kind; None if absent."""
+    table = _table().get(key, {}).get(frontend) or {}
+    return table.get(chip.name) or table.get(chip.kind)
 
 
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:

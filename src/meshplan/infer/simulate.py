@@ -36,6 +36,7 @@ from meshplan.infer.config import (
     Workload,
     clients_per_replica,
     frontend_first_token_s,
+    frontend_token_s,
     kv_on_demand,
     kv_reserved_per_sequence,
     prefill_len,
@@ -165,6 +166,9 @@ class _Replica:
         self.on_demand = kv_on_demand(cfg, chip)
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
         self.frontend_s = frontend_first_token_s(cfg, chip)
+        # whether streamed tokens cost the loop (config.frontend_token_s); elsewhere the step's cost does not depend on
+        # how many tokens it emits, which stays out of the cache key
+        self.streams = frontend_token_s(cfg, chip) > 0.0
         self._cache: dict[tuple, float] = {}
         self.last_ctx = 0.0  # mean decode context of the last step
 
@@ -254,8 +258,9 @@ class _Replica:
         n_pre = sum(c for _, c in chunks)
         pre_ctx = float(np.mean([r.prefilled + c / 2 for r, c in chunks])) if chunks else 0.0
         # tokens out to the server path: one per decode, one per prompt whose last chunk this is (its first token)
-        firsts = sum(1 for r, c in chunks if r.prefilled + c >= r.prompt == r.inp)
-        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks), len(dec) + firsts)
+        firsts = sum(1 for r, c in chunks if r.prefilled + c >= r.prompt == r.inp) if self.streams else 0
+        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks),
+                        len(dec) + firsts if self.streams else None)
         for r in dec:
             r.generated += 1
             r.times.append(t)
