@@ -357,6 +357,30 @@ def _rank_load(cfg: ServeConfig, decode_seqs: float, prefill_tokens: float,
     return decode_seqs / dp, prefill_tokens / ranks, prefill_seqs / ranks
 
 
+def _pipeline_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, mb: float, decode_seqs: float,
+                    decode_ctx: float, prefill_tokens: float, prefill_ctx: float,
+                    prefill_seqs: float | None) -> dict[str, float]:
+    """Each term of one step over `mb` micro-batches of a pp-stage pipeline (mb <= pp). The decodes spread evenly
+    over the micro-batches; a prompt chunk rides whole in one of them, never split across micro-batches (vLLM's
+    pipeline runs one scheduler per micro-batch, virtual_engine, and each request belongs to one; a prompt's chunks
+    follow one another in it), so min(chunks, mb) micro-batches carry the step's prompt tokens. A stage takes every
+    micro-batch in turn and a micro-batch crosses every stage before its next token, so the step lasts
+    max(sum of the micro-batches' stage times, pp x the slowest one's) (book ch.3 pipelining; GPipe, Huang et al.
+    2019): pp x T_stage with equal micro-batches, as before, and a prompt's own pass takes pp x T_stage(its chunk),
+    its whole compute, however many sequences share the step."""
+    if prefill_tokens <= 0 or cfg.pp == 1:
+        chunks = None if prefill_seqs is None else prefill_seqs / mb
+        stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx, chunks)
+        return {k: cfg.pp * v for k, v in stage.items()}
+    carriers = min(max(prefill_seqs or 1.0, 1.0), mb)  # micro-batches with a prompt chunk
+    heavy = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / carriers, prefill_ctx,
+                        (prefill_seqs or 1.0) / carriers)
+    light = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, 0.0, 0.0) if mb > carriers else heavy
+    busy = {k: carriers * heavy[k] + (mb - carriers) * light[k] for k in heavy}
+    trip = {k: cfg.pp * v for k, v in heavy.items()}
+    return trip if sum(trip.values()) >= sum(busy.values()) else busy
+
+
 def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, decode_seqs: float,
               decode_ctx: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
               sequences: float | None = None, prefill_seqs: float | None = None,
@@ -373,9 +397,7 @@ def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, dec
     mb = min(float(cfg.pp), seqs)
     if prefill_seqs is None and prefill_tokens > 0:
         prefill_seqs = max(seqs - decode_seqs, 1.0)
-    chunks = None if prefill_seqs is None else prefill_seqs / mb
-    stage = stage_parts(m, chip, cfg, eff, decode_seqs / mb, decode_ctx, prefill_tokens / mb, prefill_ctx, chunks)
-    parts = {k: cfg.pp * v for k, v in stage.items()}
+    parts = _pipeline_parts(m, chip, cfg, eff, mb, decode_seqs, decode_ctx, prefill_tokens, prefill_ctx, prefill_seqs)
     parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip) if engine_loop else 0.0
     per_token = frontend_token_s(cfg, chip) if engine_loop else 0.0
     if per_token > 0.0:
