@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Annotated
 
@@ -160,7 +161,11 @@ def serve(
     do_search: Annotated[bool, typer.Option("--search", help="Search layouts and batches.")] = False,
     batching: Annotated[str, typer.Option(help="continuous (chunked prefill) | static.")] = "continuous",
     do_simulate: Annotated[bool, typer.Option("--simulate", help="Poisson-arrival simulation.")] = False,
-    rate: Annotated[float | None, typer.Option(help="Arrivals per second for --simulate.")] = None,
+    rate: Annotated[float | None, typer.Option(help="Arrivals per second for --simulate (a Poisson process; inf sends "
+                                                  "every request at t = 0). With --concurrency it defaults to inf, "
+                                                  "and a request goes out at its arrival or when one of the clients' "
+                                                  "requests finishes, whichever is later (vLLM benchmark_serving "
+                                                  "--request-rate with --max-concurrency).")] = None,
     requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients over the deployment (each finished "
                                                          "request is replaced at once): the closed form ranks every "
@@ -240,8 +245,10 @@ def serve(
     if do_simulate:
         _choice("--input-dist", input_dist, DISTRIBUTIONS)
         _choice("--output-dist", output_dist, DISTRIBUTIONS)
+        if rate is None and concurrency is None:
+            fail("--simulate needs --rate (requests per second) or --concurrency (closed-loop clients)")
         if rate is None:
-            fail("--simulate needs --rate (requests per second)")
+            rate = math.inf  # closed loop at full speed: each client sends its next request as the last one ends
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,

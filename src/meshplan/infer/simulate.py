@@ -10,8 +10,10 @@ Arrivals, as serving benchmarks issue them: a Poisson process at `rate` requests
 request at t = 0 (TensorRT-LLM's "QPS INF", vLLM benchmark_serving's default --request-rate inf); request lengths are
 fixed at the workload's means, drawn from a distribution, or replayed from a benchmark's own sample (a length trace:
 a dataset's requests differ in length, and the longest ones set how long a closed batch of them runs); `concurrency`
-C makes the client closed-loop (vLLM --max-concurrency, NIM/GenAI-Perf concurrency): C requests in flight, each
-finished one replaced at once by the next, the first C all sent at t = 0. A request joins the first step scheduled
+C caps the requests in flight (vLLM --max-concurrency, NIM/GenAI-Perf concurrency): request j is sent at its time in
+the arrival process or as soon as one of the C in flight finishes, whichever is later (vLLM benchmark_serving: each
+request waits for its Poisson time, then for the semaphore), so at an infinite rate the first C go at t = 0 and each
+finished one is replaced at once. A request joins the first step scheduled
 after it arrives: a replacement misses the step the engine schedules as its predecessor ends, and an engine that
 schedules one step ahead (config.schedules_ahead) picks each step's batch as the previous step starts.
 A request's `arrival` is when the engine can see it; where the layout names a server path (config.frontend), each
@@ -74,6 +76,7 @@ class _Req:
     arrival: float
     inp: int
     out: int
+    sent: float = 0.0  # its time in the arrival process (a closed loop sends it no earlier)
     prefilled: int = 0
     prompt: int = 0  # tokens the prefill pass covers (config.prefill_len), set when a replica takes the request
     generated: int = 0
@@ -151,7 +154,7 @@ def make_requests(spec: SimSpec, w: Workload) -> list[_Req]:
     else:
         ins = _lengths(rng, spec.input_dist, w.input_len, spec.n_requests)
         outs = _lengths(rng, spec.output_dist, w.output_len, spec.n_requests)
-    return [_Req(float(a), int(i), int(o)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
+    return [_Req(float(a), int(i), int(o), float(a)) for a, i, o in zip(arrivals, ins, outs, strict=True)]
 
 
 class _Replica:
@@ -192,7 +195,7 @@ class _Replica:
         return sum(self._kv_tokens_of(x) for x in running) + self._kv_tokens_of(r) <= self.kv_tokens
 
     def run(self, reqs: list[_Req]) -> None:
-        if self.concurrency is not None:  # closed loop: request j >= C is sent when the (j-C)-th one finishes
+        if self.concurrency is not None:  # closed loop: request j >= C waits for the (j-C)-th one to finish
             for r in reqs[self.concurrency:]:
                 r.arrival = math.inf
         for r in reqs:  # LMDeploy TurboMind prefills all but the prompt's last token (config.prefill_len)
@@ -232,9 +235,11 @@ class _Replica:
             held = finished if self.ahead else 0
             if self.concurrency is not None:
                 # the client sees the last token after its way out of the server and its next request reaches the
-                # engine after the way in: together the server path's first-token latency (frontend_first_token_s)
+                # engine after the way in: together the server path's first-token latency (frontend_first_token_s);
+                # no earlier than its own time in the arrival process. Both are non-decreasing in j, so the requests
+                # still reach the engine in order
                 for j in range(done + self.concurrency, min(done + finished + self.concurrency, len(reqs))):
-                    reqs[j].arrival = t + self.frontend_s
+                    reqs[j].arrival = max(reqs[j].sent, t + self.frontend_s)
                 done += finished
 
     def _step(self, running: list[_Req], t: float) -> float:
