@@ -18,7 +18,6 @@ from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
-from meshplan.infer.config import default_token_budget
 from meshplan.specs._load import read_text
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -274,15 +273,12 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
     if sj.max_model_len is not None and input_len + output_len > sj.max_model_len:
         fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
              f"{sj.max_model_len}")
-    chip = load_chip(hardware)
-    # SGLang under attention DP divides --chunked-prefill-size over the ranks (server_args.py); meshplan's default
-    # budget applies per rank
-    per_rank = sj.chunk_tokens // sj.tp if sj.chunk_tokens and sj.attention_dp and sj.framework == "sglang" \
-        else sj.chunk_tokens
-    if sj.chunk_tokens and sj.mode == "continuous" and per_rank != default_token_budget(chip):
-        sj.notes.append(f"the file's chunked-prefill budget {sj.chunk_tokens} is timed as meshplan's "
-                        f"{default_token_budget(chip)}-token step")
-    kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile)
+    # timed as the file's engine runs it: that engine's defaults (serve --engine) and the file's own step token budget
+    # where it sets one (its replica-wide value: the engine preset says whether attention-DP ranks divide it, as
+    # SGLang's server_args.py does, or each take it whole)
+    budget = sj.chunk_tokens if sj.chunk_tokens and sj.mode == "continuous" else None
+    kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile, engine=sj.framework,
+              max_num_batched_tokens=budget)
     yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep,
                          attention_dp=sj.attention_dp, **kw)
     best = plan_serving(name, hardware, n, input_len, output_len, do_search=True, **kw)

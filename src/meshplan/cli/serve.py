@@ -11,6 +11,7 @@ from rich.table import Table
 
 from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
+from meshplan.export import SERVE as SERVE_EXPORTS
 from meshplan.infer.config import (
     FRONTENDS,
     ServeConfig,
@@ -240,6 +241,15 @@ def serve(
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
     _choice("--engine", engine, engine_names())
+    if export is not None:
+        # the launch's own engine times the plan: its defaults (step token budget, KV sizing, scheduler) are the ones
+        # the written command runs with
+        _choice("--export", export, SERVE_EXPORTS)
+        if engine == "default":
+            engine = export
+        elif base_engine(engine) != export:
+            fail(f"--export {export} writes a {export} launch, but --engine {engine} times another engine: drop "
+                 f"--engine or export {base_engine(engine)}")
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
     if do_simulate:
