@@ -84,7 +84,8 @@ def test_framework_flag_through_the_cli(capsys):
 
     args = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "8192",
             "--global-batch", "16", "--fsdp", "8", "--dp", "1", "--tp", "1", "--pp", "1", "--cp", "1",
-            "--microbatch", "2", "--recompute", "full", "--json"]
+            "--microbatch", "2", "--recompute", "full", "--offload", "0", "--offload-optimizer", "0",
+            "--offload-params", "0", "--json"]  # the layout torchtitan runs (no host offload), pinned whole
     code, out, _ = run_cli(args, capsys)
     code2, out2, _ = run_cli(args + ["--framework", "torchtitan"], capsys)
     code3, out3, _ = run_cli(args + ["--framework", "torchtitan", "--fused-loss"], capsys)

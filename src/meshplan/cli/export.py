@@ -23,6 +23,7 @@ from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.config import ParallelConfig
 from meshplan.train.costmodel import Options
+from meshplan.train.frameworks import framework_options
 from meshplan.train.planner import plan
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_time
@@ -56,12 +57,62 @@ def _out_dir(out: str | None) -> Path:
     return d
 
 
+def framework_exporter(framework: str | None) -> str | None:
+    """The exporter of a --framework preset (nemo@24.07 -> nemo), or None where the preset has none."""
+    name = (framework or "").partition("@")[0]
+    return name if name in TRAIN else None
+
+
 def export_pins(export: str | None, pins: Pins) -> Pins:
     """Restrict the search to what the framework can run, where the user did not pin that degree."""
     if export is None:
         return pins
     fixed = {k: v for k, v in getattr(TRAIN[export], "PINS", {}).items() if getattr(pins, k) is None}
     return replace(pins, **fixed)
+
+
+def expressible_plans(name: str, problem: Problem, result, opts: Options, model_arg: str,
+                      more=None) -> tuple[list[tuple[int, dict, str, str]], list[str]]:
+    """The ranked plans framework `name` can run, each as (rank among all plans, plan, file name, file text), and the
+    refusals of the higher-ranked ones ('#i: reason'). The exporter is the judge (export_train: it writes the file,
+    reads it back and refuses a file that would describe another plan), so `--framework` rankings, `--export` and the
+    written file agree. `more(top)` ranks up to 100 plans when none of those shown can be run."""
+    plans, start, out, refusals = result.plans, 0, [], []
+    for attempt in (1, 2):
+        for i in range(start + 1, len(plans) + 1):
+            cfg = ParallelConfig(**plans[i - 1]["config"])
+            try:
+                fname, text = export_train(name, PlanToExport(problem, cfg, opts, plans[i - 1], command_line(),
+                                                              model_arg))
+            except MeshplanError as exc:
+                refusals.append(f"#{i}: {exc}")
+                continue
+            out.append((i, plans[i - 1], fname, text))
+        if out or attempt == 2 or more is None or len(plans) >= 100:
+            break
+        start, plans = len(plans), more(100).plans
+    return out, refusals
+
+
+def framework_plans(framework: str | None, problem: Problem, result, opts: Options, model_arg: str, more=None):
+    """`result` with only the plans `--framework` can run, where the framework has an exporter (the others
+    unchanged), and the note saying what was skipped; an error when none can run."""
+    name = framework_exporter(framework)
+    if name is None:
+        return result, None
+    # the layout is judged, not the behaviour: a release preset (nemo@24.07) or a flag the user gave (--no-pp-overlap)
+    # changes how a plan runs, which the current release's file cannot say but the framework can still run; so the
+    # exporter judges each layout under its own preset's behaviour
+    own = framework_options(PRESET[name], Options(compute_dtype=opts.compute_dtype, headroom=opts.headroom), {})
+    ok, refusals = expressible_plans(name, problem, result, own, model_arg, more)
+    if not ok:
+        raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan {name} can run")
+    kept = replace(result, plans=[p for _, p, _, _ in ok][:max(len(result.plans), 1)])
+    note = None
+    if refusals:
+        note = (f"{len(refusals)} higher-ranked or listed layout(s) skipped: {name} cannot run them "
+                f"({refusals[0].split(': ', 1)[1]})")
+    return kept, note
 
 
 def write_train_export(export: str, out: str | None, rank: int | None, problem: Problem, result, opts: Options,
@@ -72,30 +123,22 @@ def write_train_export(export: str, out: str | None, rank: int | None, problem: 
     plans = result.plans
     if rank is not None and not 1 <= rank <= len(plans):
         fail(f"--rank must be between 1 and {len(plans)} (the plans shown; raise --top for more), got {rank}")
-    candidates = [rank] if rank is not None else range(1, len(plans) + 1)
-    refusals: list[str] = []
-    for attempt in (1, 2):
-        for i in candidates:
-            cfg = ParallelConfig(**plans[i - 1]["config"])
-            pe = PlanToExport(problem, cfg, opts, plans[i - 1], command_line(), model_arg)
-            try:
-                name, text = export_train(export, pe)
-            except MeshplanError as exc:
-                if rank is not None:
-                    raise
-                refusals.append(f"#{i}: {exc}")
-                continue
-            path = d / name
-            path.write_text(text)
-            skipped = f"; plans #1-#{i - 1} use what {export} cannot express ({refusals[0]})" if refusals else ""
-            err_console.print(f"wrote {path} ({export}, plan #{i}: {cfg.describe()}{skipped})", markup=False,
-                              highlight=False)
-            return path
-        if attempt == 1 and more is not None and len(plans) < 100:
-            shown = len(plans)
-            plans = more(100).plans
-            candidates = range(shown + 1, len(plans) + 1)
-    raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan to export to {export}")
+    if rank is not None:
+        cfg = ParallelConfig(**plans[rank - 1]["config"])
+        name, text = export_train(export, PlanToExport(problem, cfg, opts, plans[rank - 1], command_line(), model_arg))
+        i, refusals = rank, []
+    else:
+        ok, refusals = expressible_plans(export, problem, result, opts, model_arg, more)
+        if not ok:
+            raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan to export to {export}")
+        i, plan_, name, text = ok[0]
+        cfg = ParallelConfig(**plan_["config"])
+    path = d / name
+    path.write_text(text)
+    skipped = f"; plans #1-#{i - 1} use what {export} cannot express ({refusals[0]})" if refusals else ""
+    err_console.print(f"wrote {path} ({export}, plan #{i}: {cfg.describe()}{skipped})", markup=False,
+                      highlight=False)
+    return path
 
 
 def _resolve_model(job_model: str | None, model: str | None, what: str):

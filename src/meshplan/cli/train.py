@@ -104,7 +104,7 @@ def train(
     framework: Annotated[str | None, typer.Option(
         help="Apply a framework's behaviour: megatron, nemo, torchtitan or maxtext (src/meshplan/train/"
              "frameworks.py), or NAME@VERSION for a release that behaved differently (e.g. nemo@24.07: TE delayed "
-             "scaling); explicit flags win.")] = None,
+             "scaling); explicit flags win. Only layouts the framework can run are ranked (its --export judges).")] = None,
     fused: Annotated[bool | None, typer.Option("--fused/--no-fused",
                                                help="Pointwise ops fused (torch.compile, XLA; default); --no-fused "
                                                     "for eager PyTorch.")] = None,
@@ -195,7 +195,7 @@ def train(
         help="Which plan --export writes (default: the best the framework can express).")] = None,
 ) -> None:
     """Search every parallel layout; predict step time, MFU, memory; explain the best."""
-    from meshplan.cli.export import export_pins, train_framework, train_from
+    from meshplan.cli.export import export_pins, framework_exporter, framework_plans, train_framework, train_from
 
     if from_file is None:
         for flag, v in (("--model", model), ("--hardware", hardware), ("--chips", chips), ("--seq-len", seq_len),
@@ -224,7 +224,8 @@ def train(
     pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=microbatch,
                 recompute=recompute, zero=zero, offload=offload, sequence_parallel=sequence_parallel,
                 offload_optimizer=offload_optimizer, offload_params=offload_params)
-    pins = export_pins(export, pins)
+    # the search keeps to what the framework can run (its exporter's PINS), for --export and for --framework alike
+    pins = export_pins(export or framework_exporter(framework), pins)
     if moe_node_limit is not None and moe_node_limit < 1:
         raise MeshplanError(f"--moe-node-limit must be at least 1 node, got {moe_node_limit}")
     _check_choice("--zero3-fetch", zero3_fetch, ("allgather", "broadcast"))
@@ -257,6 +258,10 @@ def train(
     eff = resolve_efficiency(problem.chip, profile)
     opts = framework_options(framework, Options(compute_dtype=dtype, headroom=headroom), explicit)
     result = plan(problem, pins, eff, opts, top=top, tokens=parse_tokens(tokens))
+    skipped = None
+    if export is None:  # --framework: rank only what the framework can run (its exporter judges, as --export does)
+        result, skipped = framework_plans(framework, problem, result, opts, model,
+                                          more=lambda n: plan(problem, pins, eff, opts, top=n))
     if export:
         from meshplan.cli.export import write_train_export
 
@@ -275,6 +280,8 @@ def train(
                       microbatch=microbatch, recompute=recompute, zero=zero)
         write_html(html, train_view(result.as_dict(), inputs, mfu_scaling(problem, pins, eff, opts)))
     out = result.as_dict()
+    if skipped:
+        out["framework_skipped"] = skipped
     if ideal:  # book ch.6: model FLOPs / (N x C) at the bf16 peak, the MFU basis (DESIGN.md)
         for p in out["plans"]:
             p["book_ideal"] = ideal_training(p, chips, problem.chip.peak("bf16"))
@@ -284,6 +291,8 @@ def train(
                                        "global_batch": global_batch, "framework": framework}})
         return
     show(problem, result, opts)
+    if skipped:
+        console.print(f"note: {skipped}", markup=False, highlight=False)
     if ideal and out["plans"]:
         b, p = out["plans"][0]["book_ideal"], out["plans"][0]
         console.print(f"book (ideal, ch.6): step {fmt_time(b['step_time_s'])} at MFU 1 (peak FLOPs, comms hidden, "

@@ -42,7 +42,7 @@ from meshplan.train.frameworks import FRAMEWORKS
 from meshplan.train.space import Pins
 
 NAME = "maxtext"
-PINS = {"zero": 0, "offload": 0.0}  # what a MaxText config cannot say (REASONS)
+PINS = {"zero": 0, "offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # what a MaxText config cannot say (REASONS)
 SUFFIX = ".yml"
 # meshplan recompute -> remat_policy (layers/decoders.py): "minimal" saves the matmul outputs without batch
 # dimensions, so the attention core (QK^T, AV) and the pointwise ops are recomputed (Korthikanti's selective);

@@ -26,7 +26,7 @@ from meshplan.export.common import (
 from meshplan.train.space import Pins
 
 NAME = "megatron"
-PINS = {"offload": 0.0}  # what pretrain_gpt.py cannot do (REASONS)
+PINS = {"offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # what pretrain_gpt.py cannot do (REASONS; the file states no model-state offload)
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".sh"
 # behaviour pretrain_gpt.py switches on: (Options changes, the flags to add); `--from` predicts each

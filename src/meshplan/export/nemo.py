@@ -30,7 +30,7 @@ from meshplan.export.megatron import REASONS as MEGATRON_REASONS
 from meshplan.train.space import Pins
 
 NAME = "nemo"
-PINS = {"offload": 0.0}  # as Megatron
+PINS = {"offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # as Megatron
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".yaml"
 SWITCHES = {

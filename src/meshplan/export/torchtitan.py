@@ -27,7 +27,7 @@ from meshplan.export.common import (
 from meshplan.train.space import Pins
 
 NAME = "torchtitan"
-PINS = {"zero": 0, "offload": 0.0}  # what a torchtitan job cannot do (REASONS)
+PINS = {"zero": 0, "offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # what a torchtitan job cannot do (REASONS)
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".toml"
 # behaviour a torchtitan file switches on: (Options changes, the keys to set); `--from` predicts each
