@@ -126,3 +126,20 @@ def test_cli_matmul_bad_sizes(capsys):
     code, _, err = run_cli(["matmul", "-h", "h100-sxm", "--chips", "8", "--mesh", "tensor=8", "--lhs", "B,D:tensor",
                             "--rhs", "D:tensor,F", "--sizes", "B=8,D=-1,F=8"], capsys)
     assert code == 2 and err.startswith("error:")
+
+
+def test_realistic_local_gemm_is_the_roofline_commands_realistic_time():
+    # session 21, QA finding: `matmul` printed the local GEMM at the peak (2 x 8192 x 8192 x 3584 / 989e12 = 486 us on
+    # an H100) as its realistic time, while `roofline` timed the same GEMM at its kernel efficiency
+    from meshplan.cost import roofline as rf
+    from meshplan.cost.efficiency import default_efficiency
+
+    chip = load_chip("h100-sxm")
+    m = map_mesh(make_cluster(chip, 8), {"tensor": 8})
+    sizes = {"B": 8192, "D": 8192, "F": 28672}
+    ideal = sharded_matmul("B,D", "D,F:tensor", sizes, m, ideal=True)
+    real = sharded_matmul("B,D", "D,F:tensor", sizes, m)
+    assert ideal.compute_s == pytest.approx(2 * 8192 * 8192 * 3584 / 989e12)
+    op = rf.matmul(8192, 8192, 3584)
+    assert real.compute_s == pytest.approx(rf.realistic_time_s(op, chip, default_efficiency(chip)))
+    assert real.compute_s > ideal.compute_s

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost import roofline as rf
 from meshplan.cost.collectives import CollectiveCost, collective, placement_cost
+from meshplan.cost.efficiency import Efficiency, default_efficiency
 from meshplan.cost.topology import MeshMapping
 from meshplan.errors import MeshplanError
 from meshplan.math.transformer import dtype_bytes
@@ -231,10 +232,13 @@ def _local_dims(plan: _Plan, J: str, sizes, mapping) -> tuple[float, float, floa
     return loc(_op(plan.lhs, J, False)), sizes[J] / math.prod(mapping.axes[a] for a in j), loc(_op(plan.rhs, J, False))
 
 
-def _evaluate(plan, J, sizes, mapping, wb, output, dtype, ideal, case, lhs, rhs) -> ShardedMatmul:
+def _evaluate(plan, J, sizes, mapping, wb, output, dtype, ideal, case, lhs, rhs, eff) -> ShardedMatmul:
     steps, out = _finish(plan, J, sizes, mapping, wb, output)
     shape = _local_dims(plan, J, sizes, mapping)
-    compute = rf.roofline(rf.matmul(*shape, lhs_dtype=dtype, rhs_dtype=dtype), mapping.cluster.chip).t_lower_s
+    op, chip = rf.matmul(*shape, lhs_dtype=dtype, rhs_dtype=dtype), mapping.cluster.chip
+    # the book's roofline floor (ideal), else the same realistic GEMM time `meshplan roofline` prints (the kernel's
+    # shape-dependent efficiency and launch), as the collectives beside it are realistic
+    compute = rf.roofline(op, chip).t_lower_s if ideal else rf.realistic_time_s(op, chip, eff)
     comm = tuple(CommStep(k, ax, V, why, collective(k, V, mapping, ax, ideal=ideal)) for k, ax, V, why in steps)
     t_comm = sum(s.cost.time_s for s in comm)
     label = plan.label if comm else "local matmul, no communication"
@@ -255,11 +259,13 @@ def _case(lhs: Operand, rhs: Operand, J: str, case4: bool) -> int:
 
 
 def sharded_matmul(lhs: Operand | str, rhs: Operand | str, sizes: dict[str, int], mapping: MeshMapping, *,
-                   dtype: str = "bf16", output: str = "replicated", ideal: bool = False) -> ShardedMatmul:
+                   dtype: str = "bf16", output: str = "replicated", ideal: bool = False,
+                   eff: Efficiency | None = None) -> ShardedMatmul:
     """The cheapest way (book ch.3 §4.2) to multiply two sharded operands on `mapping`.
 
     `output`: 'replicated' reduces partial sums with AllReduce, 'sharded' with ReduceScatter (scattered
-    over the largest output dim). Every candidate's time is in `alternatives`."""
+    over the largest output dim). Every candidate's time is in `alternatives`. `ideal`: the book's floors (peak FLOPs,
+    ideal links); else realistic, with `eff` (default: the chip's default efficiencies)."""
     lhs = parse_operand(lhs) if isinstance(lhs, str) else tuple(lhs)
     rhs = parse_operand(rhs) if isinstance(rhs, str) else tuple(rhs)
     if output not in ("replicated", "sharded"):
@@ -269,7 +275,8 @@ def sharded_matmul(lhs: Operand | str, rhs: Operand | str, sizes: dict[str, int]
     base = _Plan([[n, a] for n, a in lhs], [[n, a] for n, a in rhs], [])
     case4 = _fix_case4(base, J, sizes, mapping, wb)
     case = _case(lhs, rhs, J, case4)
-    results = [_evaluate(p, J, sizes, mapping, wb, output, dtype, ideal, case, lhs, rhs)
+    eff = eff or default_efficiency(mapping.cluster.chip)
+    results = [_evaluate(p, J, sizes, mapping, wb, output, dtype, ideal, case, lhs, rhs, eff)
                for p in _candidates(base, J, sizes, mapping, wb)]
     results.sort(key=lambda r: (r.time_overlapped_s, r.comm_s))
     alts = tuple((r.strategy, r.time_overlapped_s) for r in results)
