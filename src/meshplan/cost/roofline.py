@@ -165,6 +165,13 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
     # keys per query: seq_len (halved by the causal mask) or, with sliding-window/chunked layers, their mean over
     # the layers (math/transformer.mean_attended_keys), timed as that many keys unmasked
     keys, masked = (mean_attended_keys(m, seq_len, causal), False) if m.has_windows else (seq_len, causal)
+    q_seqs, q_len = seqs, seq_len
+    if tokens < seq_len:
+        # fewer tokens than one sequence (a prompt chunk, decode steps, a context-parallel shard): they are the
+        # newest `tokens` queries of one sequence, each attending its whole context, whose keys and values are all
+        # read (book ch.7: decode attention reads the cache); session 21, QA finding: counting the keys of only
+        # `tokens` positions made 64 queries over a 4,096-token context look compute-bound
+        q_seqs, q_len, masked = 1.0, tokens, False
     ops = [elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype)]
     if m.is_mla:
         # DeepSeek-V2 §2.1: latent down-projections, per-head up-projections (keys and values up-projected as in
@@ -178,12 +185,12 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
                        rhs_dtype=dtype),
                 matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
                        rhs_dtype=dtype),
-                attention(seqs, seq_len, keys, N, N, max(1, round(attention_pair_width(m) / 2)),
+                attention(q_seqs, q_len, keys, N, N, max(1, round(attention_pair_width(m) / 2)),
                           causal=masked, dtype=dtype, name="attn/core"),
                 matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     else:
         ops += [matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
-                attention(seqs, seq_len, keys, m.n_heads, m.n_kv_heads, m.head_dim, causal=masked,
+                attention(q_seqs, q_len, keys, m.n_heads, m.n_kv_heads, m.head_dim, causal=masked,
                           dtype=dtype, name="attn/core"),
                 matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     ops.append(elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype))
