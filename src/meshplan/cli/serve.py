@@ -14,6 +14,7 @@ from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.export import SERVE as SERVE_EXPORTS
 from meshplan.infer.config import (
     FRONTENDS,
+    WEIGHT_DTYPES,
     ServeConfig,
     Workload,
     base_engine,
@@ -21,6 +22,7 @@ from meshplan.infer.config import (
     check_workload,
     engine_names,
     engine_token_budget,
+    native_weight_dtype,
     replica_token_budget,
     step_token_budget,
 )
@@ -49,7 +51,7 @@ def _pins(tp: int | None, pp: int | None, ep: int | None, do_search: bool) -> tu
 
 
 def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_len: int, *, batch: int | None = None,
-                 tp: int | None = None, pp: int | None = None, ep: int | None = None, quant: str = "bf16",
+                 tp: int | None = None, pp: int | None = None, ep: int | None = None, quant: str | None = None,
                  kv_quant: str = "bf16", tpot_target: float | None = None, ttft_target: float | None = None,
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
@@ -60,6 +62,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
     or --tp --pp --ep) runs without it, a search tries both for MoE models."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
+    quant = quant or native_weight_dtype(m)  # unset: the weights as the released checkpoint ships them
     if base_engine(engine) in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
         # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
         fail(f"--engine {engine} runs on GPUs, not on {chip.name} (a TPU): use vllm, sglang or default")
@@ -155,7 +158,9 @@ def serve(
         help="MoE models: attention data parallel over the tp chips, experts over the same chips (SGLang "
              "--enable-dp-attention, TensorRT-LLM enable_attention_dp, vLLM --data-parallel-size with "
              "--enable-expert-parallel). Default: searched for MoE models, off for a pinned --tp.")] = None,
-    quant: Annotated[str, typer.Option(help="Weights: bf16 | fp8 | int8 | int4.")] = "bf16",
+    quant: Annotated[str | None, typer.Option(help="Weights: bf16 | fp8 | int8 | int4 | mxfp4 (the experts of an "
+                                                   "MXFP4 checkpoint, gpt-oss; the rest bf16). Default: the released "
+                                                   "checkpoint's (mxfp4 for gpt-oss, else bf16).")] = None,
     kv_quant: Annotated[str, typer.Option(help="KV cache: bf16 | fp8 | int8.")] = "bf16",
     tpot_target: Annotated[float | None, typer.Option(help="Time per output token target (s).")] = None,
     ttft_target: Annotated[float | None, typer.Option(help="Time to first token target (s).")] = None,
@@ -237,7 +242,8 @@ def serve(
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
         return
-    _choice("--quant", quant, ("bf16", "fp8", "int8", "int4"))
+    if quant is not None:
+        _choice("--quant", quant, WEIGHT_DTYPES)
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
     _choice("--batching", batching, MODES)
     _choice("--engine", engine, engine_names())

@@ -30,8 +30,10 @@ from meshplan.units import fmt_bytes, fmt_time
 KV = {"vllm": {"bf16": "auto", "fp8": "fp8"}, "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"},
       "trtllm": {"bf16": "auto", "fp8": "fp8"}}
 # weights: fp8 is each engine's online FP8 quantization of a bf16 checkpoint; int8/int4 weight-only need a
-# checkpoint quantized beforehand (AWQ/GPTQ/ModelOpt), whose method the file cannot choose for the user
-WEIGHTS = {"vllm": {"bf16": None, "fp8": "fp8"}, "sglang": {"bf16": None, "fp8": "fp8"}, "trtllm": {"bf16": None}}
+# checkpoint quantized beforehand (AWQ/GPTQ/ModelOpt), whose method the file cannot choose for the user; mxfp4 is a
+# checkpoint released in MXFP4 (gpt-oss), which every engine reads from its config.json with no flag
+WEIGHTS = {"vllm": {"bf16": None, "fp8": "fp8", "mxfp4": None}, "sglang": {"bf16": None, "fp8": "fp8", "mxfp4": None},
+           "trtllm": {"bf16": None, "mxfp4": None}}
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class ServeJob:
     ep: int = 1
     replicas: int = 1
     attention_dp: bool = False
-    quant: str = "bf16"
+    quant: str | None = None  # None: no --quantization, the checkpoint's own format (config.native_weight_dtype)
     kv_quant: str = "bf16"
     batch: int | None = None
     max_model_len: int | None = None
@@ -301,10 +303,10 @@ def load_engine(text: str) -> ServeJob:
         raise MeshplanError(f"{fw} --kv-cache-dtype '{kv}' is not one meshplan models")
     job.kv_quant = back_kv[kv]
     q = vals.get("quant")
-    if q not in (None, "fp8", "None"):
+    if q not in (None, "fp8", "None", "mxfp4"):
         raise MeshplanError(f"{fw} --quantization {q}: the weight format of a pre-quantized checkpoint; give "
                             "--quant int8 or int4 to time it")
-    job.quant = "fp8" if q == "fp8" else "bf16"
+    job.quant = q if q in ("fp8", "mxfp4") else None
     chunk = num("chunk", None)
     job.mode = "static" if ("--no-enable-chunked-prefill" in switches or (fw == "sglang" and chunk == -1)) \
         else "continuous"

@@ -23,7 +23,9 @@ from meshplan.math.transformer import dtype_bytes
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
-WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+# mxfp4: the routed experts of a checkpoint released in OCP MX FP4 (gpt-oss), every other weight in bf16, as the
+# engines serve such a checkpoint as it ships (ModelConfig.expert_weight_dtype)
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4", "mxfp4")
 KV_DTYPES = ("bf16", "fp8", "int8")
 SERVING_FILE = Path(__file__).resolve().parents[1] / "cost" / "data" / "serving.yaml"
 
@@ -92,6 +94,12 @@ class ServeConfig:
 
     @property
     def weight_bytes(self) -> float:
+        """Bytes per weight, the routed experts' aside (expert_weight_bytes): an MXFP4 checkpoint keeps the rest bf16."""
+        return dtype_bytes("bf16" if self.weight_dtype == "mxfp4" else self.weight_dtype)
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        """Bytes per routed-expert weight: 4.25 bits under mxfp4 (32 E2M1 values and one E8M0 scale, OCP MX v1.0)."""
         return dtype_bytes(self.weight_dtype)
 
     @property
@@ -365,6 +373,9 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
         raise MeshplanError(f"unknown weight quantization '{cfg.weight_dtype}' (known: {', '.join(WEIGHT_DTYPES)})")
     if cfg.kv_dtype not in KV_DTYPES:
         raise MeshplanError(f"unknown KV-cache quantization '{cfg.kv_dtype}' (known: {', '.join(KV_DTYPES)})")
+    if cfg.weight_dtype == "mxfp4" and m.expert_weight_dtype != "mxfp4":
+        raise MeshplanError(f"mxfp4 is the expert format of a checkpoint released in MXFP4 (gpt-oss); {m.name} ships "
+                            "its weights in bf16: plan --quant fp8, int8 or int4")
     check_engine(cfg.engine)
     if cfg.frontend is not None and cfg.frontend not in FRONTENDS:
         raise MeshplanError(f"unknown server path '{cfg.frontend}' (known: {', '.join(FRONTENDS)})")
@@ -403,3 +414,9 @@ def _check_ep(m: ModelConfig, cfg: ServeConfig) -> None:
         raise InfeasibleError(f"ep={cfg.ep} needs a mixture-of-experts model; {m.name} is dense")
     if cfg.tp % cfg.ep or m.n_experts % cfg.ep:
         raise InfeasibleError(f"ep={cfg.ep} must divide tp={cfg.tp} and the {m.n_experts} experts")
+
+
+def native_weight_dtype(m: ModelConfig) -> str:
+    """The weight format a model's released checkpoint is served in: mxfp4 where its experts ship in MXFP4
+    (gpt-oss: `quantization_config.quant_method` mxfp4 in config.json), else bf16."""
+    return "mxfp4" if m.expert_weight_dtype == "mxfp4" else "bf16"

@@ -12,7 +12,12 @@ from __future__ import annotations
 from meshplan.cost.roofline import critical_batch, moe_critical_batch
 from meshplan.infer import bounds as bd
 from meshplan.infer.config import ServeConfig, Workload
-from meshplan.math.transformer import dtype_bytes, kv_cache_bytes_per_token, matmul_params_active, param_counts
+from meshplan.math.transformer import (
+    kv_cache_bytes_per_token,
+    matmul_params_active,
+    native_weight_bytes,
+    param_counts,
+)
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -50,7 +55,8 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     moves with batch, and on TPUs the 2D weight-stationary comparison of one MLP (ch.7 Q7)."""
     n = cfg.chips_per_replica
     params, active = param_counts(m).total, matmul_params_active(m)
-    pbytes = bd.weight_bytes(params, cfg.weight_dtype)
+    # an MXFP4 checkpoint (gpt-oss) as released: experts in MXFP4, the rest bf16 (math/transformer.native_weight_bytes)
+    pbytes = native_weight_bytes(m) if cfg.weight_dtype == "mxfp4" else bd.weight_bytes(params, cfg.weight_dtype)
     # per token, averaged over the context (windowed layers keep at most their window)
     kv_tok = kv_cache_bytes_per_token(m, cfg.kv_dtype, w.input_len + w.output_len)
     C, W = chip.peak(cfg.compute_dtype(chip)), chip.hbm_bandwidth_bytes_per_s
@@ -60,7 +66,7 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     ttft = max(2.0 * active * w.input_len / (n * C), bd.min_decode_latency(pbytes, n, W))
     max_b = bd.ideal_max_decode_batch(n * chip.hbm_bytes, pbytes, bd.kv_bytes_per_sequence(
         kv_tok, w.input_len + w.output_len))
-    wb = dtype_bytes(cfg.weight_dtype)
+    wb = cfg.expert_weight_bytes if m.is_moe else cfg.weight_bytes  # the bytes the critical batch trades against
     b_crit = (moe_critical_batch(C, W, m.n_experts, m.experts_per_token, wb) if m.is_moe
               else critical_batch(C, W, wb))
     # ch.7 Q7 counts torus axes (W = bidirectional ICI per axis); a GPU's NVSwitch has no axes to split over

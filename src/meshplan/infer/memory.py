@@ -116,10 +116,19 @@ def embedding_params_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
     return held / cfg.attention_tp + pc.final_norm
 
 
+def routed_expert_params_per_chip(m: ModelConfig, tp: int, pp: int = 1) -> float:
+    """One (mean) layer's routed-expert parameters on one chip: E experts of 3·D·F split tp ways (E/ep whole experts
+    of F/(tp/ep) each under EP; the same count), in the stage's MoE share of layers."""
+    return moe_layer_share(m, pp) * m.n_experts * expert_params(m) / tp if m.is_moe else 0.0
+
+
 def weight_bytes_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:
-    """Weights on the most loaded chip of a replica."""
-    layers = layers_per_stage(m, cfg.pp) * layer_weight_params_per_chip(m, cfg.tp, cfg.pp, cfg.attention_dp)
-    return (layers + embedding_params_per_chip(m, cfg)) * cfg.weight_bytes
+    """Weights on the most loaded chip of a replica; the routed experts at their own format
+    (ServeConfig.expert_weight_bytes: MXFP4 in gpt-oss's checkpoint)."""
+    n = layers_per_stage(m, cfg.pp)
+    routed = n * routed_expert_params_per_chip(m, cfg.tp, cfg.pp)
+    layers = n * layer_weight_params_per_chip(m, cfg.tp, cfg.pp, cfg.attention_dp)
+    return (layers - routed + embedding_params_per_chip(m, cfg)) * cfg.weight_bytes + routed * cfg.expert_weight_bytes
 
 
 def kv_bytes_per_token_per_chip(m: ModelConfig, cfg: ServeConfig) -> float:

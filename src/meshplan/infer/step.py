@@ -275,7 +275,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     cdt = cfg.compute_dtype(chip)
     # weights streamed: every layer (routed experts only where hit by the replica's tokens) and the vocab-sharded
     # output projection (whole under attention DP); the embedding table is a gather of a few rows, not a read
-    weights = Ls * (lp.dense + lp.routed_expert * touched_experts(m, tokens)) + m.d_model * m.vocab_size / atp
+    dense_weights = Ls * lp.dense + m.d_model * m.vocab_size / atp
+    routed_weights = Ls * lp.routed_expert * touched_experts(m, tokens)
     # windowed layers read at most their window of cached keys; a prompt's queries attend the keys of
     # `mean_attended_keys` (prefill_ctx is the causal mean T/2 of a T-token prompt)
     # a dense cache: decode attention reads every slot of the sequence's cache, written or not
@@ -295,7 +296,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     decode_pair = attention_pair_width(m, absorbed=True)
     attn_flops = 2.0 * Ls * m.n_heads / atp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
-    t_w = weights * cfg.weight_bytes / W
+    # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes
+    t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes) / W
     t_mm = 0.0
     if tokens > 0:
         # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows (the rank's under
