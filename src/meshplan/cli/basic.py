@@ -97,10 +97,10 @@ def hardware(
     for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h",
                 "price basis"):
         t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left", no_wrap=col == "HBM")
-    for c in chips:
+    for c in chips:  # HBM: the datasheet's decimal GB, then what an allocator gets in GiB
         p = c.peak_flops_per_s
         t.add_row(c.name, *(fmt_rate(p[d], "FLOP") if d in p else "—" for d in ("bf16", "fp8", "int8")),
-                  f"{fmt_bytes(c.hbm_bytes)} ({fmt_bytes(c.usable_hbm_bytes)} usable)", fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
+                  f"{c.hbm_bytes / 1e9:.0f} GB ({fmt_bytes(c.usable_hbm_bytes)} usable)", fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
                   fmt_rate(c.links.fast_bandwidth_bytes_per_s, "B"),
                   ("x".join(map(str, c.links.max_slice_shape)) + " torus") if c.links.is_torus
                   else f"{c.links.nvlink_domain_size} NVLink",
