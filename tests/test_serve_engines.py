@@ -134,3 +134,21 @@ def test_engine_allreduce_within_published_kernel_latencies(tp, n):
     vllm_us, sgl_us = _SGL_2904[tp][n]
     t_us = _allreduce_s(H100, ServeConfig(tp=tp), 4 * n, tp) * 1e6
     assert 0.85 * sgl_us <= t_us <= 1.15 * vllm_us
+
+
+def test_engine_and_server_path_combinations_the_engines_cannot_run(capsys):
+    # session 21, QA finding: an int8 KV cache under vLLM (its --kv-cache-dtype takes auto or fp8 variants) and the
+    # TensorRT-LLM Triton ensemble in front of vLLM were timed as if they existed
+    from conftest import run_cli
+
+    base = ["serve", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len", "100",
+            "--output-len", "100"]
+    for extra, words in ((["--engine", "vllm", "--kv-quant", "int8"], "int8 KV"),
+                         (["--engine", "sglang", "--kv-quant", "int8"], "int8 KV"),
+                         (["--engine", "vllm", "--frontend", "triton-ensemble"], "drives trtllm")):
+        code, _, err = run_cli([*base, *extra], capsys)
+        assert code == 2 and err.startswith("error:") and words in err and err.count("\n") == 1, extra
+    for extra in (["--engine", "trtllm", "--kv-quant", "int8"], ["--engine", "trtllm@0.17", "--frontend",
+                                                                  "triton-ensemble"]):
+        code, _, _ = run_cli([*base, *extra], capsys)
+        assert code == 0, extra

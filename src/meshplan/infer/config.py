@@ -124,6 +124,13 @@ class ServeConfig:
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
 FRONTENDS = ("triton-ensemble", "vllm-openai")
+# the engine each server path drives: the TensorRT-LLM backend's ensemble (triton-inference-server/tensorrtllm_backend),
+# vLLM's OpenAI-compatible server (`vllm serve`)
+FRONTEND_ENGINES = {"triton-ensemble": "trtllm", "vllm-openai": "vllm"}
+# KV-cache dtypes an engine can allocate, where it cannot take them all: vLLM --kv-cache-dtype auto|fp8|fp8_e4m3|
+# fp8_e5m2 (vllm/config/cache.py CacheDType), SGLang --kv-cache-dtype auto|fp8_e5m2|fp8_e4m3 (server_args.py); neither
+# has an int8 cache
+ENGINE_KV_DTYPES = {"vllm": ("bf16", "fp8"), "sglang": ("bf16", "fp8")}
 
 
 def engine_releases() -> tuple[str, ...]:
@@ -379,6 +386,13 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
     check_engine(cfg.engine)
     if cfg.frontend is not None and cfg.frontend not in FRONTENDS:
         raise MeshplanError(f"unknown server path '{cfg.frontend}' (known: {', '.join(FRONTENDS)})")
+    base = base_engine(cfg.engine)
+    if cfg.frontend is not None and cfg.engine != "default" and FRONTEND_ENGINES[cfg.frontend] != base:
+        raise MeshplanError(f"the {cfg.frontend} server path drives {FRONTEND_ENGINES[cfg.frontend]}, not "
+                            f"{cfg.engine}: drop --frontend or use --engine {FRONTEND_ENGINES[cfg.frontend]}")
+    if cfg.kv_dtype not in ENGINE_KV_DTYPES.get(base, KV_DTYPES):
+        raise MeshplanError(f"{cfg.engine} has no {cfg.kv_dtype} KV cache (it allocates "
+                            f"{' or '.join(ENGINE_KV_DTYPES[base])}): use --kv-quant fp8")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     if cfg.dense_kv_cache is not None and cfg.dense_kv_cache <= 0:
