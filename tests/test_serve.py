@@ -231,3 +231,25 @@ def test_serving_accuracy_script_on_two_entries(tmp_path):
     assert res["summary"]["output_tokens_per_s"]["n"] == 2
     assert res["rows"][0]["predicted"]["kv_dtype"] == "fp8"
     assert abs(res["rows"][0]["error"]["tpot_s"]) < 0.3
+
+
+def test_disaggregated_text_shows_the_plan_it_sizes(capsys):
+    # session 21, QA finding: the text output printed only '1:1 (ratio 2.01)' under the colocated table; the pools, their
+    # TTFT/TPOT/throughput and which pool sets the rate were in --json alone
+    import json
+
+    from conftest import run_cli
+
+    args = ["serve", "--model", "llama3-70b", "--hardware", "h100-sxm", "--chips", "8", "--input-len", "2000",
+            "--output-len", "500", "--disaggregate"]
+    code, out, _ = run_cli([*args, "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)["disaggregated"]
+    code, text, _ = run_cli(args, capsys)
+    text = " ".join(text.split())
+    assert code == 0
+    assert f"{d['prefill_instances']}:{d['decode_instances']}" in text
+    assert f"{d['throughput_tokens_per_s']:,.0f}" in text and f"batch {d['decode_batch']}" in text
+    bound = "prefill-bound" if d["prefill_instances"] / d["decode_instances"] < d["prefill_per_decode_ratio"] \
+        else "decode-bound"
+    assert bound in text

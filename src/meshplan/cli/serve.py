@@ -338,7 +338,19 @@ def _print_table(o: dict) -> None:
         t.add_row("sim output throughput", f"{s['throughput_tokens_per_s']:,.0f} tok/s")
     if "disaggregated" in o:
         d = o["disaggregated"]
-        t.add_row("disaggregated prefill:decode instances", f"{d['prefill_instances']}:{d['decode_instances']} "
-                                                             f"(ratio {d['prefill_per_decode_ratio']:.2f})")
+        pc, dc = d["prefill_config"], d["decode_config"]
+        t.add_row("disaggregated prefill | decode pools",
+                  f"{d['prefill_instances']} x tp={pc['tp']} pp={pc['pp']} ({d['prefill_chips']} chips) | "
+                  f"{d['decode_instances']} x tp={dc['tp']} pp={dc['pp']} ({d['decode_chips']} chips), "
+                  f"batch {d['decode_batch']}")
+        # which pool sets the rate: the instances in hand against the ratio the two rates ask for (book ch.8)
+        have = d["prefill_instances"] / d["decode_instances"]
+        need = d["prefill_per_decode_ratio"]
+        bound = "prefill-bound" if have < need else "decode-bound"
+        t.add_row("disaggregated prefill:decode instances",
+                  f"{d['prefill_instances']}:{d['decode_instances']} ({have:.2f}; the rates ask for {need:.2f}: "
+                  f"{bound})")
+        t.add_row("disaggregated TTFT / TPOT", f"{fmt_time(d['ttft_s'])} / {fmt_time(d['tpot_s'])}")
+        t.add_row("disaggregated output tokens/s", f"{d['throughput_tokens_per_s']:,.0f}")
         t.add_row("KV transfer per request", fmt_time(d["kv_transfer_s"]))
     console.print(t)
