@@ -471,7 +471,8 @@ def test_serve_disaggregated_export_writes_both_pools(capsys, tmp_path):
 ])
 def test_serve_refuses_what_the_engine_cannot_express(engine, flags, words, capsys, tmp_path):
     code, _, err = run_cli(["serve", *SERVE, *flags, "--export", engine, "--out", str(tmp_path)], capsys)
-    assert code == 2 and err.startswith(f"error: {engine} cannot express this plan") and words in err
+    # refused by the exporter, or already by the engine preset --export implies (session 21: an int8 KV cache)
+    assert code == 2 and err.startswith(f"error: {engine} ") and words in err and err.count("\n") == 1
 
 
 def test_vllm_expert_parallel_spans_every_tp_rank(capsys, tmp_path):

@@ -253,3 +253,20 @@ def test_disaggregated_text_shows_the_plan_it_sizes(capsys):
     bound = "prefill-bound" if d["prefill_instances"] / d["decode_instances"] < d["prefill_per_decode_ratio"] \
         else "decode-bound"
     assert bound in text
+
+
+def test_a_prompt_longer_than_the_step_budget_holds_its_slot_for_its_chunks(capsys):
+    # session 21, QA finding: 100,000-token prompts, 100 output tokens, 4 sequences on one H100: throughput was B / step
+    # (every slot emitting a token every step) although each request spends its prompt's extra chunk steps without one.
+    # Hand count: 4 slots, 3 decodes beside a chunk -> 8,192 - 3 = 8,189 prompt tokens per step -> ceil(100,000 / 8,189)
+    # = 13 chunk steps, the last one yielding the first token, then 99 decode steps: 112 steps per request
+    import json
+
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["serve", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len",
+                            "100000", "--output-len", "100", "--batch", "4", "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    step = d["decode_step"]["time_s"]  # the mean step the batch runs (its chunk steps and pure decodes)
+    assert d["throughput_tokens_per_s"] == pytest.approx(4 * 100 / (112 * step))

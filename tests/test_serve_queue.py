@@ -33,10 +33,10 @@ def test_admission_queue_wait_by_hand():
 
 
 def _sixteen_slots(cfg):
-    """16 clients and 48 clients on an engine of 16 slots, and the steady step (16 tokens a step)."""
+    """16 clients and 48 clients on an engine of 16 slots, and the steady (mean) step."""
     full = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=16)
     over = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=48)
-    return full, over, 16 / full.throughput_tokens_per_s
+    return full, over, full.step.time_s
 
 
 def test_closed_form_clients_beyond_the_batch_limit():

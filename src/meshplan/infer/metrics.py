@@ -228,27 +228,40 @@ def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
     return share, step, pure
 
 
+def slot_turnover_steps(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) -> int:
+    """Steps one request holds a slot of the batch: its prompt's chunk steps (the last one yields the first token),
+    its O - 1 decode steps, and one more on an engine one step ahead (it reuses a freed slot a step later:
+    scheduler_wait_s). O steps for a prompt that fits one step; a prompt longer than the step budget holds its slot
+    for its extra chunks without a token (Sarathi-Serve chunked prefill, Agrawal et al. OSDI'24), which is what keeps
+    throughput x time in the system = sequences in the batch (Little's law) for long prompts."""
+    prompt = prefill_len(cfg, chip, w.input_len)
+    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, max(batch - 1, 0)))
+    chunks = math.ceil(prompt / chunk) if prompt > 0 else 1
+    first_decode = int(prompt < w.input_len)  # the first token from a decode step (engine_first_token_decode_step)
+    return w.output_len + max(chunks, 1) - 1 + first_decode + int(schedules_ahead(cfg, chip))
+
+
 def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
-    # steady state: B/O requests replaced per step, each with its prompt (mean_step_s); a request's own inter-token
-    # gaps carry the prompts of the other B-1 sequences (its own prompt is its TTFT)
-    share, chunk_step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, batch / w.output_len)
+    # steady state: each of the B slots takes a new request every `turnover` steps (slot_turnover_steps), each with its
+    # prompt (mean_step_s); a request's own inter-token gaps carry the prompts of the other B-1 sequences (its own
+    # prompt is its TTFT)
+    turnover = slot_turnover_steps(cfg, chip, w, batch)
+    share, chunk_step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, batch / turnover)
     mixed = _mix(share, chunk_step, pure)
     step_s = mixed.time_s
-    # each of the B slots turns over every O steps, one more on an engine one step ahead (it reuses a freed slot a
-    # step later: scheduler_wait_s)
-    requests_per_s = batch / ((w.output_len + int(schedules_ahead(cfg, chip))) * step_s)
+    requests_per_s = batch / (turnover * step_s)
     # clients beyond the batch limit wait for a slot (Little's law at the engine's request throughput)
     queue = admission_queue_wait_s(clients, batch, requests_per_s) if clients is not None and clients > batch else None
-    # in steady state each of the other B-1 sequences is replaced every O steps: their prompts arrive at
-    # (B-1) / (O * step) per second and queue ahead of a new one (a single client never waits behind itself)
-    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (w.output_len * step_s),
+    # in steady state each of the other B-1 sequences is replaced every `turnover` steps: their prompts arrive at
+    # (B-1) / (turnover * step) per second and queue ahead of a new one (a single client never waits behind itself)
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (turnover * step_s),
                            closed_loop, queue, step_residual_s(share, chunk_step.time_s, pure.time_s), pure)
     frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
-    tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / w.output_len, pure).time_s \
+    tpot = mean_step_s(m, chip, cfg, eff, w, batch, (batch - 1) / turnover, pure).time_s \
         if w.output_len > 1 else pure.time_s
-    return ttft, tpot, batch / step_s, frac, mixed, queue or 0.0
+    return ttft, tpot, requests_per_s * w.output_len, frac, mixed, queue or 0.0
 
 
 def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # one batch from t = 0
