@@ -261,6 +261,13 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, 
          (fs == 1) | (dp % ep == 0) | ((fs * cp) % ep == 0)),
         # DualPipe pairs the pipeline ranks from both ends (DeepSeek-V3 §3.2.1)
         ("DualPipe needs an even number of pipeline stages", (pp_schedule != "dualpipe") | (pp == 1) | (pp % 2 == 0)),
+        # interleaving shrinks the bubble only when every stage has a micro-batch to run while the first waits for its
+        # other chunks: Megatron-Core's interleaved 1F1B runs micro-batches in groups of pp (schedules.py
+        # forward_backward_pipelining_with_interleaving, microbatch_group_size_per_vp_stage defaults to pp) and the JAX
+        # program `meshplan verify` compiles needs as many; with fewer, a micro-batch's vpp chunks run one after
+        # another and the step is no shorter than without interleaving (session 21, QA finding)
+        ("an interleaved pipeline (vpp > 1) needs at least pp micro-batches per step",
+         (vpp == 1) | (p.global_batch >= pp * data * mb)),
     ]
     # combinations that are not distinct layouts (vpp without pp, a ZeRO stage with no replicas) are dropped
     # silently; the rest are counted by reason
