@@ -296,3 +296,17 @@ def test_cli_bad_input(args, msg, capsys):
     code, _, err = run_cli(["collective", *args], capsys)
     assert code == 2
     assert err.startswith("error:") and msg in err
+
+
+@pytest.mark.parametrize("mesh,axes", [({"data": 2, "tensor": 8}, ["data"]), ({"data": 16}, ["data"])])
+def test_realistic_sharp_allreduce_never_beats_its_floor(mesh, axes):
+    # session 21, QA finding: the measured SHARP speed-up (1.3x over the ring) divided a two-rank ring that already
+    # sends only V, so 1 GiB over two nodes took 18.4 ms, under 1 GiB / 50 GB/s = 21.47 ms on the NICs
+    m = map_mesh(make_cluster(load_chip("h100-sxm"), 16), mesh)
+    real = collective("allreduce", 2**30, m, axes)
+    ideal = collective("allreduce", 2**30, m, axes, ideal=True)
+    assert real.time_s >= ideal.time_s
+    for (name, t), (_, t_ideal) in zip(real.levels, ideal.levels, strict=True):
+        assert t >= t_ideal, name
+    if mesh == {"data": 2, "tensor": 8}:
+        assert real.time_s >= 2**30 / 50e9

@@ -248,6 +248,14 @@ def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> Collect
         f = sharp_speedup(ideal) if sharp else 1.0
         bw = 2 * ag.bandwidth_time_s / f
         levels = tuple((n, 2 * t / f) for n, t in ag.levels)
+        if sharp and not p.cluster.is_torus:
+            # the measured speed-up over the ring never beats the in-network floor, V / W per level at the links' own
+            # efficiency (book ch.12): with
+            # few ranks the ring itself sends about V, and 2(N-1)/N V / 1.3 would go below it (session 21, QA finding:
+            # 1 GiB over two nodes' 50 GB/s NICs in 18.4 ms, under the 21.5 ms floor)
+            floor = {x.name: x.bandwidth_time_s for x in network_levels(p, V, ideal=False, in_network=True)}
+            levels = tuple((n, max(lt, floor.get(n, 0.0))) for n, lt in levels)
+            bw = max(bw, *floor.values()) if floor else bw
     lat = ag.latency_time_s * (1 if sharp else 2)
     algo = "SHARP in-network reduction" if sharp else "reduce-scatter + all-gather: " + ag.algorithm
     sent = V if sharp else 2 * ag.bytes_per_chip  # SHARP: egress V(N-1)/N + V/N per GPU (book ch.12)
