@@ -72,11 +72,11 @@ def export_pins(export: str | None, pins: Pins) -> Pins:
 
 
 def expressible_plans(name: str, problem: Problem, result, opts: Options, model_arg: str,
-                      more=None) -> tuple[list[tuple[int, dict, str, str]], list[str]]:
+                      more=None, want: int = 1) -> tuple[list[tuple[int, dict, str, str]], list[str]]:
     """The ranked plans framework `name` can run, each as (rank among all plans, plan, file name, file text), and the
     refusals of the higher-ranked ones ('#i: reason'). The exporter is the judge (export_train: it writes the file,
     reads it back and refuses a file that would describe another plan), so `--framework` rankings, `--export` and the
-    written file agree. `more(top)` ranks up to 100 plans when none of those shown can be run."""
+    written file agree. `more(top)` ranks up to 100 plans when fewer than `want` of those shown can be run."""
     plans, start, out, refusals = result.plans, 0, [], []
     for attempt in (1, 2):
         for i in range(start + 1, len(plans) + 1):
@@ -88,7 +88,7 @@ def expressible_plans(name: str, problem: Problem, result, opts: Options, model_
                 refusals.append(f"#{i}: {exc}")
                 continue
             out.append((i, plans[i - 1], fname, text))
-        if out or attempt == 2 or more is None or len(plans) >= 100:
+        if len(out) >= want or attempt == 2 or more is None or len(plans) >= 100:
             break
         start, plans = len(plans), more(100).plans
     return out, refusals
@@ -104,7 +104,7 @@ def framework_plans(framework: str | None, problem: Problem, result, opts: Optio
     # changes how a plan runs, which the current release's file cannot say but the framework can still run; so the
     # exporter judges each layout under its own preset's behaviour
     own = framework_options(PRESET[name], Options(compute_dtype=opts.compute_dtype, headroom=opts.headroom), {})
-    ok, refusals = expressible_plans(name, problem, result, own, model_arg, more)
+    ok, refusals = expressible_plans(name, problem, result, own, model_arg, more, want=len(result.plans))
     if not ok:
         raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan {name} can run")
     kept = replace(result, plans=[p for _, p, _, _ in ok][:max(len(result.plans), 1)])
