@@ -52,6 +52,9 @@ def _print_table(report: dict) -> None:
     d = report["dtypes"]
     console.print(f"[dim]collective dtypes {', '.join(d['collective_float_dtypes']) or '—'}; model "
                   f"{d['model_bytes_per_element']:.0f} B/element; upcast: {d['upcast']}[/dim]")
+    if report.get("architecture_simplified"):
+        console.print("[yellow]compiled without:[/yellow] " + ", ".join(report["architecture_simplified"]) +
+                      f" (the JAX reference builds a LLaMA-style {m['name']}; the ledger is checked on that model)")
     if report.get("not_built"):
         nb = {k: v for k, v in report["not_built"].items() if k != "why"}
         console.print(f"[yellow]not built:[/yellow] {_not_built_sentence(nb)}")
@@ -208,6 +211,9 @@ def verify(
                            options=replace(mv.program_options(framework), flash_attention=attention == "flash"),
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     report["framework"] = framework
+    simplified = mv.reference_simplifications(m)
+    if simplified:
+        report["architecture_simplified"] = simplified
     if not_built:
         report["not_built"] = {**not_built, "why": _NOT_BUILT_WHY}
     if json_out:
