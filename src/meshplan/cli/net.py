@@ -99,7 +99,7 @@ def collective(
     chips: ChipsOpt,
     mesh: MeshOpt,
     axes: Annotated[str, typer.Option("--axes", help="Mesh axes the collective runs over, e.g. tensor or data,fsdp.")],
-    nbytes: Annotated[str, typer.Option("--bytes", help="Full (gathered) array per group: 1e9, 512MB, 1GiB.")],
+    nbytes: Annotated[str, typer.Option("--bytes", help="Full (gathered) array per group: 1e9, 512MB, 1GiB; for permute, the bytes each chip sends to its neighbour.")],
     order: OrderOpt = None,
     slice_shape: SliceOpt = None,
     topk: Annotated[int | None, typer.Option("--topk", help="alltoall only: MoE dispatch where each token goes to "
