@@ -431,6 +431,9 @@ def _check_ep(m: ModelConfig, cfg: ServeConfig) -> None:
 
 
 def native_weight_dtype(m: ModelConfig) -> str:
-    """The weight format a model's released checkpoint is served in: mxfp4 where its experts ship in MXFP4
-    (gpt-oss: `quantization_config.quant_method` mxfp4 in config.json), else bf16."""
-    return "mxfp4" if m.expert_weight_dtype == "mxfp4" else "bf16"
+    """The weight format a model's released checkpoint is served in, from its config.json `quantization_config`:
+    mxfp4 where its experts ship in MXFP4 (gpt-oss), fp8 where its linear weights ship in FP8 (DeepSeek-V3/R1, which
+    vLLM and SGLang serve with block-scaled FP8 GEMMs), else bf16."""
+    if m.expert_weight_dtype == "mxfp4":
+        return "mxfp4"
+    return "fp8" if m.released_weight_dtype == "fp8" else "bf16"

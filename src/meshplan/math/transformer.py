@@ -154,8 +154,13 @@ def param_counts(m: ModelConfig) -> ParamCounts:
 
 def native_weight_bytes(m: ModelConfig, dtype: str = "bf16") -> float:
     """Bytes of the weights as released: routed-expert matrices in the checkpoint's expert format when it has one
-    (gpt-oss: MXFP4), everything else (attention, router, embeddings, biases) in `dtype`."""
+    (gpt-oss: MXFP4), everything else (attention, router, embeddings, biases) in `dtype`; a checkpoint released in
+    FP8 (DeepSeek-V3: 128x128 blocks of E4M3 with an fp32 scale each) keeps its linear weights in FP8 and its
+    embeddings in `dtype`."""
     pc = param_counts(m)
+    if m.released_weight_dtype == "fp8":
+        tables = pc.embedding + pc.unembedding
+        return (pc.total - tables) * dtype_bytes("fp8") + tables * dtype_bytes(dtype)
     if not (m.is_moe and m.expert_weight_dtype in BYTES_PER_DTYPE):
         return pc.total * dtype_bytes(dtype)
     experts = (m.n_layers - m.first_dense_layers) * m.n_experts * (3 if m.gated else 2) * m.d_model * m.d_ff

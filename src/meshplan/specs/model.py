@@ -86,6 +86,9 @@ class ModelConfig:
     moe_n_groups: int = 0  # DeepSeek group/node-limited routing: experts in n_group groups,
     moe_topk_groups: int = 0  # a token's k experts drawn from topk_group of them (DeepSeek-V3: 8 and 4)
     expert_weight_dtype: str = ""  # the released checkpoint's expert weights, e.g. "mxfp4" (gpt-oss); "" = as the rest
+    # the released checkpoint's linear weights where they ship quantized: "fp8" (config.json quantization_config
+    # quant_method fp8: DeepSeek-V3/R1's 128x128 block-scaled E4M3); "" = the model dtype
+    released_weight_dtype: str = ""
     family: str = "llama"
     source: str = ""
 
@@ -476,7 +479,8 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     if family == "gpt_oss" and not rope:
         rope_scaling = "yarn"  # transformers' GptOssConfig default rope_parameters: rope_type "yarn", factor 32
     quant = cfg.get("quantization_config")
-    expert_dtype = str(quant.get("quant_method", "")) if isinstance(quant, dict) and family == "gpt_oss" else ""
+    method = str(quant.get("quant_method", "")) if isinstance(quant, dict) else ""
+    expert_dtype = method if family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
         max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
@@ -496,7 +500,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         moe_norm_topk=bool(cfg.get("norm_topk_prob", family in ("mixtral", "phimoe", "gpt_oss", "llama4_text"))),
         moe_n_groups=_int(cfg, origin, "n_group", default=0) if E and cfg.get("n_group") else 0,
         moe_topk_groups=_int(cfg, origin, "topk_group", default=0) if E and cfg.get("topk_group") else 0,
-        expert_weight_dtype=expert_dtype,
+        expert_weight_dtype=expert_dtype, released_weight_dtype="fp8" if method == "fp8" else "",
         source=str(cfg.get("_source", origin)), **mla, **dense,
     )
     validate_model(m)
