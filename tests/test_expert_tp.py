@@ -223,3 +223,16 @@ def test_optimizer_update_covers_the_expert_shard_the_memory_holds() -> None:
         expected_bytes = 30.0 * (dense / 32 + held / group)
         assert _f(cm.optimizer_terms(L, g)) == pytest.approx(expected_bytes / cm.hbm, rel=1e-9)
         assert 30.0 * held / group == 30.0 * 452_984_832  # the expert shard is the same either way
+
+
+def test_assumes_line_names_the_plans_own_expert_tp(capsys):
+    # session 21, QA finding: "experts split over TP (ETP = TP)" was printed for a plan whose EP (8) does not divide its
+    # context x data ranks (4), which Megatron-Core runs with whole experts (ETP 1), as the plan's memory shows
+    from conftest import run_cli
+
+    base = ["train", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--chips", "64", "--seq-len", "4096",
+            "--global-batch", "256", "--tp", "8", "--pp", "2", "--ep", "8"]
+    code, out, _ = run_cli(base, capsys)
+    assert code == 0 and "whole experts per rank (ETP 1)" in " ".join(out.split())
+    code, out, _ = run_cli([*base[:-6], "--tp", "2", "--pp", "1", "--ep", "2"], capsys)
+    assert code == 0 and "experts split over TP (ETP = TP)" in " ".join(out.split())

@@ -21,6 +21,7 @@ from meshplan.train.costmodel import (
     CUDA_GRAPH_SCOPES,
     MOE_DISPATCHERS,
     Options,
+    expert_tp_degree,
     fp8_recipes,
 )
 from meshplan.train.frameworks import framework_options
@@ -371,8 +372,9 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
             fail("--distribute-saved-activations needs tensor parallelism and the layout pins tp=1: drop it")
 
 
-def assumptions(problem: Problem, opts: Options) -> str:
-    """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md)."""
+def assumptions(problem: Problem, opts: Options, config: dict | None = None) -> str:
+    """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md); `config`: the plan's
+    layout, where a choice depends on it (the experts' TP split: costmodel.expert_tp_degree)."""
     tp, dp = opts.overlaps(problem.chip.kind)
     fp8 = opts.compute_dtype == "fp8"
     parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if fp8 and opts.fp8_weight_cache
@@ -400,7 +402,12 @@ def assumptions(problem: Problem, opts: Options) -> str:
                      else "embedding by gather")
     if problem.model.is_moe:
         parts.append("MoE all-to-alls overlapped" if opts.ep_overlap else "MoE all-to-alls exposed")
-        parts.append("experts split over TP (ETP = TP)" if opts.expert_tp else "whole experts per rank (ETP 1)")
+        split = bool(opts.expert_tp)
+        if config is not None and split:  # EP beyond the context x data ranks leaves whole experts (MoE folding)
+            c = config
+            split = float(expert_tp_degree(True, c["tp"], c["cp"], c["dp"] * c["fsdp"], c["ep"],
+                                           c["sequence_parallel"] and c["tp"] > 1)) > 1
+        parts.append("experts split over TP (ETP = TP)" if split else "whole experts per rank (ETP 1)")
     return "; ".join(parts)
 
 
@@ -429,7 +436,8 @@ def show(problem: Problem, result, opts: Options | None = None) -> None:
     for note in best.get("notes", []):
         console.print(f"note: {note}")
     if opts is not None:
-        console.print(f"[dim]assumes: {assumptions(problem, opts)} (flags: meshplan train --help)[/dim]")
+        console.print(f"[dim]assumes: {assumptions(problem, opts, best['config'])} (flags: meshplan train --help)"
+                      "[/dim]")
     if "training" in best:
         tr = best["training"]
         console.print(f"{tr['tokens']:.3g} tokens: {tr['days']:.1f} days, ${tr['cost_usd']:,.0f} "
