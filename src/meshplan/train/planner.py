@@ -30,7 +30,7 @@ SUGGEST = {
     "ep": "keep expert parallelism inside the fast domain or raise the tokens per expert",
     "pp": "use fewer pipeline stages",
     "bubble": "use more micro-batches per step (smaller micro-batch or larger global batch) or interleave (--vpp)",
-    "other": "the fixed per-step costs dominate: raise the batch per step",
+    "other": "raise the batch per step, over which the fixed per-step costs spread",
     "compute": "the kernels themselves bound the step; a calibrated profile (--profile) sharpens this",
 }
 
