@@ -177,3 +177,32 @@ def test_every_ch7_ch8_problem_has_a_test():
               "ch8-llama70b-bs32-memory", "ch8-llama70b-bs32-latency", "ch8-llama70b-cost-per-token",
               "ch8-full-hbm-latency", "ch8-kv-eviction", "ch8-disaggregation-ratio", "ch8-q2-llama8b-bs240"}
     assert ids <= tested, ids - tested
+
+
+def test_smallest_topology_rows_time_an_moe_at_its_active_parameters():
+    # session 21, QA finding: the ch.8 table timed Mixtral's FLOPs at all 46.7 B parameters. Hand count (H100: 3.35 TB/s,
+    # 989 TFLOP/s; int4 weights and KV, 2048 + 512 tokens: 32,768 B of KV a token): one chip, 675 sequences,
+    # KV 675 x 2560 x 32768 / 3.35e12 = 16.9 ms + max(weights 23.4 GB / 3.35e12 = 7.0 ms, 2 x 675 x 12.75e9 / 989e12
+    # = 17.4 ms) = 34.3 ms, not 80.6 ms
+    from meshplan.infer.config import Workload
+    from meshplan.infer.ideal import smallest_topologies
+    from meshplan.specs.hardware import load_chip
+    from meshplan.specs.model import load_model
+
+    rows = smallest_topologies(load_model("mixtral-8x7b"), load_chip("h100-sxm"), Workload(2048, 512))
+    int4 = next(r for r in rows if r["weight_dtype"] == "int4" and r["topology"] == "smallest")
+    assert int4["chips"] == 1 and int4["batch"] == 675
+    assert int4["step_s"] == pytest.approx(0.0343, rel=0.01)
+
+
+def test_batch_for_a_step_target_fits_in_memory(capsys):
+    # session 21, QA finding: 655 sequences of 2560 tokens for a 30 ms step, where the free HBM of 8 H100s holds 594
+    import json
+
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["serve", "-m", "llama3-70b", "--hardware", "h100-sxm", "--chips", "8", "--input-len",
+                            "2048", "--output-len", "512", "--tpot-target", "0.03", "--ideal", "--json"], capsys)
+    assert code == 0
+    b = json.loads(out)["book_ideal"]
+    assert b["batch_for_step_target"] <= b["max_batch_per_replica"]

@@ -176,20 +176,23 @@ class ServingPoint:
 def ideal_serving_point(params: float, weight_dtype: str, kv_bytes_per_token: float, context_len: float,
                         decode_len: float, hbm_bytes: float, hbm_bandwidth: float, peak_flops: float, *,
                         chips: int | None = None, batch: int | None = None,
-                        step_target_s: float | None = None) -> ServingPoint:
+                        step_target_s: float | None = None, active_params: float | None = None) -> ServingPoint:
     """Book ch.8 worked answers on one topology: smallest power-of-two slice holding the weights
     (`min_chips_for_bytes`) unless `chips` is given, the largest batch the free HBM holds
     (`ideal_max_decode_batch`), optionally capped by a step latency target (`max_batch_for_step`), its
-    ideal step (`ideal_decode_step`, FLOPs at 2 P B/(N C)) and QPS per chip."""
+    ideal step (`ideal_decode_step`, FLOPs at 2 P B/(N C), P the parameters a token multiplies by: `active_params`,
+    an MoE's active ones (book ch.4), else all) and QPS per chip."""
     _positive(params=params, context_len=context_len, decode_len=decode_len, hbm_bytes=hbm_bytes)
     pbytes = weight_bytes(params, weight_dtype)
     n = chips or min_chips_for_bytes(pbytes, hbm_bytes, power_of_two=True)
     kv_seq = kv_bytes_per_sequence(kv_bytes_per_token, context_len)
     cap = ideal_max_decode_batch(n * hbm_bytes, pbytes, kv_seq)
     b = cap if batch is None else batch
+    flop_params = params if active_params is None else active_params
     if step_target_s is not None:
-        b = min(b, max(max_batch_for_step(step_target_s, pbytes, kv_seq, n, hbm_bandwidth, peak_flops, params), 0))
-    step = ideal_decode_step(pbytes, kv_seq, b, n, hbm_bandwidth, peak_flops, params)
+        b = min(b, max(max_batch_for_step(step_target_s, pbytes, kv_seq, n, hbm_bandwidth, peak_flops, flop_params),
+                       0))
+    step = ideal_decode_step(pbytes, kv_seq, b, n, hbm_bandwidth, peak_flops, flop_params)
     return ServingPoint(weight_dtype, n, pbytes, n * hbm_bytes - pbytes, cap, b, step, b / (step * n),
                         queries_per_s_per_chip(b, step, decode_len, n))
 

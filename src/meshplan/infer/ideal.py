@@ -35,12 +35,14 @@ def smallest_topologies(m: ModelConfig, chip: Chip, w: Workload, *, step_target_
     for d in dtypes:
         kv_tok = kv_cache_bytes_per_token(m, d, ctx)  # mean per token: windowed layers keep at most their window
         C = chip.peak("bf16")  # int8/int4 weights compute in bf16 (book ch.8); bf16 itself is bf16
+        # FLOPs from the active parameters (an MoE's k of E experts, book ch.4), bytes from all of them
         base = bd.ideal_serving_point(params, d, kv_tok, ctx, w.output_len, chip.hbm_bytes,
-                                      chip.hbm_bandwidth_bytes_per_s, C, step_target_s=step_target_s)
+                                      chip.hbm_bandwidth_bytes_per_s, C, step_target_s=step_target_s,
+                                      active_params=active)
         for scale in (1, 2):
             p = base if scale == 1 else bd.ideal_serving_point(
                 params, d, kv_tok, ctx, w.output_len, chip.hbm_bytes, chip.hbm_bandwidth_bytes_per_s, C,
-                chips=2 * base.chips, step_target_s=step_target_s)
+                chips=2 * base.chips, step_target_s=step_target_s, active_params=active)
             rows.append({**p.as_dict(), "topology": "smallest" if scale == 1 else "doubled",
                          "active_flops_params": active})
     return rows
@@ -93,7 +95,9 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
         "smallest_topologies": smallest_topologies(m, chip, w, step_target_s=step_target_s),
     }
     if step_target_s is not None:
-        out["batch_for_step_target"] = bd.max_batch_for_step(step_target_s, pbytes, kv_mean, n, W, C, active)
+        # no more than the free HBM holds (the smallest-topology rows cap theirs alike)
+        out["batch_for_step_target"] = min(bd.max_batch_for_step(step_target_s, pbytes, kv_mean, n, W, C, active),
+                                           max_b)
     return out
 
 
