@@ -72,9 +72,9 @@ def export_pins(export: str | None, pins: Pins) -> Pins:
 
 
 def expressible_plans(name: str, problem: Problem, result, opts: Options, model_arg: str,
-                      more=None, want: int = 1) -> tuple[list[tuple[int, dict, str, str]], list[str]]:
+                      more=None, want: int = 1) -> tuple[list[tuple[int, dict, str, str]], list[tuple[int, str]]]:
     """The ranked plans framework `name` can run, each as (rank among all plans, plan, file name, file text), and the
-    refusals of the higher-ranked ones ('#i: reason'). The exporter is the judge (export_train: it writes the file,
+    refusals of the others, each as (rank, reason). The exporter is the judge (export_train: it writes the file,
     reads it back and refuses a file that would describe another plan), so `--framework` rankings, `--export` and the
     written file agree. `more(top)` ranks up to 100 plans when fewer than `want` of those shown can be run."""
     plans, start, out, refusals = result.plans, 0, [], []
@@ -85,7 +85,7 @@ def expressible_plans(name: str, problem: Problem, result, opts: Options, model_
                 fname, text = export_train(name, PlanToExport(problem, cfg, opts, plans[i - 1], command_line(),
                                                               model_arg))
             except MeshplanError as exc:
-                refusals.append(f"#{i}: {exc}")
+                refusals.append((i, str(exc)))
                 continue
             out.append((i, plans[i - 1], fname, text))
         if len(out) >= want or attempt == 2 or more is None or len(plans) >= 100:
@@ -106,12 +106,11 @@ def framework_plans(framework: str | None, problem: Problem, result, opts: Optio
     own = framework_options(PRESET[name], Options(compute_dtype=opts.compute_dtype, headroom=opts.headroom), {})
     ok, refusals = expressible_plans(name, problem, result, own, model_arg, more, want=len(result.plans))
     if not ok:
-        raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan {name} can run")
+        raise MeshplanError(refusals[0][1] if refusals else f"no plan {name} can run")
     kept = replace(result, plans=[p for _, p, _, _ in ok][:max(len(result.plans), 1)])
     note = None
     if refusals:
-        note = (f"{len(refusals)} higher-ranked or listed layout(s) skipped: {name} cannot run them "
-                f"({refusals[0].split(': ', 1)[1]})")
+        note = f"{len(refusals)} higher-ranked or listed layout(s) skipped: {name} cannot run them ({refusals[0][1]})"
     return kept, note
 
 
@@ -130,12 +129,13 @@ def write_train_export(export: str, out: str | None, rank: int | None, problem: 
     else:
         ok, refusals = expressible_plans(export, problem, result, opts, model_arg, more)
         if not ok:
-            raise MeshplanError(refusals[0].split(": ", 1)[1] if refusals else f"no plan to export to {export}")
+            raise MeshplanError(refusals[0][1] if refusals else f"no plan to export to {export}")
         i, plan_, name, text = ok[0]
         cfg = ParallelConfig(**plan_["config"])
     path = d / name
     path.write_text(text)
-    skipped = f"; plans #1-#{i - 1} use what {export} cannot express ({refusals[0]})" if refusals else ""
+    skipped = f"; plans #1-#{i - 1} use what {export} cannot express (#{refusals[0][0]}: {refusals[0][1]})" \
+        if refusals else ""
     err_console.print(f"wrote {path} ({export}, plan #{i}: {cfg.describe()}{skipped})", markup=False,
                       highlight=False)
     return path

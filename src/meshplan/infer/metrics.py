@@ -154,6 +154,16 @@ def admission_queue_wait_s(clients: float, slots: int, requests_per_s: float) ->
     return (clients - slots) / requests_per_s
 
 
+def prompt_chunks(cfg: ServeConfig, chip: Chip, w: Workload, others: int) -> tuple[int, int, int]:
+    """(tokens the prefill pass covers, tokens per chunk, chunks) of one prompt beside `others` decoding sequences:
+    engines whose first token comes from a decode step prefill all but the prompt's last token (config.prefill_len);
+    the chunk is the step budget less the others' decode tokens (config.prefill_room), or the whole prompt where the
+    engine does not chunk (config.prompt_chunk)."""
+    prompt = prefill_len(cfg, chip, w.input_len)
+    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, others))
+    return prompt, chunk, math.ceil(prompt / chunk) if prompt > 0 else 0
+
+
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
                     batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0,
                     closed_loop: bool = False, queue_wait_s: float | None = None,
@@ -169,9 +179,7 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     others = max(batch - 1, 0)
     # engines whose first token comes from a decode step prefill all but the prompt's last token, then decode it
     # beside the batch (serving.yaml engine_first_token_decode_step)
-    prompt = prefill_len(cfg, chip, w.input_len)
-    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, others))
-    n_chunks = math.ceil(prompt / chunk) if prompt > 0 else 0
+    prompt, chunk, n_chunks = prompt_chunks(cfg, chip, w, others)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1))
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
@@ -234,9 +242,7 @@ def slot_turnover_steps(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) -
     scheduler_wait_s). O steps for a prompt that fits one step; a prompt longer than the step budget holds its slot
     for its extra chunks without a token (Sarathi-Serve chunked prefill, Agrawal et al. OSDI'24), which is what keeps
     throughput x time in the system = sequences in the batch (Little's law) for long prompts."""
-    prompt = prefill_len(cfg, chip, w.input_len)
-    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, max(batch - 1, 0)))
-    chunks = math.ceil(prompt / chunk) if prompt > 0 else 1
+    prompt, _, chunks = prompt_chunks(cfg, chip, w, max(batch - 1, 0))
     first_decode = int(prompt < w.input_len)  # the first token from a decode step (engine_first_token_decode_step)
     return w.output_len + max(chunks, 1) - 1 + first_decode + int(schedules_ahead(cfg, chip))
 
