@@ -70,14 +70,25 @@ def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
     assert {"jax", "jaxlib"} <= set(data["versions"]) and data["measured_at"]
     measured = {k for k, v in data["efficiency_origin"].items() if v == "measured"}
     overhead = [(r["name"], r["time_s"]) for r in data["benchmarks"] if r["benchmark"] == "overhead"]
-    assert {"matmul_peak_fraction", "matmul_half_dim", "hbm_fraction", "attention_fwd_fraction",
-            "attention_bwd_fraction", "kernel_overhead_s"} <= measured, (
-        data["fitted_curves"].get("dispatch_bound"), overhead)
+    assert {"attention_fwd_fraction", "attention_bwd_fraction", "kernel_overhead_s"} <= measured, overhead
+    # matmul and hbm are measured unless their records ran at the dispatch floor: on a loaded 2-core CI runner every
+    # quick-grid matmul can (CI run of session 21); then the profile must name each one as dropped and keep the default
+    dropped = data["fitted_curves"].get("dispatch_bound") or {}
+    for kind, fields, need in (("matmul", {"matmul_peak_fraction", "matmul_half_dim"}, 2), ("hbm", {"hbm_fraction"}, 1)):
+        recs = [r for r in data["benchmarks"] if r["benchmark"] == kind and "skipped" not in r
+                and r.get("dtype") != "float8_e4m3fn"]
+        kept = {min(r.get("m", 0), r.get("n", 0), r.get("k", 0)) if kind == "matmul" else r["name"]
+                for r in recs if r["name"] not in dropped.get(kind, [])}
+        if len(kept) >= need:
+            assert fields <= measured, (kind, dropped, overhead)
+        else:
+            assert not fields & measured and dropped.get(kind), (kind, dropped, overhead)
     kinds = {r["benchmark"] for r in data["benchmarks"] if "skipped" not in r}
     assert kinds >= {"matmul", "hbm", "attention", "host", "overhead", "layer"}
     eff = load_profile(cpu_profile, load_chip("h100-sxm"))
     assert eff.origin == "profile cpu.json"
-    assert 0 < eff.matmul_peak_fraction < 0.05  # a CPU against an H100's peak
+    if "matmul_peak_fraction" in measured:
+        assert 0 < eff.matmul_peak_fraction < 0.05  # a CPU against an H100's peak
     assert eff.matmul_peak_fraction == pytest.approx(data["efficiency"]["matmul_peak_fraction"])
 
 
