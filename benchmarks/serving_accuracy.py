@@ -28,6 +28,7 @@ from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.infer.config import KV_DTYPES, ServeConfig, Workload, check_layout, engine_token_budget
 from meshplan.infer.frontier import best_point, frontier
+from meshplan.infer.harness import harness_settings
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.metrics import evaluate
 from meshplan.infer.simulate import SimSpec, load_length_trace, simulate
@@ -72,6 +73,12 @@ def mode(e: dict) -> str:
     return "continuous" if "concurren" in where else "static"
 
 
+def source_harness(e: dict, rules: dict) -> str | None:
+    """The harness the row's source ran (serving_assumptions.yaml harness_by_source, by source key), or None."""
+    key = str((e.get("source") or {}).get("key", "")) if isinstance(e.get("source"), dict) else ""
+    return (rules.get("harness_by_source") or {}).get("sources", {}).get(key.split(":", 1)[0])
+
+
 def predict(e: dict, rules: dict) -> dict:
     # a config under benchmarks/data (models/qwen3-235b-a22b.json) or a preset name
     m, chip = load_model(str(DATA / e["model"]) if e["model"].endswith(".json") else e["model"]), load_chip(e["hardware"])
@@ -91,6 +98,9 @@ def predict(e: dict, rules: dict) -> dict:
     check_layout(m, chip, e["chips"], cfg)
     I, O, how = lengths(e, rules)
     w = Workload(I, O)
+    harness = source_harness(e, rules)
+    if harness and not e.get("max_num_batched_tokens"):
+        cfg = harness_settings(harness, m, chip, cfg, w).apply(cfg, chip)  # the limits the harness set for the run
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
     if mb < 1:
         raise MeshplanError("model does not fit")
@@ -106,7 +116,8 @@ def predict(e: dict, rules: dict) -> dict:
     else:
         p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
     return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
-            "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype}
+            "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens}
 
 
 SAMPLE_GENERATORS = ("sglang_random",)

@@ -115,6 +115,22 @@ def test_weight_stationary_2d_book_ch7_q7():
     assert small.t_comms_2d_s == pytest.approx(8.238e-6, rel=1e-3) and small.better == "1d"
 
 
+def test_weight_stationary_1d_side_counts_the_chips_own_torus_axes():
+    # v5e is a 2D torus: the 1D comparison shards over 2 axes, T_1D = 4BD/(2W), and 2D wins past
+    # 32 (F/D) (2/4)^2 = 32 x 3.5 x 0.25 = 28 chips for Llama 3.1 70B (F = 28672 = 3.5 D); v5p keeps the book's 3 axes
+    from meshplan.infer.config import ServeConfig, Workload
+    from meshplan.infer.ideal import ideal_serving
+    from meshplan.specs.model import load_model
+
+    m = load_model("llama3.1-70b")
+    for name, axes, crossover in (("tpu-v5e", 2, 28.0), ("tpu-v5p", 3, 63.0)):
+        chip = load_chip(name)
+        ws = ideal_serving(m, chip, ServeConfig(tp=16), Workload(1000, 100), 64, None)["weight_stationary_2d"]
+        W = 2 * chip.links.ici_bandwidth_per_link_bytes_per_s
+        assert ws["t_comms_1d_s"] == pytest.approx(4 * 64 * 8192 / (axes * W))
+        assert ws["crossover_chips"] == pytest.approx(crossover)
+
+
 # ---------------------------------------------------------------- ch.12: chips, SuperPod, SHARP, ragged all-to-all
 
 

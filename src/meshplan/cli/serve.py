@@ -28,6 +28,7 @@ from meshplan.infer.config import (
 )
 from meshplan.infer.disagg import disaggregate
 from meshplan.infer.frontier import Targets, frontier, search
+from meshplan.infer.harness import HARNESSES, harness_settings
 from meshplan.infer.ideal import ideal_serving, print_ideal
 from meshplan.infer.memory import max_batch_per_replica, require_fit
 from meshplan.infer.metrics import MODES
@@ -56,11 +57,14 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  do_search: bool = False, mode: str = "continuous", profile: str | None = None,
                  engine: str = "default", max_num_batched_tokens: int | None = None,
                  price: float | None = None, clients: int | None = None, frontend: str | None = None,
-                 attention_dp: bool | None = None, dense_kv_cache: int | None = None) -> dict:
+                 attention_dp: bool | None = None, dense_kv_cache: int | None = None,
+                 max_num_seqs: int | None = None, harness: str | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
     is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica.
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
-    or --tp --pp --ep) runs without it, a search tries both for MoE models."""
+    or --tp --pp --ep) runs without it, a search tries both for MoE models. `harness`: every layout runs with the
+    limits that benchmark harness picks for it (infer/harness.py: trtllm-bench's max_batch_size, max_num_tokens and
+    chunking)."""
     m, chip = load_model(model), with_price(load_chip(hardware), price)
     quant = quant or native_weight_dtype(m)  # unset: the weights as the released checkpoint ships them
     if base_engine(engine) in ("trtllm", "lmdeploy") and chip.kind == "tpu":  # CUDA engines (TensorRT-LLM: NVIDIA GPUs only;
@@ -86,11 +90,21 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  f"{engine} pages its KV cache")
         if w.max_context > dense_kv_cache:
             fail(f"--dense-kv-cache {dense_kv_cache} is shorter than a request ({w.max_context} tokens, input + output)")
+    if max_num_seqs is not None and max_num_seqs <= 0:
+        fail(f"--max-num-seqs must be positive, got {max_num_seqs}")
+    if harness is not None:
+        _choice("--harness", harness, HARNESSES)
+        if base_engine(engine) != "trtllm":
+            fail(f"--harness {harness} drives TensorRT-LLM: add --engine trtllm (PyTorch backend) or trtllm@0.17 "
+                 "(TensorRT engines)")
+        if max_num_batched_tokens is not None or max_num_seqs is not None:
+            fail(f"--harness {harness} sets max_num_tokens and max_batch_size itself: drop --max-num-batched-tokens "
+                 "and --max-num-seqs, or the harness")
     # the step token budget: the user's, else the engine preset's default (serving.yaml); 'default' keeps None
     if max_num_batched_tokens is None and engine != "default":
         max_num_batched_tokens = engine_token_budget(engine, chip)
     base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
-                       engine=engine, frontend=frontend, dense_kv_cache=dense_kv_cache)
+                       engine=engine, frontend=frontend, dense_kv_cache=dense_kv_cache, max_num_seqs=max_num_seqs)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if attention_dp and not m.is_moe:
         fail(f"--attention-dp needs a mixture-of-experts model; {m.name} is dense (a dense model runs data parallel "
@@ -103,7 +117,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
     res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch, clients,
-                 attention_dp)
+                 attention_dp, harness)
     best = res.best
     mb = max_batch_per_replica(m, chip, best.config, eff, w)
     out = best.as_dict()
@@ -123,6 +137,10 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "searched": res.searched,
         "skipped_layouts": res.skipped,  # layouts that cannot be placed on this cluster: reason -> count
     })
+    if harness is not None:  # what the harness set for the best layout
+        out["harness"] = harness_settings(harness, m, chip, replace(best.config, max_num_batched_tokens=None,
+                                                                    max_num_seqs=None, chunked_prefill=None),
+                                          w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
         out["clients"] = {"clients": clients, "running": best.deployment_batch,
                           "waiting": max(clients - best.deployment_batch, 0), "queue_wait_s": best.queue_wait_s}
@@ -184,6 +202,13 @@ def serve(
                                              "engine path's serial C++ executor; trtllm is the PyTorch backend).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences a replica runs at once (vLLM --max-num-seqs, "
+                                                          "TRT-LLM max_batch_size x pp, SGLang --max-running-requests); "
+                                                          "default: the engine's, else what the KV cache holds.")] = None,
+    harness: Annotated[str | None, typer.Option(help="Time each layout with the limits a benchmark harness picks for "
+                                                     "itself: trtllm-bench (max_batch_size, max_num_tokens and "
+                                                     "chunking from the model, GPUs and lengths, as TensorRT-LLM's "
+                                                     "performance tables ran; with --engine trtllm or trtllm@0.17).")] = None,
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
                                                       "clients' TTFT counts: triton-ensemble, vllm-openai (default: none, the "
                                                       "engine in process).")] = None,
@@ -269,7 +294,8 @@ def serve(
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
                        max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
-                       frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache)
+                       frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache,
+                       max_num_seqs=max_num_seqs, harness=harness)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
@@ -311,7 +337,10 @@ def _print_table(o: dict) -> None:
     t.add_column("quantity")
     t.add_column("value", justify="right")
     cost = o["cost_per_million_tokens"]
-    rows = [("batch per replica (max that fits)", f"{o['batch']} ({o['max_batch_per_replica']})"),
+    running = "" if o["running_batch"] == o["batch"] else \
+        f"; {o['running_batch']} decode at once, the step budget of {o['replica_step_token_budget']:,} tokens " \
+        "holds no more prompts: the rest wait"
+    rows = [("batch per replica (max that fits)", f"{o['batch']} ({o['max_batch_per_replica']}){running}"),
             ("TTFT", fmt_time(o["ttft_s"])), ("TPOT", fmt_time(o["tpot_s"])),
             ("end-to-end latency", fmt_time(o["e2e_latency_s"])),
             ("output tokens/s (deployment)", f"{o['throughput_tokens_per_s']:,.0f}"),
@@ -321,6 +350,10 @@ def _print_table(o: dict) -> None:
             ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f} (at "
                                               f"${o['price']['per_chip_hour']:g}/chip-hour, {o['price']['basis']})"),
             ("decode step bound by", o["decode_step"]["bound"])]
+    if o.get("harness"):
+        h = o["harness"]
+        rows.append((f"{h['harness']} settings", f"max_batch_size {h['max_batch_size']:,}, max_num_tokens "
+                     f"{h['max_num_tokens']:,}, chunked prefill {'on' if h['chunked_prefill'] else 'off'}"))
     if o.get("skipped_layouts"):
         rows.append(("layouts skipped (cannot be placed)", f"{sum(o['skipped_layouts'].values())}: "
                      + next(iter(o["skipped_layouts"]))))

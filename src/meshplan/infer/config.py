@@ -77,6 +77,13 @@ class ServeConfig:
     # its benchmarks' 'cache length'); None = a paged cache whose attention reads only the written tokens (vLLM
     # PagedAttention, TensorRT-LLM paged KV, SGLang RadixAttention)
     dense_kv_cache: int | None = None
+    # whether the engine splits prompts over steps (vLLM always; TensorRT-LLM enable_chunked_context /
+    # enable_chunked_prefill); None = the engine preset's default (serving.yaml engine_chunked_prefill)
+    chunked_prefill: bool | None = None
+    # the engine's cap on sequences one replica runs at once (vLLM --max-num-seqs, TensorRT-LLM --max_batch_size x pp,
+    # SGLang --max-running-requests); None = the engine preset's default (serving.yaml engine_max_num_seqs), else the
+    # KV cache alone
+    max_num_seqs: int | None = None
 
     @property
     def chips_per_replica(self) -> int:
@@ -192,7 +199,10 @@ def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
 
 
 def chunked_prefill(cfg: ServeConfig, chip: Chip) -> bool:
-    """Whether the engine splits prompts over steps (serving.yaml engine_chunked_prefill; default: it does)."""
+    """Whether the engine splits prompts over steps: the layout's own setting, else serving.yaml
+    engine_chunked_prefill (default: it does)."""
+    if cfg.chunked_prefill is not None:
+        return cfg.chunked_prefill
     hit = _engine_entry("engine_chunked_prefill", cfg.engine, chip)
     return True if hit is None else bool(hit)
 
@@ -263,7 +273,10 @@ def _frontend_entry(key: str, frontend: str, chip: Chip) -> dict | None:
 def engine_max_num_seqs(cfg: ServeConfig, chip: Chip) -> int | None:
     """The engine's default cap on sequences in flight per replica (vLLM max_num_seqs); None where the KV cache alone
     limits it (serving.yaml engine_max_num_seqs). Under attention DP an engine that caps each rank (vLLM: one engine
-    core per DP rank) caps the replica at ranks x its cap (attention_dp_limits_per_rank)."""
+    core per DP rank) caps the replica at ranks x its cap (attention_dp_limits_per_rank). The layout's own cap
+    (ServeConfig.max_num_seqs) is already the replica's."""
+    if cfg.max_num_seqs is not None:
+        return cfg.max_num_seqs
     hit = _engine_entry("engine_max_num_seqs", cfg.engine, chip)
     if hit is None:
         return None
@@ -395,6 +408,8 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
                             f"{' or '.join(ENGINE_KV_DTYPES[base])}): use --kv-quant fp8")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
+    if cfg.max_num_seqs is not None and cfg.max_num_seqs <= 0:
+        raise MeshplanError(f"max_num_seqs must be positive, got {cfg.max_num_seqs}")
     if cfg.dense_kv_cache is not None and cfg.dense_kv_cache <= 0:
         raise MeshplanError(f"dense KV cache length must be positive, got {cfg.dense_kv_cache}")
     for name, v in (("chips", n_chips), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, replace
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.infer.config import ServeConfig, Workload, check_layout, clients_per_replica
+from meshplan.infer.harness import harness_settings
 from meshplan.infer.memory import max_batch_per_replica
-from meshplan.infer.metrics import ServePoint, evaluate
+from meshplan.infer.metrics import ServePoint, budget_batch_limit, evaluate
 from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -50,7 +51,12 @@ def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     """Metrics at each batch on the grid (or `batches`), smallest first; only batches that fit. `clients`: a closed
     loop of that many clients, each batch then the engine's limit per replica (evaluate)."""
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
-    grid = sorted(set(b for b in (batches or batch_grid(mb)) if 1 <= b <= mb))
+    grid_batches = list(batches or batch_grid(mb))
+    if batches is None and mode == "continuous" and mb >= 1:
+        # the most sequences the step token budget lets decode at once: past it throughput stays flat while TTFT grows
+        # (metrics.budget_batch_limit), so the grid holds that batch itself
+        grid_batches.append(budget_batch_limit(cfg, chip, w, mb))
+    grid = sorted(set(b for b in grid_batches if 1 <= b <= mb))
     # under `clients` every limit at or above the clients per replica runs the same batch (evaluate): one evaluation
     # serves them all
     cap = min(mb, clients_per_replica(n_chips, cfg, clients) or mb)
@@ -102,15 +108,25 @@ class SearchResult:
 def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
            targets: Targets = Targets(), mode: str = "continuous", tp: int | None = None, pp: int | None = None,
            ep: int | None = None, batch: int | None = None, clients: int | None = None,
-           attention_dp: bool | None = None) -> SearchResult:
+           attention_dp: bool | None = None, harness: str | None = None) -> SearchResult:
     """Try layouts and batches; raise with the best reachable latency when no layout meets the targets. `clients`:
     rank every candidate under a closed loop of that many clients (frontier, evaluate). `attention_dp`: pinned on or
-    off, None tries both for MoE models (layouts)."""
+    off, None tries both for MoE models (layouts). `harness`: each layout runs with the engine limits that benchmark
+    harness picks for it (infer/harness.py, e.g. trtllm-bench's max_batch_size and max_num_tokens)."""
     cands = layouts(m, chip, n_chips, base, tp, pp, ep, attention_dp)
-    if not cands:
-        raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees")
-    ranked, fastest, searched = [], [], 0
     skipped: Counter[str] = Counter()
+    if harness is not None:
+        runnable = []
+        for c in cands:
+            try:
+                runnable.append(harness_settings(harness, m, chip, c, w).apply(c, chip))
+            except InfeasibleError as exc:  # the harness refuses this layout; another may run
+                skipped[f"tp={c.tp} pp={c.pp}: {exc}"] += 1
+        cands = runnable
+    if not cands:
+        why = f" ({next(iter(skipped))})" if skipped else ""
+        raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees{why}")
+    ranked, fastest, searched = [], [], 0
     for cfg in cands:
         try:
             pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients)

@@ -71,8 +71,10 @@ def ideal_serving(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload, bat
     wb = cfg.expert_weight_bytes if m.is_moe else cfg.weight_bytes  # the bytes the critical batch trades against
     b_crit = (moe_critical_batch(C, W, m.n_experts, m.experts_per_token, wb) if m.is_moe
               else critical_batch(C, W, wb))
-    # ch.7 Q7 counts torus axes (W = bidirectional ICI per axis); a GPU's NVSwitch has no axes to split over
-    ws = (bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, 2 * chip.links.ici_bandwidth_per_link_bytes_per_s, C)
+    # ch.7 Q7 counts torus axes (W = bidirectional ICI per axis); a GPU's NVSwitch has no axes to split over. The 1D
+    # comparison shards over every axis the chip's torus has: 3 on v4/v5p (the book's case), 2 on v5e/v6e
+    ws = (bd.weight_stationary_2d(batch, m.d_model, m.d_ff, n, 2 * chip.links.ici_bandwidth_per_link_bytes_per_s, C,
+                                  axes_1d=chip.links.torus_dims)
           if n > 1 and chip.links.is_torus else None)
     sweep = sorted({b for b in (1, 8, 32, 128, 512, round(b_crit), batch, max_b) if 1 <= b <= max(max_b, batch)})
     by_batch = []

@@ -19,12 +19,14 @@ from meshplan.errors import MeshplanError
 from meshplan.infer.config import (
     ServeConfig,
     Workload,
+    chunked_prefill,
     clients_per_replica,
     frontend_first_token_s,
     kv_reserved_per_sequence,
     prefill_len,
     prefill_room,
     prompt_chunk,
+    replica_token_budget,
     schedules_ahead,
 )
 from meshplan.infer.memory import MemoryBreakdown, memory_per_chip
@@ -54,6 +56,9 @@ class ServePoint:
     step: StepCost
     price_per_chip_hour: float
     queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
+    # sequences per replica that decode at once: `batch`, or fewer where the step token budget cannot take the prompts
+    # of more (budget_batch_limit); None = batch
+    running_batch: int | None = None
 
     @property
     def throughput_per_chip(self) -> float:
@@ -78,6 +83,7 @@ class ServePoint:
             "config": {**self.config.as_dict(), "replicas": self.replicas, "chips": self.n_chips},
             "mode": self.mode,
             "batch": self.batch,
+            "running_batch": self.batch if self.running_batch is None else self.running_batch,
             "deployment_batch": self.deployment_batch,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
@@ -247,6 +253,35 @@ def slot_turnover_steps(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) -
     return w.output_len + max(chunks, 1) - 1 + first_decode + int(schedules_ahead(cfg, chip))
 
 
+def budget_batch_limit(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) -> int:
+    """The most of `batch` sequences that can decode at once in steady state within the engine's step token budget.
+    Each step carries its b decode tokens and the prompt tokens of the requests that replace the finishing ones,
+    b x P / turnover (P the prefilled prompt, turnover = slot_turnover_steps), and a step holds no more tokens than
+    the replica's budget (replica_token_budget): b + b x P / turnover <= budget, the conservation that trtllm-bench
+    sizes its own max_num_tokens by (max_batch_size x (1 + ISL / OSL): tensorrt_llm/bench/build/tuning.py
+    finetune_setting). An engine that does not chunk prompts fits only whole prompts beside the decodes, at least one
+    per step (prompt_chunk). Past this limit the other sequences wait for their prefill: TTFT grows, output tokens/s
+    does not (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2: the budget bounds each step's tokens)."""
+    prompt = prefill_len(cfg, chip, w.input_len)
+    dp = cfg.attention_dp_size
+    budget_per_rank = replica_token_budget(chip, cfg) / dp
+    chunks = chunked_prefill(cfg, chip)
+
+    def sustained(b: int) -> bool:
+        need = b * prompt / slot_turnover_steps(cfg, chip, w, b)
+        room = budget_per_rank - b / dp  # prompt tokens a rank's step has beside its share of the decodes
+        cap = max(room, 0.0) if chunks else max(math.floor(room / prompt), 1) * prompt
+        return need <= cap * dp
+
+    if prompt <= 0 or sustained(batch):
+        return batch
+    lo, hi = 1, batch  # sustained(lo) assumed (one sequence's prompt per turnover), sustained(hi) false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sustained(mid) else (lo, mid)
+    return lo
+
+
 def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # steady state: each of the B slots takes a new request every `turnover` steps (slot_turnover_steps), each with its
     # prompt (mean_step_s); a request's own inter-token gaps carry the prompts of the other B-1 sequences (its own
@@ -307,8 +342,15 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     per_replica_clients = clients_per_replica(n_chips, cfg, clients)
     if per_replica_clients is not None:
         batch, closed_loop = min(batch, per_replica_clients), True
+    # continuous batching: the step token budget bounds the sequences that decode at once (budget_batch_limit); the
+    # others of the batch (or of the closed loop's clients) wait for a slot to take their prompt (admission_queue_wait_s)
+    running, waiting = batch, per_replica_clients
+    if mode == "continuous":
+        running = budget_batch_limit(cfg, chip, w, batch)
+        if running < batch:
+            waiting = max(per_replica_clients or batch, batch)
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
-        m, chip, cfg, eff, w, batch, closed_loop, per_replica_clients)
+        m, chip, cfg, eff, w, running, closed_loop, waiting)
     # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
     # inter-token gaps do not change (every token takes the same way out)
     ttft += frontend_first_token_s(cfg, chip)
@@ -318,4 +360,4 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         e2e_latency_s=ttft + (w.output_len - 1) * tpot, throughput_tokens_per_s=out,
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
-        price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue)
+        price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running)
