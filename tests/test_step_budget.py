@@ -145,3 +145,17 @@ def test_frontier_holds_the_budget_limit_and_ranks_it_first():
     assert 81 in [p.batch for p in pts]
     # every larger batch runs the same 81 sequences at the same throughput, with a longer TTFT: the smallest wins
     assert best_point(pts).batch == 81
+
+
+def test_closed_form_limit_matches_the_step_level_simulator():
+    # the simulator schedules every step within the budget on its own (decodes first, then prompt chunks); with 200
+    # slots and clients to fill them it settles at the closed form's 81 running sequences' throughput and TPOT
+    import math
+
+    from meshplan.infer.simulate import SimSpec, simulate
+
+    eff, w, cfg = default_efficiency(H100), Workload(1000, 10), ServeConfig()
+    closed = evaluate(LLAMA8B, H100, 1, cfg, eff, w, 200)
+    sim = simulate(LLAMA8B, H100, 1, cfg, eff, w, 200, SimSpec(math.inf, 1500, 0, concurrency=400))
+    assert sim["throughput_tokens_per_s"] == pytest.approx(closed.throughput_tokens_per_s, rel=0.03)
+    assert sim["tpot_s"]["p50"] == pytest.approx(closed.tpot_s, rel=0.03)
