@@ -169,3 +169,23 @@ def test_activation_offload_keeps_the_rematerialised_layer_on_the_device():
     assert ev.memory["offloaded"][0] == pytest.approx(32 * full_layer, rel=1e-6)
     # without offload the 32 saved inputs stay too
     assert ev.memory["activations"][1] == pytest.approx(32 * full_layer + working + logits, rel=1e-6)
+
+
+def test_searched_count_does_not_depend_on_top(capsys, monkeypatch):
+    # offload variants slower than the top-th plan are skipped unevaluated, but still counted as searched: the count is
+    # the unpruned search's (QA session 21: 152,444 layouts at --top 1, 152,631 at --top 20)
+    import meshplan.train.planner as planner
+
+    args = ["train", "--model", "llama3-70b", "--hardware", "tpu-v5e", "--chips", "256", "--seq-len", "8192",
+            "--global-batch", "256", "--json", "--top"]
+    counts = []
+    for top in ("1", "20"):
+        code, out, _ = run_cli([*args, top], capsys)
+        assert code == 0
+        counts.append(json.loads(out)["searched"])
+    unpruned = planner._with_state_offload
+    monkeypatch.setattr(planner, "_with_state_offload",
+                        lambda problem, pins, cm, ev, free, top=None: unpruned(problem, pins, cm, ev, free, None))
+    code, out, _ = run_cli([*args, "1"], capsys)
+    assert code == 0
+    assert counts[0] == counts[1] == json.loads(out)["searched"]

@@ -68,9 +68,12 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
     layouts, reasons = enumerate_layouts(problem, replace(pins, **{k: 0 for k in free_state}),
                                          offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule)
     ev = evaluate(cm, layouts)
+    pruned = 0
     if free_state:
-        ev = _with_state_offload(problem, pins, cm, ev, free_state, top)
-    searched = len(ev.layouts)
+        ev, pruned = _with_state_offload(problem, pins, cm, ev, free_state, top)
+    # the layouts evaluated plus the offload variants ruled out unevaluated (slower than the top-th plan): the same
+    # count whatever --top is
+    searched = len(ev.layouts) + pruned
     ev, cm = _best_orientation(problem, eff, cm, ev)
     over_host = ~ev.host_fits
     if over_host.any():
@@ -86,12 +89,14 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
 
 
 def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluation, free: list[str],
-                        top: int | None = None) -> Evaluation:
+                        top: int | None = None) -> tuple[Evaluation, int]:
     """Model-state offload (optimizer: ZeRO-Offload; weights: ZeRO-Infinity) searched where it can matter. It only
     adds time (the host link and the host CPU are slower than HBM: evaluate, optimizer_terms), so a layout that
     fits in HBM without it is never beaten by its offloaded variant; the variants are evaluated for the layouts that
     do not fit but would without their optimizer state, gradients and weights on the device (everything they could
-    free), which is every variant that can fit: the search misses nothing and stays near its former size."""
+    free), which is every variant that can fit: the search misses nothing and stays near its former size. Returns the
+    evaluation and the count of variants left unevaluated because their layout is already slower than the `top`-th
+    plan (a variant is never faster)."""
     mem = ev.memory
     could = ~ev.hbm_fits & np.isfinite(ev.step_time_s) & (mem["total"] - mem["optimizer"] - mem["params"]
                                                             - mem["grads"] <= ev.hbm_budget_bytes)
@@ -102,21 +107,25 @@ def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluat
     variants = [{"offload_optimizer": o, "offload_params": w} for o in choices["offload_optimizer"]
                 for w in choices["offload_params"]]
     variants = [v for v in variants if any(v[k] for k in free)]
+    reach = np.ones(len(ev.layouts), dtype=bool)
     if top is not None:
         # a variant is never faster than its layout: one whose layout is already slower than the top-th plan that
         # fits cannot enter the top list
         fitting = np.sort(ev.step_time_s[ev.fits & np.isfinite(ev.step_time_s)])
         if fitting.size >= top:
-            could &= ev.step_time_s < fitting[top - 1]
+            reach = ev.step_time_s < fitting[top - 1]
     idx = np.flatnonzero(could)
     if not idx.size or not variants:
-        return ev
+        return ev, 0
     extra = ev.layouts.take(idx, **variants[0])
     for v in variants[1:]:
         extra = LayoutArrays.concat(extra, ev.layouts.take(idx, **v))
+    source = np.tile(idx, len(variants))  # the layout each variant comes from
     x = extra
-    extra = extra.take(np.flatnonzero(optimizer_offload_ok(x.dp, x.fsdp, x.cp, x.pp, x.zero, x.offload_optimizer)))
-    return concat_evaluations(ev, evaluate(cm, extra)) if len(extra) else ev
+    ok = optimizer_offload_ok(x.dp, x.fsdp, x.cp, x.pp, x.zero, x.offload_optimizer)
+    extra = extra.take(np.flatnonzero(ok & reach[source]))
+    pruned = int((ok & ~reach[source]).sum())
+    return (concat_evaluations(ev, evaluate(cm, extra)) if len(extra) else ev), pruned
 
 
 def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Evaluation) -> tuple[Evaluation, CostModel]:
