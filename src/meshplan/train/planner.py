@@ -43,9 +43,12 @@ class PlanResult:
     search_time_s: float
     infeasible: dict[str, int] = field(default_factory=dict)
     evaluation: Evaluation | None = None
+    # layouts whose step time was computed: `searched` less the offload variants ruled out unevaluated (planner._search)
+    evaluated: int | None = None
 
     def as_dict(self) -> dict:
-        return {"plans": self.plans, "searched": self.searched, "search_time_s": self.search_time_s,
+        return {"plans": self.plans, "searched": self.searched, "evaluated": self.evaluated,
+                "search_time_s": self.search_time_s,
                 "feasible": self.feasible, "infeasible_reasons": self.infeasible}
 
 
@@ -185,7 +188,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     plans = [plan_dict(problem, cm, ev, i, tokens) for i in chosen]
     elapsed = time.perf_counter() - t0
     infeasible = {k: v for k, v in reasons.most_common()}
-    return PlanResult(plans, searched, int(ev.fits.sum()), elapsed, infeasible, ev)
+    return PlanResult(plans, searched, int(ev.fits.sum()), elapsed, infeasible, ev, len(ev.layouts))
 
 
 def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
