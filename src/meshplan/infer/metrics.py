@@ -187,16 +187,28 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     # beside the batch (serving.yaml engine_first_token_decode_step)
     prompt, chunk, n_chunks = prompt_chunks(cfg, chip, w, others)
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1))
+    # the last chunk holds what the full ones leave: a prompt a few tokens past one chunk takes one full step and one
+    # step with those few tokens, not two full ones
+    rest = prompt - (n_chunks - 1) * chunk if n_chunks > 0 else 0
+    last = s if rest >= chunk else step_cost(m, chip, cfg, eff, others, w.mean_decode_context, rest,
+                                             prompt - rest / 2.0, max(batch, 1))
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
-                                                    queued, residual_s) + n_chunks * s.time_s
+                                                    queued, residual_s) \
+        + (max(n_chunks - 1, 0) * s.time_s + (last.time_s if n_chunks else 0.0))
     if others_arrivals_per_s > 0:
-        # a prompt's own work: its chunk steps less the decode steps the other sequences would have run anyway. Under
+        # a prompt's own work: its share of full chunk steps (prompt / chunk of them: the room its last chunk leaves
+        # goes to the next prompt in line) less the decode steps the other sequences would have run anyway. Under
         # attention DP only the prompts of its own rank queue ahead of it (each rank schedules its own requests FCFS:
         # config.attention_dp_limits_per_rank), a 1/ranks share of the arrivals and of the other sequences
         dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
         dp = cfg.attention_dp_size
-        ttft += prefill_queue_wait_s(others_arrivals_per_s / dp, n_chunks * max(s.time_s - dec, 0.0), others / dp)
+        # a pipeline's micro-batches each carry a waiting prompt (step._pipeline_parts: one chunk per micro-batch), so
+        # under a queue the pp stages serve up to pp prompts per step: the queue's server is that many times faster
+        # than one prompt's own pass (the M/D/c queue's load rho = lambda S / c, here as one server of S / c)
+        servers = min(float(cfg.pp), float(max(batch, 1)))
+        work = (prompt / chunk if chunk > 0 else 0.0) * max(s.time_s - dec, 0.0) / servers
+        ttft += prefill_queue_wait_s(others_arrivals_per_s / dp, work, others / dp)
     if prompt < w.input_len:  # the first token from the decode step after the prefill (prefill_len)
         ttft += (decode or decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context)).time_s
     return ttft
