@@ -93,6 +93,12 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
          {"--export": "text", "--out": "outdir", "--tp": "int"}),
         (["serve", "--from", "FRAMEWORK", "--hardware", h, "--input-len", "1024", "--output-len", "128", "--json"],
          {"--from": "framework", "--hardware": "hwname", "--input-len": "int", "--output-len": "int"}),
+        # session 22: trtllm-bench's own limits and the sequence cap
+        (serve + ["--engine", rng.choice(["trtllm", "trtllm@0.17"]), "--harness", "trtllm-bench", "--json"],
+         {"--harness": "choice:trtllm-bench,vllm-bench", "--engine": "choice:trtllm,trtllm@0.17,vllm",
+          "--max-num-seqs": "int", "--batch": "int", "--input-len": "int", "--output-len": "int", "--pp": "int"}),
+        (serve + ["--max-num-seqs", "64", "--json"],
+         {"--max-num-seqs": "int", "--batch": "int", "--concurrency": "int", "--rate": "float"}),
         (serve + ["--simulate", "--rate", "5", "--requests", "50", "--json"],
          {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int",
           "--concurrency": "int", "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy",

@@ -487,8 +487,25 @@ def test_trtllm_writes_launch_and_extra_options(capsys, tmp_path):
                            capsys)
     assert code == 0, err
     extra = yaml.safe_load((tmp_path / "trtllm_extra.yml").read_text())
-    assert extra == {"kv_cache_config": {"dtype": "fp8"}, "enable_chunked_prefill": True}
+    # the plan was timed as TensorRT-LLM runs by default, prompts whole (serving.yaml engine_chunked_prefill): the
+    # launch says so (session 22 QA: it wrote chunking on beside a plan timed without it)
+    assert extra == {"kv_cache_config": {"dtype": "fp8"}, "enable_chunked_prefill": False}
     assert "--extra_llm_api_options trtllm_extra.yml" in (tmp_path / "trtllm.sh").read_text()
+
+
+def test_trtllm_launch_keeps_the_timed_chunking_and_sizes_the_batch_per_micro_batch(capsys, tmp_path):
+    # trtllm-bench's TensorRT flow chunks prompts (harness_trtllm_bench): the launch turns chunking on
+    code, _, err = run_cli(["serve", *SERVE, "--engine", "trtllm@0.17", "--harness", "trtllm-bench", "--export",
+                            "trtllm", "--out", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    assert yaml.safe_load((tmp_path / "a" / "trtllm_extra.yml").read_text())["enable_chunked_prefill"] is True
+    # pp 2: max_batch_size holds per micro-batch, half the replica's batch (rounded up)
+    code, out, err = run_cli(["serve", "--model", "llama3.1-70b", "--hardware", "h200", "--chips", "8", "--tp", "4",
+                              "--pp", "2", "--input-len", "1024", "--output-len", "1024", "--export", "trtllm",
+                              "--out", str(tmp_path / "b"), "--json"], capsys)
+    assert code == 0, err
+    batch = json.loads(out[out.index("{"):])["batch"]
+    assert f"--max_batch_size {-(-batch // 2)} " in (tmp_path / "b" / "trtllm.sh").read_text()
 
 
 # ---- bad files: an error line, never a traceback ----------------------------------------------------------------

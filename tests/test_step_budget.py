@@ -159,3 +159,37 @@ def test_closed_form_limit_matches_the_step_level_simulator():
     sim = simulate(LLAMA8B, H100, 1, cfg, eff, w, 200, SimSpec(math.inf, 1500, 0, concurrency=400))
     assert sim["throughput_tokens_per_s"] == pytest.approx(closed.throughput_tokens_per_s, rel=0.03)
     assert sim["tpot_s"]["p50"] == pytest.approx(closed.tpot_s, rel=0.03)
+
+
+def test_serve_clients_line_counts_the_sequences_running_under_the_budget(capsys):
+    # 400 clients, 248 decode at once under the 8192-token budget (4096-token prompts): 152 wait
+    code, out, _ = run_cli(["serve", "--model", "llama3.1-8b", "--hardware", "h200", "--chips", "2", "--tp", "2",
+                            "--input-len", "4096", "--output-len", "128", "--engine", "vllm", "--batch", "400",
+                            "--concurrency", "400", "--json"], capsys)
+    assert code == 0
+    o = json.loads(out)
+    assert o["running_batch"] == 248 and o["clients"]["running"] == 248 and o["clients"]["waiting"] == 152
+
+
+def test_batch_past_the_engines_sequence_cap_names_the_cap(capsys):
+    code, _, err = run_cli(["serve", "--model", "llama3.1-8b", "--hardware", "h200", "--chips", "1", "--input-len",
+                            "1024", "--output-len", "1024", "--engine", "vllm", "--max-num-seqs", "64", "--batch",
+                            "128"], capsys)
+    assert code == 2 and err.startswith("error: batch 128 is more than vllm runs at once: 64")
+    assert "--concurrency 128" in err and err.count("\n") == 1
+
+
+def test_simulate_and_rate_refuse_what_they_would_ignore(capsys):
+    base = ["serve", "--model", "llama3.1-8b", "--hardware", "h200", "--chips", "1", "--input-len", "1024",
+            "--output-len", "128"]
+    code, _, err = run_cli([*base, "--rate", "5"], capsys)
+    assert code == 2 and "--simulate" in err
+    code, _, err = run_cli([*base, "--batching", "static", "--simulate", "--concurrency", "8"], capsys)
+    assert code == 2 and "--batching static" in err
+
+
+def test_harness_that_refuses_every_layout_says_so(capsys):
+    code, _, err = run_cli(["serve", "--model", "llama3.1-70b", "--hardware", "h100-sxm", "--chips", "2",
+                            "--input-len", "90000", "--output-len", "1000", "--engine", "trtllm", "--harness",
+                            "trtllm-bench"], capsys)
+    assert code == 2 and err.startswith("error: trtllm-bench accepts no layout") and "pinned" not in err

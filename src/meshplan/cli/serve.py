@@ -20,6 +20,7 @@ from meshplan.infer.config import (
     base_engine,
     check_layout,
     check_workload,
+    chunked_prefill,
     engine_names,
     engine_token_budget,
     native_weight_dtype,
@@ -125,6 +126,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "model": m.name, "hardware": chip.name, "chips": chips, "input_len": input_len, "output_len": output_len,
         "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
         "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
+        "chunked_prefill": chunked_prefill(best.config, chip),  # whether prompts were timed in chunks
         # tokens one step of a whole replica carries (step_token_budget x attention-DP ranks where the engine applies
         # it per rank: config.replica_token_budget)
         "replica_step_token_budget": replica_token_budget(chip, best.config),
@@ -142,8 +144,11 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                                                                     max_num_seqs=None, chunked_prefill=None),
                                           w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
-        out["clients"] = {"clients": clients, "running": best.deployment_batch,
-                          "waiting": max(clients - best.deployment_batch, 0), "queue_wait_s": best.queue_wait_s}
+        # running: the sequences that decode at once on every replica (the batch, or fewer where the step token
+        # budget holds no more prompts: ServePoint.running_batch)
+        running = (best.batch if best.running_batch is None else best.running_batch) * best.replicas
+        out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
+                          "queue_wait_s": best.queue_wait_s}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -202,9 +207,11 @@ def serve(
                                              "engine path's serial C++ executor; trtllm is the PyTorch backend).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences a replica runs at once (vLLM --max-num-seqs, "
-                                                          "TRT-LLM max_batch_size x pp, SGLang --max-running-requests); "
-                                                          "default: the engine's, else what the KV cache holds.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences a whole replica runs at once, over its "
+                                                          "pipeline micro-batches and attention-DP ranks (vLLM "
+                                                          "--max-num-seqs x DP ranks, TRT-LLM max_batch_size x pp x "
+                                                          "ranks, SGLang --max-running-requests); default: the "
+                                                          "engine's, else what the KV cache holds.")] = None,
     harness: Annotated[str | None, typer.Option(help="Time each layout with the limits a benchmark harness picks for "
                                                      "itself: trtllm-bench (max_batch_size, max_num_tokens and "
                                                      "chunking from the model, GPUs and lengths, as TensorRT-LLM's "
@@ -283,6 +290,11 @@ def serve(
                  f"--engine or export {base_engine(engine)}")
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
+    if rate is not None and not do_simulate:
+        fail("--rate sets the arrivals of --simulate; add --simulate (the closed form ranks layouts at the batch, or "
+             "under --concurrency clients)")
+    if do_simulate and batching != "continuous":
+        fail("--simulate runs the engine's iteration-level scheduler (continuous batching); drop --batching static")
     if do_simulate:
         _choice("--input-dist", input_dist, DISTRIBUTIONS)
         _choice("--output-dist", output_dist, DISTRIBUTIONS)

@@ -81,9 +81,8 @@ def _header(plan: ServePlan, framework: str) -> list[str]:
         f"predicted: TTFT {fmt_time(o['ttft_s'])}, TPOT {fmt_time(o['tpot_s'])} ({o['tpot_s']:.6g} s), "
         f"{o['throughput_tokens_per_s']:,.0f} output tokens/s, memory "
         f"{fmt_bytes(o['memory_bytes_per_chip']['total'])} per chip",
-        f"read it back: meshplan serve --from FILE --hardware {o['hardware']} --input-len {o['input_len']} "
-        f"--output-len {o['output_len']}",
-    ]
+    ] + ([f"read it back: meshplan serve --from FILE --hardware {o['hardware']} --input-len {o['input_len']} "
+          f"--output-len {o['output_len']}"] if framework in _READ else [])
 
 
 def _refuse(framework: str, what: str) -> MeshplanError:
@@ -198,13 +197,17 @@ def export_engine(framework: str, plan: ServePlan) -> dict[str, str]:
 
 def _trtllm(plan: ServePlan, c: dict, head: str) -> dict[str, str]:
     o = plan.out
+    # prompts chunk as the plan was timed (the engine's default, the harness's or the layout's own: plan_serving's
+    # 'chunked_prefill'); static batching never chunks
     extra = {"kv_cache_config": {"dtype": KV["trtllm"][c["kv_dtype"]]},
-             "enable_chunked_prefill": plan.mode == "continuous"}
+             "enable_chunked_prefill": plan.mode == "continuous" and bool(o.get("chunked_prefill", True))}
     if c.get("attention_dp"):
         extra["enable_attention_dp"] = True  # LlmArgs.enable_attention_dp (top level, not under cuda_graph_config)
+    # max_batch_size holds per micro-batch (a replica runs pp of them: trtllm-bench's tuning.py sizes it as the KV
+    # cache's requests / pp_size) and per attention-DP rank under enable_attention_dp (each rank's own scheduler)
+    per = c["pp"] * (c["tp"] if c.get("attention_dp") else 1)
     argv = ["trtllm-serve", plan.model_arg, "--tp_size", c["tp"], "--pp_size", c["pp"], "--ep_size", c["ep"],
-            # max_batch_size is per attention-DP rank under enable_attention_dp (each rank's own scheduler)
-            "--max_batch_size", -(-o["batch"] // c["tp"]) if c.get("attention_dp") else o["batch"],
+            "--max_batch_size", -(-o["batch"] // per),
             "--max_num_tokens", _budget(plan),
             "--max_seq_len", o["input_len"] + o["output_len"], "--extra_llm_api_options", "trtllm_extra.yml"]
     note = [f"one trtllm-serve per replica: launch {c['replicas']} of them behind a load balancer"] \

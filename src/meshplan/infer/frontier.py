@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import InfeasibleError, MeshplanError
-from meshplan.infer.config import ServeConfig, Workload, check_layout, clients_per_replica
+from meshplan.infer.config import ServeConfig, Workload, check_layout, clients_per_replica, engine_max_num_seqs
 from meshplan.infer.harness import harness_settings
 from meshplan.infer.memory import max_batch_per_replica
 from meshplan.infer.metrics import ServePoint, budget_batch_limit, evaluate
@@ -124,9 +124,12 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
                 skipped[f"tp={c.tp} pp={c.pp}: {exc}"] += 1
         cands = runnable
     if not cands:
-        why = f" ({next(iter(skipped))})" if skipped else ""
-        raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name} with the pinned degrees{why}")
-    ranked, fastest, searched = [], [], 0
+        if skipped:
+            raise InfeasibleError(f"{harness} accepts no layout of {m.name} on {n_chips} x {chip.name} "
+                                  f"(e.g. {next(iter(skipped))})")
+        pinned = " with the pinned degrees" if any(v is not None for v in (tp, pp, ep, attention_dp)) else ""
+        raise InfeasibleError(f"no valid layout of {m.name} on {n_chips} x {chip.name}{pinned}")
+    ranked, fastest, searched, unfit = [], [], 0, 0
     for cfg in cands:
         try:
             pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients)
@@ -134,17 +137,28 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
             skipped[f"tp={cfg.tp} pp={cfg.pp}{' attention-dp' if cfg.attention_dp else ''}: {exc}"] += 1
             continue
         searched += len(pts)
+        unfit += not pts  # placed, but no batch fits its memory
         if pts:
             fastest.append(min(pts, key=lambda p: p.tpot_s))
         b = best_point(pts, targets)
         if b is not None:
             ranked.append(b)
     if not ranked:
-        if skipped and not fastest:
+        if skipped and not fastest and not unfit:
             reason, _ = skipped.most_common(1)[0]
             raise InfeasibleError(f"no layout of {m.name} can be placed on {n_chips} x {chip.name} "
                                   f"({sum(skipped.values())} skipped; e.g. {reason})")
+        if skipped and not fastest:  # the placed layouts do not fit memory; say that first, then the skipped ones
+            reason, _ = skipped.most_common(1)[0]
+            what = f"batch {batch}" if batch else "even batch 1"
+            raise InfeasibleError(f"{m.name} does not fit on {n_chips} x {chip.name} in any layout at {what} "
+                                  f"({w.input_len}+{w.output_len} tokens per sequence; {unfit} placed layouts do not "
+                                  f"fit, {sum(skipped.values())} more skipped, e.g. {reason}); add chips or quantize")
         err = _no_layout_error(m, chip, n_chips, w, targets, fastest, batch)
+        if not fastest and batch:
+            capped = _seq_cap_error(m, chip, eff, w, cands, batch)
+            if capped is not None:
+                raise capped
         if not fastest and not batch and tp is None and pp is None and ep is None:
             why = _why_no_layout(m, chip, n_chips, base, eff, w, cands)
             err = InfeasibleError(str(err).replace("; add chips", why + "; add chips", 1))
@@ -164,6 +178,21 @@ def _no_layout_error(m, chip, n_chips, w, targets, fastest, batch) -> MeshplanEr
         f"no layout meets {targets.describe()}: the best reachable TPOT is {t.tpot_s * 1e3:.3g} ms "
         f"(tp={t.config.tp} pp={t.config.pp} ep={t.config.ep}, batch {t.batch}) and the best TTFT is "
         f"{f.ttft_s * 1e3:.3g} ms (tp={f.config.tp} pp={f.config.pp}, batch {f.batch})")
+
+
+def _seq_cap_error(m: ModelConfig, chip: Chip, eff: Efficiency, w: Workload, tried: list[ServeConfig],
+                   batch: int) -> InfeasibleError | None:
+    """Where `batch` fits a layout's memory but not the engine's cap on sequences at once (config.engine_max_num_seqs:
+    vLLM max_num_seqs, --max-num-seqs), the error that says so; None where memory is what stops it."""
+    for c in tried:
+        uncapped = max_batch_per_replica(m, chip, replace(c, max_num_seqs=10**9), eff, w)
+        cap = engine_max_num_seqs(c, chip)
+        if cap is not None and cap < batch <= uncapped:
+            how = "--max-num-seqs" if c.max_num_seqs is not None else f"the {c.engine} default"
+            return InfeasibleError(f"batch {batch} is more than {c.engine} runs at once: {cap} sequences per replica "
+                                   f"({how}; the memory holds {uncapped}). Raise --max-num-seqs, or serve "
+                                   f"--concurrency {batch} to queue the rest")
+    return None
 
 
 def _why_no_layout(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,

@@ -99,6 +99,9 @@ def trtllm_bench_settings(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workl
     per_token_gib = 2 * m.n_layers * kv_heads * width * _ESTIMATE_BYTES.get(cfg.kv_dtype, 2.0) / GIB
     frac = e.get("kv_fraction") or kv_cache_free_fraction(cfg, chip) or 0.9
     requests = available_gib * frac / (per_token_gib * w.max_context)
+    if available_gib <= 0:
+        raise InfeasibleError(f"trtllm-bench refuses this run: the weights ({engine_gib:.1f} GiB by its count) exceed "
+                              f"the memory of {n_gpus} x {chip.name} ({chip.usable_hbm_bytes / GIB * n_gpus:.1f} GiB)")
     if requests < 1:
         raise InfeasibleError(f"trtllm-bench refuses this run: its estimate leaves room for {requests:.2f} requests of "
                             f"{w.max_context} tokens (weights {engine_gib:.1f} GiB on {n_gpus} x {chip.name})")
