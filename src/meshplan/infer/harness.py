@@ -66,19 +66,18 @@ def finetune_setting(kv_cache_max_requests: float, input_len: float, output_len:
     max_num_tokens at least 2048 (tensorrt_llm/bench/build/tuning.py finetune_setting)."""
     raw_bs = min(kv_cache_max_requests, 4096) / pp
     raw_token = min(raw_bs * (1 + input_len / output_len), 32768)
-    if raw_bs < 256:
-        max_bs = max(64, 32 * math.ceil(raw_bs / 32))
-    elif raw_bs < 1024:
-        max_bs = 128 * math.ceil(raw_bs / 128)
-    else:
-        max_bs = 256 * math.ceil(raw_bs / 256)
-    if raw_token < 4096:
-        max_token = max(2048, 256 * math.ceil(raw_token / 256))
-    elif raw_token < 8192:
-        max_token = 512 * math.ceil(raw_token / 512)
-    else:
-        max_token = 1024 * math.ceil(raw_token / 1024)
-    return int(max_bs), int(max_token)
+    return (_round_up(raw_bs, ((256, 32), (1024, 128), (math.inf, 256)), 64),
+            _round_up(raw_token, ((4096, 256), (8192, 512), (math.inf, 1024)), 2048))
+
+
+def _round_up(x: float, tiers: tuple[tuple[float, int], ...], floor: int) -> int:
+    """`x` rounded up to the step of the first tier whose bound it is below, at least `floor` in the first tier
+    (finetune_setting's grids)."""
+    for i, (bound, step) in enumerate(tiers):
+        if x < bound:
+            up = step * math.ceil(x / step)
+            return int(max(floor, up) if i == 0 else up)
+    raise AssertionError("the last tier is unbounded")
 
 
 def trtllm_bench_settings(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workload) -> HarnessSettings:
