@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.export.common import argv_lines, commented, framework_keys, split_command
+from meshplan.infer.config import ENGINE_KV_FLAGS
 from meshplan.units import fmt_bytes, fmt_time
 
-# meshplan KV dtype -> each engine's --kv-cache-dtype (vLLM CacheDType, SGLang ServerArgs.kv_cache_dtype choices)
-KV = {"vllm": {"bf16": "auto", "fp8": "fp8"}, "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"},
-      "trtllm": {"bf16": "auto", "fp8": "fp8"}}
+# meshplan KV dtype -> each engine's KV-cache dtype flag (infer/config.py ENGINE_KV_FLAGS, with the sources)
+KV = ENGINE_KV_FLAGS
 # weights: fp8 is each engine's online FP8 quantization of a bf16 checkpoint; int8/int4 weight-only need a
 # checkpoint quantized beforehand (AWQ/GPTQ/ModelOpt), whose method the file cannot choose for the user; mxfp4 is a
 # checkpoint released in MXFP4 (gpt-oss), which every engine reads from its config.json with no flag

@@ -134,10 +134,14 @@ FRONTENDS = ("triton-ensemble", "vllm-openai")
 # the engine each server path drives: the TensorRT-LLM backend's ensemble (triton-inference-server/tensorrtllm_backend),
 # vLLM's OpenAI-compatible server (`vllm serve`)
 FRONTEND_ENGINES = {"triton-ensemble": "trtllm", "vllm-openai": "vllm"}
-# KV-cache dtypes an engine can allocate, where it cannot take them all: vLLM --kv-cache-dtype auto|fp8|fp8_e4m3|
-# fp8_e5m2 (vllm/config/cache.py CacheDType), SGLang --kv-cache-dtype auto|fp8_e5m2|fp8_e4m3 (server_args.py); neither
-# has an int8 cache
-ENGINE_KV_DTYPES = {"vllm": ("bf16", "fp8"), "sglang": ("bf16", "fp8")}
+# each engine's KV-cache dtype flag for meshplan's KV dtypes (the launch exports write them): vLLM --kv-cache-dtype
+# auto|fp8|fp8_e4m3|fp8_e5m2 (vllm/config/cache.py CacheDType), SGLang --kv-cache-dtype auto|fp8_e5m2|fp8_e4m3
+# (server_args.py), TensorRT-LLM KvCacheConfig.dtype auto|fp8 in trtllm-serve's extra options
+ENGINE_KV_FLAGS = {"vllm": {"bf16": "auto", "fp8": "fp8"}, "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"},
+                   "trtllm": {"bf16": "auto", "fp8": "fp8"}}
+# KV-cache dtypes an engine can allocate, where it cannot take them all: vLLM and SGLang have no int8 cache (their
+# flags above are all they take); TensorRT-LLM's TensorRT engine path also builds an INT8 cache, so it is not limited
+ENGINE_KV_DTYPES = {e: tuple(ENGINE_KV_FLAGS[e]) for e in ("vllm", "sglang")}
 
 
 def engine_releases() -> tuple[str, ...]:
