@@ -416,3 +416,15 @@ def test_xla_backward_holds_the_regathered_output_gradients():
                    options=jax)["memory_bytes"]
     layer_in, korthikanti = 4 * 512 * 256, 4980736 + 524288 + 262144 + 262144
     assert no_sp["activations"] == 2 * layer_in + (korthikanti - layer_in) + max(2 * score, d_up)
+
+
+def test_expert_all_to_all_counts_only_the_moe_layers(capsys):
+    # QA session 22: the dispatch/combine bytes counted every layer. DeepSeek-V3 has 3 dense layers of 61: a rank's
+    # 16384 tokens (8192 x 4096 over dp 8 x fsdp 256) x top-8 x D 7168 x 2 B, 6 all-to-alls per MoE layer under full
+    # recompute (dispatch + combine forward, twice backward, again in the recompute), 58 MoE layers
+    code, out, err = run_cli(["train", "-m", "deepseek-v3", "--hardware", "h100-sxm", "--chips", "2048", "--seq-len",
+                              "4096", "--global-batch", "8192", "--dp", "8", "--fsdp", "256", "--ep", "8",
+                              "--microbatch", "1", "--recompute", "full", "--json"], capsys)
+    assert code == 0, err
+    a2a = json.loads(out)["plans"][0]["ledger"]["collective_bytes"]["all_to_all/expert"]
+    assert a2a == pytest.approx(16384 * 8 * 7168 * 2 * 58 * 6)

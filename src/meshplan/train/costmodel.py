@@ -1490,6 +1490,9 @@ class CostModel:
         a2a = a2a * self._expert_load_ratio(g)
         # a fully recomputed layer dispatches and combines again (Megatron's checkpointed MoE layer, JAX remat)
         n_a2a = 4 + 2 * (L.recompute == 2)
+        # only the MoE layers dispatch: in the mean layer, their share of the stage's layers (moe_share: DeepSeek's
+        # leading dense layers, Llama 4's interleaved ones), as every other MoE term of the layer counts them
+        nl = nl * c["moe_share"]
         # (an SPMD pipeline's bubble iterations dispatch and combine too: bubble_runs)
         g["ledger"].collective("all_to_all", self._ep_axes(g), g["n_micro"] * nl * g["bubble_runs"] * n_a2a * sent)
         out["ep_link_mb"] = nl * n_a2a * a2a
