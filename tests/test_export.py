@@ -592,3 +592,31 @@ def test_from_does_not_combine_with_outputs_it_would_ignore(capsys, tmp_path):
     code, _, err = run_cli(["train", "--from", str(f), "--hardware", "h100-sxm", "--chips", "64", "--html",
                             str(tmp_path / "p.html")], capsys)
     assert code == 2 and "does not combine" in err
+
+
+def test_deepspeed_writes_and_reads_model_state_offload():
+    # ZeRO-Offload (offload_optimizer, any stage) and ZeRO-Infinity (offload_param, stage 3) to the host CPU: the
+    # file's zero_optimization says both, and reading it back gives the same plan and prediction (QA session 22: the
+    # exporter refused them)
+    case = dict(fw="deepspeed", model="llama3-8b", hw="h100-sxm", chips=16, seq=4096, gb=64, fsdp=16, microbatch=2,
+                recompute="full", offload_optimizer=1, offload_params=1)
+    pe, _, text, job = _roundtrip(case)
+    z = json.loads(text)["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+    assert (job.pins.offload_optimizer, job.pins.offload_params) == (1, 1) and not job.unknown_keys
+    again = plan(pe.problem, job.pins, default_efficiency(pe.problem.chip), job.resolved_options(Options()),
+                 top=1).plans[0]
+    assert again["step_time_s"] == pe.prediction["step_time_s"]
+
+
+def test_deepspeed_refuses_what_it_cannot_offload():
+    # offload_param needs stage 3: weight offload under ZeRO-2 has no DeepSpeed key
+    pe = _plan("deepspeed", "llama3-8b", "h100-sxm", 16, 4096, 64, dp=16, microbatch=2, recompute="full", zero=2,
+               offload_params=1)
+    with pytest.raises(MeshplanError, match="offload_param is valid only with ZeRO stage 3"):
+        export_train("deepspeed", pe)
+    # an NVMe offload is read as an error, not silently as the host's
+    doc = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(MeshplanError, match="host \\(cpu\\) offload only"):
+        train_module("deepspeed").load(json.dumps(doc), 32)

@@ -68,7 +68,10 @@ def export_pins(export: str | None, pins: Pins) -> Pins:
     if export is None:
         return pins
     fixed = {k: v for k, v in getattr(TRAIN[export], "PINS", {}).items() if getattr(pins, k) is None}
-    return replace(pins, **fixed)
+    # the values a free degree may take: those the framework's file can say (an exporter's CHOICES)
+    choices = {k: v for k, v in getattr(TRAIN[export], "CHOICES", {}).items()
+               if not k.endswith("_choices") or getattr(pins, k.removesuffix("_choices")) is None}
+    return replace(pins, **fixed, **choices)
 
 
 def expressible_plans(name: str, problem: Problem, result, opts: Options, model_arg: str,

@@ -1,8 +1,10 @@
 """DeepSpeed JSON for ZeRO plans (data parallelism only: DeepSpeed's config file carries no tensor, pipeline or
 context degree). Keys: deepspeed/runtime/constants.py, zero/config.py and activation_checkpointing/config.py at
 deepspeedai/DeepSpeed@edaa7221 (data/deepspeed_keys.txt): train_batch_size, train_micro_batch_size_per_gpu,
-gradient_accumulation_steps, bf16.enabled, zero_optimization.{stage, overlap_comm, contiguous_gradients},
-activation_checkpointing.{partition_activations, cpu_checkpointing}.
+gradient_accumulation_steps, bf16.enabled, zero_optimization.{stage, overlap_comm, contiguous_gradients,
+offload_optimizer.device, offload_param.device}, activation_checkpointing.{partition_activations, cpu_checkpointing}.
+Model-state offload: ZeRO-Offload's `offload_optimizer` (stages 1-3) and ZeRO-Infinity's `offload_param` (stage 3
+only), both to "cpu" (DeepSpeed docs, config-json "Parameter offloading" / "Optimizer offloading").
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import json
 
 from meshplan.errors import MeshplanError
 from meshplan.export.common import (
-    NO_STATE_OFFLOAD,
     Job,
     PlanToExport,
     check_degrees,
     divide,
     framework_keys,
     header_lines,
+    refuse,
     whole,
 )
 from meshplan.train.space import Pins
@@ -27,6 +29,8 @@ PINS = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}  # a DeepSpeed config is data parall
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".json"
 SWITCHES = {"dp_overlap": ({"dp_overlap": True}, '"zero_optimization": {"overlap_comm": true}')}
+# activation_checkpointing: whole layers or nothing; ZeRO-3 over every data-parallel rank (REASONS)
+CHOICES = {"recompute_choices": ("none", "full"), "fsdp_replicas": False}
 REASONS = {
     "tp": "a DeepSpeed config has no tensor-parallel degree (Megatron-DeepSpeed sets it in the model script)",
     "pp": "the pipeline engine is built in the model script, not the config", "cp": "no context parallelism",
@@ -35,6 +39,7 @@ REASONS = {
     "recompute": "activation_checkpointing recomputes whole layers (full) or nothing",
     "offload": "cpu_checkpointing moves every checkpoint (offload 1 with full recompute)",
     "compute_dtype": "FP8 comes from Transformer Engine in the model, not the config",
+    "offload_params": "offload_param is valid only with ZeRO stage 3 (FSDP in meshplan's terms)",
 }
 
 
@@ -51,6 +56,12 @@ def export(plan: PlanToExport) -> str:
         "zero_optimization": {"stage": stage, "overlap_comm": bool(o.overlaps(p.chip.kind)[1]),
                               "contiguous_gradients": True},
     }
+    if c.offload_params and stage != 3:
+        raise refuse(NAME, "offload_params", c.offload_params, REASONS)
+    if c.offload_optimizer:  # ZeRO-Offload: the optimizer state and step on the host CPU
+        doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if c.offload_params:  # ZeRO-Infinity: the weights on the host, fetched per layer
+        doc["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if c.recompute == "full":
         doc["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": c.offload == 1.0}
     # JSON has no comments: the header rides in a top-level `_meshplan` key; DeepSpeedConfig looks up the top-level
@@ -60,7 +71,8 @@ def export(plan: PlanToExport) -> str:
 
 USED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16.enabled",
         "zero_optimization.stage", "zero_optimization.overlap_comm", "activation_checkpointing.cpu_checkpointing",
-        "activation_checkpointing.partition_activations", "_meshplan", "fp16.enabled"}
+        "activation_checkpointing.partition_activations", "_meshplan", "fp16.enabled",
+        "zero_optimization.offload_optimizer", "zero_optimization.offload_param"}
 
 
 def load(text: str, chips: int | None = None) -> Job:
@@ -98,12 +110,22 @@ def load(text: str, chips: int | None = None) -> Job:
     stage = z.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise MeshplanError(f"deepspeed zero_optimization.stage must be 0-3, got {stage}")
+    offloaded = {}
+    for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        spec = z.get(key) or {}
+        device = spec.get("device", "none") if isinstance(spec, dict) else spec
+        if device not in ("none", "cpu"):
+            raise MeshplanError(f"deepspeed zero_optimization.{key}.device '{device}': meshplan models host (cpu) "
+                                "offload only")
+        offloaded[flag] = int(device == "cpu")
+    if offloaded["offload_params"] and stage != 3:
+        raise MeshplanError("deepspeed zero_optimization.offload_param needs stage 3")
     ac = doc.get("activation_checkpointing")
     full = isinstance(ac, dict)
     job.chips, job.global_batch = data, gb
     job.pins = Pins(dp=1 if stage == 3 else data, fsdp=data if stage == 3 else 1, tp=1, pp=1, vpp=1, cp=1, ep=1,
                     microbatch=mb, recompute="full" if full else "none", zero=0 if stage == 3 else stage,
-                    offload=1.0 if full and ac.get("cpu_checkpointing") else 0.0, **NO_STATE_OFFLOAD,
+                    offload=1.0 if full and ac.get("cpu_checkpointing") else 0.0, **offloaded,
                     sequence_parallel=True)
     job.options.update(dp_overlap=bool(z.get("overlap_comm", False)), compute_dtype="bf16")
     job.notes.append("DeepSpeed configs do not state the sequence length: give --seq-len")

@@ -49,6 +49,7 @@ SUFFIX = ".yml"
 # "minimal_with_context" also saves the attention output: only the pointwise ops run again (gemm-last)
 REMAT = {"full": "full", "selective": "minimal", "gemm-last": "minimal_with_context"}
 AXES = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("cp", "context"), ("tp", "tensor"))  # outermost first
+CHOICES = {"recompute_choices": tuple(REMAT)}  # the remat policies meshplan writes (REMAT)
 REASONS = {
     "recompute": "MaxText rematerialises every scanned layer: its least recompute, remat_policy "
                  "minimal_with_context, is meshplan's gemm-last",

@@ -27,6 +27,8 @@ from meshplan.train.space import Pins
 
 NAME = "megatron"
 PINS = {"offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # what pretrain_gpt.py cannot do (REASONS; the file states no model-state offload)
+# the values of a free degree a file can say (REASONS: no gemm-last flag; the distributed optimizer is ZeRO-1)
+CHOICES = {"recompute_choices": ("none", "selective", "full"), "zero_choices": (0, 1), "fsdp_replicas": False}
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".sh"
 # behaviour pretrain_gpt.py switches on: (Options changes, the flags to add); `--from` predicts each

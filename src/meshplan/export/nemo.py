@@ -26,6 +26,7 @@ from meshplan.export.common import (
     whole,
     yaml_mapping,
 )
+from meshplan.export.megatron import CHOICES as MEGATRON_CHOICES
 from meshplan.export.megatron import REASONS as MEGATRON_REASONS
 from meshplan.train.space import Pins
 
@@ -38,6 +39,7 @@ SWITCHES = {
     "dp_overlap": ({"dp_overlap": True}, "trainer.strategy.ddp.overlap_grad_reduce: true"),
     "param_gather": ({"overlap_param_gather": True}, "trainer.strategy.ddp.overlap_param_gather: true"),
 }
+CHOICES = MEGATRON_CHOICES  # NeMo writes Megatron-Core's recompute and optimizer settings
 REASONS = dict(MEGATRON_REASONS, fsdp="meshplan writes NeMo's Megatron DDP (no FSDP)",
                dp="meshplan writes NeMo's Megatron DDP (no FSDP)")
 

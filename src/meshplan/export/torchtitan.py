@@ -48,6 +48,7 @@ RECOMPUTE = {"none": "none", "selective": "selective", "full": "full"}
 # selective_ac_option: "op" = the per-op policy, an integer n = every n-th layer fully recomputed; meshplan's
 # "layer" flavour is torchtitan's default of every second layer
 SELECTIVE = {"op": "op", "layer": "2"}
+CHOICES = {"recompute_choices": ("none", "selective", "full")}  # activation_checkpoint.mode (REASONS)
 REASONS = {
     "zero": "torchtitan shards with FSDP2 (ZeRO-3, data_parallel_shard_degree) only",
     "offload": "torchtitan has no activation offload",

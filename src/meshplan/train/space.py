@@ -42,6 +42,12 @@ class Pins:
     sequence_parallel: bool = True
     offload_optimizer: int | None = None  # 0/1: ZeRO-Offload (optimizer state and update on the host)
     offload_params: int | None = None  # 0/1: ZeRO-Infinity (weights on the host, streamed per layer)
+    # the values a free recompute policy / ZeRO stage may take (a framework's expressible ones: --framework); None = all
+    recompute_choices: tuple[str, ...] | None = None
+    zero_choices: tuple[int, ...] | None = None
+    # False: FSDP shards over every data-parallel rank, no replicas beside it (Megatron FSDP, DeepSpeed ZeRO-3: what
+    # their files can say); True: hybrid sharding (replicas of FSDP groups, HSDP) is searched too
+    fsdp_replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -197,8 +203,10 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     m = p.model
     vpp_c = np.asarray(_choices(pins.vpp, [1, 2, 4, 8]), dtype=np.int64)
     mb_c = np.asarray(_choices(pins.microbatch, [1, 2, 4, 8, 16]), dtype=np.int64)
-    rc_c = np.asarray([RECOMPUTE_CODES[pins.recompute]] if pins.recompute else list(RECOMPUTE_CODES.values()))
-    zero_c = np.asarray(_choices(pins.zero, [0, 1, 2]), dtype=np.int64)
+    rc_c = np.asarray([RECOMPUTE_CODES[pins.recompute]] if pins.recompute else
+                      [RECOMPUTE_CODES[r] for r in (pins.recompute_choices or RECOMPUTE_CODES)])
+    zero_c = np.asarray(_choices(pins.zero, [z for z in (0, 1, 2) if pins.zero_choices is None
+                                             or z in pins.zero_choices]), dtype=np.int64)
     ep_c = np.asarray(_choices(pins.ep, divisors(m.n_experts) if m.is_moe else [1]), dtype=np.int64)
     off_c = np.asarray([pins.offload] if pins.offload is not None else list(offload_choices), dtype=float)
     # optimizer offload is searched only where the host CPU's Adam can be timed (host memory bandwidth known)
@@ -212,6 +220,12 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     idx, vpp, mb, rc, zero, ep, off, st = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
     keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule)
+    if not pins.fsdp_replicas:
+        hybrid = keep & (fs > 1) & (dp > 1)
+        if hybrid.any():
+            reasons["FSDP with data-parallel replicas (hybrid sharding) is not what the framework runs"] += \
+                int(hybrid.sum())
+            keep &= ~hybrid
     bad = keep & ~optimizer_offload_ok(dp, fs, cp, pp, zero, state_c[st, 0])
     if bad.any():
         reasons[OPTIMIZER_OFFLOAD_RULE] += int(bad.sum())
