@@ -417,3 +417,15 @@ def test_verify_bad_input_is_one_line(args, message):
     proc = _cli(["verify", *args], stdin="not json")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and message in proc.stderr
+
+
+def test_verify_plan_rounds_the_cpu_batch_to_the_plans_batch_shards():
+    """QA session 22: a plan with 24 batch shards failed on verify's default CPU batch of 16 ("does not divide").
+    Without --global-batch, --plan takes the default rounded up to whole sequences per shard: 24."""
+    train = _cli(["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "24", "--seq-len", "4096",
+                  "--global-batch", "48", "--dp", "24", "--tp", "1", "--pp", "1", "--cp", "1", "--json"])
+    assert train.returncode == 0, train.stderr[-2000:]
+    ver = _cli(["verify", "--plan", "-", "--tiny", "--no-loss-check", "--json"], stdin=train.stdout)
+    assert ver.returncode == 0, ver.stderr[-2000:]
+    report = json.loads(ver.stdout)
+    assert report["layout"]["dp"] == 24 and report["global_batch"] == 24

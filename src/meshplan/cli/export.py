@@ -137,8 +137,9 @@ def write_train_export(export: str, out: str | None, rank: int | None, problem: 
         cfg = ParallelConfig(**plan_["config"])
     path = d / name
     path.write_text(text)
-    skipped = f"; plans #1-#{i - 1} use what {export} cannot express (#{refusals[0][0]}: {refusals[0][1]})" \
-        if refusals else ""
+    before = [(r, why) for r, why in refusals if r < i]  # the better-ranked plans passed over, not later ones
+    which = "plan #1 uses" if i == 2 else f"plans #1-#{i - 1} use"
+    skipped = f"; {which} what {export} cannot express (#{before[0][0]}: {before[0][1]})" if before else ""
     err_console.print(f"wrote {path} ({export}, plan #{i}: {cfg.describe()}{skipped})", markup=False,
                       highlight=False)
     return path

@@ -152,7 +152,9 @@ def header_lines(plan: PlanToExport, framework: str) -> list[str]:
         f"predicted: step {fmt_time(pr['step_time_s'])} ({pr['step_time_s']:.6g} s), MFU {pr['mfu']:.1%}, "
         f"{pr['tokens_per_s_per_chip']:.0f} tokens/s/chip, memory {fmt_bytes(mem['total'])} per chip "
         f"({mem['total']:.6g} bytes)",
-        f"read it back: meshplan train --from FILE --hardware {p.chip.name} --model {plan.model_arg}",
+        f"read it back: meshplan train --from FILE --hardware {p.chip.name} --model {plan.model_arg}"
+        # a DeepSpeed config does not state the sequence length (deepspeed.load's note)
+        + (f" --seq-len {p.seq_len}" if framework == "deepspeed" else ""),
     ]
 
 
