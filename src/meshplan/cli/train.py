@@ -103,8 +103,8 @@ def train(
     tp_overlap: Annotated[bool | None, typer.Option("--tp-overlap/--no-tp-overlap",
                                                     help="Collective-matmul TP overlap (default: on for TPU).")] = None,
     framework: Annotated[str | None, typer.Option(
-        help="Apply a framework's behaviour: megatron, nemo, torchtitan or maxtext (src/meshplan/train/"
-             "frameworks.py), or NAME@VERSION for a release that behaved differently (e.g. nemo@24.07: TE delayed "
+        help="Apply a framework's behaviour: megatron, nemo, torchtitan, maxtext, deepspeed or jax (src/meshplan/"
+             "train/frameworks.py), or NAME@VERSION for a release that behaved differently (e.g. nemo@24.07: TE delayed "
              "scaling); explicit flags win. Only layouts the framework can run are ranked (its --export judges).")] = None,
     fused: Annotated[bool | None, typer.Option("--fused/--no-fused",
                                                help="Pointwise ops fused (torch.compile, XLA; default); --no-fused "
