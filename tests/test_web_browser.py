@@ -195,6 +195,19 @@ def test_html_report_renders_offline(browser, tmp_path):
     assert [u for u in requested if not u.startswith("file://")] == [] and not errors
 
 
+def test_serve_report_names_the_sequences_the_budget_lets_decode(browser, tmp_path):
+    # a batch past the step token budget's limit: 200 in flight, 81 decode at once (metrics.budget_batch_limit)
+    out = tmp_path / "budget.html"
+    _cli(["serve", "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
+          "--output-len=10", "--batch=200", f"--html={out}"])
+    ctx, pg, requested, errors = _open_offline(browser, out)
+    try:
+        assert pg.locator("#card-batch .v").inner_text().endswith("81 decode at once (step budget)")
+    finally:
+        ctx.close()
+    assert not errors
+
+
 @pytest.mark.skipif(not os.environ.get("MESHPLAN_SCREENSHOTS"), reason="set MESHPLAN_SCREENSHOTS=docs to save them")
 def test_screenshots(page, base_url):
     d = Path(os.environ["MESHPLAN_SCREENSHOTS"])

@@ -258,7 +258,8 @@
     $("serve-title").textContent = `${o.model} on ${o.chips} × ${o.hardware}: tp=${c.tp} pp=${c.pp} ep=${c.ep} × ${c.replicas} replicas, ${c.weight_dtype} weights, ${c.kv_dtype} KV (${o.mode})`;
     const cards = [["TTFT", fmtTime(o.ttft_s), "ttft"], ["TPOT", fmtTime(o.tpot_s), "tpot"], ["end-to-end latency", fmtTime(o.e2e_latency_s), "e2e"],
       ["output tokens/s", Math.round(o.throughput_tokens_per_s).toLocaleString("en-US"), "throughput"],
-      ["batch per replica (max)", `${o.batch} (${o.max_batch_per_replica})`, "batch"],
+      ["batch per replica (max)", `${o.batch} (${o.max_batch_per_replica})` +
+        (o.running_batch !== undefined && o.running_batch < o.batch ? `, ${o.running_batch} decode at once (step budget)` : ""), "batch"],
       ["$ / M output tokens", "$" + cost.output.toFixed(3), "cost-output"], ["$ / M input tokens", "$" + cost.input.toFixed(4), "cost-input"],
       ["$ / M tokens blended", "$" + cost.blended.toFixed(3), "cost-blended"],
       ["memory per chip", `${fmtGiB(o.memory_bytes_per_chip.total)} of ${fmtGiB(o.memory_bytes_per_chip.budget)}`, "memory"],
