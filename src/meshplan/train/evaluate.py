@@ -165,6 +165,12 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
     rc_flops[tm.RECOMPUTE_POLICIES.index("selective")] = {
         "attention": attn_rc, "op": 0.5 * (full_rc - attn_rc), "layer": 0.5 * full_rc}[cm.opt.selective_flavor]
     hw_flops = model_flops + rc_flops[L.recompute]
+    if cm.opt.flash_attention:
+        # a fused attention kernel's backward recomputes the score matrix: attention_bwd_flops_ratio x the forward
+        # instead of the model count's 2x (Dao 2023, FlashAttention-2 §3.1.2; the ledger's attention flops count the
+        # same), FLOPs the chip runs that HFU counts (PaLM, Chowdhery et al. 2022, App. B: hardware FLOPs include
+        # rematerialisation)
+        hw_flops = hw_flops + tokens * tf.forward_attention * (e.attention_bwd_flops_ratio - 2.0)
     denom = step * p.chips * cm.peak_bf16
     budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
     hbm_fits = mem["total"] <= budget
