@@ -23,7 +23,7 @@ from meshplan.infer.config import (
     replica_token_budget,
     serving_constant,
 )
-from meshplan.math.transformer import kv_cache_elements_per_layer, kv_cached_tokens, param_counts
+from meshplan.math.transformer import expert_params, kv_cache_elements_per_layer, kv_cached_tokens, param_counts
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 from meshplan.units import fmt_bytes
@@ -82,11 +82,6 @@ def layer_weight_params_per_chip(m: ModelConfig, tp: int, pp: int = 1, attention
         return attention_params_per_chip(m, 1) + share * routed / tp + whole + pc.per_layer_norms
     mlp = share * (pc.per_layer_mlp + pc.per_layer_router) + (1.0 - share) * pc.per_dense_layer_mlp
     return attention_params_per_chip(m, tp) + mlp / tp + pc.per_layer_norms
-
-
-def expert_params(m: ModelConfig) -> float:
-    """One routed expert's parameters: 3·D·F gated, 2·D·F otherwise (book ch.4 MoE)."""
-    return (3 if m.gated else 2) * m.d_model * m.d_ff
 
 
 def attention_params_per_chip(m: ModelConfig, tp: int) -> float:

@@ -35,6 +35,11 @@ def _mlp_params(m: ModelConfig, width: int) -> int:
     return weights + bias
 
 
+def expert_params(m: ModelConfig) -> float:
+    """One routed expert's weights: 3·D·F gated, 2·D·F otherwise (book ch.4 MoE)."""
+    return (3 if m.gated else 2) * m.d_model * m.d_ff
+
+
 def _norm_params(m: ModelConfig, width: int | None = None) -> int:
     """RMSNorm has a scale (D); LayerNorm a scale and a bias (2D; Cohere's LayerNorm has no bias)."""
     return (width or m.d_model) * (2 if m.norm == "layernorm" and m.norm_bias else 1)
@@ -163,7 +168,7 @@ def native_weight_bytes(m: ModelConfig, dtype: str = "bf16") -> float:
         return (pc.total - tables) * dtype_bytes("fp8") + tables * dtype_bytes(dtype)
     if not (m.is_moe and m.expert_weight_dtype in BYTES_PER_DTYPE):
         return pc.total * dtype_bytes(dtype)
-    experts = (m.n_layers - m.first_dense_layers) * m.n_experts * (3 if m.gated else 2) * m.d_model * m.d_ff
+    experts = (m.n_layers - m.first_dense_layers) * m.n_experts * expert_params(m)
     return experts * dtype_bytes(m.expert_weight_dtype) + (pc.total - experts) * dtype_bytes(dtype)
 
 
