@@ -140,13 +140,11 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "skipped_layouts": res.skipped,  # layouts that cannot be placed on this cluster: reason -> count
     })
     if harness is not None:  # what the harness set for the best layout
-        out["harness"] = harness_settings(harness, m, chip, replace(best.config, max_num_batched_tokens=None,
-                                                                    max_num_seqs=None, chunked_prefill=None),
-                                          w).as_dict()
+        out["harness"] = harness_settings(harness, m, chip, best.config, w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
         # running: the sequences that decode at once on every replica (the batch, or fewer where the step token
         # budget holds no more prompts: ServePoint.running_batch)
-        running = (best.batch if best.running_batch is None else best.running_batch) * best.replicas
+        running = best.running_batch * best.replicas
         out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
                           "queue_wait_s": best.queue_wait_s}
     out["_objects"] = (m, chip, eff, w, best)

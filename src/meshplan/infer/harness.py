@@ -96,7 +96,7 @@ def trtllm_bench_settings(m: ModelConfig, chip: Chip, cfg: ServeConfig, w: Workl
     # whose latent cache the estimate does not know)
     width = m.d_model // m.n_heads if m.is_mla else m.head_dim
     per_token_gib = 2 * m.n_layers * kv_heads * width * _ESTIMATE_BYTES.get(cfg.kv_dtype, 2.0) / GIB
-    frac = e.get("kv_fraction") or kv_cache_free_fraction(cfg, chip) or 0.9
+    frac = e.get("kv_fraction") or kv_cache_free_fraction(cfg, chip)
     requests = available_gib * frac / (per_token_gib * w.max_context)
     if available_gib <= 0:
         raise InfeasibleError(f"trtllm-bench refuses this run: the weights ({engine_gib:.1f} GiB by its count) exceed "

@@ -55,10 +55,10 @@ class ServePoint:
     memory: MemoryBreakdown
     step: StepCost
     price_per_chip_hour: float
-    queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
     # sequences per replica that decode at once: `batch`, or fewer where the step token budget cannot take the prompts
-    # of more (budget_batch_limit); None = batch
-    running_batch: int | None = None
+    # of more (budget_batch_limit)
+    running_batch: int
+    queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
 
     @property
     def throughput_per_chip(self) -> float:
@@ -83,7 +83,7 @@ class ServePoint:
             "config": {**self.config.as_dict(), "replicas": self.replicas, "chips": self.n_chips},
             "mode": self.mode,
             "batch": self.batch,
-            "running_batch": self.batch if self.running_batch is None else self.running_batch,
+            "running_batch": self.running_batch,
             "deployment_batch": self.deployment_batch,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
@@ -189,13 +189,15 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1))
     # the last chunk holds what the full ones leave: a prompt a few tokens past one chunk takes one full step and one
     # step with those few tokens, not two full ones
-    rest = prompt - (n_chunks - 1) * chunk if n_chunks > 0 else 0
-    last = s if rest >= chunk else step_cost(m, chip, cfg, eff, others, w.mean_decode_context, rest,
-                                             prompt - rest / 2.0, max(batch, 1))
+    prefill_s = 0.0
+    if n_chunks:
+        rest = prompt - (n_chunks - 1) * chunk
+        last = s if rest >= chunk else step_cost(m, chip, cfg, eff, others, w.mean_decode_context, rest,
+                                                 prompt - rest / 2.0, max(batch, 1))
+        prefill_s = (n_chunks - 1) * s.time_s + last.time_s
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
-                                                    queued, residual_s) \
-        + (max(n_chunks - 1, 0) * s.time_s + (last.time_s if n_chunks else 0.0))
+                                                    queued, residual_s) + prefill_s
     if others_arrivals_per_s > 0:
         # a prompt's own work: its share of full chunk steps (prompt / chunk of them: the room its last chunk leaves
         # goes to the next prompt in line) less the decode steps the other sequences would have run anyway. Under
