@@ -139,7 +139,8 @@ def test_a_published_median_is_compared_with_the_simulated_median() -> None:
     row = {**row, "arrivals": {**row["arrivals"], "requests": 200}}  # fewer requests: the same rule, a quicker test
     m, chip = load_model(row["model"]), load_chip(row["hardware"])
     eff = default_efficiency(chip)
-    cfg = ServeConfig(tp=row["tp"], engine=row["engine"], overlap_scheduling=row.get("async_scheduling"))
+    cfg = ServeConfig(tp=row["tp"], engine=row["engine"], overlap_scheduling=row.get("async_scheduling"),
+                      frontend=row.get("frontend"))  # the server path the row names (sglang-http)
     w = Workload(row["input_len"], row["output_len"])
     trace = load_length_trace(serving_accuracy.DATA / row["length_trace"])
     sim = simulate(m, chip, row["chips"], cfg, eff, w, max_batch_per_replica(m, chip, cfg, eff, w),
@@ -173,7 +174,7 @@ def test_a_sampled_row_is_simulated_on_its_own_sample() -> None:
     row = {**row, "arrivals": {**row["arrivals"], "requests": 150}}  # fewer requests: the same rule, a quicker test
     m, chip = load_model(row["model"]), load_chip(row["hardware"])
     eff = default_efficiency(chip)
-    cfg = ServeConfig(tp=row["tp"], engine=row["engine"])
+    cfg = ServeConfig(tp=row["tp"], engine=row["engine"], frontend=row.get("frontend"))
     w = Workload(row["input_len"], row["output_len"])
     lens = tuple((i, max(o, 1)) for i, o in serving_accuracy.sample_lengths(row["length_sample"], 150))
     sim = simulate(m, chip, row["chips"], cfg, eff, w, max_batch_per_replica(m, chip, cfg, eff, w),

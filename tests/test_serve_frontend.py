@@ -57,10 +57,29 @@ def test_triton_ensemble_latency_from_its_published_measurement():
         frontend_first_token_s(TRITON, load_chip("tpu-v5e"))
 
 
-# each server path with its engine and its first-token seconds: the Triton ensemble (3.8 ms, derived above) and vLLM's
-# OpenAI server (235 - 231 ms, tt-inference-server#190; tests/test_serve_s9.py)
+# SGLang's HTTP server, from a mock model on SGLang's CPU engine (tt-sglang-plugin HOW_WE_MEASURE_OVERHEAD.md,
+# tt-inference-server#3560): forward 1/380 s = 2.632 ms, median TPOT 2.94 ms (one forward + one scheduler tick) and
+# median TTFT 9.54 ms (the path + one tick + one forward)
+SGLANG_TICK_S = 2.94e-3 - 1 / 380
+SGLANG_PATH_S = 9.54e-3 - 1 / 380 - SGLANG_TICK_S
+
+# each server path with its engine and its first-token seconds: the Triton ensemble (3.8 ms, derived above), vLLM's
+# OpenAI server (235 - 231 ms, tt-inference-server#190; tests/test_serve_s9.py) and SGLang's (6.6 ms, above)
 PATHS = [pytest.param("trtllm", TRITON, 3.8e-3, id="triton-ensemble"),
-         pytest.param("vllm", ServeConfig(engine="vllm", frontend="vllm-openai"), 4.0e-3, id="vllm-openai")]
+         pytest.param("vllm", ServeConfig(engine="vllm", frontend="vllm-openai"), 4.0e-3, id="vllm-openai"),
+         pytest.param("sglang", ServeConfig(engine="sglang", frontend="sglang-http"), 6.6e-3, id="sglang-http")]
+
+
+def test_sglang_server_path_from_its_mock_model_measurement():
+    sg = ServeConfig(engine="sglang", frontend="sglang-http")
+    assert SGLANG_TICK_S == pytest.approx(0.31e-3, abs=0.01e-3)  # the source's "~0.31 ms" per token
+    assert frontend_first_token_s(sg, H100) == pytest.approx(SGLANG_PATH_S, abs=0.05e-3)
+    # the SGLang v0.3 preset takes the same path; another engine behind it is refused
+    check_layout(M8, H100, 1, ServeConfig(engine="sglang@0.3", frontend="sglang-http"))
+    with pytest.raises(MeshplanError, match="drives sglang"):
+        check_layout(M8, H100, 1, ServeConfig(engine="vllm", frontend="sglang-http"))
+    with pytest.raises(MeshplanError, match="no first-token latency"):
+        frontend_first_token_s(sg, load_chip("tpu-v5e"))
 
 
 @pytest.mark.parametrize("mode", ["continuous", "static"])

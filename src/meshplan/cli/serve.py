@@ -215,7 +215,7 @@ def serve(
                                                      "chunking from the model, GPUs and lengths, as TensorRT-LLM's "
                                                      "performance tables ran; with --engine trtllm or trtllm@0.17).")] = None,
     frontend: Annotated[str | None, typer.Option(help="The server path requests take, whose first-token latency the "
-                                                      "clients' TTFT counts: triton-ensemble, vllm-openai (default: none, the "
+                                                      "clients' TTFT counts: triton-ensemble, vllm-openai, sglang-http (default: none, the "
                                                       "engine in process).")] = None,
     dense_kv_cache: Annotated[int | None, typer.Option(
         help="Tokens per sequence of a dense, fixed-length KV cache whose every slot each decode step reads (JetStream's "

@@ -130,10 +130,11 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
-FRONTENDS = ("triton-ensemble", "vllm-openai")
+FRONTENDS = ("triton-ensemble", "vllm-openai", "sglang-http")
 # the engine each server path drives: the TensorRT-LLM backend's ensemble (triton-inference-server/tensorrtllm_backend),
-# vLLM's OpenAI-compatible server (`vllm serve`)
-FRONTEND_ENGINES = {"triton-ensemble": "trtllm", "vllm-openai": "vllm"}
+# vLLM's OpenAI-compatible server (`vllm serve`), SGLang's HTTP server (`sglang.launch_server` / `sglang serve`:
+# tokenizer manager -> ZMQ -> scheduler -> ZMQ -> detokenizer -> HTTP stream)
+FRONTEND_ENGINES = {"triton-ensemble": "trtllm", "vllm-openai": "vllm", "sglang-http": "sglang"}
 # each engine's KV-cache dtype flag for meshplan's KV dtypes (the launch exports write them): vLLM --kv-cache-dtype
 # auto|fp8|fp8_e4m3|fp8_e5m2 (vllm/config/cache.py CacheDType), SGLang --kv-cache-dtype auto|fp8_e5m2|fp8_e4m3
 # (server_args.py), TensorRT-LLM KvCacheConfig.dtype auto|fp8 in trtllm-serve's extra options
@@ -254,7 +255,7 @@ def frontend_first_token_s(cfg: ServeConfig, chip: Chip) -> float:
     hit = _frontend_entry("frontend_first_token_s", cfg.frontend, chip)
     if hit is None:
         raise MeshplanError(f"no first-token latency for the '{cfg.frontend}' server path on {chip.name} "
-                            f"(known: {', '.join(FRONTENDS)}; triton-ensemble on GPUs only)")
+                            f"(known: {', '.join(FRONTENDS)}; triton-ensemble and sglang-http on GPUs only)")
     return float(hit["value"])
 
 
