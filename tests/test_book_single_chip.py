@@ -365,13 +365,14 @@ def test_roofline_rejects_zero_bandwidth() -> None:
 
 def test_roofline_of_fewer_tokens_than_a_sequence_reads_the_whole_context():
     # session 21, QA finding: 64 tokens per chip at a 4,096-token sequence are 64 queries of one sequence over its
-    # 4,096 cached keys (a chunk, decode steps, a CP shard). Llama 3 8B: FLOPs 4 x 64 x 4096 x 32 heads x 128,
-    # bytes Q and O (2 x 64 x 32 x 128 x 2 B) plus K and V (2 x 4096 x 8 kv heads x 128 x 2 B) = 17 MiB
+    # 4,096 cached keys (a chunk, decode steps). Llama 3 8B: the newest 64 queries attend their own causal prefix,
+    # 4096 - 64/2 keys on average (session 23), FLOPs 4 x 64 x 4064 x 32 heads x 128, bytes Q and O
+    # (2 x 64 x 32 x 128 x 2 B) plus the whole cache's K and V (2 x 4096 x 8 kv heads x 128 x 2 B) = 17 MiB
     from meshplan.cost import roofline as rf
     from meshplan.specs.model import load_model
 
     core = next(o for o in rf.model_ops(load_model("llama3-8b"), 64, 4096) if o.name == "attn/core")
-    assert core.flops == 4 * 64 * 4096 * 32 * 128
+    assert core.flops == 4 * 64 * (4096 - 64 / 2) * 32 * 128
     assert core.bytes == 2 * 64 * 32 * 128 * 2 + 2 * 4096 * 8 * 128 * 2
     # a whole sequence per chip is unchanged: causal, half the pairs
     full = next(o for o in rf.model_ops(load_model("llama3-8b"), 4096, 4096) if o.name == "attn/core")

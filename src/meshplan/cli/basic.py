@@ -94,9 +94,12 @@ def hardware(
         print_json(_chip_json(chips[0]) if name else [_chip_json(c) for c in chips])
         return
     t = Table(title="hardware")
-    for col in ("chip", "bf16", "fp8", "int8", "HBM", "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h",
+    # the datasheet's "GB" of HBM are binary (80 GB = 80 GiB of HBM3 stacks); what an allocator gets is the usable
+    # GiB, which exceeds the decimal reading (session 23, QA finding: 'usable' above 'hbm_bytes' read as a bug)
+    hbm_col = "HBM (datasheet GB; usable)"
+    for col in ("chip", "bf16", "fp8", "int8", hbm_col, "HBM BW", "fast link/chip", "domain", "scale-out/chip", "$/h",
                 "price basis"):
-        t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left", no_wrap=col == "HBM")
+        t.add_column(col, justify="right" if col not in ("chip", "price basis") else "left", no_wrap=col == hbm_col)
     for c in chips:  # HBM: the datasheet's decimal GB, then what an allocator gets in GiB
         p = c.peak_flops_per_s
         t.add_row(c.name, *(fmt_rate(p[d], "FLOP") if d in p else "—" for d in ("bf16", "fp8", "int8")),
@@ -143,15 +146,17 @@ def _print_on_chip_and_fabric(c: Chip) -> None:
         console.print(t)
 
 
-def _parse_op(text: str) -> rf.Op:
-    """`matmul:B,D,F`, `attention:B,T,S,N,K,H`, `elementwise:n`, with an optional `@dtype` suffix."""
+def _parse_op(text: str, default_dtype: str = "bf16") -> rf.Op:
+    """`matmul:B,D,F`, `attention:B,T,S,N,K,H`, `elementwise:n`, with an optional `@dtype` suffix (else
+    `default_dtype`, the command's --dtype). The row keeps the suffix in its name."""
     body, _, dtype = text.partition("@")
     kind, _, dims_s = body.partition(":")
     try:
         dims = [float(x) for x in dims_s.split(",") if x.strip()]
     except ValueError:
         fail(f"bad op '{text}': sizes must be numbers")
-    dtype = dtype or "bf16"
+    dtype = dtype or default_dtype
+    name = f"{body}@{dtype}" if dtype != "bf16" else body
     want = {"matmul": 3, "attention": 6, "elementwise": 1, "dot": 1}
     if kind not in want:
         fail(f"unknown op kind '{kind}' (known: {', '.join(want)})")
@@ -159,23 +164,27 @@ def _parse_op(text: str) -> rf.Op:
         fail(f"op '{kind}' takes {want[kind]} sizes, got {len(dims)} in '{text}'")
     dims = [DIM.check(d, f"op '{text}': size {i + 1}") for i, d in enumerate(dims)]
     if kind == "matmul":
-        return rf.matmul(*dims, lhs_dtype=dtype, rhs_dtype=dtype, name=body)
+        return rf.matmul(*dims, lhs_dtype=dtype, rhs_dtype=dtype, name=name)
     if kind == "attention":
         B, T, S, N, K, H = dims
-        return rf.attention(B, T, S, int(N), int(K), int(H), dtype=dtype, name=body)
+        if int(N) % int(K):  # grouped-query attention: each KV head serves N/K query heads (book ch.4)
+            fail(f"op '{text}': {int(N)} query heads are not a multiple of {int(K)} KV heads")
+        return rf.attention(B, T, S, int(N), int(K), int(H), dtype=dtype, name=name)
     if kind == "dot":
         return rf.dot_product(dims[0], dtype)
-    return rf.elementwise(dims[0], dtype=dtype, name=body)
+    return rf.elementwise(dims[0], dtype=dtype, name=name)
 
 
 @app.command()
 def roofline(
     hardware_name: Annotated[str, typer.Option("--hardware", "-h", help="Chip preset or YAML path.")],
     model_name: Annotated[str | None, typer.Option("--model", "-m", help="Model: per-layer roofline.")] = None,
-    op: Annotated[list[str] | None, typer.Option(help="Op(s): matmul:B,D,F  attention:B,T,S,N,K,H  elementwise:n  [@dtype]")] = None,
+    op: Annotated[list[str] | None, typer.Option(help="Op(s): matmul:B,D,F  attention:B,T,S,N,K,H  elementwise:n, each with an optional "
+                                                                "@dtype suffix (e.g. matmul:256,8192,8192@int8; default: --dtype)")] = None,
     tokens_per_chip: Annotated[int, typer.Option(help="Tokens per chip for the model roofline.")] = 4096,
     seq_len: Annotated[int | None, typer.Option(help="Sequence length (default: min(model's, tokens)).")] = None,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: bf16, fp8, int8.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help="Compute dtype of the model's ops and of every --op without its own "
+                                            "@dtype: bf16, fp8, int8.")] = "bf16",
     plot: Annotated[str | None, typer.Option(help="Write a log-log roofline PNG here.")] = None,
     ideal: Annotated[bool, typer.Option("--ideal", help="Print the book's ideal time beside meshplan's realistic "
                                                         "one (kernel efficiencies, launch overhead).")] = False,
@@ -187,10 +196,14 @@ def roofline(
         fail("give --model or at least one --op")
     if tokens_per_chip <= 0:
         fail(f"--tokens-per-chip must be positive, got {tokens_per_chip}")
+    if plot:
+        from meshplan.report.plots import plot_path
+
+        plot_path(plot)
     ops: list[rf.Op] = []
     if model_name:
         ops += rf.model_ops(load_model(model_name), tokens_per_chip, seq_len, dtype=dtype)
-    ops += [_parse_op(o) for o in op or []]
+    ops += [_parse_op(o, dtype) for o in op or []]
     rows: list[rf.Roofline] = [rf.roofline(o, chip) for o in ops]
     if plot:
         from meshplan.report.plots import plot_roofline

@@ -58,6 +58,8 @@ def parse_sizes(text: str) -> dict[str, int]:
             n = 0.0
         if n <= 0 or not name.strip().isidentifier():
             fail(f"bad size '{part}' in '{text}' (write e.g. B=8192,D=8192,F=28672 with positive integers)")
+        if name.strip() in sizes:
+            fail(f"size {name.strip()} is given twice in '{text}'")
         sizes[name.strip()] = DIM.check(n, f"size {name.strip()}")
     return sizes
 
@@ -115,6 +117,8 @@ def collective(
         fail(f"unknown collective '{kind}' (known: {', '.join(KINDS)})")
     if topk is not None and (kind != "alltoall" or topk < 1):
         fail("--topk takes a positive expert count and only applies to alltoall")
+    if sharp is not None and kind != "allreduce":
+        fail("--sharp/--no-sharp choose how an allreduce reduces; it does not apply to " + kind)
     _check_negative(nbytes)
     V = parse_bytes(nbytes)
     mapping = build_mapping(hardware_name, chips, mesh, order, slice_shape)

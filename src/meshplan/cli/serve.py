@@ -288,6 +288,10 @@ def serve(
                  f"--engine or export {base_engine(engine)}")
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
+    if plot:  # before the search: a path it cannot write fails now, not after it
+        from meshplan.report.plots import plot_path
+
+        plot_path(plot)
     if rate is not None and not do_simulate:
         fail("--rate sets the arrivals of --simulate; add --simulate (the closed form ranks layouts at the batch, or "
              "under --concurrency clients)")

@@ -358,6 +358,9 @@ def placement_cost(kind: str, nbytes: float, p: GroupPlacement, ideal: bool = Fa
     if kind in ("allgather", "reducescatter"):
         return _gather(kind, p, float(nbytes), ideal)
     if kind == "allreduce":
+        if sharp and not p.cluster.links.sharp:
+            # the fabric reduces nothing itself (TPU ICI and DCN, pre-Hopper NVSwitch, RoCE: the chip's spec, links.sharp)
+            raise MeshplanError(f"{p.cluster.chip.name} has no in-network reduction (SHARP) in its spec (drop --sharp)")
         use_sharp = p.cluster.links.sharp if sharp is None else sharp
         return _allreduce(p, float(nbytes), ideal, use_sharp)
     if kind == "alltoall":

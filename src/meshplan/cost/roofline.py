@@ -11,7 +11,14 @@ from dataclasses import asdict, dataclass
 
 from meshplan.cost.efficiency import Efficiency
 from meshplan.errors import MeshplanError
-from meshplan.math.transformer import attention_pair_width, dtype_bytes, mean_attended_keys
+from meshplan.math.transformer import (
+    attention_pair_width,
+    dtype_bytes,
+    kv_cached_tokens,
+    mean_attended_keys,
+    newest_query_keys,
+    touched_experts,
+)
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
 
@@ -76,12 +83,17 @@ def batched_matmul(batch: float, B: float, D: float, F: float, *, per_example_we
 
 
 def attention(B: float, T: float, S: float, N: int, K: int, H: int, *, causal: bool = False,
-              dtype: str = "bf16", kv_dtype: str | None = None, name: str = "attention") -> Op:
+              dtype: str = "bf16", kv_dtype: str | None = None, name: str = "attention",
+              keys_per_query: float | None = None) -> Op:
     """Fused (flash) attention of B sequences, T queries over S keys. FLOPs 4·B·T·S·N·H (QKᵀ and AV;
-    halved by a causal mask when T = S); bytes read Q and write O (B·T·N·H each) and read K and V
-    (B·S·K·H each) — book ch.4 (GQA intensity) and ch.7 §attention."""
+    halved by a causal mask when T = S; `keys_per_query` in place of S where the mask leaves each query another
+    mean count, e.g. the newest T queries of an S-token context); bytes read Q and write O (B·T·N·H each) and read
+    K and V (B·S·K·H each) — book ch.4 (GQA intensity) and ch.7 §attention."""
     _check_positive(B=B, T=T, S=S, N=N, K=K, H=H)
-    flops = 4.0 * B * T * S * N * H * (0.5 if causal and T == S else 1.0)
+    if keys_per_query is not None:
+        flops = 4.0 * B * T * keys_per_query * N * H
+    else:
+        flops = 4.0 * B * T * S * N * H * (0.5 if causal and T == S else 1.0)
     kvb = dtype_bytes(kv_dtype or dtype)
     nbytes = 2 * B * T * N * H * dtype_bytes(dtype) + 2 * B * S * K * H * kvb
     return Op(name, flops, nbytes, "attention", dtype)
@@ -110,7 +122,11 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
         if op.kind == "elementwise" and chip.kind == "gpu" and "fp32" in chip.peak_flops_per_s:
             peak_flops_per_s = chip.peak_flops_per_s["fp32"]  # CUDA cores, not tensor cores
         else:
-            peak_flops_per_s = chip.peak(op.dtype if op.dtype in chip.peak_flops_per_s or op.dtype == "int4" else "bf16")
+            # a low-precision matmul runs on its own unit or not at all (an error, as `matmul --dtype` and
+            # `roofline --dtype` give; session 23, QA finding: fp8 on TPU v5e was timed at the bf16 peak); wider
+            # floats (fp32) without a unit of their own are timed at the bf16 peak
+            low = op.dtype in ("fp8", "int8", "int4", "e4m3", "float8")
+            peak_flops_per_s = chip.peak(op.dtype if low or op.dtype in chip.peak_flops_per_s else "bf16")
     W = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else chip.hbm_bandwidth_bytes_per_s
     _check_positive(peak_flops_per_s=peak_flops_per_s, bandwidth_bytes_per_s=W)
     t_math, t_mem = op.flops / peak_flops_per_s, op.bytes / W
@@ -165,13 +181,16 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
     # keys per query: seq_len (halved by the causal mask) or, with sliding-window/chunked layers, their mean over
     # the layers (math/transformer.mean_attended_keys), timed as that many keys unmasked
     keys, masked = (mean_attended_keys(m, seq_len, causal), False) if m.has_windows else (seq_len, causal)
-    q_seqs, q_len = seqs, seq_len
+    q_seqs, q_len, per_query = seqs, seq_len, None
     if tokens < seq_len:
-        # fewer tokens than one sequence (a prompt chunk, decode steps, a context-parallel shard): they are the
-        # newest `tokens` queries of one sequence, each attending its whole context, whose keys and values are all
-        # read (book ch.7: decode attention reads the cache); session 21, QA finding: counting the keys of only
-        # `tokens` positions made 64 queries over a 4,096-token context look compute-bound
+        # fewer tokens than one sequence (a prompt chunk, decode steps): they are the newest `tokens` queries of one
+        # sequence, whose cached keys and values are all read (book ch.7: decode attention reads the cache; session
+        # 21, QA finding: counting the keys of only `tokens` positions made 64 queries over a 4,096-token context look
+        # compute-bound). Causal, each attends its own prefix: S − T/2 keys on average for full attention
+        # (`newest_query_keys`; session 23, QA finding: all S counted for every query, +33% at T = S/2)
         q_seqs, q_len, masked = 1.0, tokens, False
+        keys = kv_cached_tokens(m, seq_len)
+        per_query = newest_query_keys(m, tokens, seq_len) if causal else keys
     ops = [elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype)]
     if m.is_mla:
         # DeepSeek-V2 §2.1: latent down-projections, per-head up-projections (keys and values up-projected as in
@@ -186,24 +205,31 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
                 matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
                        rhs_dtype=dtype),
                 attention(q_seqs, q_len, keys, N, N, max(1, round(attention_pair_width(m) / 2)),
-                          causal=masked, dtype=dtype, name="attn/core"),
+                          causal=masked, dtype=dtype, name="attn/core", keys_per_query=per_query),
                 matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     else:
         ops += [matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
                 attention(q_seqs, q_len, keys, m.n_heads, m.n_kv_heads, m.head_dim, causal=masked,
-                          dtype=dtype, name="attn/core"),
+                          dtype=dtype, name="attn/core", keys_per_query=per_query),
                 matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     ops.append(elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype))
     experts = m.experts_per_token if m.is_moe else 1
-    # With k of E experts active, each expert sees tokens·k/E tokens but all E weight matrices are read.
+    # With k of E experts active each expert sees tokens·k/E tokens (balanced routing): the FLOPs and activations
+    # of E such GEMMs, and the weights of only the experts some token routes to, E·(1 − (1 − k/E)^tokens)
+    # (`touched_experts`; all E once tokens ≫ E/k, about k per token at decode: book ch.7 MoE decode; session 23,
+    # QA finding: all E counted at one token, 4x Mixtral's MLP bytes)
     mlp_tokens = tokens * experts / m.n_experts if m.is_moe else tokens
     n_mats = m.n_experts if m.is_moe else 1
-    up = matmul(mlp_tokens, D, F * (2 if m.gated else 1), name="mlp/up", lhs_dtype=dtype, rhs_dtype=dtype)
-    down = matmul(mlp_tokens, F, D, name="mlp/down", lhs_dtype=dtype, rhs_dtype=dtype)
-    ops += [Op(up.name, up.flops * n_mats, up.bytes * n_mats, "matmul", dtype),
-            elementwise(tokens * F * experts, flops_per_element=5, n_inputs=2 if m.gated else 1,
-                        name="mlp/act", dtype=dtype),
-            Op(down.name, down.flops * n_mats, down.bytes * n_mats, "matmul", dtype)]
+    read = touched_experts(m, tokens) if m.is_moe else 1.0
+    wdt = dtype_bytes(dtype)
+    for name, d_in, d_out in (("mlp/up", D, F * (2 if m.gated else 1)), ("mlp/down", F, D)):
+        one = matmul(mlp_tokens, d_in, d_out, name=name, lhs_dtype=dtype, rhs_dtype=dtype)
+        weights = d_in * d_out * wdt
+        ops.append(Op(name, one.flops * n_mats, (one.bytes - weights) * n_mats + weights * read, "matmul", dtype,
+                      () if m.is_moe else one.dims))  # E expert GEMMs: the large-GEMM fraction, as before
+        if name == "mlp/up":
+            ops.append(elementwise(tokens * F * experts, flops_per_element=5, n_inputs=2 if m.gated else 1,
+                                   name="mlp/act", dtype=dtype))
     if m.is_moe and m.n_shared_experts:
         # shared experts (DeepSeek, Qwen-MoE, Llama 4) see every token
         sF = m.n_shared_experts * (m.shared_expert_d_ff or F)

@@ -43,9 +43,19 @@ def parse_operand(text: str) -> Operand:
     return tuple(dims)
 
 
+def _subscript(axes: tuple[str, ...]) -> str:
+    """Mesh axes of one dimension: the book's B_XY where every axis is one letter, else B_{data,tensor} (session 23,
+    QA finding: B_datatensor read as one axis)."""
+    if not axes:
+        return ""
+    if len(axes) == 1 or all(len(a) == 1 for a in axes):
+        return "_" + "".join(axes)
+    return "_{" + ",".join(axes) + "}"
+
+
 def format_operand(op: Operand) -> str:
     """The book's notation: A[B_data, D] for (('B', ('data',)), ('D', ()))."""
-    return "[" + ", ".join(n + ("_" + "".join(a) if a else "") for n, a in op) + "]"
+    return "[" + ", ".join(n + _subscript(tuple(a)) for n, a in op) + "]"
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,10 @@ def _validate(lhs: Operand, rhs: Operand, sizes: dict[str, int], mapping: MeshMa
             shards = math.prod(mapping.axes[a] for a in ax)
             if sizes[n] <= 0 or sizes[n] % shards:
                 raise MeshplanError(f"dimension {n}={sizes[n]} does not divide into {shards} shards")
+    unused = sorted(set(sizes) - {n for n, _ in lhs} - {n for n, _ in rhs})
+    if unused:  # a size for no operand dimension is a typo, not something to ignore
+        raise MeshplanError(f"--sizes names {', '.join(unused)}, which neither operand has "
+                            f"(lhs {format_operand(lhs)}, rhs {format_operand(rhs)})")
     common = [n for n, _ in lhs if n in dict(rhs)]
     if len(common) != 1:
         raise MeshplanError(f"the operands must share exactly one contracting dimension, found {common or 'none'}")

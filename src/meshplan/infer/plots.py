@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from meshplan.errors import MeshplanError
 from meshplan.infer.metrics import ServePoint
+from meshplan.report.plots import plot_path
 
 
 def plot_frontier(points: Sequence[ServePoint], path: str, title: str = "") -> None:
@@ -16,9 +16,7 @@ def plot_frontier(points: Sequence[ServePoint], path: str, title: str = "") -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(path)
-    if not out.parent.exists():
-        raise MeshplanError(f"cannot write plot '{path}': folder '{out.parent}' does not exist")
+    out = plot_path(path)
     if not points:
         raise MeshplanError("nothing to plot: no batch fits")
     fig, ax = plt.subplots(figsize=(7, 4.5))

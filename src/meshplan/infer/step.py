@@ -60,6 +60,7 @@ from meshplan.math.transformer import (
     mean_attended_keys,
     param_counts,
     pointwise_elements_per_token,
+    touched_experts,
 )
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -105,14 +106,6 @@ def _layer_params(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = Fal
     active = attn + share * (active_shared + pc.per_layer_router) / atp + share * m.experts_per_token * expert / tp \
         + dense_mlp
     return _LayerParams(dense, share * expert / tp, m.n_experts, active)
-
-
-def touched_experts(m: ModelConfig, tokens: float) -> float:
-    """Expected distinct routed experts hit by `tokens` tokens choosing k of E uniformly:
-    E * (1 - (1 - k/E)^tokens). Decode at small batch reads only these (the MoE memory-bound regime)."""
-    if not m.is_moe or tokens <= 0:
-        return 0.0
-    return m.n_experts * (1.0 - (1.0 - m.experts_per_token / m.n_experts) ** tokens)
 
 
 def tokens_per_expert(m: ModelConfig, tokens: float) -> float:

@@ -40,6 +40,14 @@ def expert_params(m: ModelConfig) -> float:
     return (3 if m.gated else 2) * m.d_model * m.d_ff
 
 
+def touched_experts(m: ModelConfig, tokens: float) -> float:
+    """Expected distinct routed experts hit by `tokens` tokens choosing k of E uniformly:
+    E * (1 - (1 - k/E)^tokens). Decode at small batch reads only these (the MoE memory-bound regime, book ch.7)."""
+    if not m.is_moe or tokens <= 0:
+        return 0.0
+    return m.n_experts * (1.0 - (1.0 - m.experts_per_token / m.n_experts) ** tokens)
+
+
 def _norm_params(m: ModelConfig, width: int | None = None) -> int:
     """RMSNorm has a scale (D); LayerNorm a scale and a bias (2D; Cohere's LayerNorm has no bias)."""
     return (width or m.d_model) * (2 if m.norm == "layernorm" and m.norm_bias else 1)
@@ -246,6 +254,24 @@ def mean_attended_keys(m: ModelConfig, seq_len: float, causal: bool = True) -> f
         return seq_len / 2.0 if causal else float(seq_len)
     spans = m.windows()
     return sum(attended_keys(w, seq_len, causal, m.window_kind) for w in spans) / len(spans)
+
+
+def newest_query_keys(m: ModelConfig, queries: float, context_len: float) -> float:
+    """Keys per query, averaged over the layers, of the newest `queries` queries of a causal context of
+    `context_len` tokens (a prompt chunk after the earlier chunks, decode steps, the last shard): query p attends
+    `attended_keys` of a p-token prefix, so the newest T of S attend (S·a(S) − (S − T)·a(S − T)) / T on average,
+    a(n) the causal mean over n tokens. Full attention: S − T/2 (S for one decode token, S/2 for the whole
+    sequence, book ch.4's causal halving)."""
+    S, T = float(context_len), min(float(queries), float(context_len))
+    if T <= 0:
+        return 0.0
+    spans = m.windows() if m.has_windows else [0]
+    kind = m.window_kind if m.has_windows else "sliding"
+
+    def total(n: float, w: int) -> float:  # keys attended by the first n queries, n·a(n)
+        return n * attended_keys(w, n, True, kind) if n > 0 else 0.0
+
+    return sum((total(S, w) - total(S - T, w)) / T for w in spans) / len(spans)
 
 
 def causal_block_visit_ratio(seq_len: int, block_q: int, block_kv: int) -> float:

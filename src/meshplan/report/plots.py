@@ -17,10 +17,20 @@ def _pyplot():
     return plt
 
 
-def _out(path: str) -> Path:
+def plot_path(path: str) -> Path:
+    """Where a plot file goes: its folder must exist, and its suffix must name an image format matplotlib writes
+    (none: PNG). One clear error instead of matplotlib's traceback (session 23, QA finding: `--plot x.txt`)."""
     p = Path(path)
     if p.parent and not p.parent.exists():
         raise MeshplanError(f"cannot write plot '{path}': folder '{p.parent}' does not exist")
+    suffix = p.suffix.lower().lstrip(".")
+    if suffix:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        if suffix not in kinds:
+            raise MeshplanError(f"cannot write plot '{path}': '.{suffix}' is not an image format "
+                                f"(use .png, .pdf or .svg; matplotlib writes {', '.join(sorted(kinds))})")
     return p
 
 
@@ -29,7 +39,7 @@ def plot_roofline(rows: Sequence, chip, path: str, dtype: str = "bf16") -> None:
     import numpy as np
 
     plt = _pyplot()
-    out = _out(path)
+    out = plot_path(path)
     C, W = chip.peak(dtype), chip.hbm_bandwidth_bytes_per_s
     ai = np.logspace(-1, 5, 400)
     fig, ax = plt.subplots(figsize=(7, 4.5))
