@@ -298,3 +298,39 @@ def test_embedded_data_cannot_close_its_script_element():
     blob = text.split('<script id="meshplan-data" type="application/json">')[1].split("</script>")[0]
     assert json.loads(blob)["view"]["inputs"]["model"] == hostile  # the whole object survives inside one element
     assert "<script>alert" not in text
+
+
+def test_a_search_larger_than_the_request_bound_is_refused_with_its_size():
+    # session 23, QA finding: one unbounded search (minutes, gigabytes) held every other request behind the lock.
+    # The count the message names is the CLI's own `searched` before the offload variants (train --json evaluates
+    # at least that many), so a bound one below it refuses and the CLI's count itself passes
+    code, out, err = cli(flags("train", TRAIN) + ["--top", "1"])
+    assert code == 0, err
+    d = json.loads(out)
+    n = d["evaluated"]
+    with pytest.raises(api.InputError, match=r"layouts to search, more than the 10 one request may: pin some degrees"):
+        api.run("train", TRAIN, max_layouts=10)
+    assert api.run("train", TRAIN, max_layouts=n)["plans"][0]["step_time_s"] == d["plans"][0]["step_time_s"]
+    # the bound is the request's own: the next request without one is not refused
+    assert api.run("train", TRAIN)["plans"]
+
+
+def test_a_stalled_connection_is_closed_after_the_timeout():
+    # a body shorter than its Content-Length: the handler's read stalls; the server gives up after `timeout`
+    import socket
+    import time
+
+    server = make_server(0, quiet=True, timeout=0.5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.create_connection(server.server_address, timeout=10) as s:
+            s.sendall(b"POST /api/train HTTP/1.1\r\nHost: x\r\nContent-Length: 999999\r\n\r\nabc")
+            t0 = time.monotonic()
+            data = b""
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(4096):
+                    data += chunk
+            assert time.monotonic() - t0 < 5  # closed by the server, not by this client's 10 s
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from meshplan.cli.app import app, console, err_console, fail, print_json
-from meshplan.cost.efficiency import read_profile_json
+from meshplan.cost.efficiency import PROFILE_SCHEMA, read_profile_json
 from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import Chip, load_chip
 from meshplan.units import fmt_bytes, fmt_rate, fmt_time
@@ -170,8 +170,11 @@ def _print_efficiency(profile: dict[str, Any], chip: Chip | None) -> None:
 
 def load_profile_file(path: str) -> dict[str, Any]:
     data = read_profile_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
-        raise MeshplanError(f"profile '{path}' is not a meshplan-profile/1 file")
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise MeshplanError(f"profile '{path}' is not a {PROFILE_SCHEMA} file")
+    if not isinstance(data.get("efficiency"), dict):
+        raise MeshplanError(f"profile '{path}': efficiency must be an object of fields (as `meshplan calibrate` "
+                            f"writes), got {json.dumps(data.get('efficiency'))[:40]}")
     return data
 
 
@@ -246,6 +249,12 @@ def measure(
         m = m.with_overrides(n_layers=layers, name=f"{m.name} ({layers} layers)")
     if seq_len <= 0:
         fail(f"--seq-len must be positive, got {seq_len}")
+    if profile:  # a profile that cannot be used fails now, not after the run (session 23, QA finding)
+        load_profile_file(profile)
+        if hardware:
+            from meshplan.cost.efficiency import load_profile
+
+            load_profile(profile, load_chip(hardware))
     require_jax("measure")
     from meshplan.measure.cluster import stdout_to_stderr
 
@@ -258,7 +267,11 @@ def measure(
 
         batch = global_batch or summary["devices"]
         layout = st.default_layout(summary["devices"], dp, fsdp, tp, recompute, batch)
-        run = st.run_training(m, layout, seq_len, batch, steps, _param_dtype(param_dtype, summary["platform"]),
+        dtype = _param_dtype(param_dtype, summary["platform"])
+        st.check_memory(m, layout, seq_len, dtype, attention)  # run_training checks it again; this one comes first
+        if summary["platform"] == "cpu":  # after every input check: a refused input prints its one error line only
+            err_console.print(f"warning: {CPU_WARNING}", markup=False, highlight=False)
+        run = st.run_training(m, layout, seq_len, batch, steps, dtype,
                               attention=attention, profile_kernels=kernels,
                               progress=lambda msg: err_console.print(f"measure: {msg}", markup=False,
                                                                      highlight=False))
@@ -287,7 +300,6 @@ def _measure_chip(hardware: str | None, summary: dict[str, Any]) -> Chip | None:
     from meshplan.measure.cluster import resolve_chip_name
 
     if summary["platform"] == "cpu":
-        err_console.print(f"warning: {CPU_WARNING}", markup=False, highlight=False)
         return load_chip(hardware) if hardware else None
     return load_chip(resolve_chip_name(hardware, summary["device_kind"], summary["platform"]))
 

@@ -182,13 +182,37 @@ def comm_hbm_share(chip: Chip) -> float:
 
 
 def read_profile_json(path: str | Path) -> Any:
-    """The parsed JSON of a profile file, or a MeshplanError naming what is wrong with the file."""
+    """The parsed JSON of a profile file, or a MeshplanError naming what is wrong with the file (read as every user
+    file is, specs/_load.read_text: a regular file of bounded size, so /dev/zero is refused, not read forever)."""
+    from meshplan.specs._load import read_text
+
+    text = read_text(Path(path), "profile", "a meshplan-profile/1 JSON file")
     try:
-        return json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise MeshplanError(f"cannot read profile '{path}': {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise MeshplanError(f"malformed profile '{path}': {exc}") from None
+
+
+# What a profile's efficiency fields may hold (validate.Rule: finite numbers in a range, pydantic-checked). A fraction
+# of the datasheet peak above 1 contradicts the chip's spec; 1.05 leaves room for boost clocks above the nominal
+# one. The rest: generous physical bounds, so that a hand-edited profile cannot give an MFU above 100% or a
+# negative time (session 23, QA finding: matmul_peak_fraction 5.0 gave MFU 1.49).
+def _profile_rules() -> dict[str, Any]:
+    from meshplan.validate import Rule
+
+    frac = Rule(0.0, 1.05, "a fraction of the chip's datasheet peak", integer=False, open_lo=True)
+    rules = {f: frac for f in _FIELDS if f.endswith("_fraction")}
+    rules.update({
+        "matmul_half_dim": Rule(0.0, 1e6, "a GEMM dimension", integer=False),
+        "matmul_rows_half": Rule(0.0, 1e6, "GEMM rows", integer=False),
+        "kernel_overhead_s": Rule(0.0, 1.0, "seconds per kernel", integer=False),
+        "step_overhead_s": Rule(0.0, 3600.0, "seconds per step", integer=False),
+        "memory_reserved_bytes": Rule(0.0, 1e13, "bytes", integer=False),
+        "attention_bwd_flops_ratio": Rule(1.0, 10.0, "backward over forward FLOPs", integer=False),
+        "unfused_elementwise_factor": Rule(1.0, 100.0, "HBM passes per fused pass", integer=False),
+        "comm_compute_interference": Rule(0.0, 10.0, "a fractional slow-down", integer=False),
+    })
+    return rules
 
 
 def load_profile(path: str | Path, chip: Chip) -> Efficiency:
@@ -208,13 +232,15 @@ def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficie
             f"not on {chip.name}; calibrate on {chip.name} or drop --profile")
     base = default_efficiency(chip)
     eff = data.get("efficiency", {})
-    changes: dict[str, float] = {}
-    for f in _FIELDS:
-        if f in eff:
-            v = eff[f]
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise MeshplanError(f"profile '{path}': efficiency.{f} must be a non-negative number")
-            changes[f] = float(v)
+    if not isinstance(eff, dict):
+        raise MeshplanError(f"profile '{path}': efficiency must be an object of fields (as `meshplan calibrate` "
+                            f"writes), got {json.dumps(eff)[:40]}")
+    unknown = sorted(set(map(str, eff)) - set(_FIELDS))
+    if unknown:
+        raise MeshplanError(f"profile '{path}': unknown efficiency field(s) {', '.join(unknown[:5])} "
+                            f"(known: {', '.join(_FIELDS)})")
+    rules = _profile_rules()
+    changes = {f: float(rules[f].check(eff[f], f"profile '{path}': efficiency.{f}")) for f in _FIELDS if f in eff}
     return replace(base, **changes, origin=origin)
 
 

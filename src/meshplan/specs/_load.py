@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,9 @@ from meshplan.validate import check_name
 
 DATA_DIR = Path(__file__).parent / "data"
 SPEC_SUFFIXES = (".json", ".yaml", ".yml")  # what a path to a user's spec file ends in
+# the largest user file meshplan reads (a model config, hardware spec, profile, plan or server command is kilobytes;
+# a profile with its benchmark records well under a MiB)
+MAX_INPUT_FILE_BYTES = 64 * 2**20
 
 
 def find_spec(name_or_path: str, kind: str, presets_dir: Path, preset_suffix: str, presets: Callable[[], list[str]],
@@ -44,7 +48,20 @@ def read_text(path: Path, what: str, expected: str = "", stdin: bool = False) ->
     from_stdin = stdin and str(path) == "-"
     where = f"{what} on standard input" if from_stdin else f"{what} file '{path}'"
     try:
-        return sys.stdin.read() if from_stdin else path.read_text()
+        if from_stdin:
+            text = sys.stdin.read(MAX_INPUT_FILE_BYTES + 1)
+        else:
+            # a regular file of bounded size: /dev/zero or a FIFO would be read forever (session 23, QA finding)
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise MeshplanError(f"cannot read {where}: not a regular file")
+            if st.st_size > MAX_INPUT_FILE_BYTES:
+                raise MeshplanError(f"cannot read {where}: {st.st_size / 2**20:.0f} MiB, more than the "
+                                    f"{MAX_INPUT_FILE_BYTES // 2**20} MiB any meshplan input needs")
+            text = path.read_text()
+        if len(text) > MAX_INPUT_FILE_BYTES:
+            raise MeshplanError(f"cannot read {where}: more than {MAX_INPUT_FILE_BYTES // 2**20} MiB")
+        return text
     except OSError as exc:
         raise MeshplanError(f"cannot read {where}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.efficiency import Efficiency
-from meshplan.errors import InfeasibleError
+from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.specs.hardware import price_label
 from meshplan.train.config import OFFLOAD_FLAGS, LayoutArrays
 from meshplan.train.costmodel import CostModel, Options
@@ -52,6 +53,13 @@ class PlanResult:
                 "feasible": self.feasible, "infeasible_reasons": self.infeasible}
 
 
+# The most layouts one search may evaluate, where a caller bounds it (None: no bound). The web page sets it per request
+# (web/api.py): its searches run one at a time, and an unbounded one (DeepSeek-V3 on a million chips: minutes and
+# 14 GB) held every other user's request behind it (session 23, QA finding). Evaluation runs at about 1e5 layouts/s
+# and ~2 KB each on one core (benchmarks/README.md, search speed).
+SEARCH_LAYOUT_LIMIT: ContextVar[int | None] = ContextVar("SEARCH_LAYOUT_LIMIT", default=None)
+
+
 def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
            cm: CostModel | None = None) -> tuple[Evaluation, Counter, int]:
     """Enumerate and evaluate every layout, activation offload to host memory (none, half, all) included: offload
@@ -70,6 +78,10 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
     free_state = [k for k in OFFLOAD_FLAGS if getattr(pins, k) is None]
     layouts, reasons = enumerate_layouts(problem, replace(pins, **{k: 0 for k in free_state}),
                                          offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule)
+    limit = SEARCH_LAYOUT_LIMIT.get()
+    if limit is not None and len(layouts) > limit:
+        raise MeshplanError(f"{len(layouts):,} layouts to search, more than the {limit:,} one request may: pin some "
+                            "degrees (tp, pp, ep, micro-batch) or run `meshplan train` on the command line")
     ev = evaluate(cm, layouts)
     pruned = 0
     if free_state:

@@ -34,6 +34,9 @@ FIELDS = {"train": TRAIN_FIELDS, "serve": SERVE_FIELDS}
 MAX_MODEL_JSON_BYTES = 256 * 1024
 _FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)")
 _lock = threading.Lock()  # the planner keeps lru caches; one command at a time (each takes well under a second)
+# the most layouts one request's search may evaluate (train/planner.SEARCH_LAYOUT_LIMIT): about 10-20 s on one core,
+# so that no request holds the others behind the lock for minutes; larger searches belong on the command line
+MAX_SEARCH_LAYOUTS = 2_000_000
 _upload_dir = Path(tempfile.mkdtemp(prefix="meshplan-web-"))
 atexit.register(shutil.rmtree, _upload_dir, ignore_errors=True)
 
@@ -122,14 +125,17 @@ def command(kind: str, params: Mapping[str, str]) -> tuple[list[str], dict[str, 
     return argv, renames
 
 
-def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
-    """The object `meshplan <kind> ... --json` prints for these fields; InputError with the CLI's message."""
+def run(kind: str, params: Mapping[str, str], max_layouts: int = MAX_SEARCH_LAYOUTS) -> dict[str, Any]:
+    """The object `meshplan <kind> ... --json` prints for these fields; InputError with the CLI's message. A training
+    search of more than `max_layouts` layouts is refused with the planner's message."""
     from meshplan.cli import commands  # noqa: F401  (registers the commands)
     from meshplan.cli.app import _ClickException, json_sink, run_app
+    from meshplan.train.planner import SEARCH_LAYOUT_LIMIT
 
     argv, uploaded = command(kind, params)
     sink: list = []
     token = json_sink.set(sink)
+    limit = SEARCH_LAYOUT_LIMIT.set(max_layouts)
     try:
         with _lock:
             run_app(argv)
@@ -145,6 +151,7 @@ def run(kind: str, params: Mapping[str, str]) -> dict[str, Any]:
         raise InputError(msg, field_of(msg, kind)) from None
     finally:
         json_sink.reset(token)
+        SEARCH_LAYOUT_LIMIT.reset(limit)
     if len(sink) != 1:
         raise RuntimeError(f"'{' '.join(argv)}' printed {len(sink)} JSON objects, expected 1")
     return sink[0]

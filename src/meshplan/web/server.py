@@ -41,7 +41,10 @@ def scaling(params: dict[str, str]) -> dict[str, Any]:
     points = []
     for n in scaling_chip_counts(_int_field(params, "chips"), _int_field(params, "global_batch")):
         try:
-            best = api.run("train", {**base, "chips": str(n), "top": "1"})["plans"][0]
+            # each point's search smaller than the request's own: the sweep runs several behind the one lock, and a
+            # point too large to search is left out like one that does not fit
+            best = api.run("train", {**base, "chips": str(n), "top": "1"},
+                           max_layouts=api.MAX_SEARCH_LAYOUTS // 4)["plans"][0]
         except api.InputError:
             continue
         points.append({"chips": n, "mfu": best["mfu"]})
@@ -75,6 +78,10 @@ ROUTES = {
 class Handler(BaseHTTPRequestHandler):
     server_version = "meshplan"
     quiet = False
+    # seconds a connection may stall (a body shorter than its Content-Length, a client that sends nothing) before
+    # its thread gives up (socketserver.StreamRequestHandler.timeout; session 23, QA finding: such a connection
+    # held a thread forever)
+    timeout = 30
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         if not self.quiet:
@@ -168,9 +175,10 @@ class Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
 
-def make_server(port: int = 0, quiet: bool = False) -> ThreadingHTTPServer:
-    """A server on 127.0.0.1 (port 0: a free one); the caller runs serve_forever()."""
-    handler = type("QuietHandler" if quiet else "Handler", (Handler,), {"quiet": quiet})
+def make_server(port: int = 0, quiet: bool = False, timeout: float = Handler.timeout) -> ThreadingHTTPServer:
+    """A server on 127.0.0.1 (port 0: a free one); the caller runs serve_forever(). `timeout`: seconds a stalled
+    connection keeps its thread."""
+    handler = type("QuietHandler" if quiet else "Handler", (Handler,), {"quiet": quiet, "timeout": timeout})
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     return server
