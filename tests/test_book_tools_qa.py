@@ -103,3 +103,15 @@ def test_newest_queries_attend_their_own_prefix():
     assert newest_query_keys(g, 1, 100_000) == pytest.approx(
         sum(min(w, 100_000 - 0.5) if w < 100_000 else 100_000 - 0.5 for w in full_and_window) / len(full_and_window),
         rel=1e-3)
+
+
+def test_explain_names_the_axes_the_gradient_reduction_crosses(capsys):
+    # dp 1, cp 4: the context ranks hold the same weights and reduce the gradients (Megatron-LM's data-parallel-with-
+    # context group); the explanation named the data axis ('on no link') and advised growing a dp group of one
+    d = _json(capsys, ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "32", "--seq-len",
+                       "4096", "--global-batch", "3", "--tp", "4", "--pp", "2", "--cp", "4", "--top", "1", "--json"])
+    plan = d["plans"][0]
+    assert plan["config"]["dp"] == 1 and plan["config"]["cp"] == 4
+    assert plan["bottleneck"] == "comm/dp"
+    text = plan["explanation"]
+    assert "over the context ranks" in text and "no link" not in text and "per replica" not in text

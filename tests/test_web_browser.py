@@ -139,6 +139,21 @@ def test_form_plans_tabs_pins_and_errors(page, base_url, tmp_path):
     argv = ["serve", "--model=llama3-8b", "--hardware=h100-sxm", "--chips=abc", "--input-len=1000",
             "--output-len=200", "--quant=bf16", "--kv-quant=bf16", "--tp=8", "--json"]
     assert spot.inner_text() == cli_error(argv)
+    # the cards still on screen are the last plan's: dimmed and labelled as such (session 23, QA finding)
+    assert "stale" in page.locator("#serve-out").get_attribute("class")
+    page.fill("#f-chips", "8")
+    page.wait_for_function("!document.querySelector('#serve-out').classList.contains('stale')")
+
+
+def test_interleaved_timeline_caption_and_chunks(page, base_url):
+    # a pinned interleaved plan: the timeline draws every model chunk and says how many micro-batches it shows
+    page.goto(base_url + "/?model=llama3-70b&hardware=h100-sxm&chips=64&seq_len=8192&global_batch=256&pp=4&vpp=2&tp=8")
+    page.wait_for_function("document.querySelector('#timeline-shown') && "
+                           "document.querySelector('#timeline-shown').textContent.length > 0", timeout=60_000)
+    caption = page.locator("#timeline-shown").inner_text()
+    assert "of 64 micro-batches shown" in caption and "2 model chunks each" in caption, caption
+    shown = int(caption.split(" of ")[0])
+    assert page.locator("#chart-timeline rect.slot").count() == 2 * 4 * shown * 2  # F and B, stages, chunks
 
 
 def _open_offline(browser, path: Path):

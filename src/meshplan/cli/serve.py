@@ -110,6 +110,8 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     if attention_dp and not m.is_moe:
         fail(f"--attention-dp needs a mixture-of-experts model; {m.name} is dense (a dense model runs data parallel "
              "as separate replicas)")
+    if ep and ep > 1 and not m.is_moe:
+        fail(f"--ep {ep} splits the experts of a mixture-of-experts model; {m.name} is dense: drop --ep")
     if tp and pp and ep:
         if attention_dp is None:
             attention_dp = False

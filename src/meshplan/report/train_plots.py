@@ -73,14 +73,81 @@ def schedule_1f1b(pp: int, m: int, vpp: int = 1) -> list[tuple[int, int, str, in
     return ev
 
 
-def schedule_bars(pp: int, vpp: int, micro_batches: float, compute_s: float,
-                  max_shown: int = 16) -> list[tuple[int, float, float, str, int]]:
-    """Bars (stage, start_s, duration_s, 'F'|'B', micro-batch) of the schedule drawing: the step's compute split
-    evenly over the micro-batches, a backward twice a forward (Narayanan et al. 2021), at most `max_shown`
-    micro-batches drawn; interleaving (vpp) as vpp-times shorter slots."""
+MAX_DRAWN_SLOTS = 20_000  # the chunk-level drawing's size bound (a deeper pipeline is drawn a micro-batch per slot)
+
+
+def schedule_interleaved(pp: int, m: int, vpp: int) -> list[tuple[int, float, str, int, int]] | None:
+    """Slots (stage, start, kind, micro-batch, model chunk) of the interleaved 1F1B schedule (Narayanan et al. 2021
+    §2.2; Megatron-LM schedules.forward_backward_pipelining_with_interleaving): each stage holds vpp model chunks
+    (virtual stage v = chunk x pp + stage); a chunk's forward takes 1/vpp of a micro-batch's forward unit and its
+    backward 2/vpp. Each stage runs its warm-up forwards ((pp - stage - 1) x 2 + (vpp - 1) x pp), then one forward
+    and one backward in turn, then its last backwards; forward k runs chunk (k // pp) mod vpp of micro-batch
+    (k // (pp vpp)) pp + k mod pp, backward k the chunks in reverse. A slot starts when its stage is free and its
+    input is ready (the previous virtual stage's forward, the next one's backward). None where the schedule does not
+    apply (micro-batches not a multiple of pp, as Megatron-LM requires)."""
+    if vpp < 2 or m % pp or 2 * m * vpp * pp > MAX_DRAWN_SLOTS:
+        return None
+    total, V = m * vpp, pp * vpp
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        c = (k // pp) % vpp
+        return kind, (vpp - 1 - c if kind == "B" else c), (k // (pp * vpp)) * pp + k % pp
+
+    orders = []
+    for s in range(pp):
+        warm = min((pp - s - 1) * 2 + (vpp - 1) * pp, total)
+        seq = [op("F", k) for k in range(warm)]
+        for j in range(total - warm):
+            seq += [op("F", warm + j), op("B", j)]
+        seq += [op("B", k) for k in range(total - warm, total)]
+        orders.append(seq)
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
+    free, pos, out = [0.0] * pp, [0] * pp, []
+    while any(pos[s] < len(orders[s]) for s in range(pp)):
+        moved = False
+        for s in range(pp):
+            while pos[s] < len(orders[s]):
+                kind, c, i = orders[s][pos[s]]
+                v = c * pp + s
+                dep = ("F", v - 1, i) if kind == "F" else (("B", v + 1, i) if v + 1 < V else ("F", v, i))
+                if kind == "F" and v == 0:
+                    ready = 0.0
+                elif dep in done:
+                    ready = done[dep]
+                else:
+                    break
+                start = max(free[s], ready)
+                free[s] = done[(kind, v, i)] = start + (1 if kind == "F" else 2) / vpp
+                out.append((s, start, kind, i, c))
+                pos[s] += 1
+                moved = True
+        if not moved:  # an order the dependencies cannot follow: drawn the plain way instead
+            return None
+    return out
+
+
+def shown_micro_batches(pp: int, vpp: int, micro_batches: float, max_shown: int = 16) -> int:
+    """Micro-batches a schedule drawing shows: at most `max_shown`, whole groups of pp under interleaving."""
     m = max(int(min(micro_batches, max_shown)), 1)
+    total = max(int(micro_batches), 1)
+    if vpp > 1 and total % pp == 0:
+        m = min(total, max(pp, (max_shown // pp) * pp))
+    return m
+
+
+def schedule_bars(pp: int, vpp: int, micro_batches: float, compute_s: float,
+                  max_shown: int = 16) -> list[tuple[int, float, float, str, int, int]]:
+    """Bars (stage, start_s, duration_s, 'F'|'B', micro-batch, model chunk) of the schedule drawing: the step's compute
+    split evenly over the micro-batches, a backward twice a forward (Narayanan et al. 2021), the first
+    `shown_micro_batches` drawn; interleaving (vpp) as each micro-batch's vpp chunks (`schedule_interleaved`; session
+    23, QA finding: they were drawn as one slot vpp times too short)."""
+    m = shown_micro_batches(pp, vpp, micro_batches, max_shown)
     per_unit = (compute_s / max(micro_batches, 1)) / 3.0
-    return [(s, start * per_unit / vpp, (1 if kind == "F" else 2) * per_unit / vpp, kind, i)
+    inter = schedule_interleaved(pp, m, vpp)
+    if inter is not None:
+        return [(s, start * per_unit, (1 if kind == "F" else 2) * per_unit / vpp, kind, i, c)
+                for s, start, kind, i, c in inter]
+    return [(s, start * per_unit / vpp, (1 if kind == "F" else 2) * per_unit / vpp, kind, i, 0)
             for s, start, kind, i in schedule_1f1b(pp, m, vpp)]
 
 
@@ -90,9 +157,10 @@ def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     plt = _pyplot()
     cfg = plan["config"]
     pp, vpp = cfg["pp"], cfg["vpp"]
-    m = int(min(plan.get("micro_batches", 1), 16))
+    total = plan.get("micro_batches", 1)
+    m = shown_micro_batches(pp, vpp, total)
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * pp))
-    for s, x, w, kind, i in schedule_bars(pp, vpp, plan.get("micro_batches", 1), plan["time_s"]["compute"]):
+    for s, x, w, kind, i, _ in schedule_bars(pp, vpp, total, plan["time_s"]["compute"]):
         ax.barh(s, w, left=x, color="tab:blue" if kind == "F" else "tab:green", edgecolor="white")
         if m <= 8:
             ax.text(x + w / 2, s, f"{kind}{i}", ha="center", va="center", fontsize=6, color="white")
@@ -104,7 +172,7 @@ def plot_schedule(plan: dict, path: str, pp_schedule: str = "1f1b") -> None:
     ax.set_xlabel("seconds (white gaps = bubbles)")
     name = {"zb1p": "ZB-H1 (drawn as 1F1B)", "dualpipe": "DualPipe (drawn as 1F1B)",
             "gpipe": "GPipe (drawn as 1F1B)"}.get(pp_schedule, "1F1B")
-    ax.set_title(f"{name} schedule: pp={pp}, vpp={vpp}, {m} micro-batches shown; "
+    ax.set_title(f"{name} schedule: pp={pp}, vpp={vpp}, {m} of {max(int(total), 1)} micro-batches shown; "
                  f"bubble {plan['time_s']['bubble']:.3g} s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

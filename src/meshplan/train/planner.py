@@ -335,9 +335,11 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
         return worst, f"{what} takes {share:.0%} of the step; {SUGGEST[worst]}"
     link_t = float(ev.link_time[worst][i]) if worst in ev.link_time else parts[worst]
     exposed = parts[worst] / link_t if link_t > 0 else 1.0
-    names = {"fsdp": "FSDP all-gathers/reduce-scatters", "dp": "data-parallel gradient reduction",
+    names = {"fsdp": "FSDP all-gathers/reduce-scatters", "dp": "data-parallel gradient reductions",
              "tp": "tensor-parallel collectives", "cp": "context-parallel KV passes",
              "ep": "expert all-to-alls", "pp": "pipeline sends"}
+    if worst == "dp":
+        names["dp"] = _grad_group(cm, ev.layouts.config(i))[2]
     advice = _advice_for_plan(worst, p, cm, ev.layouts.config(i)) or SUGGEST[worst]
     if worst == "fsdp" and cm.opt.zero3_fetch == "broadcast":
         advice = ("an owner-broadcast fetch passes each layer through one link and blocks on it: an all-gather "
@@ -350,8 +352,21 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
             f"link time is exposed on {_link_of(cm, ev, i, worst)}): {advice}")
 
 
+def _grad_group(cm: CostModel, cfg) -> tuple[int, int, str]:
+    """(size, stride, name) of the group that reduces the gradients of the replicas (the `dp` comm term): without
+    FSDP the context ranks join it, dp x cp ranks of stride tp (costmodel `replicas`: Megatron-LM's data-parallel-with-
+    context group); under FSDP (or ZeRO-3 over cp) only the dp replicas of a shard. Session 23, QA finding: a plan
+    with dp 1 and cp 4 was told its gradient reduction ran 'on no link'."""
+    fsdp_mode = cfg.fsdp > 1 or (cm.opt.fsdp_over_cp and cfg.cp > 1)
+    if fsdp_mode or cfg.cp == 1:
+        return cfg.dp, cfg.tp * cfg.cp * cfg.fsdp, "data-parallel gradient reductions"
+    who = "context ranks" if cfg.dp == 1 else "data and context ranks"
+    return cfg.dp * cfg.cp, cfg.tp, f"gradient reductions over the {who}"
+
+
 def _link_of(cm: CostModel, ev: Evaluation, i: int, kind: str) -> str:
-    size, stride = _axis_groups(ev.layouts.config(i))[kind]
+    cfg = ev.layouts.config(i)
+    size, stride = _grad_group(cm, cfg)[:2] if kind == "dp" else _axis_groups(cfg)[kind]
     return _link(cm, size, stride)
 
 
@@ -366,7 +381,8 @@ def _advice_for_plan(kind: str, p: Problem, cm: CostModel, cfg) -> str | None:
             steps.append("shard the weights too (FSDP, --fsdp) so each rank reduce-scatters a shard")
         if not dp_overlap:
             steps.append("overlap the gradient reduction with the backward (--dp-overlap)")
-        steps.append("grow the batch per replica")
+        steps.append("grow the batch per replica" if cfg.dp > 1 or cfg.cp == 1 else
+                     "lower the context-parallel degree (its ranks reduce every gradient too)")
         return ", or ".join(steps)
     if kind == "tp" and tp_overlap:
         return "lower the tensor-parallel degree (use FSDP or pipeline stages instead): it is already overlapped"

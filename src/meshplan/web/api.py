@@ -49,13 +49,23 @@ class InputError(MeshplanError):
         self.field = field
 
 
-def field_of(message: str, kind: str) -> str | None:
-    """The form field an error message names (the first CLI flag in it that the form has)."""
+def field_of(message: str, kind: str, given: set[str] | None = None) -> str | None:
+    """The form field an error message names: the first CLI flag in it that the form has and the user filled in
+    (`given`; None: any). A flag the user left empty is named by a suggestion ('or --recompute full'), not by the
+    error, so the message stays with the form (session 23, QA finding: 'no layout fits' marked the recompute menu),
+    unless the message says that flag is missing."""
     fields = FIELDS[kind]
-    for flag in _FLAG_RE.findall(message):
-        name = flag.replace("-", "_")
-        if name in fields or name in BOOL_FIELDS[kind]:
-            return name
+    named = [f.replace("-", "_") for f in _FLAG_RE.findall(message)]
+    named = [n for n in named if n in fields or n in BOOL_FIELDS[kind]]
+    if given is None or message.lower().startswith("missing"):
+        if named:
+            return named[0]
+    else:
+        for name in named:
+            if name in given:
+                return name
+        if named:
+            return None
     low = message.lower()  # messages that name the quantity in words ("output length must be ...")
     for name in sorted(fields, key=len, reverse=True):
         if name.replace("_", " ") in low:
@@ -133,6 +143,7 @@ def run(kind: str, params: Mapping[str, str], max_layouts: int = MAX_SEARCH_LAYO
     from meshplan.train.planner import SEARCH_LAYOUT_LIMIT
 
     argv, uploaded = command(kind, params)
+    given = {k for k, v in params.items() if v is not None and str(v).strip() != ""}
     sink: list = []
     token = json_sink.set(sink)
     limit = SEARCH_LAYOUT_LIMIT.set(max_layouts)
@@ -145,10 +156,10 @@ def run(kind: str, params: Mapping[str, str], max_layouts: int = MAX_SEARCH_LAYO
         msg = str(exc)
         for path, name in uploaded.items():  # the page's user knows their file's name, not the server's folder
             msg = msg.replace(path, name)
-        raise InputError(msg, field_of(msg, kind)) from None
+        raise InputError(msg, field_of(msg, kind, given)) from None
     except _ClickException as exc:
         msg = exc.format_message().replace("\n", " ")
-        raise InputError(msg, field_of(msg, kind)) from None
+        raise InputError(msg, field_of(msg, kind, given)) from None
     finally:
         json_sink.reset(token)
         SEARCH_LAYOUT_LIMIT.reset(limit)

@@ -11,7 +11,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from meshplan.report.train_plots import schedule_bars
+from meshplan.report.train_plots import schedule_bars, shown_micro_batches
 
 ASSETS = files("meshplan.web") / "assets"
 
@@ -31,9 +31,12 @@ def presets() -> dict[str, Any]:
 
 
 def schedule(pp: int, vpp: int, micro_batches: float, compute_s: float) -> dict[str, Any]:
-    """The pipeline timeline's bars, as the PNG schedule plot draws them."""
+    """The pipeline timeline's bars, as the PNG schedule plot draws them, and how many micro-batches they show."""
     bars = schedule_bars(pp, vpp, micro_batches, compute_s)
-    return {"bars": [{"stage": s, "start_s": x, "duration_s": w, "kind": k, "micro_batch": i} for s, x, w, k, i in bars]}
+    return {"bars": [{"stage": s, "start_s": x, "duration_s": w, "kind": k, "micro_batch": i, "chunk": c}
+                     for s, x, w, k, i, c in bars],
+            "shown_micro_batches": shown_micro_batches(pp, vpp, micro_batches),
+            "micro_batches": max(int(micro_batches), 1)}
 
 
 def train_view(result: dict, inputs: dict, scaling: list[tuple[int, float]]) -> dict[str, Any]:

@@ -110,7 +110,7 @@
     return s;
   }
   // Pipeline timeline: bars [{stage, start_s, duration_s, kind, micro_batch}] per stage, plus exposed comm.
-  function timeline(container, bars, pp, commPerMb) {
+  function timeline(container, bars, pp, commPerMb, vpp = 1) {
     const W = Math.max(640, container.clientWidth - 20 || 900), rowH = 22, L = 70, T = 6;
     const rows = pp + (commPerMb > 0 ? 1 : 0), H = T + rows * rowH + 26, s = svg(container, W, H);
     const end = Math.max(...bars.map((b) => b.start_s + b.duration_s), commPerMb, 1e-12);
@@ -124,7 +124,8 @@
     for (const b of bars) {
       const r = el("rect", {x: X(b.start_s), y: T + (b.stage + off) * rowH + 2, width: Math.max(X(b.start_s + b.duration_s) - X(b.start_s) - 0.5, 0.5),
         height: rowH - 4, fill: b.kind === "F" ? "#2563eb" : "#16a34a", class: "slot"}, s);
-      r.appendChild(el("title", {}, null, `${b.kind === "F" ? "forward" : "backward"} micro-batch ${b.micro_batch}, stage ${b.stage}: ${fmtTime(b.duration_s)}`));
+      const chunk = b.chunk !== undefined && vpp > 1 ? `, model chunk ${b.chunk}` : "";
+      r.appendChild(el("title", {}, null, `${b.kind === "F" ? "forward" : "backward"} micro-batch ${b.micro_batch}${chunk}, stage ${b.stage}: ${fmtTime(b.duration_s)}`));
     }
     el("text", {x: L, y: H - 6}, s, "0");
     el("text", {x: W - 10, y: H - 6, "text-anchor": "end"}, s, fmtTime(end) + "  (blue forward, green backward)");
@@ -189,6 +190,10 @@
     for (const e of document.querySelectorAll(".err")) e.textContent = "";
     for (const e of form.querySelectorAll(".bad")) e.classList.remove("bad");
   }
+  // results shown under an error belong to the last inputs that planned: dimmed and labelled until the next plan
+  function markStale(stale) {
+    for (const id of ["train-out", "serve-out"]) $(id).classList.toggle("stale", stale);
+  }
   function showError(msg, field) {
     const name = field && (tab === "serve" && !SHARED.includes(field) ? "s_" + field : field);
     const spot = name && document.querySelector(`.err[data-for="${name}"]`);
@@ -244,7 +249,13 @@
         sched = await call("/api/schedule", {pp: p.config.pp, vpp: p.config.vpp, micro_batches: Math.max(1, Math.round(p.micro_batches || 1)), compute_s: p.time_s.compute});
       } catch (e) { $("chart-timeline").textContent = "error: " + e.message; return; }
     }
-    if (selected === k) timeline($("chart-timeline"), sched.bars, p.config.pp, p.time_s.exposed_comm / Math.max(p.micro_batches || 1, 1));
+    if (selected === k) {
+      timeline($("chart-timeline"), sched.bars, p.config.pp, p.time_s.exposed_comm / Math.max(p.micro_batches || 1, 1), p.config.vpp);
+      const shown = sched.shown_micro_batches, total = sched.micro_batches;
+      $("timeline-shown").textContent = shown !== undefined && total !== undefined ?
+        (shown < total ? `${shown} of ${total} micro-batches shown` : `all ${total} micro-batches`) +
+        (p.config.vpp > 1 ? `, ${p.config.vpp} model chunks each` : "") : "";
+    }
   }
   function renderScaling(points) {
     const chips = Number((train && train.inputs && train.inputs.chips) || 0);
@@ -305,6 +316,7 @@
         const r = await call("/api/train", params);
         if (my !== seq) return;
         renderTrain({kind: "train", train: r, inputs: params});
+        markStale(false);
         $("status").textContent = "";
         $("chart-mfu").textContent = "computing…";
         const sc = await call("/api/scaling", params);
@@ -313,12 +325,14 @@
         const r = await call("/api/serve", params);
         if (my !== seq) return;
         renderServe({kind: "serve", serve: r, inputs: params});
+        markStale(false);
         $("status").textContent = "";
       }
     } catch (e) {
       if (my !== seq) return;
       $("status").textContent = "";
       showError(e.message, e.field);
+      markStale(true);
     }
   }
   function schedule() { clearTimeout(timer); timer = setTimeout(run, 350); }
