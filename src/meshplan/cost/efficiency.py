@@ -186,6 +186,8 @@ def read_profile_json(path: str | Path) -> Any:
     file is, specs/_load.read_text: a regular file of bounded size, so /dev/zero is refused, not read forever)."""
     from meshplan.specs._load import read_text
 
+    if not str(path).strip():  # Path('') would read as '.', the folder
+        raise MeshplanError(f"cannot read profile '{path}': the path is empty")
     text = read_text(Path(path), "profile", "a meshplan-profile/1 JSON file")
     try:
         return json.loads(text)
