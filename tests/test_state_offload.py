@@ -185,7 +185,7 @@ def test_searched_count_does_not_depend_on_top(capsys, monkeypatch):
         counts.append(json.loads(out)["searched"])
     unpruned = planner._with_state_offload
     monkeypatch.setattr(planner, "_with_state_offload",
-                        lambda problem, pins, cm, ev, free, top=None: unpruned(problem, pins, cm, ev, free, None))
+                        lambda problem, pins, cm, ev, free, top=None, keep_ledger=True: unpruned(problem, pins, cm, ev, free, None, keep_ledger))
     code, out, _ = run_cli([*args, "1"], capsys)
     assert code == 0
     assert counts[0] == counts[1] == json.loads(out)["searched"]
