@@ -34,9 +34,10 @@ FIELDS = {"train": TRAIN_FIELDS, "serve": SERVE_FIELDS}
 MAX_MODEL_JSON_BYTES = 256 * 1024
 _FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)")
 _lock = threading.Lock()  # the planner keeps lru caches; one command at a time (each takes well under a second)
-# the most layouts one request's search may evaluate (train/planner.SEARCH_LAYOUT_LIMIT): about 10-20 s on one core,
-# so that no request holds the others behind the lock for minutes; larger searches belong on the command line
-MAX_SEARCH_LAYOUTS = 2_000_000
+# the most layouts one request's search may evaluate (train/planner.SEARCH_LAYOUT_LIMIT): about 20 s and 3 GB on one
+# core (DeepSeek-V3 on 2,048 H100 is 3.1M: 17 s, 2.4 GB; results/search_speed_cpu_2026-12-05_s23.md), so that no
+# request holds the others behind the lock for minutes; larger searches belong on the command line
+MAX_SEARCH_LAYOUTS = 4_000_000
 _upload_dir = Path(tempfile.mkdtemp(prefix="meshplan-web-"))
 atexit.register(shutil.rmtree, _upload_dir, ignore_errors=True)
 
