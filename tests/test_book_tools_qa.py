@@ -115,3 +115,16 @@ def test_explain_names_the_axes_the_gradient_reduction_crosses(capsys):
     assert plan["bottleneck"] == "comm/dp"
     text = plan["explanation"]
     assert "over the context ranks" in text and "no link" not in text and "per replica" not in text
+
+
+def test_allreduce_across_many_nodes_takes_nccls_tree_latency(capsys):
+    # NCCL's double binary tree: 2 x ((8 - 1) NVLink hops of 3 us + log2(2048) = 11 network hops of 5 us) = 152 us
+    # (hop latencies from the h100-sxm spec), not the ring's 2 x 2047 x 5 us; bandwidth-bound at 1 GB
+    d = _json(capsys, ["collective", "allreduce", "-h", "a100-80gb", "-n", "16384", "--mesh", "x=16384", "--axes",
+                       "x", "--bytes", "1GB", "--json"])
+    assert d["latency_time_s"] == pytest.approx(2 * (7 * 3e-6 + 11 * 5e-6))
+    assert d["regime"] == "bandwidth" and "double binary tree (2048 nodes)" in d["algorithm"]
+    # two nodes: the ring's latency is already the smaller, unchanged
+    two = _json(capsys, ["collective", "allreduce", "-h", "a100-80gb", "-n", "16", "--mesh", "x=16", "--axes", "x",
+                         "--bytes", "1GB", "--json"])
+    assert "tree" not in two["algorithm"]

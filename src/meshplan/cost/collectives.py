@@ -258,6 +258,17 @@ def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> Collect
             bw = max(bw, *floor.values()) if floor else bw
     lat = ag.latency_time_s * (1 if sharp else 2)
     algo = "SHARP in-network reduction" if sharp else "reduce-scatter + all-gather: " + ag.algorithm
+    if not p.cluster.is_torus and p.n_domains > 2:
+        # NCCL's double binary tree across nodes: 2 log2(M) network hops up and down instead of the ring's 2(M - 1),
+        # at the ring's bandwidth for large messages ("Massively Scale Your Deep Learning Training with NCCL 2.4",
+        # NVIDIA blog 2019: logarithmic latency, full bandwidth); NCCL runs whichever its model times faster
+        # (src/graph/tuning.cc). Session 23, QA finding: 1 GB over 2,048 nodes read latency-bound at 10 ms.
+        links = p.cluster.links
+        tree = 2 * ((p.fast_members - 1) * links.fast_hop_latency_s
+                    + math.ceil(math.log2(p.n_domains)) * links.scale_out_hop_latency_s)
+        if tree < lat:  # SHARP's reduction runs up and down the switches' aggregation tree: no longer than this
+            lat = tree
+            algo = algo if sharp else f"NVLink chain ({p.fast_members} GPUs) + double binary tree ({p.n_domains} nodes)"
     sent = V if sharp else 2 * ag.bytes_per_chip  # SHARP: egress V(N-1)/N + V/N per GPU (book ch.12)
     return CollectiveCost("allreduce", max(bw, lat), sent, algo, "latency" if lat > bw else "bandwidth",
                           bw, lat, p.size, p.link, levels)
