@@ -129,6 +129,21 @@ DIM = Rule(1, 2**53, "an array dimension")
 TRAIN_TOKENS = Rule(0, MAX_TRAIN_TOKENS, "more tokens than any training run", integer=False, open_lo=True)
 NBYTES = Rule(0, 2.0**60, "bytes (an exabyte)", integer=False, open_lo=True)
 
+# A calibrated profile's efficiency fields (cost/efficiency.py profile_efficiency). A fraction of the datasheet peak
+# above 1 contradicts the chip's spec; 1.05 leaves room for boost clocks above the nominal one. The rest: physical
+# bounds wide enough for any chip, narrow enough that a hand-edited profile cannot give a negative time.
+PROFILE_FRACTION = Rule(0.0, 1.05, "a fraction of the chip's datasheet peak", integer=False, open_lo=True)
+PROFILE_RULES: dict[str, Rule] = {name: Rule(lo, hi, why, integer=False) for name, (lo, hi, why) in {
+    "matmul_half_dim": (0.0, 1e6, "a GEMM dimension"),
+    "matmul_rows_half": (0.0, 1e6, "GEMM rows"),
+    "kernel_overhead_s": (0.0, 1.0, "seconds per kernel"),
+    "step_overhead_s": (0.0, 3600.0, "seconds per step"),
+    "memory_reserved_bytes": (0.0, 1e13, "bytes"),
+    "attention_bwd_flops_ratio": (1.0, 10.0, "backward over forward FLOPs"),
+    "unfused_elementwise_factor": (1.0, 100.0, "HBM passes per fused pass"),
+    "comm_compute_interference": (0.0, 10.0, "a fractional slow-down"),
+}.items()}
+
 # Hardware YAML fields (dotted names as in the file). Ranges hold every accelerator built so far with ~100x margin.
 HARDWARE_RULES: dict[str, Rule] = {
     "peak_flops_per_s": Rule(1e9, 1e18, "FLOP/s: GFLOP/s to EFLOP/s per chip", integer=False),

@@ -195,26 +195,12 @@ def read_profile_json(path: str | Path) -> Any:
         raise MeshplanError(f"malformed profile '{path}': {exc}") from None
 
 
-# What a profile's efficiency fields may hold (validate.Rule: finite numbers in a range, pydantic-checked). A fraction
-# of the datasheet peak above 1 contradicts the chip's spec; 1.05 leaves room for boost clocks above the nominal
-# one. The rest: generous physical bounds, so that a hand-edited profile cannot give an MFU above 100% or a
-# negative time (session 23, QA finding: matmul_peak_fraction 5.0 gave MFU 1.49).
 def _profile_rules() -> dict[str, Any]:
-    from meshplan.validate import Rule
+    """The bound of every profile efficiency field (validate.py: one table of bounds for every input): fractions of
+    the datasheet peak (session 23, QA finding: matmul_peak_fraction 5.0 gave MFU 1.49), the rest by name."""
+    from meshplan.validate import PROFILE_FRACTION, PROFILE_RULES
 
-    frac = Rule(0.0, 1.05, "a fraction of the chip's datasheet peak", integer=False, open_lo=True)
-    rules = {f: frac for f in _FIELDS if f.endswith("_fraction")}
-    rules.update({
-        "matmul_half_dim": Rule(0.0, 1e6, "a GEMM dimension", integer=False),
-        "matmul_rows_half": Rule(0.0, 1e6, "GEMM rows", integer=False),
-        "kernel_overhead_s": Rule(0.0, 1.0, "seconds per kernel", integer=False),
-        "step_overhead_s": Rule(0.0, 3600.0, "seconds per step", integer=False),
-        "memory_reserved_bytes": Rule(0.0, 1e13, "bytes", integer=False),
-        "attention_bwd_flops_ratio": Rule(1.0, 10.0, "backward over forward FLOPs", integer=False),
-        "unfused_elementwise_factor": Rule(1.0, 100.0, "HBM passes per fused pass", integer=False),
-        "comm_compute_interference": Rule(0.0, 10.0, "a fractional slow-down", integer=False),
-    })
-    return rules
+    return {f: PROFILE_FRACTION if f.endswith("_fraction") else PROFILE_RULES[f] for f in _FIELDS}
 
 
 def load_profile(path: str | Path, chip: Chip) -> Efficiency:
