@@ -7,9 +7,11 @@ import json
 
 import pytest
 from conftest import run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshplan.cost import roofline as rf
-from meshplan.math.transformer import newest_query_keys, touched_experts
+from meshplan.math.transformer import kv_cached_tokens, mean_attended_keys, newest_query_keys, touched_experts
 from meshplan.specs.model import load_model
 
 V5E_INT8_PEAK = 3.94e14  # TPU v5e int8 OP/s (Google Cloud TPU v5e docs; book ch.1 Q1)
@@ -128,3 +130,16 @@ def test_allreduce_across_many_nodes_takes_nccls_tree_latency(capsys):
     two = _json(capsys, ["collective", "allreduce", "-h", "a100-80gb", "-n", "16", "--mesh", "x=16", "--axes", "x",
                          "--bytes", "1GB", "--json"])
     assert "tree" not in two["algorithm"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["llama3-8b", "gpt-oss-120b", "gemma2-9b", "mixtral-8x7b"]),
+       S=st.integers(1, 200_000), frac=st.floats(0.0, 1.0))
+def test_newest_query_keys_bounds(name, S, frac):
+    # the newest T queries attend at most the cached keys and at least the sequence's causal mean; all T = the mean
+    m = load_model(name)
+    T = max(1, int(S * frac))
+    k = newest_query_keys(m, T, S)
+    assert mean_attended_keys(m, S) - 1e-6 <= k <= kv_cached_tokens(m, S) + 1e-6
+    if T == S:
+        assert k == pytest.approx(mean_attended_keys(m, S))
