@@ -143,3 +143,10 @@ def test_newest_query_keys_bounds(name, S, frac):
     assert mean_attended_keys(m, S) - 1e-6 <= k <= kv_cached_tokens(m, S) + 1e-6
     if T == S:
         assert k == pytest.approx(mean_attended_keys(m, S))
+
+
+def test_a_folder_is_named_as_a_folder(capsys, tmp_path):
+    code, _, err = run_cli(["model", str(tmp_path)], capsys)
+    assert code == 2 and f"folder '{tmp_path}' has no config.json" in err
+    code, _, err = run_cli(["hardware", str(tmp_path)], capsys)
+    assert code == 2 and "is a folder" in err and "unknown hardware" not in err

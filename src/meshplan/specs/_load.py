@@ -35,6 +35,10 @@ def find_spec(name_or_path: str, kind: str, presets_dir: Path, preset_suffix: st
     p = Path(key)
     if dir_file and p.is_dir():
         p = p / dir_file
+        if not p.is_file():
+            raise MeshplanError(f"folder '{key}' has no {dir_file} (give the {file_what} file or its folder)")
+    elif p.is_dir():
+        raise MeshplanError(f"'{key}' is a folder, not a {file_what}")
     elif not (p.suffix.lower() in SPEC_SUFFIXES or p.is_file()):
         raise unknown_name_error(kind, key, presets())
     if not p.is_file():
