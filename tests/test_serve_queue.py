@@ -106,13 +106,17 @@ def test_simulated_queue_follows_littles_law():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_closed_form_queue_matches_the_simulator(engine):
     # 48 closed-loop clients over 16 slots (Llama 3.1 8B, one H100, 1000/200, 2048-token steps): the closed form's
-    # TTFT (Little's law at its own throughput) and TPOT agree with the simulator's steady state within 5%
+    # TTFT (Little's law at its own throughput) and TPOT agree with the simulator's steady state within 5%. Outputs
+    # drawn uniformly around 200 (mean 200): with every output exactly 200 the clients finish in waves, and a
+    # prefill-first engine (SGLang) then prefills a whole wave back to back, which the closed form's steady state
+    # (requests at random phases) does not describe (session 23: 9.0 ms simulated against 10.2 ms; 10.1 ms with
+    # the drawn lengths)
     cfg = ServeConfig(engine=engine, max_num_batched_tokens=2048)
-    reqs = make_requests(SimSpec(rate=math.inf, n_requests=240, concurrency=48), W)
+    reqs = make_requests(SimSpec(rate=math.inf, n_requests=800, concurrency=48, output_dist="uniform"), W)
     _Replica(M8, H100, cfg, EFF, 16, 48).run(reqs)
-    late = reqs[60:]
+    late = [r for r in reqs[200:] if r.out > 1]
     ttft = sum(r.first_token - r.arrival for r in late) / len(late)
-    tpot = sum((r.finish - r.first_token) / 199 for r in late) / len(late)
+    tpot = sum((r.finish - r.first_token) / (r.out - 1) for r in late) / len(late)
     p = evaluate(M8, H100, 1, cfg, EFF, W, 16, clients=48)
     assert p.ttft_s == pytest.approx(ttft, rel=0.05)
     assert p.tpot_s == pytest.approx(tpot, rel=0.05)

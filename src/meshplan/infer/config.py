@@ -212,6 +212,14 @@ def chunked_prefill(cfg: ServeConfig, chip: Chip) -> bool:
     return True if hit is None else bool(hit)
 
 
+def mixes_prompts(cfg: ServeConfig, chip: Chip) -> bool:
+    """Whether a step carries the running decodes beside the waiting prompts (serving.yaml engine_mixed_batches;
+    default: it does). An engine that does not prefills waiting prompts in a step of their own, first, and decodes
+    in the steps without a waiting prompt (SGLang without --enable-mixed-chunk)."""
+    hit = _engine_entry("engine_mixed_batches", cfg.engine, chip)
+    return True if hit is None else bool(hit)
+
+
 def fused_add_norm(cfg: ServeConfig, chip: Chip) -> bool:
     """Whether the engine runs each residual add inside the following RMSNorm's kernel (serving.yaml
     engine_fused_add_norm; default: separate kernels, as the training ledger counts them)."""

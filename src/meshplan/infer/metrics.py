@@ -23,6 +23,7 @@ from meshplan.infer.config import (
     clients_per_replica,
     frontend_first_token_s,
     kv_reserved_per_sequence,
+    mixes_prompts,
     prefill_len,
     prefill_room,
     prompt_chunk,
@@ -166,7 +167,9 @@ def prompt_chunks(cfg: ServeConfig, chip: Chip, w: Workload, others: int) -> tup
     the chunk is the step budget less the others' decode tokens (config.prefill_room), or the whole prompt where the
     engine does not chunk (config.prompt_chunk)."""
     prompt = prefill_len(cfg, chip, w.input_len)
-    chunk = prompt_chunk(cfg, chip, prompt, prefill_room(cfg, chip, others))
+    # a prefill-first engine's prompt steps carry no decodes: the whole budget (config.mixes_prompts)
+    room = prefill_room(cfg, chip, others if mixes_prompts(cfg, chip) else 0)
+    chunk = prompt_chunk(cfg, chip, prompt, room)
     return prompt, chunk, math.ceil(prompt / chunk) if prompt > 0 else 0
 
 
@@ -186,14 +189,16 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     # engines whose first token comes from a decode step prefill all but the prompt's last token, then decode it
     # beside the batch (serving.yaml engine_first_token_decode_step)
     prompt, chunk, n_chunks = prompt_chunks(cfg, chip, w, others)
-    s = step_cost(m, chip, cfg, eff, others, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1))
+    # a prefill-first engine runs the prompt's steps without the others' decodes (config.mixes_prompts)
+    riders = others if mixes_prompts(cfg, chip) else 0
+    s = step_cost(m, chip, cfg, eff, riders, w.mean_decode_context, chunk, prompt / 2.0, max(batch, 1) if riders else 1)
     # the last chunk holds what the full ones leave: a prompt a few tokens past one chunk takes one full step and one
     # step with those few tokens, not two full ones
     prefill_s = 0.0
     if n_chunks:
         rest = prompt - (n_chunks - 1) * chunk
-        last = s if rest >= chunk else step_cost(m, chip, cfg, eff, others, w.mean_decode_context, rest,
-                                                 prompt - rest / 2.0, max(batch, 1))
+        last = s if rest >= chunk else step_cost(m, chip, cfg, eff, riders, w.mean_decode_context, rest,
+                                                 prompt - rest / 2.0, max(batch, 1) if riders else 1)
         prefill_s = (n_chunks - 1) * s.time_s + last.time_s
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
@@ -203,7 +208,8 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         # goes to the next prompt in line) less the decode steps the other sequences would have run anyway. Under
         # attention DP only the prompts of its own rank queue ahead of it (each rank schedules its own requests FCFS:
         # config.attention_dp_limits_per_rank), a 1/ranks share of the arrivals and of the other sequences
-        dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s
+        # (a prefill-first engine's prompt step holds no decodes: its whole time is the prompt's)
+        dec = decode_step(m, chip, cfg, eff, others, w.mean_decode_context).time_s if riders else 0.0
         dp = cfg.attention_dp_size
         # a pipeline's micro-batches each carry a waiting prompt (step._pipeline_parts: one chunk per micro-batch), so
         # under a queue the pp stages serve up to pp prompts per step: the queue's server is that many times faster
@@ -249,11 +255,35 @@ def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
     pure = pure or decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     if mean_tokens <= 0:
         return 0.0, pure, pure
+    if not mixes_prompts(cfg, chip):
+        # prefill first: each decode step comes with q prompt-only steps (prefill_first_steps); as one "step" of the
+        # mean, the decode step plus those q, in every step (share 1)
+        q, pre = prefill_first_steps(m, chip, cfg, eff, w, prompts_per_step)
+        parts = {k: pure.parts.get(k, 0.0) + q * pre.parts.get(k, 0.0) for k in pure.parts.keys() | pre.parts.keys()}
+        return 1.0, StepCost(pure.time_s + q * pre.time_s, parts, max(parts, key=parts.get)), pure
     carried = max(prompt_chunk(cfg, chip, w.input_len, prefill_room(cfg, chip, batch)), mean_tokens)
     share = mean_tokens / carried
     step = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, carried, w.input_len / 2.0, batch,
                      prefill_seqs=prompts_per_step / share)
     return share, step, pure
+
+
+def prefill_first_steps(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
+                        prompts_per_step: float) -> tuple[float, StepCost]:
+    """(prompt-only steps per decode step, such a step) of an engine that prefills waiting prompts first, in steps of
+    their own (config.mixes_prompts False; SGLang get_next_batch_to_run): after a decode step in which prompts
+    arrived, the next step prefills them, as many as the step budget holds (several short prompts together, a long
+    one in chunks). With P = prompts_per_step x prompt tokens arriving per decode step, a prompt step carries
+    max(one prompt's chunk, min(P, budget)) tokens and q = P / that many run per decode step (q < 1: some decode
+    steps have no prompt after them)."""
+    prompt = prefill_len(cfg, chip, w.input_len)
+    mean_tokens = prompts_per_step * prompt
+    if mean_tokens <= 0:
+        return 0.0, decode_step(m, chip, cfg, eff, 0.0, 0.0)
+    room = prefill_room(cfg, chip, 0)
+    carried = max(prompt_chunk(cfg, chip, prompt, room), min(mean_tokens, float(room)))
+    n = max(carried / prompt, 1.0)  # prompts (or chunks) in such a step
+    return mean_tokens / carried, step_cost(m, chip, cfg, eff, 0.0, 0.0, carried, prompt / 2.0, n, prefill_seqs=n)
 
 
 def slot_turnover_steps(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) -> int:
@@ -277,6 +307,9 @@ def budget_batch_limit(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) ->
     per step (prompt_chunk). Past this limit the other sequences wait for their prefill: TTFT grows, output tokens/s
     does not (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2: the budget bounds each step's tokens)."""
     prompt = prefill_len(cfg, chip, w.input_len)
+    if not mixes_prompts(cfg, chip):
+        # prefill first: prompts run in steps of their own, as many as they need; the decode step holds the batch
+        return batch
     dp = cfg.attention_dp_size
     budget_per_rank = replica_token_budget(chip, cfg) / dp
     chunks = chunked_prefill(cfg, chip)
@@ -309,8 +342,13 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     queue = admission_queue_wait_s(clients, batch, requests_per_s) if clients is not None and clients > batch else None
     # in steady state each of the other B-1 sequences is replaced every `turnover` steps: their prompts arrive at
     # (B-1) / (turnover * step) per second and queue ahead of a new one (a single client never waits behind itself)
+    if mixes_prompts(cfg, chip):
+        residual = step_residual_s(share, chunk_step.time_s, pure.time_s)
+    else:  # q prompt-only steps per decode step: a share q / (1 + q) of the steps are prompt steps
+        q, pre = prefill_first_steps(m, chip, cfg, eff, w, batch / turnover)
+        residual = step_residual_s(q / (1.0 + q), pre.time_s, pure.time_s)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (turnover * step_s),
-                           closed_loop, queue, step_residual_s(share, chunk_step.time_s, pure.time_s), pure)
+                           closed_loop, queue, residual, pure)
     frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)

@@ -41,6 +41,7 @@ from meshplan.infer.config import (
     frontend_token_s,
     kv_on_demand,
     kv_reserved_per_sequence,
+    mixes_prompts,
     prefill_len,
     prefill_room,
     prompt_chunk,
@@ -168,6 +169,7 @@ class _Replica:
         self.kv_tokens = kv_tokens
         self.on_demand = kv_on_demand(cfg, chip)
         self.ahead = schedules_ahead(cfg, chip)  # the scheduler picks step n+1 while step n runs
+        self.mixes = mixes_prompts(cfg, chip)  # decodes ride in the steps that carry prompts
         self.frontend_s = frontend_first_token_s(cfg, chip)
         # whether streamed tokens cost the loop (config.frontend_token_s); elsewhere the step's cost does not depend on
         # how many tokens it emits, which stays out of the cache key
@@ -244,6 +246,11 @@ class _Replica:
 
     def _step(self, running: list[_Req], t: float) -> float:
         dec = [r for r in running if r.prefilled >= r.prompt]
+        alone = not self.mixes and len(dec) < len(running)
+        if alone:
+            # prefill first (config.mixes_prompts): a step with a waiting prompt prefills prompts alone, with the whole
+            # step budget; the running sequences decode in the next step without one (SGLang get_next_batch_to_run)
+            dec = []
         # under attention DP each rank has one prompt's room (prefill_room) and the step as many as it has ranks
         room = prefill_room(self.cfg, self.chip, len(dec))
         budget, chunks = room * self.cfg.attention_dp_size, []
@@ -259,12 +266,13 @@ class _Replica:
                 chunks.append((r, c))
                 budget -= c
         ctx = float(np.mean([r.inp + r.generated for r in dec])) if dec else 0.0
-        self.last_ctx = ctx
+        if not alone:  # the decode context of the last decoding step (a prompt-only step decodes nothing)
+            self.last_ctx = ctx
         n_pre = sum(c for _, c in chunks)
         pre_ctx = float(np.mean([r.prefilled + c / 2 for r, c in chunks])) if chunks else 0.0
         # tokens out to the server path: one per decode, one per prompt whose last chunk this is (its first token)
         firsts = sum(1 for r, c in chunks if r.prefilled + c >= r.prompt == r.inp) if self.streams else 0
-        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(running), len(chunks),
+        t += self._cost(len(dec), ctx, n_pre, pre_ctx, len(chunks) if alone else len(running), len(chunks),
                         len(dec) + firsts if self.streams else None)
         for r in dec:
             r.generated += 1

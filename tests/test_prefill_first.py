@@ -1,0 +1,72 @@
+"""Session 23: SGLang prefills waiting prompts first, in steps of their own (server_args enable_mixed_chunk = False;
+scheduler get_next_batch_to_run: 'Run prefill first if possible', else decode); the other engines carry the
+decodes beside the prompts. Expected values derived by hand below."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.infer.config import ServeConfig, Workload, mixes_prompts
+from meshplan.infer.metrics import evaluate, prefill_first_steps, slot_turnover_steps
+from meshplan.infer.simulate import _Replica, _Req
+from meshplan.infer.step import decode_step, step_cost
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+
+H100 = load_chip("h100-sxm")
+EFF = default_efficiency(H100)
+M8 = load_model("llama3.1-8b")
+
+
+def _two_requests(cfg: ServeConfig) -> tuple[_Req, _Req]:
+    """Every step 1 s; r0 at t = 0 and r1 at t = 0.5, 1-token prompts, 3 output tokens each (the first from the
+    prompt's step)."""
+    r0, r1 = _Req(0.0, 1, 3), _Req(0.5, 1, 3)
+    rep = _Replica(M8, H100, cfg, EFF, 8)
+    rep._cost = lambda *args, **kwargs: 1.0
+    rep.run([r0, r1])
+    return r0, r1
+
+
+def test_engines_that_mix_and_sglang_that_does_not():
+    assert not mixes_prompts(ServeConfig(engine="sglang"), H100)
+    assert not mixes_prompts(ServeConfig(engine="sglang@0.3"), H100)
+    assert all(mixes_prompts(ServeConfig(engine=e), H100) for e in ("vllm", "trtllm", "lmdeploy", "default"))
+
+
+def test_a_prompt_step_carries_no_decodes_on_a_prefill_first_engine():
+    # serial engines. r0's prompt runs in [0, 1] (first token at 1); r1 arrived at 0.5 and its prompt runs in [1, 2]:
+    # a mixing engine decodes r0 in that step too (tokens at 1, 2, 3), SGLang does not (tokens at 1, 3, 4)
+    mixed0, mixed1 = _two_requests(ServeConfig(engine="vllm", overlap_scheduling=False))
+    assert mixed0.times == [1.0, 2.0, 3.0] and mixed1.times == [2.0, 3.0, 4.0]
+    first0, first1 = _two_requests(ServeConfig(engine="sglang", overlap_scheduling=False))
+    assert first0.times == [1.0, 3.0, 4.0] and first1.times == [2.0, 3.0, 4.0]
+
+
+def test_prompt_steps_per_decode_step_by_hand():
+    cfg = ServeConfig(engine="sglang", max_num_batched_tokens=2048)
+    w = Workload(1000, 200)
+    # 0.08 prompts per decode step: 80 prompt tokens, one 1000-token prompt per prompt step, q = 80 / 1000
+    q, pre = prefill_first_steps(M8, H100, cfg, EFF, w, 0.08)
+    assert q == pytest.approx(0.08)
+    assert pre.time_s == pytest.approx(step_cost(M8, H100, cfg, EFF, 0, 0, 1000, 500, 1, prefill_seqs=1).time_s)
+    # 3 prompts per decode step: 3000 tokens, steps of the whole 2048-token budget, q = 3000 / 2048
+    q, pre = prefill_first_steps(M8, H100, cfg, EFF, w, 3.0)
+    assert q == pytest.approx(3000 / 2048)
+    assert pre.time_s == pytest.approx(step_cost(M8, H100, cfg, EFF, 0, 0, 2048, 500, 2.048,
+                                                 prefill_seqs=2.048).time_s)
+
+
+def test_closed_form_tpot_is_the_decode_step_plus_its_share_of_prompt_steps():
+    # batch 16, 1000/200: a request's gaps carry the prompts of the other 15, 15 / turnover per decode step
+    cfg = ServeConfig(engine="sglang", max_num_batched_tokens=2048)
+    w = Workload(1000, 200)
+    turnover = slot_turnover_steps(cfg, H100, w, 16)
+    q, pre = prefill_first_steps(M8, H100, cfg, EFF, w, 15 / turnover)
+    dec = decode_step(M8, H100, cfg, EFF, 16, w.mean_decode_context)
+    p = evaluate(M8, H100, 1, cfg, EFF, w, 16)
+    assert p.tpot_s == pytest.approx(dec.time_s + q * pre.time_s)
+    # the same batch on a mixing engine: its prompt steps also decode, so its TPOT is lower
+    assert evaluate(M8, H100, 1, ServeConfig(engine="vllm", max_num_batched_tokens=2048), EFF, w, 16).tpot_s \
+        < p.tpot_s
