@@ -70,3 +70,31 @@ def test_closed_form_tpot_is_the_decode_step_plus_its_share_of_prompt_steps():
     # the same batch on a mixing engine: its prompt steps also decode, so its TPOT is lower
     assert evaluate(M8, H100, 1, ServeConfig(engine="vllm", max_num_batched_tokens=2048), EFF, w, 16).tpot_s \
         < p.tpot_s
+
+
+def test_cli_choice_export_and_read_back(capsys, tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    base = ["serve", "-m", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len", "1000",
+            "--output-len", "200", "--batch", "64", "--json"]
+    code, out, err = run_cli(base + ["--engine", "sglang"], capsys)
+    first = json.loads(out)
+    code, out, err = run_cli(base + ["--engine", "sglang", "--mix-prompts"], capsys)
+    mixed = json.loads(out)
+    assert first["mixed_prompts"] is False and mixed["mixed_prompts"] is True
+    assert mixed["tpot_s"] < first["tpot_s"]  # the prompt steps decode too
+    code, out, err = run_cli(base + ["--engine", "vllm", "--prefill-first"], capsys)
+    assert code == 2 and err.startswith("error:") and "always runs the decodes beside the prompts" in err
+    # SGLang's own flag is written where the plan was timed with it, and read back
+    code, out, err = run_cli(base[:-1] + ["--engine", "sglang", "--mix-prompts", "--export", "sglang", "--out",
+                                          str(tmp_path)], capsys)
+    assert code == 0, err
+    script = next(tmp_path.iterdir())
+    assert "--enable-mixed-chunk" in script.read_text()
+    code, out, err = run_cli(["serve", "--from", str(script), "--hardware", "h100-sxm", "--input-len", "1000",
+                              "--output-len", "200", "--json"], capsys)
+    assert code == 0, err
+    back = json.loads(out)["yours"]
+    assert back["mixed_prompts"] is True and back["tpot_s"] == pytest.approx(mixed["tpot_s"])

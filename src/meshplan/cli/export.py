@@ -325,7 +325,7 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
     # SGLang's server_args.py does, or each take it whole)
     budget = sj.chunk_tokens if sj.chunk_tokens and sj.mode == "continuous" else None
     kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile, engine=sj.framework,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, mixed_prompts=sj.mixed_prompts)
     yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep,
                          attention_dp=sj.attention_dp, **kw)
     best = plan_serving(name, hardware, n, input_len, output_len, do_search=True, **kw)

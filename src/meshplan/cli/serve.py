@@ -23,6 +23,7 @@ from meshplan.infer.config import (
     chunked_prefill,
     engine_names,
     engine_token_budget,
+    mixes_prompts,
     native_weight_dtype,
     replica_token_budget,
     step_token_budget,
@@ -59,7 +60,8 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  engine: str = "default", max_num_batched_tokens: int | None = None,
                  price: float | None = None, clients: int | None = None, frontend: str | None = None,
                  attention_dp: bool | None = None, dense_kv_cache: int | None = None,
-                 max_num_seqs: int | None = None, harness: str | None = None) -> dict:
+                 max_num_seqs: int | None = None, harness: str | None = None,
+                 mixed_prompts: bool | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
     is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica.
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
@@ -105,7 +107,8 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     if max_num_batched_tokens is None and engine != "default":
         max_num_batched_tokens = engine_token_budget(engine, chip)
     base = ServeConfig(weight_dtype=quant, kv_dtype=kv_quant, max_num_batched_tokens=max_num_batched_tokens,
-                       engine=engine, frontend=frontend, dense_kv_cache=dense_kv_cache, max_num_seqs=max_num_seqs)
+                       engine=engine, frontend=frontend, dense_kv_cache=dense_kv_cache, max_num_seqs=max_num_seqs,
+                       mixed_prompts=mixed_prompts)
     tp, pp, ep = _pins(tp, pp, ep, do_search)
     if attention_dp and not m.is_moe:
         fail(f"--attention-dp needs a mixture-of-experts model; {m.name} is dense (a dense model runs data parallel "
@@ -129,6 +132,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "max_batch": mb * best.replicas, "max_batch_per_replica": mb,
         "engine": engine, "step_token_budget": step_token_budget(chip, best.config),
         "chunked_prefill": chunked_prefill(best.config, chip),  # whether prompts were timed in chunks
+        "mixed_prompts": mixes_prompts(best.config, chip),  # decodes beside the prompts (False: prefill first)
         # tokens one step of a whole replica carries (step_token_budget x attention-DP ranks where the engine applies
         # it per rank: config.replica_token_budget)
         "replica_step_token_budget": replica_token_budget(chip, best.config),
@@ -207,6 +211,10 @@ def serve(
                                              "engine path's serial C++ executor; trtllm is the PyTorch backend).")] = "default",
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Step token budget (vLLM max_num_batched_tokens, "
                                                                     "TRT-LLM max_num_tokens, SGLang chunked_prefill_size).")] = None,
+    mixed_prompts: Annotated[bool | None, typer.Option("--mix-prompts/--prefill-first", help=(
+        "Whether a step carries the running decodes beside the waiting prompts (--mix-prompts: vLLM, TensorRT-LLM, "
+        "SGLang --enable-mixed-chunk) or prefills the prompts first, in steps of their own (--prefill-first: "
+        "SGLang's default). Default: the engine's."))] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences a whole replica runs at once, over its "
                                                           "pipeline micro-batches and attention-DP ranks (vLLM "
                                                           "--max-num-seqs x DP ranks, TRT-LLM max_batch_size x pp x "
@@ -266,10 +274,11 @@ def serve(
         from meshplan.cli.export import serve_from
 
         if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency \
-                or attention_dp is not None \
+                or attention_dp is not None or mixed_prompts is not None \
                 or frontend or dense_kv_cache is not None:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp, --dense-kv-cache or --engine "
+                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp, --dense-kv-cache, "
+                 "--mix-prompts/--prefill-first or --engine "
                  "(the command line names its engine)")
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out)
@@ -311,7 +320,7 @@ def serve(
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
                        max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
                        frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache,
-                       max_num_seqs=max_num_seqs, harness=harness)
+                       max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,

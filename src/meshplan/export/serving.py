@@ -63,6 +63,7 @@ class ServeJob:
     max_model_len: int | None = None
     mode: str = "continuous"
     chunk_tokens: int | None = None
+    mixed_prompts: bool | None = None  # SGLang --enable-mixed-chunk (None: the engine's default)
     unknown_keys: list[str] = field(default_factory=list)
     unmodelled_keys: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -147,6 +148,8 @@ def _argv_sglang(plan: ServePlan, c: dict, role: str | None = None) -> list[str]
             "--max-running-requests", o["batch"], "--context-length", o["input_len"] + o["output_len"],
             "--kv-cache-dtype", KV["sglang"][c["kv_dtype"]],
             "--chunked-prefill-size", _budget(plan, per_rank=False) if plan.mode == "continuous" else -1]
+    if c.get("mixed_prompts") and plan.mode == "continuous":  # timed with the decodes beside the prompts
+        argv += ["--enable-mixed-chunk"]
     if WEIGHTS["sglang"][c["weight_dtype"]]:
         argv += ["--quantization", WEIGHTS["sglang"][c["weight_dtype"]]]
     if c.get("attention_dp"):
@@ -231,7 +234,7 @@ _READ = {
                "--model-path": "model", "--model": "model"},
 }
 _SWITCHES = {"vllm": {"--enable-expert-parallel", "--enable-chunked-prefill", "--no-enable-chunked-prefill"},
-             "sglang": {"--enable-dp-attention"}}
+             "sglang": {"--enable-dp-attention", "--enable-mixed-chunk"}}
 
 
 def detect_engine(argv: list[str]) -> str | None:
@@ -314,6 +317,8 @@ def load_engine(text: str) -> ServeJob:
     job.mode = "static" if ("--no-enable-chunked-prefill" in switches or (fw == "sglang" and chunk == -1)) \
         else "continuous"
     job.chunk_tokens = chunk if chunk and chunk > 0 else None
+    if fw == "sglang" and "--enable-mixed-chunk" in switches:
+        job.mixed_prompts = True
     for k in ("tp", "pp", "ep", "replicas"):
         if getattr(job, k) < 1:
             raise MeshplanError(f"{fw} command line: {k} must be positive, got {getattr(job, k)}")

@@ -80,6 +80,9 @@ class ServeConfig:
     # whether the engine splits prompts over steps (vLLM always; TensorRT-LLM enable_chunked_context /
     # enable_chunked_prefill); None = the engine preset's default (serving.yaml engine_chunked_prefill)
     chunked_prefill: bool | None = None
+    # whether a step carries the running decodes beside the waiting prompts (SGLang --enable-mixed-chunk); False: the
+    # prompts are prefilled first, in steps of their own; None = the engine preset's (serving.yaml engine_mixed_batches)
+    mixed_prompts: bool | None = None
     # the engine's cap on sequences one replica runs at once (vLLM --max-num-seqs, TensorRT-LLM --max_batch_size x pp,
     # SGLang --max-running-requests); None = the engine preset's default (serving.yaml engine_max_num_seqs), else the
     # KV cache alone
@@ -130,6 +133,9 @@ class ServeConfig:
 
 
 ENGINES = ("default", "vllm", "sglang", "trtllm", "lmdeploy")
+# engines with no switch for prefill-first scheduling, and why
+ALWAYS_MIXED = {"vllm": "vLLM V1's scheduler fills each step's token budget with the running requests, then the "
+                        "waiting ones", "trtllm": "TensorRT-LLM's in-flight batching"}
 FRONTENDS = ("triton-ensemble", "vllm-openai", "sglang-http")
 # the engine each server path drives: the TensorRT-LLM backend's ensemble (triton-inference-server/tensorrtllm_backend),
 # vLLM's OpenAI-compatible server (`vllm serve`), SGLang's HTTP server (`sglang.launch_server` / `sglang serve`:
@@ -216,6 +222,8 @@ def mixes_prompts(cfg: ServeConfig, chip: Chip) -> bool:
     """Whether a step carries the running decodes beside the waiting prompts (serving.yaml engine_mixed_batches;
     default: it does). An engine that does not prefills waiting prompts in a step of their own, first, and decodes
     in the steps without a waiting prompt (SGLang without --enable-mixed-chunk)."""
+    if cfg.mixed_prompts is not None:
+        return cfg.mixed_prompts
     hit = _engine_entry("engine_mixed_batches", cfg.engine, chip)
     return True if hit is None else bool(hit)
 
@@ -419,6 +427,9 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
     if cfg.kv_dtype not in ENGINE_KV_DTYPES.get(base, KV_DTYPES):
         raise MeshplanError(f"{cfg.engine} has no {cfg.kv_dtype} KV cache (it allocates "
                             f"{' or '.join(ENGINE_KV_DTYPES[base])}): use --kv-quant fp8")
+    if cfg.mixed_prompts is False and base in ALWAYS_MIXED:
+        raise MeshplanError(f"{cfg.engine} always runs the decodes beside the prompts ({ALWAYS_MIXED[base]}): "
+                            "prefill-first scheduling is SGLang's (its default) or the default engine's")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     if cfg.max_num_seqs is not None and cfg.max_num_seqs <= 0:
