@@ -2,7 +2,9 @@
 
 Each replica runs iteration-level scheduling (Orca, Yu et al. OSDI'22; vLLM): every step admits waiting
 requests FCFS up to the batch limit, decodes one token for each sequence past its prompt and spends the rest of
-the step token budget on prompt chunks (Sarathi-Serve, Agrawal et al. OSDI'24). A step costs `step_cost` of
+the step token budget on prompt chunks (Sarathi-Serve, Agrawal et al. OSDI'24). An engine that prefills first
+(config.mixes_prompts False: SGLang without --enable-mixed-chunk) instead runs a step of prompt chunks alone, with
+the whole budget, whenever a prompt is waiting, and decodes in the steps without one. A step costs `step_cost` of
 its decode and prefill tokens; the step token budget is the layout's max_num_batched_tokens (step_token_budget).
 Requests go to replicas round-robin. Seeded: the same inputs give the same percentiles.
 
