@@ -4,7 +4,9 @@ Two batching modes:
 * "continuous" (default; Orca/vLLM iteration-level scheduling with chunked prefill, Sarathi-Serve): in steady
   state each step decodes B sequences and prefills the prompts of the B/O requests that replace those finishing,
   i.e. B*I/O prompt tokens per step. TPOT = that mixed step; throughput = B/TPOT per replica. A new request's
-  TTFT = its prompt in chunks of the step token budget, each chunk riding one mixed step.
+  TTFT = its prompt in chunks of the step token budget, each chunk riding one mixed step. An engine that prefills
+  first (SGLang's default: config.mixes_prompts) runs those prompt tokens in steps of their own instead, q per decode
+  step (prefill_first_steps): TPOT = the decode step + q prompt steps, and a prompt's chunks carry no decodes.
 * "static" (book ch.7 'batched prefill + generate'; TensorRT-LLM gptSessionBenchmark): the B prompts prefill
   together (TTFT), then O-1 decode steps at the mean context; throughput = B*O / e2e.
 """
