@@ -189,14 +189,28 @@ def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
         # rematerialisation)
         hw_flops = hw_flops + tokens * tf.forward_attention * (e.attention_bwd_flops_ratio - 2.0)
     denom = step * p.chips * cm.peak_bf16
-    budget = p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
-    hbm_fits = mem["total"] <= budget
-    # offloaded activations and model state live in the host's memory: each chip's share of it (host_memory_bytes, per chip in the
-    # catalog) bounds them; a chip without that figure is not limited here
-    host_cap = p.chip.host_memory_bytes or np.inf
-    host_fits = mem["host"] <= host_cap
+    budget, hbm_fits, host_fits = _fits(cm, mem)
     return Evaluation(L, step, time, mem, hbm_fits & host_fits, model_flops, hw_flops, model_flops / denom,
                       hw_flops / denom, tokens / step, links, m, budget, g["ledger"], hbm_fits, host_fits)
+
+
+def _fits(cm: CostModel, mem: Terms) -> tuple[float, np.ndarray, np.ndarray]:
+    """(HBM budget, fits in HBM, fits in the host's memory) of the layouts whose memory terms are `mem`."""
+    budget = cm.p.chip.usable_hbm_bytes * (1 - cm.opt.headroom)  # what the driver exposes
+    # offloaded activations and model state live in the host's memory: each chip's share of it (host_memory_bytes, per
+    # chip in the catalog) bounds them; a chip without that figure is not limited here
+    host_cap = cm.p.chip.host_memory_bytes or np.inf
+    return budget, mem["total"] <= budget, mem["host"] <= host_cap
+
+
+def count_fitting(cm: CostModel, L: LayoutArrays) -> int:
+    """How many of the layouts `L` fit in HBM and in the host's memory, from their memory terms alone (no step time):
+    the planner counts the offload variants it does not time (planner._with_state_offload) among the feasible ones."""
+    if not len(L):
+        return 0
+    with np.errstate(invalid="ignore"):
+        _, hbm, host = _fits(cm, cm.memory_terms(L, cm.geometry(L)))
+    return int((hbm & host).sum())
 
 
 def concat(a: Evaluation, b: Evaluation) -> Evaluation:

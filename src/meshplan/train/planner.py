@@ -16,7 +16,7 @@ from meshplan.errors import InfeasibleError, MeshplanError
 from meshplan.specs.hardware import price_label
 from meshplan.train.config import OFFLOAD_FLAGS, LayoutArrays
 from meshplan.train.costmodel import CostModel, Options
-from meshplan.train.evaluate import Evaluation, evaluate
+from meshplan.train.evaluate import Evaluation, count_fitting, evaluate
 from meshplan.train.evaluate import concat as concat_evaluations
 from meshplan.train.space import Pins, Problem, enumerate_layouts, optimizer_offload_ok
 from meshplan.units import fmt_bytes
@@ -66,16 +66,17 @@ def search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | Non
     frees HBM for a smaller TP/PP or a larger micro-batch, so it can win even when something fits without it (issue
     #18: 1,024 v5e, Llama-3-70B at 8k: 27.0 s without, 23.8 s with). Its limits are the host link (time, in
     evaluate) and host memory (capacity, in evaluate)."""
-    ev, reasons, searched, _ = _search(problem, pins, eff, options, cm)
+    ev, reasons, searched, _, _ = _search(problem, pins, eff, options, cm)
     return ev, reasons, searched
 
 
 def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None = None,
             cm: CostModel | None = None, top: int | None = None,
-            keep_ledger: bool = True) -> tuple[Evaluation, Counter, int, CostModel]:
+            keep_ledger: bool = True) -> tuple[Evaluation, Counter, int, CostModel, int]:
     """`search`, and the cost model (the TPU slice orientation) its evaluation used; with `top`, model-state offload
     variants that cannot enter the `top` fastest plans are not evaluated; `keep_ledger` False: without the per-layout
-    ledger (evaluate), which `plan` rebuilds for the plans it reports."""
+    ledger (evaluate), which `plan` rebuilds for the plans it reports. The last value: the offload variants left
+    untimed that fit (feasible, though never faster than the top plans)."""
     cm = cm or CostModel(problem, eff, _options_for(pins, options))
     free_state = [k for k in OFFLOAD_FLAGS if getattr(pins, k) is None]
     layouts, reasons = enumerate_layouts(problem, replace(pins, **{k: 0 for k in free_state}),
@@ -85,9 +86,9 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
         raise MeshplanError(f"{len(layouts):,} layouts to search, more than the {limit:,} one request may: pin some "
                             "degrees (tp, pp, ep, micro-batch) or run `meshplan train` on the command line")
     ev = evaluate(cm, layouts, keep_ledger)
-    pruned = 0
+    pruned, pruned_fit = 0, 0
     if free_state:
-        ev, pruned = _with_state_offload(problem, pins, cm, ev, free_state, top, keep_ledger)
+        ev, pruned, pruned_fit = _with_state_offload(problem, pins, cm, ev, free_state, top, keep_ledger)
     # the layouts evaluated plus the offload variants ruled out unevaluated (slower than the top-th plan): the same
     # count whatever --top is
     searched = len(ev.layouts) + pruned
@@ -102,18 +103,19 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
         ev.fits = ev.fits & ~unmappable
     if (~ev.hbm_fits & ~unmappable).any():
         reasons["does not fit in HBM"] += int((~ev.hbm_fits & ~unmappable).sum())
-    return ev, reasons, searched, cm
+    return ev, reasons, searched, cm, pruned_fit
 
 
 def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluation, free: list[str],
-                        top: int | None = None, keep_ledger: bool = True) -> tuple[Evaluation, int]:
+                        top: int | None = None, keep_ledger: bool = True) -> tuple[Evaluation, int, int]:
     """Model-state offload (optimizer: ZeRO-Offload; weights: ZeRO-Infinity) searched where it can matter. It only
     adds time (the host link and the host CPU are slower than HBM: evaluate, optimizer_terms), so a layout that
     fits in HBM without it is never beaten by its offloaded variant; the variants are evaluated for the layouts that
     do not fit but would without their optimizer state, gradients and weights on the device (everything they could
     free), which is every variant that can fit: the search misses nothing and stays near its former size. Returns the
     evaluation and the count of variants left unevaluated because their layout is already slower than the `top`-th
-    plan (a variant is never faster)."""
+    plan (a variant is never faster), and how many of those fit (from their memory alone: count_fitting), so that
+    the feasible count does not depend on `top` either."""
     mem = ev.memory
     could = ~ev.hbm_fits & np.isfinite(ev.step_time_s) & (mem["total"] - mem["optimizer"] - mem["params"]
                                                             - mem["grads"] <= ev.hbm_budget_bytes)
@@ -133,16 +135,17 @@ def _with_state_offload(problem: Problem, pins: Pins, cm: CostModel, ev: Evaluat
             reach = ev.step_time_s < fitting[top - 1]
     idx = np.flatnonzero(could)
     if not idx.size or not variants:
-        return ev, 0
+        return ev, 0, 0
     extra = ev.layouts.take(idx, **variants[0])
     for v in variants[1:]:
         extra = LayoutArrays.concat(extra, ev.layouts.take(idx, **v))
     source = np.tile(idx, len(variants))  # the layout each variant comes from
     x = extra
     ok = optimizer_offload_ok(x.dp, x.fsdp, x.cp, x.pp, x.zero, x.offload_optimizer)
+    untimed = extra.take(np.flatnonzero(ok & ~reach[source]))
     extra = extra.take(np.flatnonzero(ok & reach[source]))
-    pruned = int((ok & ~reach[source]).sum())
-    return (concat_evaluations(ev, evaluate(cm, extra, keep_ledger)) if len(extra) else ev), pruned
+    return ((concat_evaluations(ev, evaluate(cm, extra, keep_ledger)) if len(extra) else ev), len(untimed),
+            count_fitting(cm, untimed))
 
 
 def _best_orientation(problem: Problem, eff: Efficiency, cm: CostModel, ev: Evaluation,
@@ -187,7 +190,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     cm = CostModel(problem, eff, _options_for(pins, options))
     # the search keeps no per-layout ledger (half its memory: 1.5 of 2.7 GB for DeepSeek-V3 on 2,048 GPUs); the
     # reported plans are evaluated again, with theirs
-    ev, reasons, searched, cm = _search(problem, pins, eff, options, cm, top, keep_ledger=False)
+    ev, reasons, searched, cm, untimed_fit = _search(problem, pins, eff, options, cm, top, keep_ledger=False)
     if len(ev.step_time_s) == 0:
         why = reasons.most_common(1)[0][0] if reasons else "the pins leave no distinct layout"
         raise InfeasibleError(f"no layout satisfies the constraints: {why}")
@@ -206,7 +209,7 @@ def plan(problem: Problem, pins: Pins, eff: Efficiency, options: Options | None 
     plans = [plan_dict(problem, cm, shown, j, tokens) for j in range(len(chosen))]
     elapsed = time.perf_counter() - t0
     infeasible = {k: v for k, v in reasons.most_common()}
-    return PlanResult(plans, searched, int(ev.fits.sum()), elapsed, infeasible, ev, len(ev.layouts))
+    return PlanResult(plans, searched, int(ev.fits.sum()) + untimed_fit, elapsed, infeasible, ev, len(ev.layouts))
 
 
 def _not_fit_message(p: Problem, ev: Evaluation, pinned_all: bool) -> str:
