@@ -153,7 +153,7 @@ def _simulated(e: dict, m, chip, cfg: ServeConfig, eff, w: Workload, mb: int, ho
     spec = SimSpec(rate=float(a.get("rate", "inf")), n_requests=int(a["requests"]), concurrency=a.get("concurrency"),
                    lengths=trace)
     limit = min(mb, int(a["max_num_seqs"])) if a.get("max_num_seqs") else mb
-    sim = simulate(m, chip, e["chips"], cfg, eff, w, limit, spec)
+    sim = simulate(m, chip, e["chips"], cfg, eff, w, limit, spec, kv_batch=mb)  # the cache is memory's, not the cap's
     # a published mean ITL pools every gap between two tokens (tpot_measure: pooled_itl); a mean TPOT weighs requests;
     # a published median (`statistic: median`, SGLang bench_serving's 'Median TTFT' / 'Median ITL': np.median of the
     # requests' TTFTs and of every request's pooled gaps) is compared with the simulation's own p50

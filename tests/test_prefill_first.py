@@ -98,3 +98,40 @@ def test_cli_choice_export_and_read_back(capsys, tmp_path):
     assert code == 0, err
     back = json.loads(out)["yours"]
     assert back["mixed_prompts"] is True and back["tpot_s"] == pytest.approx(mixed["tpot_s"])
+
+
+def test_qa_fixes_attention_dp_tpu_static_and_lmdeploy_message(capsys):
+    from conftest import run_cli
+
+    from meshplan.infer.config import check_layout
+
+    # attention DP: a prompt-only step holds one prompt's room per rank, 8192 / 8 = 1024 tokens each, 8192 in all:
+    # 5 prompts of 1000 tokens per decode step ride one step of 5000 tokens (q = 1), not five 1024-token steps
+    q30 = load_model("qwen3-30b-a3b")
+    adp = ServeConfig(engine="sglang", tp=8, ep=8, attention_dp=True, max_num_batched_tokens=8192)
+    q, _ = prefill_first_steps(q30, H100, adp, EFF, Workload(1000, 200), 5.0)
+    assert q == pytest.approx(1.0)
+    # SGLang prefills first on TPUs too (the same ServerArgs default)
+    assert not mixes_prompts(ServeConfig(engine="sglang"), load_chip("tpu-v6e"))
+    # the flag has nothing to choose under static batching
+    code, _, err = run_cli(["serve", "-m", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len",
+                            "1000", "--output-len", "200", "--batch", "8", "--batching", "static", "--engine", "sglang",
+                            "--mix-prompts"], capsys)
+    assert code == 2 and "static batching" in err
+    with pytest.raises(Exception, match="drop --prefill-first"):
+        check_layout(M8, H100, 1, ServeConfig(engine="trtllm", mixed_prompts=False))
+
+
+def test_simulated_cache_is_memorys_not_the_client_count(capsys):
+    import json
+
+    from conftest import run_cli
+
+    # 8 closed-loop clients with drawn output lengths: the cache holds what memory gives (hundreds of sequences), so no
+    # request waits for KV and the simulated TTFT is the closed form's (it was 3-8x, the cache sized for 8 sequences)
+    code, out, err = run_cli(["serve", "-m", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--tp", "1",
+                              "--input-len", "1000", "--output-len", "200", "--simulate", "--concurrency", "8",
+                              "--output-dist", "uniform", "--requests", "400", "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["simulation"]["ttft_s"]["p50"] == pytest.approx(d["ttft_s"], rel=0.15)

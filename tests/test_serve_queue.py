@@ -11,7 +11,7 @@ import pytest
 from meshplan.cost.efficiency import default_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.infer.config import ServeConfig, Workload
-from meshplan.infer.metrics import admission_queue_wait_s, evaluate, mean_step_s, step_residual_s
+from meshplan.infer.metrics import admission_queue_wait_s, evaluate, mean_step_s, prefill_first_steps, step_residual_s
 from meshplan.infer.simulate import SimSpec, _Replica, _Req, make_requests
 from meshplan.infer.step import decode_step, prefill_step, step_cost
 from meshplan.specs.hardware import load_chip
@@ -59,12 +59,22 @@ def test_closed_form_clients_beyond_the_batch_limit():
 
 
 def test_closed_form_queue_on_an_engine_one_step_ahead():
-    # SGLang's overlap scheduler reuses a freed slot one step later: each slot turns over every O + 1 = 201 steps,
-    # X = 16 / (201 step), the queue waits 32 x 201 / 16 = 402 steps plus the one step before the slot is seen free;
-    # a closed-loop client with a slot waits the running step and the one already picked (2 steps):
-    # 403 - 2 = 401 steps
-    full, over, step = _sixteen_slots(ServeConfig(engine="sglang"))
+    # An overlap scheduler reuses a freed slot one step later: each slot turns over every O + 1 = 201 decode steps,
+    # X = 16 / (201 cycles) (a cycle: the decode step, and on SGLang its share of prompt-only steps), the queue waits
+    # 32 x 201 / 16 = 402 cycles plus the one engine step before the slot is seen free; a closed-loop client with a
+    # slot waits the running engine step and the one already picked (2 engine steps): 402 cycles - 1 engine step.
+    # With the decodes beside the prompts (mixing) an engine step is a cycle: 401 cycles
+    full, over, step = _sixteen_slots(ServeConfig(engine="sglang", mixed_prompts=True, overlap_scheduling=True))
     assert over.ttft_s - full.ttft_s == pytest.approx(401 * step)
+    # SGLang prefills first: an engine step is the mean of its decode steps and its q prompt-only steps per decode
+    # step (q = 16 / 201 prompts of 1000 tokens per decode step over one 1000-token prompt per prompt step)
+    full, over, step = _sixteen_slots(ServeConfig(engine="sglang"))
+    q, pre = prefill_first_steps(M8, H100, ServeConfig(engine="sglang"), EFF, W, 16 / 201)
+    assert q == pytest.approx(16 / 201)
+    dec = decode_step(M8, H100, ServeConfig(engine="sglang"), EFF, 16, W.mean_decode_context).time_s
+    engine_step = (q * pre.time_s + dec) / (1 + q)
+    assert step == pytest.approx(dec + q * pre.time_s)
+    assert over.ttft_s - full.ttft_s == pytest.approx(402 * step - engine_step)
 
 
 def test_static_batches_queue_the_other_clients():

@@ -306,6 +306,9 @@ def serve(
     if rate is not None and not do_simulate:
         fail("--rate sets the arrivals of --simulate; add --simulate (the closed form ranks layouts at the batch, or "
              "under --concurrency clients)")
+    if mixed_prompts is not None and batching != "continuous":
+        fail("--mix-prompts/--prefill-first choose how continuous batching schedules waiting prompts; static batching "
+             "prefills the whole batch first: drop the flag or --batching static")
     if do_simulate and batching != "continuous":
         fail("--simulate runs the engine's iteration-level scheduler (continuous batching); drop --batching static")
     if do_simulate:
@@ -323,8 +326,10 @@ def serve(
                        max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
+        # the plan's batch is the replica's slots; its KV cache holds what memory gives it, whatever the slots
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
-                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency, trace))
+                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency, trace),
+                                     kv_batch=max(best.batch, max_batch_per_replica(m, chip, best.config, eff, w)))
     if disaggregate_:
         out["disaggregated"] = disaggregate(m, chip, chips, *[_disagg_config(best.config, out["layouts"], chips)] * 2,
                                             eff, w, batch).as_dict()

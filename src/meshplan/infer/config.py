@@ -429,7 +429,7 @@ def check_layout(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig) -> 
                             f"{' or '.join(ENGINE_KV_DTYPES[base])}): use --kv-quant fp8")
     if cfg.mixed_prompts is False and base in ALWAYS_MIXED:
         raise MeshplanError(f"{cfg.engine} always runs the decodes beside the prompts ({ALWAYS_MIXED[base]}): "
-                            "prefill-first scheduling is SGLang's (its default) or the default engine's")
+                            "prefill-first scheduling is SGLang's default; drop --prefill-first")
     if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens <= 0:
         raise MeshplanError(f"max_num_batched_tokens must be positive, got {cfg.max_num_batched_tokens}")
     if cfg.max_num_seqs is not None and cfg.max_num_seqs <= 0:

@@ -261,8 +261,11 @@ def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
         # prefill first: each decode step comes with q prompt-only steps (prefill_first_steps); as one "step" of the
         # mean, the decode step plus those q, in every step (share 1)
         q, pre = prefill_first_steps(m, chip, cfg, eff, w, prompts_per_step)
-        parts = {k: pure.parts.get(k, 0.0) + q * pre.parts.get(k, 0.0) for k in pure.parts.keys() | pre.parts.keys()}
-        return 1.0, StepCost(pure.time_s + q * pre.time_s, parts, max(parts, key=parts.get)), pure
+        # one output token: the prompt step yields it and no request decodes (session 23, QA finding: a phantom
+        # decode step per prompt step took TTFT 70% past Little's law)
+        dec = pure if w.output_len > 1 else StepCost(0.0, {k: 0.0 for k in pure.parts}, pure.bound)
+        parts = {k: dec.parts.get(k, 0.0) + q * pre.parts.get(k, 0.0) for k in dec.parts.keys() | pre.parts.keys()}
+        return 1.0, StepCost(dec.time_s + q * pre.time_s, parts, max(parts, key=parts.get)), pure
     carried = max(prompt_chunk(cfg, chip, w.input_len, prefill_room(cfg, chip, batch)), mean_tokens)
     share = mean_tokens / carried
     step = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, carried, w.input_len / 2.0, batch,
@@ -282,8 +285,10 @@ def prefill_first_steps(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effic
     mean_tokens = prompts_per_step * prompt
     if mean_tokens <= 0:
         return 0.0, decode_step(m, chip, cfg, eff, 0.0, 0.0)
-    room = prefill_room(cfg, chip, 0)
-    carried = max(prompt_chunk(cfg, chip, prompt, room), min(mean_tokens, float(room)))
+    room = prefill_room(cfg, chip, 0)  # one prompt's room: one rank's under attention DP
+    # the step holds a room per attention-DP rank (the simulator's prompt-only step alike; session 23, QA finding:
+    # one rank's room made attention-DP TPOT 15% high)
+    carried = max(prompt_chunk(cfg, chip, prompt, room), min(mean_tokens, float(room * cfg.attention_dp_size)))
     n = max(carried / prompt, 1.0)  # prompts (or chunks) in such a step
     return mean_tokens / carried, step_cost(m, chip, cfg, eff, 0.0, 0.0, carried, prompt / 2.0, n, prefill_seqs=n)
 
@@ -344,12 +349,16 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     queue = admission_queue_wait_s(clients, batch, requests_per_s) if clients is not None and clients > batch else None
     # in steady state each of the other B-1 sequences is replaced every `turnover` steps: their prompts arrive at
     # (B-1) / (turnover * step) per second and queue ahead of a new one (a single client never waits behind itself)
+    engine_step_s = step_s  # one engine step, which the scheduler's waits are counted in
     if mixes_prompts(cfg, chip):
         residual = step_residual_s(share, chunk_step.time_s, pure.time_s)
-    else:  # q prompt-only steps per decode step: a share q / (1 + q) of the steps are prompt steps
+    else:  # q prompt-only steps per decode step: a share q / (1 + q) of the steps are prompt steps (all of them
+        # when no request decodes: one output token); step_s spans the decode step and its q prompt steps
         q, pre = prefill_first_steps(m, chip, cfg, eff, w, batch / turnover)
-        residual = step_residual_s(q / (1.0 + q), pre.time_s, pure.time_s)
-    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, step_s, max(batch - 1, 0) / (turnover * step_s),
+        prompt_share = q / (1.0 + q) if w.output_len > 1 else 1.0
+        residual = step_residual_s(prompt_share, pre.time_s, pure.time_s)
+        engine_step_s = prompt_share * pre.time_s + (1.0 - prompt_share) * pure.time_s
+    ttft = ttft_continuous(m, chip, cfg, eff, w, batch, engine_step_s, max(batch - 1, 0) / (turnover * step_s),
                            closed_loop, queue, residual, pure)
     frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not

@@ -301,9 +301,12 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
-             max_batch: int, spec: SimSpec) -> dict:
+             max_batch: int, spec: SimSpec, kv_batch: int | None = None) -> dict:
     """TTFT, TPOT (per request) and ITL (per token gap) percentiles (p50/p90/p99, mean) and achieved output throughput
-    under the arrivals of `spec`."""
+    under the arrivals of `spec`. `max_batch`: the sequences a replica runs at once (its slots); `kv_batch`: the
+    sequences of the workload's mean lengths its KV cache holds (memory.max_batch_per_replica; default max_batch).
+    Session 23, QA finding: a cache sized from a client count of 8 made requests drawn longer than the mean queue
+    for memory the replica had (simulated TTFT 3-8x the closed form's)."""
     if max_batch <= 0:
         raise MeshplanError("the simulation needs a batch limit of at least 1 sequence per replica")
     reqs = make_requests(spec, w)
@@ -312,7 +315,7 @@ def simulate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     # requests of different lengths fill the cache in tokens, not in slots: the replica's cache holds max_batch
     # sequences of the workload's reservation (memory.max_batch_per_replica sized it so)
     varied = len({(r.inp, r.out) for r in reqs}) > 1
-    kv_tokens = max_batch * kv_reserved_per_sequence(cfg, chip, w) if varied else None
+    kv_tokens = (kv_batch or max_batch) * kv_reserved_per_sequence(cfg, chip, w) if varied else None
     for k in range(replicas):
         _Replica(m, chip, cfg, eff, max_batch, conc, kv_tokens).run(reqs[k::replicas])
     # a request's arrival is when the engine can see it; the client's TTFT adds the server path's ways in and out
