@@ -135,3 +135,20 @@ def test_simulated_cache_is_memorys_not_the_client_count(capsys):
     assert code == 0, err
     d = json.loads(out)
     assert d["simulation"]["ttft_s"]["p50"] == pytest.approx(d["ttft_s"], rel=0.15)
+
+
+def test_a_prompts_queue_work_is_its_share_of_the_batched_prompt_steps():
+    # one output token, batch 64, 1000-token prompts: 32 prompts per decode cycle (turnover 2 on an engine one step
+    # ahead) ride q = 32000 / 8192 steps of the 8192-token budget, so a prompt's work in the queue is q x T_step / 32,
+    # about an eighth of a step, not a whole 1000-token step of its own
+    cfg = ServeConfig(engine="sglang", max_num_batched_tokens=8192)
+    w = Workload(1000, 1)
+    turnover = slot_turnover_steps(cfg, H100, w, 64)
+    assert turnover == 2
+    q, pre = prefill_first_steps(M8, H100, cfg, EFF, w, 64 / turnover)
+    assert q == pytest.approx(32000 / 8192)
+    alone = step_cost(M8, H100, cfg, EFF, 0, 0, 1000, 500, 1, prefill_seqs=1).time_s
+    assert q * pre.time_s / 32 < 0.9 * alone  # batching the prompts is what makes the queue shorter
+    p = evaluate(M8, H100, 1, cfg, EFF, w, 64)
+    little = 64 / p.throughput_tokens_per_s  # one token per request: e2e = in flight / throughput
+    assert 0.6 * little < p.ttft_s < 1.1 * little

@@ -178,7 +178,8 @@ def prompt_chunks(cfg: ServeConfig, chip: Chip, w: Workload, others: int) -> tup
 def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
                     batch: int, busy_step_s: float = 0.0, others_arrivals_per_s: float = 0.0,
                     closed_loop: bool = False, queue_wait_s: float | None = None,
-                    residual_s: float | None = None, decode: StepCost | None = None) -> float:
+                    residual_s: float | None = None, decode: StepCost | None = None,
+                    prompt_work_s: float | None = None) -> float:
     """The wait for a slot (`queue_wait_s`, admission_queue_wait_s, when more clients than slots: the request is
     then admitted as a slot frees), else the wait for the next iteration (scheduler_wait_s of the running batch's
     step `busy_step_s`), the wait
@@ -186,7 +187,9 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     prompt split into chunks of the step budget (max_num_batched_tokens minus the other sequences' decode
     tokens); each chunk rides one mixed step with the batch's other B-1 decodes (Sarathi-Serve chunked prefill,
     Agrawal et al. OSDI'24 §4.2: decodes are scheduled first, prefill fills the rest of the token budget).
-    `decode`: the pure decode step of `batch` sequences where the caller has it (else computed here)."""
+    `decode`: the pure decode step of `batch` sequences where the caller has it (else computed here).
+    `prompt_work_s`: a prompt's own share of the engine's time where the caller knows it (a prefill-first engine runs
+    the waiting prompts together, several to a step: metrics._continuous), else its chunk steps less the decodes."""
     others = max(batch - 1, 0)
     # engines whose first token comes from a decode step prefill all but the prompt's last token, then decode it
     # beside the batch (serving.yaml engine_first_token_decode_step)
@@ -217,7 +220,8 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         # under a queue the pp stages serve up to pp prompts per step: the queue's server is that many times faster
         # than one prompt's own pass (the M/D/c queue's load rho = lambda S / c, here as one server of S / c)
         servers = min(float(cfg.pp), float(max(batch, 1)))
-        work = (prompt / chunk if chunk > 0 else 0.0) * max(s.time_s - dec, 0.0) / servers
+        own = (prompt / chunk if chunk > 0 else 0.0) * max(s.time_s - dec, 0.0)
+        work = (own if prompt_work_s is None else prompt_work_s) / servers
         ttft += prefill_queue_wait_s(others_arrivals_per_s / dp, work, others / dp)
     if prompt < w.input_len:  # the first token from the decode step after the prefill (prefill_len)
         ttft += (decode or decode_step(m, chip, cfg, eff, max(batch, 1), w.mean_decode_context)).time_s
@@ -350,6 +354,7 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # in steady state each of the other B-1 sequences is replaced every `turnover` steps: their prompts arrive at
     # (B-1) / (turnover * step) per second and queue ahead of a new one (a single client never waits behind itself)
     engine_step_s = step_s  # one engine step, which the scheduler's waits are counted in
+    prompt_work = None
     if mixes_prompts(cfg, chip):
         residual = step_residual_s(share, chunk_step.time_s, pure.time_s)
     else:  # q prompt-only steps per decode step: a share q / (1 + q) of the steps are prompt steps (all of them
@@ -358,8 +363,10 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
         prompt_share = q / (1.0 + q) if w.output_len > 1 else 1.0
         residual = step_residual_s(prompt_share, pre.time_s, pure.time_s)
         engine_step_s = prompt_share * pre.time_s + (1.0 - prompt_share) * pure.time_s
+        # a prompt's share of the prompt steps: q of them carry the batch / turnover prompts of a decode step
+        prompt_work = q * pre.time_s / (batch / turnover)
     ttft = ttft_continuous(m, chip, cfg, eff, w, batch, engine_step_s, max(batch - 1, 0) / (turnover * step_s),
-                           closed_loop, queue, residual, pure)
+                           closed_loop, queue, residual, pure, prompt_work)
     frac = max(step_s - pure.time_s, 0.0) / step_s
     # with one output token no request sees a second token: TPOT is then what one more decode step would take, not
     # the mixed step that prefills B whole prompts (issue #18: 16 s "TPOT" beside a 0.16 s end-to-end latency)
