@@ -374,3 +374,11 @@ def test_interleaved_schedule_is_drawn_chunk_by_chunk(port):
     for st_ in (0, 1):
         spans = sorted(v for k, v in bars.items() if k[0] == st_)
         assert all(a[0] + a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_a_deep_interleaved_pipeline_is_drawn_the_plain_way_quickly(port):
+    # 3,015 stages x 229 chunks x 3,015 micro-batches (a hypothesis example that hung the server): past the chunk-level
+    # drawing's size bound the timeline shows at most 16 micro-batches, one slot each, as before session 23
+    status, got = post(port, "/api/schedule", {"pp": 3015, "vpp": 229, "micro_batches": 3015, "compute_s": 0})
+    assert status == 200 and got["shown_micro_batches"] == 16
+    assert len(got["bars"]) == 2 * 3015 * 16

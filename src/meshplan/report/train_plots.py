@@ -131,7 +131,11 @@ def shown_micro_batches(pp: int, vpp: int, micro_batches: float, max_shown: int 
     m = max(int(min(micro_batches, max_shown)), 1)
     total = max(int(micro_batches), 1)
     if vpp > 1 and total % pp == 0:
-        m = min(total, max(pp, (max_shown // pp) * pp))
+        whole = min(total, max(pp, (max_shown // pp) * pp))
+        # only where the chunk-level drawing applies (its size bound): a deeper pipeline is drawn the plain way, with
+        # at most max_shown micro-batches (session 23: 3,015 stages x 3,015 micro-batches hung the web server)
+        if 2 * whole * vpp * pp <= MAX_DRAWN_SLOTS:
+            m = whole
     return m
 
 
