@@ -329,7 +329,7 @@ def serve(
         # the plan's batch is the replica's slots; its KV cache holds what memory gives it, whatever the slots
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
                                      SimSpec(rate, requests, seed, input_dist, output_dist, concurrency, trace),
-                                     kv_batch=max(best.batch, max_batch_per_replica(m, chip, best.config, eff, w)))
+                                     kv_batch=max(best.batch, out["max_batch_per_replica"]))
     if disaggregate_:
         out["disaggregated"] = disaggregate(m, chip, chips, *[_disagg_config(best.config, out["layouts"], chips)] * 2,
                                             eff, w, batch).as_dict()

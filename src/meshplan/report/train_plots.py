@@ -76,6 +76,12 @@ def schedule_1f1b(pp: int, m: int, vpp: int = 1) -> list[tuple[int, int, str, in
 MAX_DRAWN_SLOTS = 20_000  # the chunk-level drawing's size bound (a deeper pipeline is drawn a micro-batch per slot)
 
 
+def _drawn_chunk_by_chunk(pp: int, m: int, vpp: int) -> bool:
+    """Whether m micro-batches of pp stages are drawn as the interleaved schedule's chunks: vpp > 1, whole groups of
+    pp (Megatron-LM requires them), within the size bound."""
+    return vpp > 1 and m % pp == 0 and 2 * m * vpp * pp <= MAX_DRAWN_SLOTS
+
+
 def schedule_interleaved(pp: int, m: int, vpp: int) -> list[tuple[int, float, str, int, int]] | None:
     """Slots (stage, start, kind, micro-batch, model chunk) of the interleaved 1F1B schedule (Narayanan et al. 2021
     §2.2; Megatron-LM schedules.forward_backward_pipelining_with_interleaving): each stage holds vpp model chunks
@@ -85,7 +91,7 @@ def schedule_interleaved(pp: int, m: int, vpp: int) -> list[tuple[int, float, st
     (k // (pp vpp)) pp + k mod pp, backward k the chunks in reverse. A slot starts when its stage is free and its
     input is ready (the previous virtual stage's forward, the next one's backward). None where the schedule does not
     apply (micro-batches not a multiple of pp, as Megatron-LM requires)."""
-    if vpp < 2 or m % pp or 2 * m * vpp * pp > MAX_DRAWN_SLOTS:
+    if not _drawn_chunk_by_chunk(pp, m, vpp):
         return None
     total, V = m * vpp, pp * vpp
 
@@ -130,13 +136,10 @@ def shown_micro_batches(pp: int, vpp: int, micro_batches: float, max_shown: int 
     """Micro-batches a schedule drawing shows: at most `max_shown`, whole groups of pp under interleaving."""
     m = max(int(min(micro_batches, max_shown)), 1)
     total = max(int(micro_batches), 1)
-    if vpp > 1 and total % pp == 0:
-        whole = min(total, max(pp, (max_shown // pp) * pp))
-        # only where the chunk-level drawing applies (its size bound): a deeper pipeline is drawn the plain way, with
-        # at most max_shown micro-batches (session 23: 3,015 stages x 3,015 micro-batches hung the web server)
-        if 2 * whole * vpp * pp <= MAX_DRAWN_SLOTS:
-            m = whole
-    return m
+    whole = min(total, max(pp, (max_shown // pp) * pp))
+    # only where the chunk-level drawing applies (its size bound): a deeper pipeline is drawn the plain way, with
+    # at most max_shown micro-batches (session 23: 3,015 stages x 3,015 micro-batches hung the web server)
+    return whole if total % pp == 0 and _drawn_chunk_by_chunk(pp, whole, vpp) else m
 
 
 def schedule_bars(pp: int, vpp: int, micro_batches: float, compute_s: float,

@@ -120,10 +120,11 @@ class LayoutArrays:
         return LayoutArrays(**cols, sequence_parallel=self.sequence_parallel)
 
     @classmethod
-    def concat(cls, a: LayoutArrays, b: LayoutArrays) -> LayoutArrays:
-        cols = {f.name: np.concatenate([getattr(a, f.name), getattr(b, f.name)]) for f in fields(cls)
+    def concat(cls, *parts: LayoutArrays) -> LayoutArrays:
+        """The layouts of `parts`, in order (one problem: the first's sequence_parallel)."""
+        cols = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)
                 if f.name != "sequence_parallel"}
-        return cls(**cols, sequence_parallel=a.sequence_parallel)
+        return cls(**cols, sequence_parallel=parts[0].sequence_parallel)
 
     def config(self, i: int) -> ParallelConfig:
         kw = {k: int(getattr(self, k)[i]) for k in DEGREES + OFFLOAD_FLAGS}

@@ -1839,6 +1839,12 @@ class CostModel:
         return dense + np.where(expert_bytes > 0, experts, 0.0)
 
     # --- geometry, memory, totals --------------------------------------------------------------
+    def fsdp_mode(self, fsdp, cp):
+        """Whether the weights are sharded (FSDP / ZeRO-3) over the fsdp ranks, or over the cp ranks too under
+        fsdp_over_cp; arrays or plain integers. Sharded, the gradients reduce over the dp replicas of a shard;
+        otherwise over dp x cp ranks (geometry's `shard` and `replicas`)."""
+        return (fsdp > 1) | (self.opt.fsdp_over_cp & (cp > 1))
+
     def geometry(self, L: LayoutArrays) -> dict:
         m, pc, c = self.p.model, self.pc, self.c
         f = {k: getattr(L, k).astype(float) for k in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep")}
@@ -1856,7 +1862,7 @@ class CostModel:
         # CP ranks hold the same weights and see other tokens of the same sequences: they join the gradient
         # reduction and, under FSDP, the shard group (torchtitan's dp_shard×cp mesh; Megatron-LM's
         # data-parallel-with-context group for its distributed optimizer and gradient all-reduce).
-        fsdp_mode = (g["fsdp"] > 1) | (self.opt.fsdp_over_cp & (g["cp"] > 1))
+        fsdp_mode = self.fsdp_mode(g["fsdp"], g["cp"])
         g["shard"] = np.where(fsdp_mode, g["fsdp"] * g["cp"], 1.0)  # FSDP/ZeRO-3 shard group
         g["replicas"] = np.where(fsdp_mode, g["dp"], g["dp"] * g["cp"])  # gradient reduction across replicas
         # the busiest stage (an uneven pinned split puts ceil(L / (pp·vpp)) layers in each virtual stage); with the

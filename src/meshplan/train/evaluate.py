@@ -230,9 +230,7 @@ def concat_all(parts: list[Evaluation]) -> Evaluation:
         xs = [getattr(e, f.name) for e in parts]
         x = xs[0]
         if f.name == "layouts":
-            cols = {g.name: np.concatenate([getattr(v, g.name) for v in xs]) for g in fields(LayoutArrays)
-                    if g.name != "sequence_parallel"}
-            out[f.name] = LayoutArrays(**cols, sequence_parallel=x.sequence_parallel)
+            out[f.name] = LayoutArrays.concat(*xs)
         elif isinstance(x, dict):
             keys = dict.fromkeys(k for d in xs for k in d)  # first-seen order
             out[f.name] = type(x)({k: join([d.get(k, 0.0) for d in xs]) for k in keys})

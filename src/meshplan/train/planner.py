@@ -366,8 +366,7 @@ def _grad_group(cm: CostModel, cfg) -> tuple[int, int, str]:
     FSDP the context ranks join it, dp x cp ranks of stride tp (costmodel `replicas`: Megatron-LM's data-parallel-with-
     context group); under FSDP (or ZeRO-3 over cp) only the dp replicas of a shard. Session 23, QA finding: a plan
     with dp 1 and cp 4 was told its gradient reduction ran 'on no link'."""
-    fsdp_mode = cfg.fsdp > 1 or (cm.opt.fsdp_over_cp and cfg.cp > 1)
-    if fsdp_mode or cfg.cp == 1:
+    if cm.fsdp_mode(cfg.fsdp, cfg.cp) or cfg.cp == 1:
         return cfg.dp, cfg.tp * cfg.cp * cfg.fsdp, "data-parallel gradient reductions"
     who = "context ranks" if cfg.dp == 1 else "data and context ranks"
     return cfg.dp * cfg.cp, cfg.tp, f"gradient reductions over the {who}"
