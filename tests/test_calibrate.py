@@ -70,7 +70,15 @@ def test_cpu_calibrate_writes_a_profile_load_profile_accepts(cpu_profile):
     assert {"jax", "jaxlib"} <= set(data["versions"]) and data["measured_at"]
     measured = {k for k, v in data["efficiency_origin"].items() if v == "measured"}
     overhead = [(r["name"], r["time_s"]) for r in data["benchmarks"] if r["benchmark"] == "overhead"]
-    assert {"attention_fwd_fraction", "attention_bwd_fraction", "kernel_overhead_s"} <= measured, overhead
+    assert {"attention_fwd_fraction", "kernel_overhead_s"} <= measured, overhead
+    # the backward is measured unless its time was lost in the noise at both long lengths (a loaded CI runner,
+    # session 23's CI run): then the profile names the records and keeps the default
+    unresolved = data["fitted_curves"]["attention"].get("bwd_unresolved", [])
+    lengths = data["fitted_curves"]["attention"]["lengths"]
+    if all(f"fwd+bwd T={T}" in unresolved for T in lengths):
+        assert "attention_bwd_fraction" not in measured
+    else:
+        assert "attention_bwd_fraction" in measured
     # matmul and hbm are measured unless their records ran at the dispatch floor: on a loaded 2-core CI runner every
     # quick-grid matmul can (CI run of session 21); then the profile must name each one as dropped and keep the default
     dropped = data["fitted_curves"].get("dispatch_bound") or {}

@@ -4,6 +4,8 @@ any point whose program time is under twice the run's own one-kernel program tim
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,52 @@ def test_the_gemv_chains_intercept_comes_before_the_copy_chains() -> None:
     eff, curves = fit_efficiency([*copies, *cached], h100)
     assert eff["kernel_overhead_s"] == pytest.approx(3e-6, rel=1e-6)
     assert "not_used" in curves["kernel_overhead_gemv"] and curves["kernel_overhead"]["used"] == "kernel_overhead_s"
+
+
+def _attn(name: str, T: int, median_s: float, lo_s: float, hi_s: float, **extra) -> dict:
+    peak = load_chip("h100-sxm").peak("bf16")
+    flops = 4.0 * T * (T / 2.0) * 8 * 128  # causal QKᵀ and AV, batch 1, 8 heads of 128
+    return {"benchmark": "attention", "name": name, "seq": T, "impl": "jax", "work": flops, "time_s": median_s,
+            "fraction": flops / median_s / peak, "timing": {"median_s": median_s, "min_s": lo_s, "max_s": hi_s},
+            **extra}
+
+
+def test_a_backward_lost_in_the_forwards_noise_is_left_out() -> None:
+    """CI run of session 23: fwd+bwd's median came out at the forward's, the backward read as 1e-9 s and the profile
+    held attention_bwd_fraction 10.6, which `--profile` refuses. A backward counts only where the fastest fwd+bwd
+    batch is slower than the slowest forward batch."""
+    chip = load_chip("h100-sxm")
+    ratio, peak = 2.5, chip.peak("bf16")  # efficiency.yaml attention_bwd_flops_ratio
+    recs = [_attn("fwd T=1024", 1024, 1.0e-3, 0.9e-3, 1.4e-3),
+            _attn("fwd+bwd T=1024", 1024, 1.3e-3, 1.2e-3, 1.5e-3, bwd_time_s=0.3e-3),  # ranges overlap: noise
+            _attn("fwd T=2048", 2048, 4.0e-3, 3.9e-3, 4.1e-3),
+            _attn("fwd+bwd T=2048", 2048, 12.0e-3, 11.8e-3, 12.3e-3, bwd_time_s=8.0e-3)]
+    measured, curves = fit_efficiency(recs, chip)
+    assert curves["attention"]["bwd_unresolved"] == ["fwd+bwd T=1024"]
+    # the backward fraction is T=2048's alone: its FLOPs × 2.5 over 8 ms at the H100's peak
+    assert measured["attention_bwd_fraction"] == pytest.approx(recs[3]["work"] * ratio / (8.0e-3 * peak))
+    # no long length resolved: no field at all, the default stays
+    measured, curves = fit_efficiency(recs[:2], chip)
+    assert "attention_bwd_fraction" not in measured and "attention_fwd_fraction" in measured
+
+
+def test_a_fit_above_the_datasheet_peak_keeps_the_default_and_says_so(tmp_path, capsys) -> None:
+    from meshplan.cost.efficiency import default_efficiency, profile_efficiency
+    from meshplan.measure.fit import build_profile
+
+    chip = load_chip("h100-sxm")
+    # a forward at 2x the H100's peak: impossible, so a bad timing
+    fast = _attn("fwd T=2048", 2048, 1e-6, 1e-6, 1e-6)
+    assert fast["fraction"] > 1.05
+    prof = build_profile(chip, [fast], {"platform": "gpu", "device_kind": "NVIDIA H100"})
+    assert prof["efficiency_origin"]["attention_fwd_fraction"] == "default"
+    assert prof["efficiency"]["attention_fwd_fraction"] == default_efficiency(chip).attention_fwd_fraction
+    assert prof["fitted_curves"]["out_of_range"]["attention_fwd_fraction"]["value"] == pytest.approx(fast["fraction"])
+    profile_efficiency(prof, chip, "p.json", "profile p.json")  # what calibrate writes, --profile reads
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["calibrate", "--show", str(path)], capsys)
+    line = " ".join(out.split())
+    assert code == 0 and f"attention_fwd_fraction kept its default: the fit gave {fast['fraction']:.4g}" in line

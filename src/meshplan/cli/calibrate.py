@@ -160,10 +160,15 @@ def _print_efficiency(profile: dict[str, Any], chip: Chip | None) -> None:
     for k, v in profile["efficiency"].items():
         t.add_row(k, f"{v:.4g}", origin.get(k, "?"), f"{defaults[k]:.4g}" if k in defaults else "")
     console.print(t)
-    dropped = (profile.get("fitted_curves") or {}).get("dispatch_bound") or {}
-    for bench, names in dropped.items():  # measure/fit.py DISPATCH_BOUND_FACTOR
-        console.print(f"left out of the {bench} fit, bound by the host's dispatch rather than the device: "
-                      f"{', '.join(names)}", markup=False, highlight=False)
+    curves = profile.get("fitted_curves") or {}
+    lines = [f"left out of the {bench} fit, bound by the host's dispatch rather than the device: {', '.join(names)}"
+             for bench, names in (curves.get("dispatch_bound") or {}).items()]  # measure/fit.py DISPATCH_BOUND_FACTOR
+    lines += [f"left out of the {key} fit, the backward lost in the forward's timing noise: {', '.join(c['bwd_unresolved'])}"
+              for key, c in curves.items() if isinstance(c, dict) and c.get("bwd_unresolved")]  # fit.backward_resolved
+    lines += [f"{field} kept its default: the fit gave {v['value']:.4g}, outside what a profile may hold"
+              for field, v in (curves.get("out_of_range") or {}).items()]
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
     if profile.get("cpu_only"):
         console.print(f"[bold]cpu_only[/bold]: {profile.get('warning', CPU_WARNING)}")
 

@@ -195,7 +195,7 @@ def read_profile_json(path: str | Path) -> Any:
         raise MeshplanError(f"malformed profile '{path}': {exc}") from None
 
 
-def _profile_rules() -> dict[str, Any]:
+def profile_rules() -> dict[str, Any]:
     """The bound of every profile efficiency field (validate.py: one table of bounds for every input): fractions of
     the datasheet peak (session 23, QA finding: matmul_peak_fraction 5.0 gave MFU 1.49), the rest by name."""
     from meshplan.validate import PROFILE_FRACTION, PROFILE_RULES
@@ -227,7 +227,7 @@ def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficie
     if unknown:
         raise MeshplanError(f"profile '{path}': unknown efficiency field(s) {', '.join(unknown[:5])} "
                             f"(known: {', '.join(_FIELDS)})")
-    rules = _profile_rules()
+    rules = profile_rules()
     changes = {f: float(rules[f].check(eff[f], f"profile '{path}': efficiency.{f}")) for f in _FIELDS if f in eff}
     return replace(base, **changes, origin=origin)
 
