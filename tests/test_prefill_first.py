@@ -152,3 +152,32 @@ def test_a_prompts_queue_work_is_its_share_of_the_batched_prompt_steps():
     p = evaluate(M8, H100, 1, cfg, EFF, w, 64)
     little = 64 / p.throughput_tokens_per_s  # one token per request: e2e = in flight / throughput
     assert 0.6 * little < p.ttft_s < 1.1 * little
+
+
+def test_from_times_the_servers_own_path_and_takes_a_release_of_its_engine(capsys, tmp_path):
+    """Session 24 (left in session 23): `serve --from` timed a server command line as an engine in process, with no
+    server path, and could not say which release runs it. A `vllm serve` / `sglang.launch_server` command is an HTTP
+    server, so its client's TTFT takes that server's path (FRONTEND_ENGINES); --engine names a release of the command's
+    engine and nothing else."""
+    import json
+
+    from conftest import run_cli
+
+    from meshplan.cli.serve import plan_serving
+
+    script = tmp_path / "serve.sh"
+    script.write_text("python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B --tp-size 1\n")
+    args = ["serve", "--from", str(script), "--hardware", "h100-sxm", "--input-len", "1000", "--output-len", "200",
+            "--json"]
+    code, out, err = run_cli([*args, "--engine", "sglang@0.3"], capsys)
+    assert code == 0, err
+    yours = json.loads(out)["yours"]
+    assert yours["config"]["engine"] == "sglang@0.3" and yours["config"]["frontend"] == "sglang-http"
+    same = plan_serving("llama3.1-8b", "h100-sxm", 1, 1000, 200, batch=yours["batch"], tp=1, pp=1, ep=1,
+                        engine="sglang@0.3", frontend="sglang-http", kv_quant="bf16", mode="continuous")
+    assert yours["ttft_s"] == pytest.approx(same["ttft_s"]) and yours["tpot_s"] == pytest.approx(same["tpot_s"])
+    bare = plan_serving("llama3.1-8b", "h100-sxm", 1, 1000, 200, batch=yours["batch"], tp=1, pp=1, ep=1,
+                        engine="sglang@0.3", kv_quant="bf16", mode="continuous")
+    assert yours["ttft_s"] > bare["ttft_s"]  # the server's path is on the client's first token
+    code, _, err = run_cli([*args, "--engine", "vllm"], capsys)
+    assert code == 2 and "not a release of sglang" in err and "sglang@0.3" in err

@@ -424,8 +424,9 @@ def test_fsdp_under_pp_memory_is_explained(capsys):
 
 
 def test_simulation_size_is_bounded(capsys):
-    # 11 requests x 1,000,000 output tokens would step 11e6 tokens (minutes): refused with the bound stated
-    args = SERVE[:-1] + ["1000000", "--simulate", "--rate", "10", "--requests", "11"]
+    # 100 requests x 100,001 output tokens would step 10.0e6 tokens (minutes): refused with the bound stated (on a
+    # model whose context window holds such a request: Llama 3.1's 131,072 tokens)
+    args = ["serve", "-m", "llama3.1-8b", *SERVE[3:-1], "100001", "--simulate", "--rate", "10", "--requests", "100"]
     assert_one_error(*run_cli(args, capsys)[::2], "at most 10,000,000")
     assert_one_error(*run_cli(SERVE + ["--simulate", "--rate", "1", "--requests", "100001"], capsys)[::2],
                      "--requests")

@@ -176,7 +176,7 @@ def test_serve_from_names_its_engine(tmp_path, capsys):
     from_file = ["serve", "--from", str(tmp_path / "vllm.sh"), "--hardware", "h100-sxm", "--input-len", "256",
                  "--output-len", "32"]
     assert run_cli(from_file + ["--json"], capsys)[0] == 0
-    one_error(*run_cli(from_file + ["--engine", "sglang"], capsys)[::2], "--engine (the command line names")
+    one_error(*run_cli(from_file + ["--engine", "sglang"], capsys)[::2], "not a release of vllm, which the command line runs")
 
 
 def test_train_from_file_checks_the_flags_against_the_files_job(tmp_path, capsys):

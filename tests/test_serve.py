@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -264,9 +265,41 @@ def test_a_prompt_longer_than_the_step_budget_holds_its_slot_for_its_chunks(caps
 
     from conftest import run_cli
 
-    code, out, _ = run_cli(["serve", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len",
+    code, out, _ = run_cli(["serve", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--input-len",
                             "100000", "--output-len", "100", "--batch", "4", "--json"], capsys)
     assert code == 0
     d = json.loads(out)
     step = d["decode_step"]["time_s"]  # the mean step the batch runs (its chunk steps and pure decodes)
     assert d["throughput_tokens_per_s"] == pytest.approx(4 * 100 / (112 * step))
+
+
+def test_a_request_past_the_models_context_window_is_one_error(capsys, tmp_path):
+    """Session 24 (a QA finding left in session 23): Llama 2's 4,096-token window took 8,000 + 512-token requests and
+    GPT-3's learned positions 2,048 + 2,000. vLLM refuses a max_model_len above the config's max_position_embeddings;
+    so does meshplan, for the mean request and for a length trace's longest one."""
+    from conftest import run_cli
+
+    code, _, err = run_cli(["serve", "--model", "llama2-7b", "--hardware", "h100-sxm", "--chips", "1",
+                            "--input-len", "8000", "--output-len", "512"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "8512 tokens (input 8000 + output 512)" in err and "context window of 4096 tokens" in err
+    code, _, err = run_cli(["serve", "--model", "gpt3-175b", "--hardware", "h100-sxm", "--chips", "8",
+                            "--input-len", "2000", "--output-len", "49"], capsys)
+    assert code == 2 and "context window of 2048 tokens" in err
+    # exactly the window: served
+    code, _, _ = run_cli(["serve", "--model", "gpt3-175b", "--hardware", "h100-sxm", "--chips", "8",
+                          "--input-len", "2000", "--output-len", "48"], capsys)
+    assert code == 0
+    # a trace whose mean fits and whose longest request does not
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"input_lens": [100, 4000], "output_lens": [100, 200]}))
+    code, _, err = run_cli(["serve", "--model", "llama2-7b", "--hardware", "h100-sxm", "--chips", "1", "--simulate",
+                            "--rate", "1", "--requests", "4", "--length-trace", str(trace)], capsys)
+    assert code == 2 and "longest request (4200 tokens" in err
+    # a config that names no window has none to enforce (max_seq_len is then a default, not the model's)
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "src/meshplan/specs/data/models/llama2-7b.json").read_text())
+    del cfg["max_position_embeddings"]
+    (tmp_path / "m.json").write_text(json.dumps(cfg))
+    code, _, _ = run_cli(["serve", "--model", str(tmp_path / "m.json"), "--hardware", "h100-sxm", "--chips", "1",
+                          "--input-len", "8000", "--output-len", "512"], capsys)
+    assert code == 0

@@ -15,7 +15,9 @@ ARGS = ["serve", "--model", "llama3-70b", "--hardware", "h100-sxm", "--chips", "
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_export_times_the_exported_engine_and_from_reads_it_back(engine, tmp_path, capsys):
-    code, out, _ = run_cli([*ARGS, "--engine", engine], capsys)
+    # the launch is an HTTP server: timed with its own path (session 24), export and --from alike
+    path = {"vllm": "vllm-openai", "sglang": "sglang-http"}[engine]
+    code, out, _ = run_cli([*ARGS, "--engine", engine, "--frontend", path], capsys)
     assert code == 0
     pinned = json.loads(out)
     code, out, _ = run_cli([*ARGS, "--export", engine, "--out", str(tmp_path)], capsys)

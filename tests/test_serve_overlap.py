@@ -113,3 +113,27 @@ def test_closed_loop_client_waits_a_whole_step():
     short = step_cost(M8, H100, ServeConfig(), EFF, 32, 1100.0).time_s
     assert closed.ttft_s - open_.ttft_s == pytest.approx(step - (0.16 * long**2 + 0.84 * short**2) / (2 * step))
     assert closed.tpot_s == open_.tpot_s
+
+
+def test_a_closed_loop_request_behind_a_server_path_lands_inside_the_running_step():
+    """Session 24: a closed-loop client's next request reaches the engine the server path's time (frontend_first_token_s:
+    the last token's way out, the next request's way in) after the step boundary, so it waits what is left of the step
+    it lands in. The simulation did so (closed-loop TTFT +3.3 ms for SGLang's 6.6 ms path, session 23); the closed form
+    had added the whole path on top of a whole step."""
+    assert scheduler_wait_s(0.020, others=3, closed_loop=True, arrival_delay_s=0.004) == pytest.approx(0.016)
+    assert scheduler_wait_s(0.020, others=3, closed_loop=True, arrival_delay_s=0.026) == pytest.approx(0.014)
+    assert scheduler_wait_s(0.020, others=3, ahead=True, closed_loop=True, arrival_delay_s=0.004) == \
+        pytest.approx(0.036)  # the next step's batch was picked as the running one started
+    assert scheduler_wait_s(0.020, others=3, arrival_delay_s=0.004) == pytest.approx(0.010)  # open loop: random phase
+    # end to end: with a path shorter than the step the client's TTFT is unchanged (sent at t + out, reaches the engine
+    # at t + out + in, admitted at t + step, first token back at t + step + prefill + out: TTFT = step + prefill)
+    w = Workload(1000, 200)
+    bare = evaluate(M8, H100, 1, ServeConfig(engine="vllm"), EFF, w, 32, closed_loop=True)
+    served = evaluate(M8, H100, 1, ServeConfig(engine="vllm", frontend="vllm-openai"), EFF, w, 32, closed_loop=True)
+    assert served.tpot_s == pytest.approx(bare.tpot_s)
+    assert 0.004 < bare.tpot_s  # the path (4 ms, serving.yaml) is shorter than the step
+    assert served.ttft_s == pytest.approx(bare.ttft_s)
+    # open loop: the path adds in full
+    bare = evaluate(M8, H100, 1, ServeConfig(engine="vllm"), EFF, w, 32)
+    served = evaluate(M8, H100, 1, ServeConfig(engine="vllm", frontend="vllm-openai"), EFF, w, 32)
+    assert served.ttft_s == pytest.approx(bare.ttft_s + 0.004)

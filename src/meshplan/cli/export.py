@@ -18,6 +18,7 @@ from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
+from meshplan.infer.config import FRONTEND_ENGINES, base_engine, engine_names
 from meshplan.specs._load import read_text
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -307,10 +308,18 @@ def write_serve_export(export: str, out: str | None, result: dict, model_arg: st
 
 
 def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chips: int | None, model: str | None,
-               profile: str | None, json_out: bool) -> None:
+               profile: str | None, json_out: bool, engine: str | None = None) -> None:
+    """`serve --from`: the server command line in `path` timed as its engine runs it (`engine`: a release of that
+    engine, e.g. sglang@0.3, where the command line cannot tell which), with its server's own path between client and
+    engine (infer/config.py FRONTEND_ENGINES: `vllm serve` is vLLM's OpenAI server, `sglang.launch_server` SGLang's
+    HTTP server), beside the best layout for the same GPUs."""
     from meshplan.cli.serve import plan_serving
 
     sj = load_engine(read_text(Path(path), "serving command"))
+    if engine is not None and base_engine(engine) != sj.framework:
+        fail(f"--engine {engine} is not a release of {sj.framework}, which the command line runs: give "
+             f"{sj.framework} or one of its releases ({', '.join(e for e in engine_names() if base_engine(e) == sj.framework)})")
+    frontend = next(f for f, e in FRONTEND_ENGINES.items() if e == sj.framework)
     name = model or preset_for(sj.model)
     if name is None:
         fail(f"the {sj.framework} command serves '{sj.model}', which is not a meshplan model: give --model")
@@ -324,8 +333,8 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
     # where it sets one (its replica-wide value: the engine preset says whether attention-DP ranks divide it, as
     # SGLang's server_args.py does, or each take it whole)
     budget = sj.chunk_tokens if sj.chunk_tokens and sj.mode == "continuous" else None
-    kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile, engine=sj.framework,
-              max_num_batched_tokens=budget, mixed_prompts=sj.mixed_prompts)
+    kw = dict(quant=sj.quant, kv_quant=sj.kv_quant, mode=sj.mode, profile=profile, engine=engine or sj.framework,
+              max_num_batched_tokens=budget, mixed_prompts=sj.mixed_prompts, frontend=frontend)
     yours = plan_serving(name, hardware, n, input_len, output_len, batch=sj.batch, tp=sj.tp, pp=sj.pp, ep=sj.ep,
                          attention_dp=sj.attention_dp, **kw)
     best = plan_serving(name, hardware, n, input_len, output_len, do_search=True, **kw)

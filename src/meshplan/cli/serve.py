@@ -13,11 +13,13 @@ from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.export import SERVE as SERVE_EXPORTS
 from meshplan.infer.config import (
+    FRONTEND_ENGINES,
     FRONTENDS,
     WEIGHT_DTYPES,
     ServeConfig,
     Workload,
     base_engine,
+    check_context_window,
     check_layout,
     check_workload,
     chunked_prefill,
@@ -74,7 +76,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         # LMDeploy's TurboMind and PyTorch backends: CUDA, Ascend); vLLM and SGLang have TPU backends
         fail(f"--engine {engine} runs on GPUs, not on {chip.name} (a TPU): use vllm, sglang or default")
     w = Workload(input_len, output_len)
-    check_workload(w)
+    check_workload(w, m)
     if chips <= 0:
         fail(f"--chips must be positive, got {chips}")
     if batch is not None and batch <= 0:
@@ -248,7 +250,9 @@ def serve(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     html: Annotated[str | None, typer.Option(help="Write the result as a self-contained HTML page.")] = None,
     from_file: Annotated[str | None, typer.Option(
-        "--from", help="Predict a vLLM or SGLang server command line and show the best layout beside it.")] = None,
+        "--from", help="Predict a vLLM or SGLang server command line (timed through that server's own path, as "
+                       "its clients see it; --engine may name the release, e.g. sglang@0.3) and show the best layout "
+                       "beside it.")] = None,
     export: Annotated[str | None, typer.Option(help="Write the plan's launch: vllm, sglang or trtllm.")] = None,
     out_dir: Annotated[str | None, typer.Option("--out", help="Folder --export writes to.")] = None,
 ) -> None:
@@ -273,15 +277,16 @@ def serve(
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
-        if export or plot or html or ideal or do_simulate or disaggregate_ or engine != "default" or concurrency \
+        if export or plot or html or ideal or do_simulate or disaggregate_ or concurrency \
                 or attention_dp is not None or mixed_prompts is not None \
                 or frontend or dense_kv_cache is not None:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate, --frontend, --attention-dp, --dense-kv-cache, "
-                 "--mix-prompts/--prefill-first or --engine "
-                 "(the command line names its engine)")
+                 "--simulate, --concurrency, --disaggregate, --frontend (the server's own path is timed), "
+                 "--attention-dp, --dense-kv-cache or --mix-prompts/--prefill-first")
+        if engine != "default":
+            _choice("--engine", engine, engine_names())
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
-                   model=model, profile=profile, json_out=json_out)
+                   model=model, profile=profile, json_out=json_out, engine=None if engine == "default" else engine)
         return
     if quant is not None:
         _choice("--quant", quant, WEIGHT_DTYPES)
@@ -297,6 +302,10 @@ def serve(
         elif base_engine(engine) != export:
             fail(f"--export {export} writes a {export} launch, but --engine {engine} times another engine: drop "
                  f"--engine or export {base_engine(engine)}")
+        # the written `vllm serve` / `sglang.launch_server` is an HTTP server: its clients' first token takes its path
+        # (FRONTEND_ENGINES), as `serve --from` times the same launch
+        if frontend is None:
+            frontend = next((f for f, e in FRONTEND_ENGINES.items() if e == export), None)
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
     if plot:  # before the search: a path it cannot write fails now, not after it
@@ -325,6 +334,9 @@ def serve(
                        frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache,
                        max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts)
     m, chip, eff, w, best = out.pop("_objects")
+    if trace:
+        longest = max(i + o for i, o in trace)
+        check_context_window(m, longest, f"the length trace's longest request ({longest} tokens, input + output)")
     if do_simulate:
         # the plan's batch is the replica's slots; its KV cache holds what memory gives it, whatever the slots
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,

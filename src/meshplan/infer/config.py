@@ -395,11 +395,25 @@ class Workload:
         return self.input_len + self.output_len
 
 
-def check_workload(w: Workload) -> None:
+def check_workload(w: Workload, m: ModelConfig | None = None) -> None:
     if w.output_len <= 0:
         raise MeshplanError(f"output length must be at least 1 token, got {w.output_len}")
     if w.input_len <= 0:
         raise MeshplanError(f"input length must be at least 1 token, got {w.input_len}")
+    if m is not None:
+        check_context_window(m, w.max_context, f"a request of {w.max_context} tokens (input {w.input_len} + output "
+                                               f"{w.output_len})")
+
+
+def check_context_window(m: ModelConfig, tokens: int, what: str) -> None:
+    """Refuse `tokens` (a request's input + output) past the context window the model's config declares: the serving
+    engines refuse a max_model_len above it (vLLM ModelConfig: 'User-specified max_model_len ... is greater than the
+    derived max_model_len'; SGLang likewise; a TensorRT-LLM engine is built with max_seq_len), and a model with learned
+    positions has no embedding for a later position."""
+    if m.context_declared and tokens > m.max_seq_len:
+        raise MeshplanError(f"{what} is longer than {m.name}'s context window of {m.max_seq_len} tokens "
+                            f"(max_position_embeddings in its config.json): vLLM, SGLang and TensorRT-LLM refuse it; "
+                            f"shorten --input-len/--output-len or give a config with a longer window")
 
 
 def kv_heads_per_chip(m: ModelConfig, tp: int) -> int:

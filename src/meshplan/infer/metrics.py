@@ -102,7 +102,7 @@ class ServePoint:
 
 
 def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, closed_loop: bool = False,
-                     queued: bool = False, residual_s: float | None = None) -> float:
+                     queued: bool = False, residual_s: float | None = None, arrival_delay_s: float = 0.0) -> float:
     """Wait of a new request for the engine's next iteration: iteration-level scheduling (Orca, Yu et al. OSDI'22;
     vLLM/TensorRT-LLM/SGLang schedulers) admits it only at a step boundary, so one arriving at a random moment
     while other sequences keep the engine busy waits the mean residual of a fixed-length step, busy_step_s / 2
@@ -110,7 +110,11 @@ def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, clo
     A closed-loop client (`closed_loop`: a fixed number of clients, each sending its next request when the previous
     one's last token arrives) sends it just as a step ends, after the engine has picked the next step's batch (vLLM
     V1 EngineCore.run_busy_loop and TensorRT-LLM's Executor::Impl::executionLoop schedule the next step right after
-    handing out the last one's tokens), so it waits that whole step: busy_step_s.
+    handing out the last one's tokens), so it waits that whole step: busy_step_s. Where the request reaches the
+    engine `arrival_delay_s` after that step boundary (the server path between the client and the engine:
+    config.frontend_first_token_s, the last token's way out and the next request's way in), it arrives that far into
+    the running steps and waits what is left of the one it lands in, busy_step_s - (delay mod busy_step_s), as the
+    simulation's closed loop has it (simulate._Replica.run).
     An engine that schedules one step ahead (`ahead`, config.schedules_ahead) has already picked the next step's
     batch when the request arrives, so it also waits one more whole step.
     A request that was already waiting for a slot (`queued`: more clients than the engine's batch limit) is admitted
@@ -122,7 +126,8 @@ def scheduler_wait_s(busy_step_s: float, others: float, ahead: bool = False, clo
     if queued:
         return busy_step_s if ahead else 0.0
     random = busy_step_s / 2.0 if residual_s is None else residual_s
-    return (busy_step_s if closed_loop else random) + (busy_step_s if ahead else 0.0)
+    closed = busy_step_s - math.fmod(arrival_delay_s, busy_step_s) if busy_step_s > 0 else 0.0
+    return (closed if closed_loop else random) + (busy_step_s if ahead else 0.0)
 
 
 def step_residual_s(share: float, long_s: float, short_s: float) -> float:
@@ -207,7 +212,7 @@ def ttft_continuous(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
         prefill_s = (n_chunks - 1) * s.time_s + last.time_s
     queued = queue_wait_s is not None
     ttft = (queue_wait_s or 0.0) + scheduler_wait_s(busy_step_s, others, schedules_ahead(cfg, chip), closed_loop,
-                                                    queued, residual_s) + prefill_s
+                                                    queued, residual_s, frontend_first_token_s(cfg, chip)) + prefill_s
     if others_arrivals_per_s > 0:
         # a prompt's own work: its share of full chunk steps (prompt / chunk of them: the room its last chunk leaves
         # goes to the next prompt in line) less the decode steps the other sequences would have run anyway. Under
@@ -243,7 +248,7 @@ def mean_step_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w
     its share of the prompt when the decode is HBM-bound and the chunk compute-bound, so this mean is above the
     cost of one step carrying the mean prompt tokens. `pure`: the pure decode step of `batch` sequences where the
     caller has it."""
-    return _mix(*_prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step, pure))
+    return _mix(*_prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step, pure)[:3])
 
 
 def _mix(share: float, step: StepCost, pure: StepCost) -> StepCost:
@@ -254,13 +259,14 @@ def _mix(share: float, step: StepCost, pure: StepCost) -> StepCost:
 
 
 def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
-                  pure: StepCost | None = None) -> tuple[float, StepCost, StepCost]:
-    """(share of the steps that carry prompt tokens, such a step, a pure decode step): mean_step_s. `pure`: the pure
-    decode step of `batch` sequences where the caller has it."""
+                  pure: StepCost | None = None) -> tuple[float, StepCost, StepCost, tuple[float, StepCost] | None]:
+    """(share of the steps that carry prompt tokens, such a step, a pure decode step, and for an engine that prefills
+    first its prefill_first_steps, else None): mean_step_s. `pure`: the pure decode step of `batch` sequences where the
+    caller has it."""
     mean_tokens = prompts_per_step * w.input_len
     pure = pure or decode_step(m, chip, cfg, eff, batch, w.mean_decode_context)
     if mean_tokens <= 0:
-        return 0.0, pure, pure
+        return 0.0, pure, pure, None
     if not mixes_prompts(cfg, chip):
         # prefill first: each decode step comes with q prompt-only steps (prefill_first_steps); as one "step" of the
         # mean, the decode step plus those q, in every step (share 1)
@@ -269,12 +275,12 @@ def _prompt_steps(m, chip, cfg, eff, w, batch, prompts_per_step,
         # decode step per prompt step took TTFT 70% past Little's law)
         dec = pure if w.output_len > 1 else StepCost(0.0, {k: 0.0 for k in pure.parts}, pure.bound)
         parts = {k: dec.parts.get(k, 0.0) + q * pre.parts.get(k, 0.0) for k in dec.parts.keys() | pre.parts.keys()}
-        return 1.0, StepCost(dec.time_s + q * pre.time_s, parts, max(parts, key=parts.get)), pure
+        return 1.0, StepCost(dec.time_s + q * pre.time_s, parts, max(parts, key=parts.get)), pure, (q, pre)
     carried = max(prompt_chunk(cfg, chip, w.input_len, prefill_room(cfg, chip, batch)), mean_tokens)
     share = mean_tokens / carried
     step = step_cost(m, chip, cfg, eff, batch, w.mean_decode_context, carried, w.input_len / 2.0, batch,
                      prefill_seqs=prompts_per_step / share)
-    return share, step, pure
+    return share, step, pure, None
 
 
 def prefill_first_steps(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
@@ -345,7 +351,7 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # prompt (mean_step_s); a request's own inter-token gaps carry the prompts of the other B-1 sequences (its own
     # prompt is its TTFT)
     turnover = slot_turnover_steps(cfg, chip, w, batch)
-    share, chunk_step, pure = _prompt_steps(m, chip, cfg, eff, w, batch, batch / turnover)
+    share, chunk_step, pure, first = _prompt_steps(m, chip, cfg, eff, w, batch, batch / turnover)
     mixed = _mix(share, chunk_step, pure)
     step_s = mixed.time_s
     requests_per_s = batch / (turnover * step_s)
@@ -359,7 +365,7 @@ def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
         residual = step_residual_s(share, chunk_step.time_s, pure.time_s)
     else:  # q prompt-only steps per decode step: a share q / (1 + q) of the steps are prompt steps (all of them
         # when no request decodes: one output token); step_s spans the decode step and its q prompt steps
-        q, pre = prefill_first_steps(m, chip, cfg, eff, w, batch / turnover)
+        q, pre = first or prefill_first_steps(m, chip, cfg, eff, w, batch / turnover)
         prompt_share = q / (1.0 + q) if w.output_len > 1 else 1.0
         residual = step_residual_s(prompt_share, pre.time_s, pure.time_s)
         engine_step_s = prompt_share * pre.time_s + (1.0 - prompt_share) * pure.time_s

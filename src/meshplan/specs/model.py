@@ -38,6 +38,9 @@ class ModelConfig:
     d_ff: int  # F (dense MLP width; per-expert width for MoE)
     vocab_size: int  # V
     max_seq_len: int = 4096
+    # whether the config names its context window (max_position_embeddings, n_positions or seq_length); where it
+    # does not, max_seq_len is a default and nothing is refused for exceeding it
+    context_declared: bool = True
     mlp_act: str = "swiglu"
     tied_embeddings: bool = False
     position: str = "rotary"  # rotary | learned | alibi
@@ -461,6 +464,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     if family == "gpt_oss":
         qkv_bias = True
     seq = _int(cfg, origin, "max_position_embeddings", "n_positions", "seq_length", default=4096)
+    context_declared = any(cfg.get(k) is not None for k in ("max_position_embeddings", "n_positions", "seq_length"))
     windows, kind = _layer_windows(cfg, family, L, origin)
     norms_per_layer = 2
     if gemma and family != "gemma":
@@ -483,7 +487,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     expert_dtype = method if family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
-        max_seq_len=seq, mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
+        max_seq_len=seq, context_declared=context_declared, mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
         linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias,
         # transformers: attention_bias gives Q, K, V and O biases (Llama, Phi-3.5-MoE, ...), Qwen2's only Q/K/V
         out_bias=qkv_bias and not linear_bias and family not in ("qwen2", "qwen2_moe"),
