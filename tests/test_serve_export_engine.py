@@ -40,3 +40,13 @@ def test_export_with_another_engine_is_one_error_line(tmp_path, capsys):
     code, out, err = run_cli([*ARGS, "--export", "vllm", "--engine", "sglang", "--out", str(tmp_path)], capsys)
     assert code == 2 and err.startswith("error:") and err.count("\n") == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_trtllm_serve_launch_is_not_timed_through_the_triton_ensemble(tmp_path, capsys):
+    # `--export trtllm` writes a trtllm-serve launch, TensorRT-LLM's own OpenAI server: the triton-ensemble path
+    # (the Triton backend's) is another server, and no measurement of trtllm-serve's path is known, so none is added
+    code, out, err = run_cli([*ARGS, "--export", "trtllm", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert json.loads(out)["config"]["frontend"] is None
+    code, out, _ = run_cli([*ARGS, "--export", "vllm", "--out", str(tmp_path / "v")], capsys)
+    assert json.loads(out)["config"]["frontend"] == "vllm-openai"

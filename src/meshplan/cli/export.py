@@ -18,7 +18,7 @@ from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
-from meshplan.infer.config import FRONTEND_ENGINES, base_engine, engine_names
+from meshplan.infer.config import LAUNCH_SERVER_PATHS, base_engine, engine_names
 from meshplan.specs._load import read_text
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -311,7 +311,7 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
                profile: str | None, json_out: bool, engine: str | None = None) -> None:
     """`serve --from`: the server command line in `path` timed as its engine runs it (`engine`: a release of that
     engine, e.g. sglang@0.3, where the command line cannot tell which), with its server's own path between client and
-    engine (infer/config.py FRONTEND_ENGINES: `vllm serve` is vLLM's OpenAI server, `sglang.launch_server` SGLang's
+    engine (infer/config.py LAUNCH_SERVER_PATHS: `vllm serve` is vLLM's OpenAI server, `sglang.launch_server` SGLang's
     HTTP server), beside the best layout for the same GPUs."""
     from meshplan.cli.serve import plan_serving
 
@@ -319,7 +319,7 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
     if engine is not None and base_engine(engine) != sj.framework:
         fail(f"--engine {engine} is not a release of {sj.framework}, which the command line runs: give "
              f"{sj.framework} or one of its releases ({', '.join(e for e in engine_names() if base_engine(e) == sj.framework)})")
-    frontend = next(f for f, e in FRONTEND_ENGINES.items() if e == sj.framework)
+    frontend = LAUNCH_SERVER_PATHS[sj.framework]
     name = model or preset_for(sj.model)
     if name is None:
         fail(f"the {sj.framework} command serves '{sj.model}', which is not a meshplan model: give --model")

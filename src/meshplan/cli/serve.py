@@ -13,8 +13,8 @@ from meshplan.cli.app import Pin, app, console, fail, print_json
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.export import SERVE as SERVE_EXPORTS
 from meshplan.infer.config import (
-    FRONTEND_ENGINES,
     FRONTENDS,
+    LAUNCH_SERVER_PATHS,
     WEIGHT_DTYPES,
     ServeConfig,
     Workload,
@@ -303,9 +303,9 @@ def serve(
             fail(f"--export {export} writes a {export} launch, but --engine {engine} times another engine: drop "
                  f"--engine or export {base_engine(engine)}")
         # the written `vllm serve` / `sglang.launch_server` is an HTTP server: its clients' first token takes its path
-        # (FRONTEND_ENGINES), as `serve --from` times the same launch
+        # (LAUNCH_SERVER_PATHS), as `serve --from` times the same launch
         if frontend is None:
-            frontend = next((f for f, e in FRONTEND_ENGINES.items() if e == export), None)
+            frontend = LAUNCH_SERVER_PATHS.get(export)
     if frontend is not None:
         _choice("--frontend", frontend, FRONTENDS)
     if plot:  # before the search: a path it cannot write fails now, not after it

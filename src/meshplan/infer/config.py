@@ -141,6 +141,10 @@ FRONTENDS = ("triton-ensemble", "vllm-openai", "sglang-http")
 # vLLM's OpenAI-compatible server (`vllm serve`), SGLang's HTTP server (`sglang.launch_server` / `sglang serve`:
 # tokenizer manager -> ZMQ -> scheduler -> ZMQ -> detokenizer -> HTTP stream)
 FRONTEND_ENGINES = {"triton-ensemble": "trtllm", "vllm-openai": "vllm", "sglang-http": "sglang"}
+# the path of the HTTP server a launch command starts, by engine (`serve --from` reads such a command, `--export` writes
+# one): `vllm serve` and `sglang.launch_server`. TensorRT-LLM's launch is `trtllm-serve`, its own OpenAI server, not the
+# Triton ensemble, and no measurement of its path is known: none
+LAUNCH_SERVER_PATHS = {"vllm": "vllm-openai", "sglang": "sglang-http"}
 # each engine's KV-cache dtype flag for meshplan's KV dtypes (the launch exports write them): vLLM --kv-cache-dtype
 # auto|fp8|fp8_e4m3|fp8_e5m2 (vllm/config/cache.py CacheDType), SGLang --kv-cache-dtype auto|fp8_e5m2|fp8_e4m3
 # (server_args.py), TensorRT-LLM KvCacheConfig.dtype auto|fp8 in trtllm-serve's extra options
