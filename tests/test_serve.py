@@ -296,6 +296,12 @@ def test_a_request_past_the_models_context_window_is_one_error(capsys, tmp_path)
     code, _, err = run_cli(["serve", "--model", "llama2-7b", "--hardware", "h100-sxm", "--chips", "1", "--simulate",
                             "--rate", "1", "--requests", "4", "--length-trace", str(trace)], capsys)
     assert code == 2 and "longest request (4200 tokens" in err
+    # a server command line whose own maximum context passes the window: the engine refuses the command itself
+    cmd = tmp_path / "v.sh"
+    cmd.write_text("vllm serve meta-llama/Llama-2-7b-hf --max-model-len 8192\n")
+    code, _, err = run_cli(["serve", "--from", str(cmd), "--model", "llama2-7b", "--hardware", "h100-sxm",
+                            "--input-len", "100", "--output-len", "100"], capsys)
+    assert code == 2 and "maximum context (8192 tokens)" in err and "--max-model-len" in err
     # a config that names no window has none to enforce (max_seq_len is then a default, not the model's)
     cfg = json.loads((Path(__file__).resolve().parents[1] / "src/meshplan/specs/data/models/llama2-7b.json").read_text())
     del cfg["max_position_embeddings"]

@@ -18,7 +18,7 @@ from meshplan.errors import MeshplanError
 from meshplan.export import PRESET, SERVE, TRAIN, export_train, load_train
 from meshplan.export.common import Job, PlanToExport, check_model, relevant
 from meshplan.export.serving import ServePlan, export_engine, hf_id, load_engine, preset_for
-from meshplan.infer.config import LAUNCH_SERVER_PATHS, base_engine, engine_names
+from meshplan.infer.config import LAUNCH_SERVER_PATHS, base_engine, check_context_window, engine_names
 from meshplan.specs._load import read_text
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
@@ -326,6 +326,11 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
     n = sj.tp * sj.pp * sj.replicas
     if chips is not None and chips != n:
         fail(f"the {sj.framework} command uses {n} GPUs (tp x pp x dp), not --chips {chips}")
+    if sj.max_model_len is not None:
+        # the engine refuses a command whose max_model_len exceeds the model's window (infer/config.py)
+        check_context_window(load_model(name), sj.max_model_len,
+                             f"the command's maximum context ({sj.max_model_len} tokens)",
+                             "lower the command's --max-model-len/--context-length")
     if sj.max_model_len is not None and input_len + output_len > sj.max_model_len:
         fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
              f"{sj.max_model_len}")

@@ -409,15 +409,15 @@ def check_workload(w: Workload, m: ModelConfig | None = None) -> None:
                                                f"{w.output_len})")
 
 
-def check_context_window(m: ModelConfig, tokens: int, what: str) -> None:
+def check_context_window(m: ModelConfig, tokens: int, what: str,
+                         fix: str = "shorten --input-len/--output-len or give a config with a longer window") -> None:
     """Refuse `tokens` (a request's input + output) past the context window the model's config declares: the serving
     engines refuse a max_model_len above it (vLLM ModelConfig: 'User-specified max_model_len ... is greater than the
     derived max_model_len'; SGLang likewise; a TensorRT-LLM engine is built with max_seq_len), and a model with learned
     positions has no embedding for a later position."""
     if m.context_declared and tokens > m.max_seq_len:
         raise MeshplanError(f"{what} is longer than {m.name}'s context window of {m.max_seq_len} tokens "
-                            f"(max_position_embeddings in its config.json): vLLM, SGLang and TensorRT-LLM refuse it; "
-                            f"shorten --input-len/--output-len or give a config with a longer window")
+                            f"(max_position_embeddings in its config.json): vLLM, SGLang and TensorRT-LLM refuse it; {fix}")
 
 
 def kv_heads_per_chip(m: ModelConfig, tp: int) -> int:
