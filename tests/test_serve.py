@@ -309,3 +309,21 @@ def test_a_request_past_the_models_context_window_is_one_error(capsys, tmp_path)
     code, _, _ = run_cli(["serve", "--model", str(tmp_path / "m.json"), "--hardware", "h100-sxm", "--chips", "1",
                           "--input-len", "8000", "--output-len", "512"], capsys)
     assert code == 0
+
+
+def test_a_fixed_length_closed_loop_says_its_clients_run_in_step(capsys):
+    """Session 24: 16 closed-loop clients of fixed 1000/200-token requests start together, finish together and send
+    together, so the simulation's TTFT (prompts arriving in waves, ~0.28 s) is far from the closed form's (clients at
+    spread-out ages, ~0.04 s). The output says why; with outputs of varied length the waves spread and the two agree."""
+    from conftest import run_cli
+
+    args = ["serve", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--tp", "1", "--input-len",
+            "1000", "--output-len", "200", "--concurrency", "16", "--engine", "vllm", "--simulate", "--requests", "400",
+            "--json"]
+    code, out, _ = run_cli(args, capsys)
+    d = json.loads(out)
+    assert code == 0 and d["simulation"]["ttft_s"]["p50"] > 2 * d["ttft_s"] and "stay in step" in d["simulation"]["note"]
+    code, out, _ = run_cli([*args, "--output-dist", "exponential"], capsys)
+    d = json.loads(out)
+    assert code == 0 and "note" not in d["simulation"]
+    assert d["simulation"]["ttft_s"]["p50"] == pytest.approx(d["ttft_s"], rel=0.25)
