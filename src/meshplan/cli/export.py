@@ -331,9 +331,9 @@ def serve_from(path: str, *, hardware: str, input_len: int, output_len: int, chi
         check_context_window(load_model(name), sj.max_model_len,
                              f"the command's maximum context ({sj.max_model_len} tokens)",
                              "lower the command's --max-model-len/--context-length")
-    if sj.max_model_len is not None and input_len + output_len > sj.max_model_len:
-        fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
-             f"{sj.max_model_len}")
+        if input_len + output_len > sj.max_model_len:
+            fail(f"--input-len + --output-len = {input_len + output_len} exceeds the file's maximum context "
+                 f"{sj.max_model_len}")
     # timed as the file's engine runs it: that engine's defaults (serve --engine) and the file's own step token budget
     # where it sets one (its replica-wide value: the engine preset says whether attention-DP ranks divide it, as
     # SGLang's server_args.py does, or each take it whole)

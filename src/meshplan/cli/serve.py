@@ -327,6 +327,10 @@ def serve(
             fail("--simulate needs --rate (requests per second) or --concurrency (closed-loop clients)")
         if rate is None:
             rate = math.inf  # closed loop at full speed: each client sends its next request as the last one ends
+    if trace:  # before the search: a request the model cannot hold fails now (load_model is cached for the plan)
+        longest = max(i + o for i, o in trace)
+        check_context_window(load_model(model), longest,
+                             f"the length trace's longest request ({longest} tokens, input + output)")
     out = plan_serving(model, hardware, chips, input_len, output_len, batch=batch, tp=tp, pp=pp, ep=ep,
                        quant=quant, kv_quant=kv_quant, tpot_target=tpot_target, ttft_target=ttft_target,
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
@@ -334,9 +338,6 @@ def serve(
                        frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache,
                        max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts)
     m, chip, eff, w, best = out.pop("_objects")
-    if trace:
-        longest = max(i + o for i, o in trace)
-        check_context_window(m, longest, f"the length trace's longest request ({longest} tokens, input + output)")
     if do_simulate:
         # the plan's batch is the replica's slots; its KV cache holds what memory gives it, whatever the slots
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,

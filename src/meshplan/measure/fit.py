@@ -184,15 +184,20 @@ def _fit_attention(recs: list[Record], chip: Chip, curves: dict[str, Any], prefi
     peak = chip.peak("bf16")
     longest = sorted({r["seq"] for r in recs})[-2:]
     fwd_of = {r["seq"]: r for r in recs if r["name"].startswith("fwd T")}
-    both = [r for r in recs if "bwd_time_s" in r]
-    resolved = [r for r in both if backward_resolved(fwd_of.get(r["seq"]), r)]
+    resolved: list[Record] = []
+    unresolved: list[str] = []
+    for r in recs:
+        if "bwd_time_s" in r:
+            if backward_resolved(fwd_of.get(r["seq"]), r):
+                resolved.append(r)
+            else:
+                unresolved.append(r["name"])
     fwd = [r["fraction"] for r in fwd_of.values() if r["seq"] in longest]
     bwd = [r["work"] * ratio / (r["bwd_time_s"] * peak) for r in resolved if r["seq"] in longest]
     curves[curves_key] = {"impl": recs[0]["impl"], "lengths": longest, "bwd_flops_ratio": ratio,
                           "fwd": {str(r["seq"]): r["fraction"] for r in fwd_of.values()},
                           "bwd": {str(r["seq"]): r["work"] * ratio / (r["bwd_time_s"] * peak) for r in resolved},
                           "head_shapes": {r["name"]: r["fraction"] for r in sweep if r["name"].startswith("fwd T")}}
-    unresolved = [r["name"] for r in both if r not in resolved]
     if unresolved:
         curves[curves_key]["bwd_unresolved"] = unresolved  # reported, left out of the fit
     out = {f"{prefix}_fwd_fraction": _median(fwd)} if fwd else {}
