@@ -309,6 +309,13 @@ def test_a_request_past_the_models_context_window_is_one_error(capsys, tmp_path)
     code, _, _ = run_cli(["serve", "--model", str(tmp_path / "m.json"), "--hardware", "h100-sxm", "--chips", "1",
                           "--input-len", "8000", "--output-len", "512"], capsys)
     assert code == 0
+    # a config that declares its window under GPT-2's key is refused naming that key (session 25)
+    cfg["n_positions"] = 4096
+    (tmp_path / "g.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["serve", "--model", str(tmp_path / "g.json"), "--hardware", "h100-sxm", "--chips", "1",
+                            "--input-len", "8000", "--output-len", "512"], capsys)
+    assert code == 2 and "(n_positions in its config.json)" in err
+    assert "max_position_embeddings" not in err
 
 
 def test_a_fixed_length_closed_loop_says_its_clients_run_in_step(capsys):

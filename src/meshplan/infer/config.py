@@ -417,7 +417,7 @@ def check_context_window(m: ModelConfig, tokens: int, what: str,
     positions has no embedding for a later position."""
     if m.context_declared and tokens > m.max_seq_len:
         raise MeshplanError(f"{what} is longer than {m.name}'s context window of {m.max_seq_len} tokens "
-                            f"(max_position_embeddings in its config.json): vLLM, SGLang and TensorRT-LLM refuse it; {fix}")
+                            f"({m.context_field} in its config.json): vLLM, SGLang and TensorRT-LLM refuse it; {fix}")
 
 
 def kv_heads_per_chip(m: ModelConfig, tp: int) -> int:

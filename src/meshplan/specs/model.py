@@ -41,6 +41,8 @@ class ModelConfig:
     # whether the config names its context window (max_position_embeddings, n_positions or seq_length); where it
     # does not, max_seq_len is a default and nothing is refused for exceeding it
     context_declared: bool = True
+    # the config.json key that declares it (named in the error that refuses a longer request)
+    context_field: str = "max_position_embeddings"
     mlp_act: str = "swiglu"
     tied_embeddings: bool = False
     position: str = "rotary"  # rotary | learned | alibi
@@ -464,7 +466,8 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     if family == "gpt_oss":
         qkv_bias = True
     seq = _int(cfg, origin, "max_position_embeddings", "n_positions", "seq_length", default=4096)
-    context_declared = any(cfg.get(k) is not None for k in ("max_position_embeddings", "n_positions", "seq_length"))
+    declared = [k for k in ("max_position_embeddings", "n_positions", "seq_length") if cfg.get(k) is not None]
+    context_declared = bool(declared)
     windows, kind = _layer_windows(cfg, family, L, origin)
     norms_per_layer = 2
     if gemma and family != "gemma":
@@ -487,7 +490,8 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
     expert_dtype = method if family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
-        max_seq_len=seq, context_declared=context_declared, mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
+        max_seq_len=seq, context_declared=context_declared,
+        context_field=declared[0] if declared else "max_position_embeddings", mlp_act=act, tied_embeddings=tied, position=position, rope_scaling=rope_scaling, norm=norm,
         linear_bias=linear_bias, qkv_bias=qkv_bias and not linear_bias,
         # transformers: attention_bias gives Q, K, V and O biases (Llama, Phi-3.5-MoE, ...), Qwen2's only Q/K/V
         out_bias=qkv_bias and not linear_bias and family not in ("qwen2", "qwen2_moe"),
