@@ -75,8 +75,12 @@ def mode(e: dict) -> str:
 
 def source_harness(e: dict, rules: dict) -> str | None:
     """The harness the row's source ran (serving_assumptions.yaml harness_by_source, by source key), or None."""
-    key = str((e.get("source") or {}).get("key", "")) if isinstance(e.get("source"), dict) else ""
-    return (rules.get("harness_by_source") or {}).get("sources", {}).get(key.split(":", 1)[0])
+    return (rules.get("harness_by_source") or {}).get("sources", {}).get(source_key(e).split(":", 1)[0])
+
+
+def source_key(e: dict) -> str:
+    """The entry's source key (its `source.key`; '' where the source is a plain reference)."""
+    return str(e["source"].get("key", "")) if isinstance(e.get("source"), dict) else ""
 
 
 def predict(e: dict, rules: dict) -> dict:
@@ -175,11 +179,12 @@ def run(path: Path | None = None, entries: list[dict] | None = None) -> dict:
         try:
             pred = predict(e, rules)
         except MeshplanError as exc:
-            rows.append({"id": e["id"], "skipped": str(exc), "split": e.get("split"), "families": e.get("families") or []})
+            rows.append({"id": e["id"], "skipped": str(exc), "split": e.get("split"), "families": e.get("families") or [],
+                         "source_key": source_key(e)})
             continue
         meas = e["measured"]
         rows.append({"id": e["id"], "predicted": pred, "measured": meas, "split": e.get("split"),
-                     "families": e.get("families") or [],
+                     "families": e.get("families") or [], "source_key": source_key(e),
                      "error": {k: _rel(pred[k], meas.get(k)) for k in ("output_tokens_per_s", "tpot_s", "ttft_s")}})
     return {"rows": rows, "summary": _summary(rows)}
 
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, default=DATA / "serving_measurements.yaml")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-new", action="store_true", help="skip the new measurements of issue #14")
+    ap.add_argument("--no-aic", action="store_true",
+                    help="skip the external check on aiconfigurator's silicon sample (aic_silicon.py)")
     ap.add_argument("--tuning-only", action="store_true",
                     help="load only the tuning half of the new data (for choosing constants without seeing validation)")
     args = ap.parse_args(argv)
@@ -230,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         from _split import load_new_serving  # sibling helper, imported here so the module loads on its own (tests)
 
         res["new"] = run(entries=load_new_serving())
+    if not args.no_aic and args.file == DATA / "serving_measurements.yaml":
+        from _split import _visible
+        from aic_silicon import load as load_aic
+
+        res["aic"] = run(entries=_visible(load_aic()))
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         print()
@@ -239,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n## Issue #14: new published serving measurements")
             print_report(res["new"])
             print_halves(res, res["new"]["rows"])
+        if "aic" in res:
+            print_aic(res["aic"]["rows"])
     return 0
 
 
@@ -278,6 +292,31 @@ def print_halves(res: dict, rows: list[dict]) -> dict:
     for r in rows:
         if "skipped" in r:
             print(f"UNPLANNABLE {r['id']} ({r.get('split')}): {r['skipped']}")
+    return out
+
+
+def print_aic(rows: list[dict]) -> dict:
+    """The external check (aic_silicon.py): aiconfigurator's silicon sample, per half and per measurement campaign
+    (its source key), TPOT and TTFT, apart from issue #14's tables: its rows come from a benchmark database dump that
+    does not record the deployments' engine flags or the benchmark client's settings, which every entry of
+    serving_measurements_new.yaml quotes from its source."""
+    from _split import SPLITS, error_stats, format_stats_row
+
+    print("\n## External check: aiconfigurator silicon sample (closed loop, fixed lengths; aic_silicon.py)")
+    print("| half / campaign / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
+    print("|" + "---|" * 7)
+    out = {}
+    keys = sorted({r["source_key"] for r in rows})
+    for h in SPLITS:
+        for label_key in ["all"] + keys:
+            rs = [r for r in rows if r.get("split") == h and label_key in ("all", r["source_key"])]
+            for key, label, _ in QUANTITIES[1:]:
+                errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
+                if errs:
+                    name = label_key.split(":", 1)[-1]
+                    st = error_stats(errs)
+                    out[f"{h}/{name}/{key}"] = st
+                    print(format_stats_row(f"{h} / {name} / {label}", st, sum("skipped" in r for r in rs)))
     return out
 
 

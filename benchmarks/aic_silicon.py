@@ -1,0 +1,132 @@
+"""Published closed-loop serving measurements from NVIDIA's aiconfigurator (issue #14, session 25): import and load.
+
+Source: ai-dynamo/aiconfigurator (Apache-2.0) at commit 095f58a51, aic-core/src/aiconfigurator_core/systems/
+silicon_sample.csv, "real e2e measurements with provenance; a 2026-04 dump of the internal benchmark DB"
+(docs/design/prediction_regression_gate_design.md §2.5). Each row is one aggregated deployment (one engine doing
+prefill and decode) of a model on a system with an engine release, benchmarked by a closed loop of
+`silicon_concurrency` clients at fixed input/output lengths: its mean TTFT and mean TPOT in ms. The figures carry
+over; no code of that project does.
+
+    python benchmarks/aic_silicon.py --upstream path/to/silicon_sample.csv   # rewrites data/aic_silicon_dense.csv
+
+The import keeps the rows meshplan can state exactly (chosen in session 25 before any prediction was compared,
+except the three Llama 3.1 70B tables, whose predictions were looked at once before the split was computed; no
+constant was chosen from them): mode agg, systems h100_sxm and h200_sxm, dense models with a preset (Llama 3.1 8B and
+70B, Qwen3 32B), one pipeline stage. Rules, the same for every row:
+  - source key (the split's unit, benchmarks/_split.py): one measurement campaign, 'aic-silicon-2026-04:' + system /
+    backend / release / model, the folder structure of the rows' own source_file provenance;
+  - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16; KV dtype unstated (serving_assumptions.yaml
+    missing_kv_dtype);
+  - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x);
+  - server path unstated: the engine's own HTTP server (infer.config.LAUNCH_SERVER_PATHS; trtllm-serve has none
+    known), since a client timing TTFT over HTTP always crosses one (serving_assumptions.yaml aic_server_path);
+  - clients: a closed loop of `silicon_concurrency` clients (the closed-form's `clients`), lengths fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+SUBSET = DATA / "aic_silicon_dense.csv"
+COMMIT = "095f58a51"
+URL = ("https://github.com/ai-dynamo/aiconfigurator/blob/095f58a51/aic-core/src/aiconfigurator_core/systems/"
+       "silicon_sample.csv")
+TITLE = ("ai-dynamo/aiconfigurator silicon_sample.csv: real end-to-end serving measurements (2026-04 dump of "
+         "NVIDIA's benchmark DB), mean TTFT and TPOT of a closed loop at fixed lengths")
+MODELS = {"meta-llama/Llama-3.1-70B": "llama3.1-70b", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1-8b",
+          "nvidia/Llama-3.1-8B-Instruct-FP8": "llama3.1-8b", "Qwen/Qwen3-32B": "qwen3-32b"}
+SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200"}
+WEIGHTS = {"fp8": "fp8", "": "bf16"}
+FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dtype", "tp", "input_len", "output_len",
+          "concurrency", "ttft_ms", "tpot_ms", "upstream_id", "model_path", "backend_version", "provenance")
+
+
+def _int(v: str) -> int:
+    return int(float(v))
+
+
+def select(upstream: Path) -> list[dict]:
+    """The rows kept (module docstring), in the upstream order, with their source key and split."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _split import split_of
+
+    out = []
+    with upstream.open() as f:
+        for r in csv.DictReader(f):
+            if (r["mode"] != "agg" or r["system"] not in SYSTEMS or r["model_path"] not in MODELS
+                    or r["precision"] not in WEIGHTS or _int(r["pp_size"] or 1) != 1 or not r["batch_size"]):
+                continue
+            model, hw = MODELS[r["model_path"]], SYSTEMS[r["system"]]
+            # the campaign's release; the Llama 3.1 70B rows (one dated dump, 2026-04-06.csv) name none
+            release = r["backend_version"] or "unversioned"
+            key = f"aic-silicon-2026-04:{r['system']}/{r['backend']}/{release}/{model}"
+            tp, c = _int(r["tp_size"]), _int(r["batch_size"])
+            out.append({
+                "id": f"aic_{r['system']}_{r['backend']}_{release}_{model}_{r['precision'] or 'bf16'}_tp{tp}_"
+                      f"{r['isl']}_{r['osl']}_c{c}".replace(".", "p").replace("-", "_"),
+                "source_key": key, "split": split_of(key), "model": model, "hardware": hw, "engine": r["backend"],
+                "weight_dtype": WEIGHTS[r["precision"]], "tp": tp, "input_len": _int(r["isl"]),
+                "output_len": _int(r["osl"]), "concurrency": c, "ttft_ms": float(r["silicon_ttft_ms"]),
+                "tpot_ms": float(r["silicon_tpot_ms"]), "upstream_id": r["id"], "model_path": r["model_path"],
+                "backend_version": r["backend_version"], "provenance": r["silicon_data_source"]})
+    return out
+
+
+def write_subset(rows: list[dict], path: Path = SUBSET) -> None:
+    with path.open("w", newline="") as f:
+        f.write(f"# Subset of ai-dynamo/aiconfigurator@{COMMIT} aic-core/src/aiconfigurator_core/systems/silicon_sample.csv\n"
+                "# (Apache-2.0; measured figures, NVIDIA). Rows and columns kept, renamed and mapped by "
+                "benchmarks/aic_silicon.py (its docstring states the rules); ttft_ms/tpot_ms, concurrency, tp and\n"
+                "# lengths are the upstream silicon_ttft_ms/silicon_tpot_ms, batch_size, tp_size and isl/osl "
+                "verbatim; provenance is the upstream silicon_data_source.\n")
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def load(path: Path = SUBSET) -> list[dict]:
+    """The subset as serving_measurements_new.yaml entries (serving_accuracy.predict reads them unchanged)."""
+    from meshplan.infer.config import LAUNCH_SERVER_PATHS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _split import split_of
+
+    with path.open() as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    entries = []
+    for r in rows:
+        if r["split"] != split_of(r["source_key"]):
+            raise ValueError(f"{r['id']}: split {r['split']} is not the rule's for {r['source_key']}")
+        c, tp = int(r["concurrency"]), int(r["tp"])
+        entries.append({
+            "id": r["id"], "split": r["split"], "families": ["serving_ttft_itl_under_load", "serving_aic_silicon"],
+            "source": {"key": r["source_key"], "title": TITLE, "url": URL,
+                       "where": f"row {r['upstream_id']} ({r['model_path']}, {r['engine']} "
+                                f"{r['backend_version'] or 'release unstated'}): closed loop, concurrency {c}",
+                       "date": "2026-04 (DB dump)"},
+            "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
+            "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
+            "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch", "engine": r["engine"],
+            "frontend": LAUNCH_SERVER_PATHS.get(r["engine"]),
+            "measured": {"output_tokens_per_s": None, "tpot_s": float(r["tpot_ms"]) / 1e3,
+                         "ttft_s": float(r["ttft_ms"]) / 1e3},
+            "notes": f"aiconfigurator silicon sample; provenance: {r['provenance']}"})
+    return entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--upstream", type=Path, required=True, help="aiconfigurator's silicon_sample.csv")
+    args = ap.parse_args(argv)
+    rows = select(args.upstream)
+    write_subset(rows)
+    print(f"{len(rows)} rows -> {SUBSET}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
