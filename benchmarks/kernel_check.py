@@ -1,0 +1,131 @@
+"""meshplan's kernel-level terms against NVIDIA's measured H100 kernel tables (aiconfigurator's database).
+
+    python benchmarks/kernel_check.py [--json]
+
+Three tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
+header), each compared with the meshplan term that times the same operation, unchanged:
+
+  nccl-tests on 2/4/8 H100 SXM (all_gather, reduce_scatter, all_reduce; 64 KiB - 512 MiB)
+      cost.collectives.group_collective on an h100-sxm node: the collectives model training and serving share
+  vLLM 0.14's custom all-reduce in a CUDA graph (TP 2/4/8, up to 8 MiB)
+      infer.step._allreduce_s for a vLLM layout: the serving step's TP all-reduce
+  vLLM 0.14's bf16 GEMMs at decode batches (m <= 256, weights >= 64 MiB)
+      the serving step's GEMM term (gemm_check.predictions "serving": max of the weight read and the matmul, plus
+      one kernel overhead)
+
+Nothing here is fed back into meshplan: it reports. Error = predicted / measured - 1 (positive: meshplan slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from gemm_check import predictions
+
+from meshplan.cost.collectives import group_collective
+from meshplan.cost.topology import make_cluster
+from meshplan.infer.config import ServeConfig
+from meshplan.infer.step import _allreduce_s
+from meshplan.specs.hardware import load_chip
+
+DATA = Path(__file__).parent / "data"
+CHIP = "h100-sxm"
+OPS = {"all_gather": "allgather", "reduce_scatter": "reducescatter", "all_reduce": "allreduce"}
+MIB = 2**20
+
+
+def _rows(name: str) -> list[dict]:
+    with (DATA / name).open() as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def _bin(nbytes: float, edges: tuple[float, ...]) -> str:
+    lo = max((e for e in edges if e <= nbytes), default=edges[0])
+    hi = min((e for e in edges if e > nbytes), default=None)
+    def fmt(b: float) -> str:
+        return f"{b / MIB:g} MiB" if b >= MIB else f"{b / 1024:g} KiB"
+
+    return f"{fmt(lo)} - {fmt(hi) if hi else '...'}"
+
+
+def _stats(errs: list[float]) -> dict:
+    return {"n": len(errs), "signed_median": statistics.median(errs), "median_abs": statistics.median(abs(e) for e in errs)}
+
+
+def nccl(chip) -> dict:
+    """group_collective vs nccl-tests, by op, GPUs and message size."""
+    out: dict[str, dict] = {}
+    edges = (64 * 1024, MIB, 16 * MIB, 128 * MIB)
+    groups: dict[tuple, list[float]] = {}
+    for r in _rows("aic_h100_nccl_tests.csv"):
+        g, b = int(r["gpus"]), float(r["bytes"])
+        pred = group_collective(OPS[r["op"]], b, make_cluster(chip, g), g).time_s
+        groups.setdefault((r["op"], g, _bin(b, edges)), []).append(pred / (float(r["time_us"]) * 1e-6) - 1.0)
+    for (op, g, b), errs in groups.items():  # inserted in the file's order: op, GPUs, size
+        out[f"{op} x{g} {b}"] = _stats(errs)
+    return out
+
+
+def custom_allreduce(chip) -> dict:
+    """The serving step's TP all-reduce (vLLM layout) vs vLLM's custom all-reduce in a CUDA graph."""
+    out: dict[str, dict] = {}
+    edges = (256.0, 64 * 1024, MIB)
+    groups: dict[tuple, list[float]] = {}
+    cfg = ServeConfig(engine="vllm")
+    for r in _rows("aic_h100_vllm_custom_allreduce.csv"):
+        g, b = int(r["gpus"]), float(r["bytes"])
+        pred = _allreduce_s(chip, cfg, b, g)
+        groups.setdefault((g, _bin(b, edges)), []).append(pred / (float(r["time_us"]) * 1e-6) - 1.0)
+    for (g, b), errs in groups.items():  # the file's order: GPUs, size
+        out[f"tp{g} {b}"] = _stats(errs)
+    return out
+
+
+def decode_gemm(chip) -> dict:
+    """The serving step's GEMM term vs vLLM's bf16 GEMMs at decode batches, by m."""
+    rows = [(1, int(r["m"]), int(r["n"]), int(r["k"]), float(r["time_us"]) * 1e-6)
+            for r in _rows("aic_h100_vllm_decode_gemm_bf16.csv")]
+    pred = predictions(rows, chip)["serving"]
+    groups: dict[str, list[float]] = {}
+    for (_, m, _, _, t), p in zip(rows, pred, strict=True):
+        label = "m = 1" if m == 1 else "m 2-32" if m <= 32 else "m 48-128" if m <= 128 else "m 160-256"
+        groups.setdefault(label, []).append(float(p) / t - 1.0)
+    order = ("m = 1", "m 2-32", "m 48-128", "m 160-256")
+    return {k: _stats(groups[k]) for k in order if k in groups}
+
+
+def report() -> dict:
+    chip = load_chip(CHIP)
+    return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
+            "decode_gemm_bf16": decode_gemm(chip)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    res = report()
+    if args.json:
+        json.dump(res, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}")
+    print(f"meshplan's terms on {res['chip']} vs aiconfigurator's measured H100 tables; "
+          "error = predicted / measured - 1 (positive: meshplan slower)")
+    for title, key in (("nccl-tests (collectives model)", "nccl_tests"),
+                       ("vLLM custom all-reduce, CUDA graph (serving step's TP all-reduce)", "vllm_custom_allreduce"),
+                       ("vLLM bf16 GEMM at decode batches (serving step's GEMM term)", "decode_gemm_bf16")):
+        print(f"\n### {title}\n| group | n | signed median | median abs |\n|---|---|---|---|")
+        for g, s in res[key].items():
+            print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""benchmarks/kernel_check.py (session 25): NVIDIA's measured H100 kernel tables read in the units their headers state,
+and meshplan's terms compared with every row. The tables are checked against the H100's datasheet, independently of
+meshplan: no decode GEMM streams its weights faster than the HBM's 3.35 TB/s, no ring reduce-scatter or all-gather
+moves more than NVLink's 450 GB/s per GPU, and times grow with message size."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import kernel_check  # noqa: E402
+
+H100_HBM_BYTES_PER_S = 3.35e12  # NVIDIA H100 SXM5 datasheet
+H100_NVLINK_BYTES_PER_S = 450e9  # 18 NVLink 4 links x 25 GB/s per direction
+
+
+def test_the_tables_read_in_the_units_their_headers_state() -> None:
+    gemms = kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv")
+    assert len(gemms) > 900
+    for r in gemms:
+        weights_bytes = int(r["n"]) * int(r["k"]) * 2
+        assert weights_bytes / (float(r["time_us"]) * 1e-6) < H100_HBM_BYTES_PER_S
+    nccl = kernel_check._rows("aic_h100_nccl_tests.csv")
+    for r in nccl:
+        g, b, t = int(r["gpus"]), float(r["bytes"]), float(r["time_us"]) * 1e-6
+        if r["op"] != "all_reduce":  # a ring RS / AG busbw = (g-1)/g x bytes / time (nccl-tests PERFORMANCE.md)
+            assert (g - 1) / g * b / t < H100_NVLINK_BYTES_PER_S
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        big = [float(r["time_us"]) for r in nccl if r["op"] == op and r["gpus"] == "8" and float(r["bytes"]) >= 2**24]
+        assert big == sorted(big) and len(big) >= 5
+
+
+def test_every_row_gets_a_prediction() -> None:
+    res = kernel_check.report()
+    assert res["chip"] == "h100-sxm"
+    n = {k: sum(s["n"] for s in res[k].values()) for k in ("nccl_tests", "vllm_custom_allreduce", "decode_gemm_bf16")}
+    assert n == {"nccl_tests": len(kernel_check._rows("aic_h100_nccl_tests.csv")),
+                 "vllm_custom_allreduce": len(kernel_check._rows("aic_h100_vllm_custom_allreduce.csv")),
+                 "decode_gemm_bf16": len(kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv"))}
+    assert all(math.isfinite(s["signed_median"]) for k in n for s in res[k].values())
