@@ -7,16 +7,20 @@ prefill and decode) of a model on a system with an engine release, benchmarked b
 `silicon_concurrency` clients at fixed input/output lengths: its mean TTFT and mean TPOT in ms. The figures carry
 over; no code of that project does.
 
-    python benchmarks/aic_silicon.py --upstream path/to/silicon_sample.csv   # rewrites data/aic_silicon_dense.csv
+    python benchmarks/aic_silicon.py --upstream path/to/silicon_sample.csv   # rewrites data/aic_silicon_subset.csv
 
 The import keeps the rows meshplan can state exactly (chosen in session 25 before any prediction was compared,
 except the three Llama 3.1 70B tables, whose predictions were looked at once before the split was computed; no
-constant was chosen from them): mode agg, systems h100_sxm and h200_sxm, dense models with a preset (Llama 3.1 8B and
-70B, Qwen3 32B), one pipeline stage. Rules, the same for every row:
+constant was chosen from them): mode agg, systems h100_sxm and h200_sxm, models with a preset (Llama 3.1 8B and 70B,
+Qwen3 32B; the MoE Qwen3 235B-A22B FP8 and gpt-oss-120b, added second, also before any comparison), one pipeline
+stage. Rules, the same for every row:
   - source key (the split's unit, benchmarks/_split.py): one measurement campaign, 'aic-silicon-2026-04:' + system /
     backend / release / model, the folder structure of the rows' own source_file provenance;
-  - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16; KV dtype unstated (serving_assumptions.yaml
+  - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16, fp4 -> mxfp4 for gpt-oss (its released MXFP4
+    experts; Hopper has no FP4 GEMM) and dropped elsewhere; KV dtype unstated (serving_assumptions.yaml
     missing_kv_dtype);
+  - MoE layout: the experts over the TP group, moe_tp_size x moe_ep_size = tp_size (else dropped), ep = moe_ep_size;
+    attention data parallel where attention_dp_size equals tp_size, none where it is 1 or unset (else dropped);
   - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x);
   - server path unstated: the engine's own HTTP server (infer.config.LAUNCH_SERVER_PATHS; trtllm-serve has none
     known), since a client timing TTFT over HTTP always crosses one (serving_assumptions.yaml aic_server_path);
@@ -31,18 +35,37 @@ import sys
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
-SUBSET = DATA / "aic_silicon_dense.csv"
+SUBSET = DATA / "aic_silicon_subset.csv"
 COMMIT = "095f58a51"
 URL = ("https://github.com/ai-dynamo/aiconfigurator/blob/095f58a51/aic-core/src/aiconfigurator_core/systems/"
        "silicon_sample.csv")
 TITLE = ("ai-dynamo/aiconfigurator silicon_sample.csv: real end-to-end serving measurements (2026-04 dump of "
          "NVIDIA's benchmark DB), mean TTFT and TPOT of a closed loop at fixed lengths")
 MODELS = {"meta-llama/Llama-3.1-70B": "llama3.1-70b", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1-8b",
-          "nvidia/Llama-3.1-8B-Instruct-FP8": "llama3.1-8b", "Qwen/Qwen3-32B": "qwen3-32b"}
+          "nvidia/Llama-3.1-8B-Instruct-FP8": "llama3.1-8b", "Qwen/Qwen3-32B": "qwen3-32b",
+          "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b", "openai/gpt-oss-120b": "gpt-oss-120b"}
+MOE_FAMILIES = {"qwen3-235b-a22b": ["serving_moe", "serving_moe_fine_grained"],  # 128 experts, top-8
+                "gpt-oss-120b": ["serving_moe"]}  # 128 experts, top-4
 SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200"}
 WEIGHTS = {"fp8": "fp8", "": "bf16"}
-FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dtype", "tp", "input_len", "output_len",
-          "concurrency", "ttft_ms", "tpot_ms", "upstream_id", "model_path", "backend_version", "provenance")
+FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dtype", "tp", "ep", "attention_dp",
+          "input_len", "output_len", "concurrency", "ttft_ms", "tpot_ms", "upstream_id", "model_path",
+          "backend_version", "provenance")
+
+
+def _weights(model: str, precision: str) -> str | None:
+    if model == "gpt-oss-120b" and precision == "fp4":
+        return "mxfp4"
+    return WEIGHTS.get(precision)
+
+
+def _moe_layout(r: dict, tp: int) -> tuple[int, bool] | None:
+    """(ep, attention data parallel) of an MoE row, None where the row's layout is outside the rules."""
+    mtp, mep = _int(r["moe_tp_size"] or 1), _int(r["moe_ep_size"] or 1)
+    adp = _int(r["attention_dp_size"] or 1)
+    if mtp * mep != tp or adp not in (1, tp):
+        return None
+    return mep, adp == tp and tp > 1
 
 
 def _int(v: str) -> int:
@@ -54,22 +77,30 @@ def select(upstream: Path) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _split import split_of
 
-    out = []
+    out, seen = [], {}
     with upstream.open() as f:
         for r in csv.DictReader(f):
             if (r["mode"] != "agg" or r["system"] not in SYSTEMS or r["model_path"] not in MODELS
-                    or r["precision"] not in WEIGHTS or _int(r["pp_size"] or 1) != 1 or not r["batch_size"]):
+                    or _int(r["pp_size"] or 1) != 1 or not r["batch_size"]):
                 continue
             model, hw = MODELS[r["model_path"]], SYSTEMS[r["system"]]
+            weights = _weights(model, r["precision"])
+            layout = _moe_layout(r, _int(r["tp_size"])) if model in MOE_FAMILIES else (1, False)
+            if weights is None or layout is None:
+                continue
             # the campaign's release; the Llama 3.1 70B rows (one dated dump, 2026-04-06.csv) name none
             release = r["backend_version"] or "unversioned"
             key = f"aic-silicon-2026-04:{r['system']}/{r['backend']}/{release}/{model}"
             tp, c = _int(r["tp_size"]), _int(r["batch_size"])
+            rid = (f"aic_{r['system']}_{r['backend']}_{release}_{model}_{r['precision'] or 'bf16'}_tp{tp}"
+                   f"{f'_ep{layout[0]}' if layout[0] > 1 else ''}{'_adp' if layout[1] else ''}_"
+                   f"{r['isl']}_{r['osl']}_c{c}").replace(".", "p").replace("-", "_")
+            seen[rid] = seen.get(rid, 0) + 1  # a configuration measured again keeps each measurement: _r2, _r3, ...
             out.append({
-                "id": f"aic_{r['system']}_{r['backend']}_{release}_{model}_{r['precision'] or 'bf16'}_tp{tp}_"
-                      f"{r['isl']}_{r['osl']}_c{c}".replace(".", "p").replace("-", "_"),
+                "id": rid if seen[rid] == 1 else f"{rid}_r{seen[rid]}",
                 "source_key": key, "split": split_of(key), "model": model, "hardware": hw, "engine": r["backend"],
-                "weight_dtype": WEIGHTS[r["precision"]], "tp": tp, "input_len": _int(r["isl"]),
+                "weight_dtype": weights, "tp": tp, "ep": layout[0], "attention_dp": int(layout[1]),
+                "input_len": _int(r["isl"]),
                 "output_len": _int(r["osl"]), "concurrency": c, "ttft_ms": float(r["silicon_ttft_ms"]),
                 "tpot_ms": float(r["silicon_tpot_ms"]), "upstream_id": r["id"], "model_path": r["model_path"],
                 "backend_version": r["backend_version"], "provenance": r["silicon_data_source"]})
@@ -103,7 +134,8 @@ def load(path: Path = SUBSET) -> list[dict]:
             raise ValueError(f"{r['id']}: split {r['split']} is not the rule's for {r['source_key']}")
         c, tp = int(r["concurrency"]), int(r["tp"])
         entries.append({
-            "id": r["id"], "split": r["split"], "families": ["serving_ttft_itl_under_load", "serving_aic_silicon"],
+            "id": r["id"], "split": r["split"],
+            "families": ["serving_ttft_itl_under_load", "serving_aic_silicon", *MOE_FAMILIES.get(r["model"], [])],
             "source": {"key": r["source_key"], "title": TITLE, "url": URL,
                        "where": f"row {r['upstream_id']} ({r['model_path']}, {r['engine']} "
                                 f"{r['backend_version'] or 'release unstated'}): closed loop, concurrency {c}",
@@ -111,6 +143,7 @@ def load(path: Path = SUBSET) -> list[dict]:
             "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
             "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
             "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch", "engine": r["engine"],
+            "ep": int(r["ep"]), "attention_dp": bool(int(r["attention_dp"])),
             "frontend": LAUNCH_SERVER_PATHS.get(r["engine"]),
             "measured": {"output_tokens_per_s": None, "tpot_s": float(r["tpot_ms"]) / 1e3,
                          "ttft_s": float(r["ttft_ms"]) / 1e3},

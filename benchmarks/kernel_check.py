@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_check.py [--json]
 
-Three tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
+Four tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
 header), each compared with the meshplan term that times the same operation, unchanged:
 
   nccl-tests on 2/4/8 H100 SXM (all_gather, reduce_scatter, all_reduce; 64 KiB - 512 MiB)
@@ -12,6 +12,9 @@ header), each compared with the meshplan term that times the same operation, unc
   vLLM 0.14's bf16 GEMMs at decode batches (m <= 256, weights >= 64 MiB)
       the serving step's GEMM term (gemm_check.predictions "serving": max of the weight read and the matmul, plus
       one kernel overhead)
+  vLLM 0.14's fused_moe and TensorRT-LLM 1.2's CUTLASS MoE layers (bf16 / fp8 / fp8_block, 11 expert shapes)
+      the rate the serving step streams touched experts at (hbm_fraction x serving.yaml moe_expert_stream_ratio,
+      which moe_stream_ratio_points derives from this table)
 
 Nothing here is fed back into meshplan: it reports. Error = predicted / measured - 1 (positive: meshplan slower).
 """
@@ -100,10 +103,70 @@ def decode_gemm(chip) -> dict:
     return {k: _stats(groups[k]) for k in order if k in groups}
 
 
+MOE_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
+# bins of rows per touched expert (upper edges) and the x each bin's ratio is placed at in serving.yaml
+MOE_BINS = ((2.0, (1.0, 2.0)), (3.0, (2.5,)), (4.0, (3.5,)), (6.0, (5.0,)), (8.0, (7.0,)), (16.0, (12.0,)))
+
+
+def moe_layer_rows(chip) -> list[dict]:
+    """Each measured MoE layer with its rows per touched expert, its touched expert bytes on one GPU and the expert
+    streaming rate the measurement implies once meshplan's own fixed terms of that layer are taken out (the per-kernel
+    overhead of the router, top-k, permute and finalize kernels and of the gate/up, activation and down kernels, and
+    the permute traffic: step.py's kernel and moe_permute terms), as a fraction of the HBM peak."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.config import serving_constant
+
+    eff = default_efficiency(chip)
+    fixed_kernels = serving_constant("moe_routing_kernels_per_layer", chip) + 3  # + gate/up, activation, down
+    W = chip.hbm_bandwidth_bytes_per_s
+    out = []
+    for r in _rows("aic_h100_moe_layers.csv"):
+        T, k, E = int(r["tokens"]), int(r["topk"]), int(r["experts"])
+        h, f = int(r["hidden"]), int(r["inter"])
+        touched = E * (1.0 - (1.0 - k / E) ** T)  # math.transformer.touched_experts
+        nbytes = touched * 3 * h * f * MOE_BYTES[r["dtype"]] / (int(r["moe_tp"]) * int(r["moe_ep"]))
+        permute = 2.0 * T * h * (k + 1) * 2.0 / (W * eff.hbm_fraction)  # step.py moe_permute, bf16 activations
+        t = float(r["time_us"]) * 1e-6 - fixed_kernels * eff.kernel_overhead_s - permute
+        out.append({"fw": r["fw"], "rows": T * k / touched, "bytes": nbytes, "fraction": nbytes / (t * W) if t > 0
+                    else float("inf")})
+    return out
+
+
+def moe_stream_ratio_points(chip) -> list[list[float]]:
+    """serving.yaml moe_expert_stream_ratio, recomputed: the median streaming fraction of each bin of rows per touched
+    expert (both engines and the three formats pooled) over the median of the plateau bin (8 - 16 rows)."""
+    rows = moe_layer_rows(chip)
+    medians, lo = [], 0.0
+    for hi, xs in MOE_BINS:
+        med = statistics.median(r["fraction"] for r in rows if lo < r["rows"] <= hi)
+        medians.append((med, xs))
+        lo = hi
+    plateau = medians[-1][0]
+    return [[x, round(med / plateau, 2)] for med, xs in medians for x in xs]
+
+
+def moe_layers(chip) -> dict:
+    """The measured MoE layers' expert streaming fraction (moe_layer_rows), by engine and rows per touched expert,
+    beside the fraction meshplan's serving step streams at (hbm_fraction x moe_expert_stream_ratio)."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.config import serving_curve
+
+    hbm = default_efficiency(chip).hbm_fraction
+    rows, out, lo = moe_layer_rows(chip), {}, 0.0
+    for hi, xs in MOE_BINS:
+        for fw in ("vllm", "trtllm", "both"):
+            sel = [r["fraction"] for r in rows if lo < r["rows"] <= hi and fw in ("both", r["fw"])]
+            model = hbm * serving_curve("moe_expert_stream_ratio", chip, xs[-1])
+            out[f"{fw} {lo:g}-{hi:g} rows"] = {"n": len(sel), "measured_fraction": statistics.median(sel),
+                                               "model_fraction": model}
+        lo = hi
+    return out
+
+
 def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
-            "decode_gemm_bf16": decode_gemm(chip)}
+            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {title}\n| group | n | signed median | median abs |\n|---|---|---|---|")
         for g, s in res[key].items():
             print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% |")
+    print("\n### MoE layers, vLLM fused_moe and TensorRT-LLM CUTLASS (expert weights streamed, fraction of HBM peak)")
+    print("| engine, rows per touched expert | n | measured median | meshplan |\n|---|---|---|---|")
+    for g, s in res["moe_layers"].items():
+        print(f"| {g} | {s['n']} | {s['measured_fraction']:.2f} | {s['model_fraction']:.2f} |")
     return 0
 
 

@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_check  # noqa: E402
 
@@ -40,3 +42,28 @@ def test_every_row_gets_a_prediction() -> None:
                  "vllm_custom_allreduce": len(kernel_check._rows("aic_h100_vllm_custom_allreduce.csv")),
                  "decode_gemm_bf16": len(kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv"))}
     assert all(math.isfinite(s["signed_median"]) for k in n for s in res[k].values())
+
+
+def test_the_moe_stream_ratio_is_the_one_the_measured_layers_give() -> None:
+    """serving.yaml moe_expert_stream_ratio is derived from the measured MoE layers, not chosen: recomputing it from
+    benchmarks/data/aic_h100_moe_layers.csv gives the points the data file holds."""
+    import yaml
+
+    from meshplan.specs.hardware import load_chip
+
+    data = Path(__file__).resolve().parents[1] / "src/meshplan/cost/data/serving.yaml"
+    held = yaml.safe_load(data.read_text())["moe_expert_stream_ratio"]["gpu"]["points"]
+    assert kernel_check.moe_stream_ratio_points(load_chip("h100-sxm")) == held
+
+
+def test_a_decode_batch_of_a_fine_grained_moe_runs_one_row_per_touched_expert() -> None:
+    """gpt-oss-120b (top-4 of 128 experts) at 4 sequences: 16 routed rows touch E(1 - (1 - k/E)^4) = 15.3 experts, about
+    one row each, where the balanced share over all 128 is 0.125 (hand calculation)."""
+    from meshplan.infer.step import rows_per_touched_expert, tokens_per_expert
+    from meshplan.specs.model import load_model
+
+    m = load_model("gpt-oss-120b")
+    touched = 128 * (1 - (1 - 4 / 128) ** 4)
+    assert rows_per_touched_expert(m, 4) == pytest.approx(16 / touched) == pytest.approx(1.048, abs=1e-3)
+    assert tokens_per_expert(m, 4) == pytest.approx(0.125)
+    assert rows_per_touched_expert(m, 4096) == pytest.approx(tokens_per_expert(m, 4096))

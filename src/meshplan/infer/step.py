@@ -45,6 +45,7 @@ from meshplan.infer.config import (
     kv_heads_per_chip,
     schedules_ahead,
     serving_constant,
+    serving_curve,
 )
 from meshplan.infer.memory import (
     attention_params_per_chip,
@@ -112,6 +113,18 @@ def tokens_per_expert(m: ModelConfig, tokens: float) -> float:
     """Rows of each routed expert's GEMM when `tokens` tokens each pick k of E experts, balanced routing:
     tokens * k / E (GShard/Switch load-balanced routing; dropless engines give each expert its share)."""
     return tokens * m.experts_per_token / m.n_experts if m.is_moe else tokens
+
+
+def rows_per_touched_expert(m: ModelConfig, tokens: float) -> float:
+    """Rows of each routed expert's GEMM that the step runs: the tokens x k routed rows over the experts they touch
+    (`touched_experts`, uniform routing). Where every expert is touched (tokens x k >> E) this is tokens_per_expert;
+    at a decode batch of a fine-grained MoE (4 tokens x top-4 of gpt-oss's 128 experts) about 15 experts run about one
+    row each and the other 113 run nothing, where the balanced share tokens x k / E = 0.125 would price all 128 as
+    skinny GEMMs (session 25: gpt-oss-120b on one H200 read 43 ms a token against 7 ms measured)."""
+    if not m.is_moe:
+        return tokens
+    touched = touched_experts(m, tokens)
+    return tokens * m.experts_per_token / touched if touched > 0 else 0.0
 
 
 def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf")) -> float:
@@ -277,8 +290,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     decode_ctx = kv_cached_tokens(m, decode_ctx) if cfg.dense_kv_cache is None else float(cfg.dense_kv_cache)
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
-    # routed experts run as a grouped GEMM of one problem per expert with ~tokens*k/E rows each (vLLM fused_moe,
-    # TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
+    # routed experts run as a grouped GEMM of one problem per touched expert with ~tokens*k/E_touched rows each (vLLM
+    # fused_moe, TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
     routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
     # logits only for the sampled rows: each decode sequence and the last position of each prompt chunk
     logit_rows = decode_seqs + min(prefill_seqs, prefill_tokens)
@@ -289,8 +302,11 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     decode_pair = attention_pair_width(m, absorbed=True)
     attn_flops = 2.0 * Ls * m.n_heads / atp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
-    # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes
-    t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes) / W
+    # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes;
+    # a fused MoE layer streams its touched experts slower where each runs only a few rows (serving.yaml
+    # moe_expert_stream_ratio, measured H100 MoE layers)
+    stream = serving_curve("moe_expert_stream_ratio", chip, rows_per_touched_expert(m, tokens)) if m.is_moe else 1.0
+    t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes / stream) / W
     t_mm = 0.0
     if tokens > 0:
         # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows (the rank's under
@@ -305,7 +321,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
                 peak * _matmul_fraction(eff, cdt, logit_rows, min(m.d_model, vocab)))
         if expert_flops > 0:
             expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)  # each expert's F splits over the tp/ep chips sharing it
-            t_mm += expert_flops / (peak * _matmul_fraction(eff, cdt, tokens_per_expert(m, tokens),
+            t_mm += expert_flops / (peak * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
                                                             min(m.d_model, expert_ff)))
     t_kv = kv_bytes / W
     t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
