@@ -13,8 +13,7 @@ header), each compared with the meshplan term that times the same operation, unc
       the serving step's GEMM term (gemm_check.predictions "serving": max of the weight read and the matmul, plus
       one kernel overhead)
   vLLM 0.14's fused_moe and TensorRT-LLM 1.2's CUTLASS MoE layers (bf16 / fp8 / fp8_block, 11 expert shapes)
-      the rate the serving step streams touched experts at (hbm_fraction x serving.yaml moe_expert_stream_ratio,
-      which moe_stream_ratio_points derives from this table)
+      the rate the serving step streams touched experts at (efficiency.hbm_fraction of the HBM peak)
 
 Nothing here is fed back into meshplan: it reports. Error = predicted / measured - 1 (positive: meshplan slower).
 """
@@ -104,8 +103,7 @@ def decode_gemm(chip) -> dict:
 
 
 MOE_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
-# bins of rows per touched expert (upper edges) and the x each bin's ratio is placed at in serving.yaml
-MOE_BINS = ((2.0, (1.0, 2.0)), (3.0, (2.5,)), (4.0, (3.5,)), (6.0, (5.0,)), (8.0, (7.0,)), (16.0, (12.0,)))
+MOE_BINS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # upper edges of the rows-per-touched-expert bins
 
 
 def moe_layer_rows(chip) -> list[dict]:
@@ -123,7 +121,9 @@ def moe_layer_rows(chip) -> list[dict]:
     for r in _rows("aic_h100_moe_layers.csv"):
         T, k, E = int(r["tokens"]), int(r["topk"]), int(r["experts"])
         h, f = int(r["hidden"]), int(r["inter"])
-        touched = E * (1.0 - (1.0 - k / E) ** T)  # math.transformer.touched_experts
+        # the collector's balanced routing (collector/helper.py balanced_logits): token i picks experts i + j x ceil(E/k)
+        # (mod E), so the layer touches min(E, tokens x k) distinct experts, each at tokens x k / touched rows
+        touched = min(E, T * k)
         nbytes = touched * 3 * h * f * MOE_BYTES[r["dtype"]] / (int(r["moe_tp"]) * int(r["moe_ep"]))
         permute = 2.0 * T * h * (k + 1) * 2.0 / (W * eff.hbm_fraction)  # step.py moe_permute, bf16 activations
         t = float(r["time_us"]) * 1e-6 - fixed_kernels * eff.kernel_overhead_s - permute
@@ -132,33 +132,18 @@ def moe_layer_rows(chip) -> list[dict]:
     return out
 
 
-def moe_stream_ratio_points(chip) -> list[list[float]]:
-    """serving.yaml moe_expert_stream_ratio, recomputed: the median streaming fraction of each bin of rows per touched
-    expert (both engines and the three formats pooled) over the median of the plateau bin (8 - 16 rows)."""
-    rows = moe_layer_rows(chip)
-    medians, lo = [], 0.0
-    for hi, xs in MOE_BINS:
-        med = statistics.median(r["fraction"] for r in rows if lo < r["rows"] <= hi)
-        medians.append((med, xs))
-        lo = hi
-    plateau = medians[-1][0]
-    return [[x, round(med / plateau, 2)] for med, xs in medians for x in xs]
-
-
 def moe_layers(chip) -> dict:
     """The measured MoE layers' expert streaming fraction (moe_layer_rows), by engine and rows per touched expert,
-    beside the fraction meshplan's serving step streams at (hbm_fraction x moe_expert_stream_ratio)."""
+    beside the fraction meshplan's serving step streams touched experts at (efficiency.hbm_fraction)."""
     from meshplan.cost.efficiency import default_efficiency
-    from meshplan.infer.config import serving_curve
 
     hbm = default_efficiency(chip).hbm_fraction
     rows, out, lo = moe_layer_rows(chip), {}, 0.0
-    for hi, xs in MOE_BINS:
+    for hi in MOE_BINS:
         for fw in ("vllm", "trtllm", "both"):
             sel = [r["fraction"] for r in rows if lo < r["rows"] <= hi and fw in ("both", r["fw"])]
-            model = hbm * serving_curve("moe_expert_stream_ratio", chip, xs[-1])
             out[f"{fw} {lo:g}-{hi:g} rows"] = {"n": len(sel), "measured_fraction": statistics.median(sel),
-                                               "model_fraction": model}
+                                               "model_fraction": hbm}
         lo = hi
     return out
 

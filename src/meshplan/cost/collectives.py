@@ -71,10 +71,10 @@ def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
     pts = entry.get("points")
     if not pts or nbytes <= 0:
         return float(entry["value"])
-    return log_interp(pts, nbytes)
+    return _log_interp(pts, nbytes)
 
 
-def log_interp(pts, x: float) -> float:
+def _log_interp(pts, x: float) -> float:
     """y at `x` on measured [x, y] points sorted by x: linear in log(x) between neighbours, clamped outside."""
     (x0, y0), (x1, y1) = pts[0], pts[-1]
     if x <= x0:
@@ -95,7 +95,7 @@ def ep_dispatch_scale_out_efficiency(backend: str, nodes: float) -> float | None
     entry = _catalog().get("ep_dispatch_scale_out", {}).get(backend)
     if entry is None:
         return None
-    return log_interp(entry["points"], nodes)
+    return _log_interp(entry["points"], nodes)
 
 
 def sharp_speedup(ideal: bool) -> float:

@@ -44,19 +44,6 @@ def serving_constant(name: str, chip: Chip) -> float:
     return float(hit["value"])
 
 
-def serving_curve(name: str, chip: Chip, x: float) -> float:
-    """A sourced curve from cost/data/serving.yaml at `x` (its `points`, log-interpolated and clamped; its `value`
-    where it has none), by chip name then chip kind."""
-    from meshplan.cost.collectives import log_interp
-
-    entry = _table()[name]
-    hit = entry.get(chip.name) or entry.get(chip.kind)
-    if hit is None:
-        raise MeshplanError(f"no serving constant '{name}' for {chip.name} ({chip.kind})")
-    pts = hit.get("points")
-    return log_interp(pts, x) if pts and x > 0 else float(hit["value"])
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     """One replica's layout and number formats."""

@@ -45,7 +45,6 @@ from meshplan.infer.config import (
     kv_heads_per_chip,
     schedules_ahead,
     serving_constant,
-    serving_curve,
 )
 from meshplan.infer.memory import (
     attention_params_per_chip,
@@ -302,11 +301,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     decode_pair = attention_pair_width(m, absorbed=True)
     attn_flops = 2.0 * Ls * m.n_heads / atp * (decode_pair * decode_seqs * decode_ctx
                                                    + attention_pair_width(m) * prefill_tokens * prefill_ctx)
-    # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes;
-    # a fused MoE layer streams its touched experts slower where each runs only a few rows (serving.yaml
-    # moe_expert_stream_ratio, measured H100 MoE layers)
-    stream = serving_curve("moe_expert_stream_ratio", chip, rows_per_touched_expert(m, tokens)) if m.is_moe else 1.0
-    t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes / stream) / W
+    # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes
+    t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes) / W
     t_mm = 0.0
     if tokens > 0:
         # every GEMM at its own shape (efficiency.py): the layer's dense GEMMs at the step's rows (the rank's under
