@@ -101,3 +101,12 @@ def test_every_row_plans_and_vllm_decode_on_h200_meets_its_measurement() -> None
     errs = [r["error"]["tpot_s"] for r in rows if r["source_key"] == key]
     assert len(errs) == 60
     assert statistics.median(abs(e) for e in errs) < 0.15
+
+
+def test_tuning_only_hides_the_external_checks_validation_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serving_accuracy.py --tuning-only loads the external check through _split._visible, as it loads issue #14's
+    rows: no validation row is even loaded."""
+    monkeypatch.setenv(_split.TUNING_ONLY_ENV, "1")
+    seen = _split._visible(aic_silicon.load())
+    assert seen and {e["split"] for e in seen} == {"tuning"}
+    assert len(seen) == sum(e["split"] == "tuning" for e in ENTRIES)
