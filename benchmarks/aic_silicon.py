@@ -12,8 +12,8 @@ over; no code of that project does.
 The import keeps the rows meshplan can state exactly (chosen in session 25 before any prediction was compared,
 except the three Llama 3.1 70B tables, whose predictions were looked at once before the split was computed; no
 constant was chosen from them): mode agg, systems h100_sxm and h200_sxm, models with a preset (Llama 3.1 8B and 70B,
-Qwen3 32B; the MoE Qwen3 235B-A22B FP8 and gpt-oss-120b, added second, also before any comparison), one pipeline
-stage. Rules, the same for every row:
+Qwen3 32B; the MoE Qwen3 235B-A22B FP8 and gpt-oss-120b, added second, and DeepSeek-V3 / R1 on the deepseek-v3
+preset, added third, each before any comparison of its rows), one pipeline stage. Rules, the same for every row:
   - source key (the split's unit, benchmarks/_split.py): one measurement campaign, 'aic-silicon-2026-04:' + system /
     backend / release / model, the folder structure of the rows' own source_file provenance;
   - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16, fp4 -> mxfp4 for gpt-oss (its released MXFP4
@@ -43,9 +43,13 @@ TITLE = ("ai-dynamo/aiconfigurator silicon_sample.csv: real end-to-end serving m
          "NVIDIA's benchmark DB), mean TTFT and TPOT of a closed loop at fixed lengths")
 MODELS = {"meta-llama/Llama-3.1-70B": "llama3.1-70b", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1-8b",
           "nvidia/Llama-3.1-8B-Instruct-FP8": "llama3.1-8b", "Qwen/Qwen3-32B": "qwen3-32b",
-          "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b", "openai/gpt-oss-120b": "gpt-oss-120b"}
+          "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b", "openai/gpt-oss-120b": "gpt-oss-120b",
+          "deepseek-ai/DeepSeek-V3": "deepseek-v3", "deepseek-ai/DeepSeek-R1": "deepseek-v3"}
+# the campaign's name where two checkpoints share a preset (DeepSeek-R1 is DeepSeek-V3's architecture and FP8 format)
+CAMPAIGN_NAMES = {"deepseek-ai/DeepSeek-R1": "deepseek-r1"}
 MOE_FAMILIES = {"qwen3-235b-a22b": ["serving_moe", "serving_moe_fine_grained"],  # 128 experts, top-8
-                "gpt-oss-120b": ["serving_moe"]}  # 128 experts, top-4
+                "gpt-oss-120b": ["serving_moe"],  # 128 experts, top-4
+                "deepseek-v3": ["serving_moe", "serving_moe_fine_grained"]}  # 256 experts, top-8
 SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200"}
 WEIGHTS = {"fp8": "fp8", "": "bf16"}
 FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dtype", "tp", "ep", "attention_dp",
@@ -90,9 +94,10 @@ def select(upstream: Path) -> list[dict]:
                 continue
             # the campaign's release; the Llama 3.1 70B rows (one dated dump, 2026-04-06.csv) name none
             release = r["backend_version"] or "unversioned"
-            key = f"aic-silicon-2026-04:{r['system']}/{r['backend']}/{release}/{model}"
+            name = CAMPAIGN_NAMES.get(r["model_path"], model)
+            key = f"aic-silicon-2026-04:{r['system']}/{r['backend']}/{release}/{name}"
             tp, c = _int(r["tp_size"]), _int(r["batch_size"])
-            rid = (f"aic_{r['system']}_{r['backend']}_{release}_{model}_{r['precision'] or 'bf16'}_tp{tp}"
+            rid = (f"aic_{r['system']}_{r['backend']}_{release}_{name}_{r['precision'] or 'bf16'}_tp{tp}"
                    f"{f'_ep{layout[0]}' if layout[0] > 1 else ''}{'_adp' if layout[1] else ''}_"
                    f"{r['isl']}_{r['osl']}_c{c}").replace(".", "p").replace("-", "_")
             seen[rid] = seen.get(rid, 0) + 1  # a configuration measured again keeps each measurement: _r2, _r3, ...
