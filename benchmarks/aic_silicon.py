@@ -34,6 +34,8 @@ import csv
 import sys
 from pathlib import Path
 
+from _split import split_of  # sibling module: benchmarks/ is on the path of every script and test that loads this
+
 DATA = Path(__file__).resolve().parent / "data"
 SUBSET = DATA / "aic_silicon_subset.csv"
 COMMIT = "095f58a51"
@@ -78,9 +80,6 @@ def _int(v: str) -> int:
 
 def select(upstream: Path) -> list[dict]:
     """The rows kept (module docstring), in the upstream order, with their source key and split."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _split import split_of
-
     out, seen = [], {}
     with upstream.open() as f:
         for r in csv.DictReader(f):
@@ -127,9 +126,6 @@ def write_subset(rows: list[dict], path: Path = SUBSET) -> None:
 def load(path: Path = SUBSET) -> list[dict]:
     """The subset as serving_measurements_new.yaml entries (serving_accuracy.predict reads them unchanged)."""
     from meshplan.infer.config import LAUNCH_SERVER_PATHS
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _split import split_of
 
     with path.open() as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))

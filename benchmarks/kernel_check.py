@@ -33,7 +33,7 @@ from gemm_check import predictions
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
-from meshplan.infer.step import _allreduce_s
+from meshplan.infer.step import _allreduce_s, moe_permute_bytes
 from meshplan.specs.hardware import load_chip
 
 DATA = Path(__file__).parent / "data"
@@ -125,7 +125,7 @@ def moe_layer_rows(chip) -> list[dict]:
         # (mod E), so the layer touches min(E, tokens x k) distinct experts, each at tokens x k / touched rows
         touched = min(E, T * k)
         nbytes = touched * 3 * h * f * MOE_BYTES[r["dtype"]] / (int(r["moe_tp"]) * int(r["moe_ep"]))
-        permute = 2.0 * T * h * (k + 1) * 2.0 / (W * eff.hbm_fraction)  # step.py moe_permute, bf16 activations
+        permute = moe_permute_bytes(T, h, k, 2.0) / (W * eff.hbm_fraction)  # the step's term, bf16 activations
         t = float(r["time_us"]) * 1e-6 - fixed_kernels * eff.kernel_overhead_s - permute
         out.append({"fw": r["fw"], "rows": T * k / touched, "bytes": nbytes, "fraction": nbytes / (t * W) if t > 0
                     else float("inf")})

@@ -114,6 +114,13 @@ def tokens_per_expert(m: ModelConfig, tokens: float) -> float:
     return tokens * m.experts_per_token / m.n_experts if m.is_moe else tokens
 
 
+def moe_permute_bytes(tokens: float, d_model: int, copies: float, act_bytes: float) -> float:
+    """HBM bytes one MoE layer's permutation moves: each token's D-vector read once and written `copies` times
+    (TensorRT-LLM expandInputRows), then the copies read and one sum written (finalizeMoeRouting): 2 x tokens x D x
+    (copies + 1) elements."""
+    return 2.0 * tokens * d_model * (copies + 1) * act_bytes
+
+
 def rows_per_touched_expert(m: ModelConfig, tokens: float) -> float:
     """Rows of each routed expert's GEMM that the step runs: the tokens x k routed rows over the experts they touch
     (`touched_experts`, uniform routing). Where every expert is touched (tokens x k >> E) this is tokens_per_expert;
@@ -331,7 +338,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         # expands only the rows of its own experts, k/ep per token of the replica, and finalizes every token of the
         # replica before the reduce-scatter
         copies = m.experts_per_token / cfg.ep if cfg.attention_dp else m.experts_per_token
-        permute = Ls * 2.0 * tokens * m.d_model * (copies + 1) * cfg.act_bytes / W
+        permute = Ls * moe_permute_bytes(tokens, m.d_model, copies, cfg.act_bytes) / W
     # engines that fuse each residual add into the next RMSNorm move 8·D instead of 10·D (serving.yaml
     # engine_fused_add_norm)
     pointwise = Ls * rank_tokens * pointwise_elements_per_token(m, atp, fused_add_norm=fused_add_norm(cfg, chip)) \
