@@ -24,7 +24,9 @@ preset, added third, each before any comparison of its rows), one pipeline stage
   - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x);
   - server path unstated: the engine's own HTTP server (infer.config.LAUNCH_SERVER_PATHS; trtllm-serve has none
     known), since a client timing TTFT over HTTP always crosses one (serving_assumptions.yaml aic_server_path);
-  - clients: a closed loop of `silicon_concurrency` clients (the closed-form's `clients`), lengths fixed.
+  - clients: a closed loop of `silicon_concurrency` clients (the closed-form's `clients`), lengths fixed, sending
+    concurrency x 10 requests in all (serving_assumptions.yaml aic_requests_per_client, the project's documented
+    practice; added in session 26, after the split).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import csv
 import sys
 from pathlib import Path
 
+import yaml
 from _split import split_of  # sibling module: benchmarks/ is on the path of every script and test that loads this
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -129,6 +132,7 @@ def load(path: Path = SUBSET) -> list[dict]:
 
     with path.open() as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    rounds = int(yaml.safe_load((DATA / "serving_assumptions.yaml").read_text())["aic_requests_per_client"]["value"])
     entries = []
     for r in rows:
         if r["split"] != split_of(r["source_key"]):
@@ -144,6 +148,7 @@ def load(path: Path = SUBSET) -> list[dict]:
             "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
             "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
             "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch", "engine": r["engine"],
+            "benchmark_requests": c * rounds,
             "ep": int(r["ep"]), "attention_dp": bool(int(r["attention_dp"])),
             "frontend": LAUNCH_SERVER_PATHS.get(r["engine"]),
             "measured": {"output_tokens_per_s": None, "tpot_s": float(r["tpot_ms"]) / 1e3,

@@ -321,7 +321,9 @@ def test_a_request_past_the_models_context_window_is_one_error(capsys, tmp_path)
 def test_a_fixed_length_closed_loop_says_its_clients_run_in_step(capsys):
     """Session 24: 16 closed-loop clients of fixed 1000/200-token requests start together, finish together and send
     together, so the simulation's TTFT (prompts arriving in waves, ~0.28 s) is far from the closed form's (clients at
-    spread-out ages, ~0.04 s). The output says why; with outputs of varied length the waves spread and the two agree."""
+    spread-out ages, ~0.04 s). The output says why; with outputs of varied length the waves spread and the two agree.
+    Session 26: --requests now reaches the closed form too, whose mean counts the benchmark's first round (all 16 at
+    t = 0) beside the steady state: the mean of the simulation's TTFTs is what it predicts."""
     from conftest import run_cli
 
     args = ["serve", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--chips", "1", "--tp", "1", "--input-len",
@@ -333,4 +335,4 @@ def test_a_fixed_length_closed_loop_says_its_clients_run_in_step(capsys):
     code, out, _ = run_cli([*args, "--output-dist", "exponential"], capsys)
     d = json.loads(out)
     assert code == 0 and "note" not in d["simulation"]
-    assert d["simulation"]["ttft_s"]["p50"] == pytest.approx(d["ttft_s"], rel=0.25)
+    assert d["simulation"]["ttft_s"]["mean"] == pytest.approx(d["ttft_s"], rel=0.1)

@@ -107,7 +107,7 @@ CLI_RULES: dict[str, Rule] = {
     "headroom": Rule(0, 0.99, "a fraction of HBM", integer=False),
     "rate": Rule(0, 1e6, "requests per second; inf sends them all at once", integer=False, open_lo=True,
                  allow_inf=True),
-    "requests": Rule(1, MAX_SIM_REQUESTS, "a simulation of at most this many requests"),
+    "requests": Rule(1, MAX_SIM_REQUESTS, "a benchmark or simulation of at most this many requests"),
     "seed": Rule(0, 2**32 - 1, "numpy seeds are 32-bit"),
     "tpot_target": Rule(0, 3600, "seconds", integer=False, open_lo=True),
     "ttft_target": Rule(0, 86400, "seconds", integer=False, open_lo=True),

@@ -36,7 +36,7 @@ from meshplan.infer.harness import HARNESSES, harness_settings
 from meshplan.infer.ideal import ideal_serving, print_ideal
 from meshplan.infer.memory import max_batch_per_replica, require_fit
 from meshplan.infer.metrics import MODES
-from meshplan.infer.simulate import DISTRIBUTIONS, SimSpec, load_length_trace, simulate
+from meshplan.infer.simulate import DISTRIBUTIONS, SIM_REQUESTS, SimSpec, load_length_trace, simulate
 from meshplan.specs.hardware import load_chip, with_price
 from meshplan.specs.model import load_model
 from meshplan.units import fmt_bytes, fmt_time
@@ -63,9 +63,10 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
                  price: float | None = None, clients: int | None = None, frontend: str | None = None,
                  attention_dp: bool | None = None, dense_kv_cache: int | None = None,
                  max_num_seqs: int | None = None, harness: str | None = None,
-                 mixed_prompts: bool | None = None) -> dict:
+                 mixed_prompts: bool | None = None, requests: int | None = None) -> dict:
     """Everything `serve --json` prints except the simulation and disaggregation sections. `clients`: every candidate
-    is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica.
+    is ranked under a closed loop of that many clients (evaluate), the batch being the engine's limit per replica;
+    `requests`: that loop is a benchmark of so many requests, whose first round the mean TTFT counts.
     `attention_dp`: attention data parallel pinned on (True) or off (False); None: a fully pinned layout (--tp alone,
     or --tp --pp --ep) runs without it, a search tries both for MoE models. `harness`: every layout runs with the
     limits that benchmark harness picks for it (infer/harness.py: trtllm-bench's max_batch_size, max_num_tokens and
@@ -125,7 +126,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         if batch:
             require_fit(m, chip, cfg, eff, w, batch)
     res = search(m, chip, chips, base, eff, w, Targets(tpot_target, ttft_target), mode, tp, pp, ep, batch, clients,
-                 attention_dp, harness)
+                 attention_dp, harness, requests)
     best = res.best
     mb = max_batch_per_replica(m, chip, best.config, eff, w)
     out = best.as_dict()
@@ -154,7 +155,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         # budget holds no more prompts: ServePoint.running_batch)
         running = best.running_batch * best.replicas
         out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
-                          "queue_wait_s": best.queue_wait_s}
+                          "queue_wait_s": best.queue_wait_s, "requests": requests}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -201,7 +202,11 @@ def serve(
                                                   "and a request goes out at its arrival or when one of the clients' "
                                                   "requests finishes, whichever is later (vLLM benchmark_serving "
                                                   "--request-rate with --max-concurrency).")] = None,
-    requests: Annotated[int, typer.Option(help="Requests to simulate.")] = 200,
+    requests: Annotated[int | None, typer.Option(help="Requests the benchmark sends in all (vLLM bench --num-prompts, "
+                                                      "aiperf --request-count). With --concurrency the closed form's "
+                                                      "mean TTFT counts the first round apart, whose clients start "
+                                                      "together (default: the steady state of a loop that runs on); "
+                                                      "--simulate runs this many (default 200).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients over the deployment (each finished "
                                                          "request is replaced at once): the closed form ranks every "
                                                          "layout under them (clients beyond the batch limit wait for a "
@@ -277,17 +282,20 @@ def serve(
     if from_file is not None:
         from meshplan.cli.export import serve_from
 
-        if export or plot or html or ideal or do_simulate or disaggregate_ or concurrency \
+        if export or plot or html or ideal or do_simulate or disaggregate_ or concurrency or requests is not None \
                 or attention_dp is not None or mixed_prompts is not None \
                 or frontend or dense_kv_cache is not None:
             fail("--from predicts a server command line; it does not combine with --export, --plot, --html, --ideal, "
-                 "--simulate, --concurrency, --disaggregate, --frontend (the server's own path is timed), "
+                 "--simulate, --concurrency, --requests, --disaggregate, --frontend (the server's own path is timed), "
                  "--attention-dp, --dense-kv-cache or --mix-prompts/--prefill-first")
         if engine != "default":
             _choice("--engine", engine, engine_names())
         serve_from(from_file, hardware=hardware, input_len=input_len, output_len=output_len, chips=chips,
                    model=model, profile=profile, json_out=json_out, engine=None if engine == "default" else engine)
         return
+    if requests is not None and concurrency is None and not do_simulate:
+        fail("--requests counts a benchmark's requests: it needs --concurrency (a closed loop of clients, whose first "
+             "round the mean TTFT counts) or --simulate")
     if quant is not None:
         _choice("--quant", quant, WEIGHT_DTYPES)
     _choice("--kv-quant", kv_quant, ("bf16", "fp8", "int8"))
@@ -336,12 +344,14 @@ def serve(
                        do_search=do_search, mode=batching, profile=profile, engine=engine,
                        max_num_batched_tokens=max_num_batched_tokens, price=price, clients=concurrency,
                        frontend=frontend, attention_dp=attention_dp, dense_kv_cache=dense_kv_cache,
-                       max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts)
+                       max_num_seqs=max_num_seqs, harness=harness, mixed_prompts=mixed_prompts,
+                       requests=requests if concurrency is not None else None)
     m, chip, eff, w, best = out.pop("_objects")
     if do_simulate:
         # the plan's batch is the replica's slots; its KV cache holds what memory gives it, whatever the slots
         out["simulation"] = simulate(m, chip, chips, best.config, eff, w, best.batch,
-                                     SimSpec(rate, requests, seed, input_dist, output_dist, concurrency, trace),
+                                     SimSpec(rate, requests or SIM_REQUESTS, seed, input_dist, output_dist,
+                                             concurrency, trace),
                                      kv_batch=max(best.batch, out["max_batch_per_replica"]))
         sim = out["simulation"]
         if concurrency and not trace and input_dist == output_dist == "fixed" and sim["ttft_s"]["p50"] > 2 * out["ttft_s"]:
@@ -412,8 +422,10 @@ def _print_table(o: dict) -> None:
         t.add_row(k, v)
     if "clients" in o:
         q = o["clients"]
+        bench = (f"; a benchmark of {q['requests']:,} requests, the first round's queue in the mean TTFT"
+                 if q.get("requests") else "; steady state")
         t.add_row("closed-loop clients", f"{q['clients']:,} clients, {q['running']:,} running, {q['waiting']:,} "
-                                         f"waiting; queue wait {fmt_time(q['queue_wait_s'])}")
+                                         f"waiting; queue wait {fmt_time(q['queue_wait_s'])}{bench}")
     if "simulation" in o:
         s = o["simulation"]
         t.add_row("sim TTFT p50/p90/p99", " / ".join(fmt_time(s["ttft_s"][k]) for k in ("p50", "p90", "p99")))

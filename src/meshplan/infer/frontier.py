@@ -47,9 +47,10 @@ def batch_grid(max_batch: int) -> list[int]:
 
 def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
              mode: str = "continuous", batches: Iterable[int] | None = None,
-             clients: int | None = None) -> list[ServePoint]:
+             clients: int | None = None, requests: int | None = None) -> list[ServePoint]:
     """Metrics at each batch on the grid (or `batches`), smallest first; only batches that fit. `clients`: a closed
-    loop of that many clients, each batch then the engine's limit per replica (evaluate)."""
+    loop of that many clients, each batch then the engine's limit per replica; `requests`: the benchmark's request
+    count, whose first round the mean TTFT counts (evaluate)."""
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
     grid_batches = list(batches or batch_grid(mb))
     if batches is None and mode == "continuous" and mb >= 1:
@@ -63,7 +64,8 @@ def frontier(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     points: dict[int, ServePoint] = {}
     for b in grid:
         if min(b, cap) not in points:
-            points[min(b, cap)] = evaluate(m, chip, n_chips, cfg, eff, w, b, mode, clients=clients)
+            points[min(b, cap)] = evaluate(m, chip, n_chips, cfg, eff, w, b, mode, clients=clients,
+                                             requests=requests)
     return [points[min(b, cap)] for b in grid]
 
 
@@ -108,9 +110,11 @@ class SearchResult:
 def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Efficiency, w: Workload,
            targets: Targets = Targets(), mode: str = "continuous", tp: int | None = None, pp: int | None = None,
            ep: int | None = None, batch: int | None = None, clients: int | None = None,
-           attention_dp: bool | None = None, harness: str | None = None) -> SearchResult:
+           attention_dp: bool | None = None, harness: str | None = None,
+           requests: int | None = None) -> SearchResult:
     """Try layouts and batches; raise with the best reachable latency when no layout meets the targets. `clients`:
-    rank every candidate under a closed loop of that many clients (frontier, evaluate). `attention_dp`: pinned on or
+    rank every candidate under a closed loop of that many clients (frontier, evaluate), a benchmark of `requests` in
+    all where given. `attention_dp`: pinned on or
     off, None tries both for MoE models (layouts). `harness`: each layout runs with the engine limits that benchmark
     harness picks for it (infer/harness.py, e.g. trtllm-bench's max_batch_size and max_num_tokens)."""
     cands = layouts(m, chip, n_chips, base, tp, pp, ep, attention_dp)
@@ -132,7 +136,7 @@ def search(m: ModelConfig, chip: Chip, n_chips: int, base: ServeConfig, eff: Eff
     ranked, fastest, searched, unfit = [], [], 0, 0
     for cfg in cands:
         try:
-            pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients)
+            pts = frontier(m, chip, n_chips, cfg, eff, w, mode, [batch] if batch else None, clients, requests)
         except InfeasibleError as exc:  # this layout cannot be placed here; another may be fine
             skipped[f"tp={cfg.tp} pp={cfg.pp}{' attention-dp' if cfg.attention_dp else ''}: {exc}"] += 1
             continue

@@ -346,6 +346,69 @@ def budget_batch_limit(cfg: ServeConfig, chip: Chip, w: Workload, batch: int) ->
     return lo
 
 
+def first_round_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload,
+                       requests: int) -> float:
+    """Mean engine TTFT (no server path) of a closed loop's first round on one replica: `requests` prompts reach the
+    idle engine together at t = 0 (vLLM bench serve, aiperf and genai-perf start all their clients at once) and queue
+    FCFS for the step token budget (Sarathi-Serve, Agrawal et al. OSDI'24 §4.2). A prompt step has room for the
+    budget less the decodes of the prompts already done (prefill_room; none in an engine that prefills first:
+    config.mixes_prompts), taken in chunks or in whole prompts (at least one a step: config.prompt_chunk), on each
+    attention-DP rank for its own share of the prompts; a pipeline runs up to pp prompts' chunks as its micro-batches.
+    Every step but the round's last is full and costs a full step beside the round's mean decodes; the last holds the
+    tokens left. The simulator runs the same round step by step (tests/test_serve_first_round.py holds the two
+    together)."""
+    prompt = max(prefill_len(cfg, chip, w.input_len), 1)
+    ranks = min(cfg.attention_dp_size, requests)  # each rank prefills its round-robin share within its own room
+    queue = math.ceil(requests / ranks)
+    mixes = mixes_prompts(cfg, chip) and w.output_len > 1
+    whole = prompt_chunk(cfg, chip, prompt, 1) == prompt  # an engine that does not chunk takes whole prompts
+
+    def taken(done: int) -> int:  # prompt tokens a step takes on one rank once `done` of its prompts are prefilled
+        room = prefill_room(cfg, chip, done * ranks if mixes else 0)
+        return min(max(room // prompt, 1), queue - done) * prompt if whole else room
+
+    ends: list[int] = []  # the step each of the rank's prompts ends its prefill in
+    step_no = prefilled = last_tokens = 0
+    while len(ends) < queue:
+        done = len(ends)
+        room = taken(done)
+        # the steps that end no prompt, then the one that ends the next
+        skip = 0 if whole else max(math.ceil(((done + 1) * prompt - prefilled) / room) - 1, 0)
+        before = prefilled + skip * room
+        step_no, prefilled = step_no + skip + 1, before + room
+        ends += [step_no] * (min(queue, prefilled // prompt) - done)
+        last_tokens = min(prefilled, queue * prompt) - before
+    # the decodes beside a step, mean over the round's steps: prompt i decodes in the steps after its own
+    riders = ranks * sum(ends[-1] - k for k in ends) / ends[-1] if mixes else 0.0
+
+    def step_s(tokens: int) -> float:  # a step of `tokens` prompt tokens on each rank beside the round's mean decodes
+        chunks = max(tokens / prompt, min(float(cfg.pp), float(queue)), 1.0) * ranks
+        return step_cost(m, chip, cfg, eff, riders, w.input_len, tokens * ranks, prompt / 2.0, riders + chunks,
+                         chunks).time_s
+
+    room = prefill_room(cfg, chip, riders)  # a full step's room beside the round's mean decodes
+    full_s = step_s(min(max(room // prompt, 1), queue) * prompt if whole else min(room, queue * prompt))
+    last_s = step_s(last_tokens) if ends[-1] > 1 else full_s
+    ttft = sum((k - 1) * full_s + (full_s if k < ends[-1] else last_s) for k in ends) / queue
+    if prompt < w.input_len:
+        # the first token from the decode step after the prefill (prefill_len): the next prompt step where one follows,
+        # else a decode step of the round
+        after = sum(k < ends[-1] for k in ends)
+        ttft += (after * full_s + (queue - after) * decode_step(m, chip, cfg, eff, requests, w.input_len).time_s) / queue
+    return ttft
+
+
+def benchmark_mean_ttft_s(steady_s: float, first_round_s: float, first: int, requests: float) -> float:
+    """Mean TTFT over a closed-loop benchmark of `requests` requests per replica whose `first` start together (the
+    first round, first_round_ttft_s) and the rest at the spread-out ages of the steady state (`steady_s`). Past its
+    first round a real closed loop does not stay in step: request lengths, client and server jitter spread the
+    clients' phases (aiconfigurator's deployment guide sends concurrency x 10 requests "to reduce the impact of first
+    batch of requests", ai-dynamo/aiconfigurator docs/dynamo_deployment_guide.md), so only that round is counted
+    apart: the mean weighs it by first / requests."""
+    n = max(float(requests), float(first))
+    return (first * first_round_s + (n - first) * steady_s) / n
+
+
 def _continuous(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):
     # steady state: each of the B slots takes a new request every `turnover` steps (slot_turnover_steps), each with its
     # prompt (mean_step_s); a request's own inter-token gaps carry the prompts of the other B-1 sequences (its own
@@ -401,19 +464,24 @@ def _static(m, chip, cfg, eff, w, batch, closed_loop=False, clients=None):  # on
 
 def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Efficiency, w: Workload,
              batch: int, mode: str = "continuous", closed_loop: bool = False,
-             clients: int | None = None) -> ServePoint:
+             clients: int | None = None, requests: int | None = None) -> ServePoint:
     """Metrics of `batch` sequences per replica on every replica of the deployment. `closed_loop`: the batch is held
     by that many clients, each sending its next request when the previous one ends (benchmark concurrency), which
     changes when a new request can join a step (scheduler_wait_s). `clients`: a closed loop of that many clients
     over the whole deployment (clients // replicas on each, as simulate spreads them); `batch` is then the engine's
     limit per replica and each replica runs min(batch, clients / replicas) sequences, the other clients waiting
-    for a slot (admission_queue_wait_s)."""
+    for a slot (admission_queue_wait_s). `requests`: the closed loop is a benchmark of that many requests in all, the
+    first of them sent together: the mean TTFT then counts that first round apart (benchmark_mean_ttft_s); None
+    (default) is the steady state alone, a loop that runs on."""
     if mode not in MODES:
         raise MeshplanError(f"unknown batching mode '{mode}' (known: {', '.join(MODES)})")
     if batch <= 0:
         raise MeshplanError(f"batch must be positive, got {batch}")
     if clients is not None and clients <= 0:
         raise MeshplanError(f"clients must be positive, got {clients}")
+    if requests is not None and (clients is None or requests <= 0):
+        raise MeshplanError(f"a benchmark's request count needs a positive count and a closed loop of clients "
+                            f"(got requests={requests}, clients={clients})")
     replicas = n_chips // cfg.chips_per_replica
     per_replica_clients = clients_per_replica(n_chips, cfg, clients)
     if per_replica_clients is not None:
@@ -427,6 +495,12 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
             waiting = max(per_replica_clients or batch, batch)
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, running, closed_loop, waiting)
+    if requests is not None and mode == "continuous":
+        # the benchmark's first round: the clients the engine admits at once start together (a static batch already
+        # starts together: _static)
+        first = min(running, per_replica_clients or running, max(requests // max(replicas, 1), 1))
+        ttft = benchmark_mean_ttft_s(ttft, first_round_ttft_s(m, chip, cfg, eff, w, first), first,
+                                     requests / max(replicas, 1))
     # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
     # inter-token gaps do not change (every token takes the same way out)
     ttft += frontend_first_token_s(cfg, chip)

@@ -59,12 +59,13 @@ _MAX_TRACE_BYTES = 64 * 2**20  # MAX_SIM_REQUESTS rows of two lengths take about
 _INT = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (str.isdigit also takes '²', which int() refuses)
 
 DISTRIBUTIONS = ("fixed", "exponential", "uniform")
+SIM_REQUESTS = 200  # requests simulated where the user names no count
 
 
 @dataclass(frozen=True)
 class SimSpec:
     rate: float  # requests per second to the whole deployment
-    n_requests: int = 200
+    n_requests: int = SIM_REQUESTS
     seed: int = 0
     input_dist: str = "fixed"
     output_dist: str = "fixed"
