@@ -103,6 +103,11 @@ def templates(rng: random.Random) -> list[tuple[list[str], dict[str, str]]]:
          {"--rate": "float", "--requests": "int", "--seed": "int", "--input-dist": "text", "--chips": "int",
           "--concurrency": "int", "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy",
           "--max-num-batched-tokens": "int", "--length-trace": "trace", "--dense-kv-cache": "int"}),
+        # session 26: a closed-loop benchmark's request count, whose first round the closed form counts
+        (serve + ["--concurrency", "32", "--requests", "320", "--json"],
+         {"--concurrency": "int", "--requests": "int", "--chips": "int", "--input-len": "int", "--pp": "int",
+          "--engine": "choice:default,vllm,sglang,trtllm,lmdeploy", "--max-num-batched-tokens": "int",
+          "--batching": "text"}),
     ]
 
 
