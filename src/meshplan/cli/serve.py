@@ -155,7 +155,8 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         # budget holds no more prompts: ServePoint.running_batch)
         running = best.running_batch * best.replicas
         out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
-                          "queue_wait_s": best.queue_wait_s, "requests": requests}
+                          "queue_wait_s": best.queue_wait_s, "requests": requests,
+                          "first_round_ttft_s": best.first_round_ttft_s}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -422,8 +423,8 @@ def _print_table(o: dict) -> None:
         t.add_row(k, v)
     if "clients" in o:
         q = o["clients"]
-        bench = (f"; a benchmark of {q['requests']:,} requests, the first round's queue in the mean TTFT"
-                 if q.get("requests") else "; steady state")
+        bench = (f"; a benchmark of {q['requests']:,} requests, its first round's mean TTFT "
+                 f"{fmt_time(q['first_round_ttft_s'])} in the mean" if q.get("requests") else "; steady state")
         t.add_row("closed-loop clients", f"{q['clients']:,} clients, {q['running']:,} running, {q['waiting']:,} "
                                          f"waiting; queue wait {fmt_time(q['queue_wait_s'])}{bench}")
     if "simulation" in o:

@@ -62,6 +62,8 @@ class ServePoint:
     # of more (budget_batch_limit)
     running_batch: int
     queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
+    # a closed-loop benchmark's first round (evaluate's `requests`): its mean TTFT with the server path, None without
+    first_round_ttft_s: float | None = None
 
     @property
     def throughput_per_chip(self) -> float:
@@ -499,8 +501,10 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         # the benchmark's first round: the clients the engine admits at once start together (a static batch already
         # starts together: _static)
         first = min(running, per_replica_clients or running, max(requests // max(replicas, 1), 1))
-        ttft = benchmark_mean_ttft_s(ttft, first_round_ttft_s(m, chip, cfg, eff, w, first), first,
-                                     requests / max(replicas, 1))
+        first_round = first_round_ttft_s(m, chip, cfg, eff, w, first)
+        ttft = benchmark_mean_ttft_s(ttft, first_round, first, requests / max(replicas, 1))
+    else:
+        first_round = None
     # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
     # inter-token gaps do not change (every token takes the same way out)
     ttft += frontend_first_token_s(cfg, chip)
@@ -510,4 +514,5 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         e2e_latency_s=ttft + (w.output_len - 1) * tpot, throughput_tokens_per_s=out,
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
-        price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running)
+        price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running,
+        first_round_ttft_s=None if first_round is None else first_round + frontend_first_token_s(cfg, chip))
