@@ -363,7 +363,7 @@ def first_round_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effici
     ranks = min(cfg.attention_dp_size, requests)  # each rank prefills its round-robin share within its own room
     queue = math.ceil(requests / ranks)
     mixes = mixes_prompts(cfg, chip) and w.output_len > 1
-    whole = prompt_chunk(cfg, chip, prompt, 1) == prompt  # an engine that does not chunk takes whole prompts
+    whole = not chunked_prefill(cfg, chip)  # an engine that does not chunk takes whole prompts
 
     def taken(done: int) -> int:  # prompt tokens a step takes on one rank once `done` of its prompts are prefilled
         room = prefill_room(cfg, chip, done * ranks if mixes else 0)
@@ -373,11 +373,11 @@ def first_round_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effici
     step_no = prefilled = last_tokens = 0
     while len(ends) < queue:
         done = len(ends)
-        room = taken(done)
+        took = taken(done)
         # the steps that end no prompt, then the one that ends the next
-        skip = 0 if whole else max(math.ceil(((done + 1) * prompt - prefilled) / room) - 1, 0)
-        before = prefilled + skip * room
-        step_no, prefilled = step_no + skip + 1, before + room
+        skip = 0 if whole else max(math.ceil(((done + 1) * prompt - prefilled) / took) - 1, 0)
+        before = prefilled + skip * took
+        step_no, prefilled = step_no + skip + 1, before + took
         ends += [step_no] * (min(queue, prefilled // prompt) - done)
         last_tokens = min(prefilled, queue * prompt) - before
     # the decodes beside a step, mean over the round's steps: prompt i decodes in the steps after its own
@@ -497,17 +497,17 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
             waiting = max(per_replica_clients or batch, batch)
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, running, closed_loop, waiting)
+    # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
+    # inter-token gaps do not change (every token takes the same way out)
+    frontend_s = frontend_first_token_s(cfg, chip)
+    first_round_s = None
     if requests is not None and mode == "continuous":
         # the benchmark's first round: the clients the engine admits at once start together (a static batch already
         # starts together: _static)
         first = min(running, per_replica_clients or running, max(requests // max(replicas, 1), 1))
-        first_round = first_round_ttft_s(m, chip, cfg, eff, w, first)
-        ttft = benchmark_mean_ttft_s(ttft, first_round, first, requests / max(replicas, 1))
-    else:
-        first_round = None
-    # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
-    # inter-token gaps do not change (every token takes the same way out)
-    ttft += frontend_first_token_s(cfg, chip)
+        first_round_s = first_round_ttft_s(m, chip, cfg, eff, w, first) + frontend_s
+        ttft = benchmark_mean_ttft_s(ttft, first_round_s - frontend_s, first, requests / max(replicas, 1))
+    ttft += frontend_s
     out = replicas * per_replica
     return ServePoint(
         config=cfg, mode=mode, batch=batch, replicas=replicas, n_chips=n_chips, ttft_s=ttft, tpot_s=tpot,
@@ -515,4 +515,4 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
         price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running,
-        first_round_ttft_s=None if first_round is None else first_round + frontend_first_token_s(cfg, chip))
+        first_round_ttft_s=first_round_s)
