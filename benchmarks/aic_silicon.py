@@ -21,7 +21,9 @@ preset, added third, each before any comparison of its rows), one pipeline stage
     missing_kv_dtype);
   - MoE layout: the experts over the TP group, moe_tp_size x moe_ep_size = tp_size (else dropped), ep = moe_ep_size;
     attention data parallel where attention_dp_size equals tp_size, none where it is 1 or unset (else dropped);
-  - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x);
+  - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x), or
+    the oldest listed release preset (meshplan's engine_releases) at or after the row's release where there is one
+    (session 27: vLLM 0.11.2 and 0.12.0 rows -> vllm@0.14; rows of unstated release keep the current preset);
   - server path unstated: the engine's own HTTP server (infer.config.LAUNCH_SERVER_PATHS; trtllm-serve has none
     known), since a client timing TTFT over HTTP always crosses one (serving_assumptions.yaml aic_server_path);
   - clients: a closed loop of `silicon_concurrency` clients (the closed-form's `clients`), lengths fixed, sending
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -75,6 +78,28 @@ def _moe_layout(r: dict, tp: int) -> tuple[int, bool] | None:
     if mtp * mep != tp or adp not in (1, tp):
         return None
     return mep, adp == tp and tp > 1
+
+
+def _release(v: str) -> tuple[int, ...]:
+    """The leading numbers of a release name: '0.12.0' -> (0, 12, 0), '1.0.0rc3' -> (1, 0, 0)."""
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("rc")[0]))
+
+
+def release_preset(engine: str, version: str) -> str:
+    """The engine preset a row of `engine` at release `version` runs: the oldest listed release preset
+    (meshplan.infer.config.engine_releases, e.g. vllm@0.14) whose release is at or after the row's, compared to the
+    preset's precision (0.12.0 is within 0.14); else the current preset, also for rows whose release states no number."""
+    from meshplan.infer.config import engine_releases
+
+    row = _release(version) if version else ()
+    if not row:  # unstated, or a name without a number ('gpt-oss-dev')
+        return engine
+    fits = sorted((_release(name.split("@", 1)[1]), name) for name in engine_releases()
+                  if name.split("@", 1)[0] == engine)
+    for pre, name in fits:
+        if row[:len(pre)] <= pre:
+            return name
+    return engine
 
 
 def _int(v: str) -> int:
@@ -147,7 +172,8 @@ def load(path: Path = SUBSET) -> list[dict]:
                        "date": "2026-04 (DB dump)"},
             "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
             "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
-            "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch", "engine": r["engine"],
+            "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch",
+            "engine": release_preset(r["engine"], r["backend_version"]),
             "benchmark_requests": c * rounds,
             "ep": int(r["ep"]), "attention_dp": bool(int(r["attention_dp"])),
             "frontend": LAUNCH_SERVER_PATHS.get(r["engine"]),

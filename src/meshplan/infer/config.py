@@ -11,6 +11,7 @@ vLLM --data-parallel-size with --enable-expert-parallel).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -194,15 +195,37 @@ def engine_token_budget(engine: str, chip: Chip) -> int:
     return default_token_budget(chip) if hit is None else int(hit)
 
 
-def _engine_entry(key: str, engine: str, chip: Chip) -> float | None:
-    """An engine default from serving.yaml `key`, by chip name, then `gpu_large` (a GPU with >= 70 GiB that is not
+def _engine_hit(key: str, engine: str, chip: Chip) -> dict | None:
+    """An engine's entry in serving.yaml `key`, by chip name, then `gpu_large` (a GPU with >= 70 GiB that is not
     an A100: the split vLLM makes in vllm/engine/arg_utils.py get_batch_defaults), then chip kind; None if absent.
     A release (`sglang@0.3`) takes its own entry where serving.yaml engine_releases gives one, else its preset's."""
     release = (_table().get("engine_releases") or {}).get(engine) or {}
     table = release.get(key) or _table()[key].get(base_engine(engine)) or {}
     big = chip.kind == "gpu" and chip.hbm_bytes >= 70 * 2**30 and not chip.name.startswith("a100")
-    hit = table.get(chip.name) or (table.get("gpu_large") if big else None) or table.get(chip.kind)
+    return table.get(chip.name) or (table.get("gpu_large") if big else None) or table.get(chip.kind)
+
+
+def _engine_entry(key: str, engine: str, chip: Chip) -> float | None:
+    """An engine default's value from serving.yaml `key` (lookup as _engine_hit); None if absent."""
+    hit = _engine_hit(key, engine, chip)
     return None if hit is None else float(hit["value"])
+
+
+def decode_attention_kv_rate(cfg: ServeConfig, chip: Chip, units: float) -> float | None:
+    """Bytes/s at which the engine's decode attention kernel streams the KV cache when `units` (decoding sequences x
+    KV heads on the chip) are its parallel work, where serving.yaml engine_decode_attention_kv_rate measures it for
+    this engine and chip: linear between its points in log2(units), the first point's rate below them; None beyond
+    the last point or where nothing is measured (the HBM stream alone then times the read)."""
+    hit = _engine_hit("engine_decode_attention_kv_rate", cfg.engine, chip)
+    if hit is None:
+        return None
+    pts = [(float(u), float(r)) for u, r in hit["points"]]
+    x = math.log2(max(units, pts[0][0]))
+    for (u0, r0), (u1, r1) in zip(pts, pts[1:], strict=False):
+        lo, hi = math.log2(u0), math.log2(u1)
+        if x <= hi:
+            return r0 + (x - lo) / (hi - lo) * (r1 - r0)
+    return None
 
 
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:

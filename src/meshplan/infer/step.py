@@ -40,6 +40,7 @@ from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
     custom_allreduce,
+    decode_attention_kv_rate,
     frontend_token_s,
     fused_add_norm,
     kv_heads_per_chip,
@@ -295,7 +296,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # (ServeConfig.dense_kv_cache; JetStream-PyTorch jetstream_pt/layers.py)
     decode_ctx = kv_cached_tokens(m, decode_ctx) if cfg.dense_kv_cache is None else float(cfg.dense_kv_cache)
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
-    kv_bytes = kv_bytes_per_token_per_chip(m, cfg) * (decode_seqs * decode_ctx + prefill_tokens)
+    kv_per_token = kv_bytes_per_token_per_chip(m, cfg)
+    kv_bytes = kv_per_token * (decode_seqs * decode_ctx + prefill_tokens)
     # routed experts run as a grouped GEMM of one problem per touched expert with ~tokens*k/E_touched rows each (vLLM
     # fused_moe, TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
     routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
@@ -327,6 +329,13 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
             t_mm += expert_flops / (peak * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
                                                             min(m.d_model, expert_ff)))
     t_kv = kv_bytes / W
+    # the decodes' KV read at the rate the engine's decode attention kernel reaches with this many (sequence, KV head)
+    # units, where it is measured and slower than the HBM stream (serving.yaml engine_decode_attention_kv_rate: few
+    # units leave SMs idle); MLA's latent cache is read by other kernels (FlashMLA) and keeps the HBM stream
+    rate = decode_attention_kv_rate(cfg, chip, decode_seqs * kv_heads_per_chip(m, atp)) \
+        if decode_seqs > 0 and not m.is_mla else None
+    if rate is not None and rate < W:
+        t_kv = kv_per_token * (decode_seqs * decode_ctx / rate + prefill_tokens / W)
     t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
     permute = 0.0
