@@ -20,14 +20,15 @@ EFF = default_efficiency(H100)
 
 def test_every_release_names_a_preset_and_overrides_known_keys_with_a_source():
     table = C._table()
-    assert {"sglang@0.3", "trtllm@0.17"} <= set(C.engine_releases())
+    assert {"sglang@0.3", "trtllm@0.17", "vllm@0.14"} <= set(C.engine_releases())
     for name, overrides in table["engine_releases"].items():
         assert C.base_engine(name) in C.ENGINES and name.count("@") == 1
         assert overrides
         for key, by_chip in overrides.items():
             assert key.startswith("engine_") and key in table, (name, key)
             for entry in by_chip.values():
-                assert set(entry) == {"value", "source"} and len(entry["source"]) > 40
+                # a value, or a measured curve (engine_decode_attention_kv_rate: [units, bytes/s] points)
+                assert set(entry) in ({"value", "source"}, {"points", "source"}) and len(entry["source"]) > 40
 
 
 def test_sglang_0_3_runs_serially_and_keeps_every_other_sglang_default():
@@ -70,4 +71,5 @@ def test_an_unknown_release_is_one_clear_error(capsys):
                               "100", "--output-len", "10", "--engine", "vllm@0.1"], capsys)
     assert code == 2
     assert (out + err).strip().splitlines() == [
-        "error: --engine must be one of default, vllm, sglang, trtllm, lmdeploy, sglang@0.3, trtllm@0.17, got 'vllm@0.1'"]
+        "error: --engine must be one of default, vllm, sglang, trtllm, lmdeploy, sglang@0.3, trtllm@0.17, vllm@0.14, "
+            "got 'vllm@0.1'"]
