@@ -89,13 +89,12 @@ def release_preset(engine: str, version: str) -> str:
     """The engine preset a row of `engine` at release `version` runs: the oldest listed release preset
     (meshplan.infer.config.engine_releases, e.g. vllm@0.14) whose release is at or after the row's, compared to the
     preset's precision (0.12.0 is within 0.14); else the current preset, also for rows whose release states no number."""
-    from meshplan.infer.config import engine_releases
+    from meshplan.infer.config import base_engine, engine_releases
 
     row = _release(version) if version else ()
     if not row:  # unstated, or a name without a number ('gpt-oss-dev')
         return engine
-    fits = sorted((_release(name.split("@", 1)[1]), name) for name in engine_releases()
-                  if name.split("@", 1)[0] == engine)
+    fits = sorted((_release(name.split("@", 1)[1]), name) for name in engine_releases() if base_engine(name) == engine)
     for pre, name in fits:
         if row[:len(pre)] <= pre:
             return name

@@ -505,8 +505,9 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         # the benchmark's first round: the clients the engine admits at once start together (a static batch already
         # starts together: _static)
         first = min(running, per_replica_clients or running, max(requests // max(replicas, 1), 1))
-        first_round_s = first_round_ttft_s(m, chip, cfg, eff, w, first) + frontend_s
-        ttft = benchmark_mean_ttft_s(ttft, first_round_s - frontend_s, first, requests / max(replicas, 1))
+        round_s = first_round_ttft_s(m, chip, cfg, eff, w, first)
+        ttft = benchmark_mean_ttft_s(ttft, round_s, first, requests / max(replicas, 1))
+        first_round_s = round_s + frontend_s
     ttft += frontend_s
     out = replicas * per_replica
     return ServePoint(
