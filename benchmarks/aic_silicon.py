@@ -39,7 +39,6 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
 from _split import split_of  # sibling module: benchmarks/ is on the path of every script and test that loads this
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -156,7 +155,9 @@ def load(path: Path = SUBSET) -> list[dict]:
 
     with path.open() as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    rounds = int(yaml.safe_load((DATA / "serving_assumptions.yaml").read_text())["aic_requests_per_client"]["value"])
+    from serving_accuracy import _assumptions  # the one reader of serving_assumptions.yaml (sibling module)
+
+    rounds = int(_assumptions()["aic_requests_per_client"]["value"])
     entries = []
     for r in rows:
         if r["split"] != split_of(r["source_key"]):

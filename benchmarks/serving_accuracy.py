@@ -232,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the external check on aiconfigurator's silicon sample (aic_silicon.py)")
     ap.add_argument("--tuning-only", action="store_true",
                     help="load only the tuning half of the new data (for choosing constants without seeing validation)")
+    ap.add_argument("--campaign", metavar="TEXT",
+                    help="also list, row by row, the external check's tuning rows whose campaign (source key) contains "
+                         "TEXT: lengths, clients, TP, predicted and measured TPOT and TTFT; implies --tuning-only, so "
+                         "no validation row is shown")
     args = ap.parse_args(argv)
+    if args.campaign:
+        args.tuning_only = True
     if args.tuning_only:
         os.environ["MESHPLAN_TUNING_ONLY"] = "1"  # read by _split's loaders
     res = run(args.file)
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         from _split import _visible
         from aic_silicon import load as load_aic
 
-        res["aic"] = run(entries=_visible(load_aic()))
+        aic_entries = _visible(load_aic())
+        res["aic"] = run(entries=aic_entries)
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         print()
@@ -256,7 +263,32 @@ def main(argv: list[str] | None = None) -> int:
             print_halves(res, res["new"]["rows"])
         if "aic" in res:
             print_aic(res["aic"]["rows"])
+            if args.campaign:
+                print_campaign_rows(res["aic"]["rows"], aic_entries, args.campaign)
     return 0
+
+
+def print_campaign_rows(rows: list[dict], entries: list[dict], text: str) -> int:
+    """The external check's tuning rows whose campaign (source key) contains `text`, one line each, for looking into
+    a campaign's misses on the half constants are chosen on; validation rows are never listed. Returns the count."""
+    setup = {e["id"]: e for e in entries if e.get("split") == "tuning"}
+    picked = sorted((r for r in rows if r["id"] in setup and text in r["source_key"]),
+                    key=lambda r: (r["source_key"], setup[r["id"]]["tp"], setup[r["id"]]["input_len"],
+                                   setup[r["id"]]["output_len"], setup[r["id"]]["batch"]))
+    print(f"\n## External check, tuning rows of campaigns matching {text!r}: {len(picked)}")
+    print("| campaign | TP | input | output | clients | TPOT ms pred | meas | err | TTFT ms pred | meas | err |")
+    print("|" + "---|" * 11)
+    for r in picked:
+        e = setup[r["id"]]
+        if "skipped" in r:
+            print(f"| {r['source_key'].split(':', 1)[-1]} | {e['tp']} | {e['input_len']} | {e['output_len']} | "
+                  f"{e['batch']} | unplannable: {r['skipped']} |")
+            continue
+        p, m, err = r["predicted"], r["measured"], r["error"]
+        print(f"| {r['source_key'].split(':', 1)[-1]} | {e['tp']} | {e['input_len']} | {e['output_len']} | "
+              f"{e['batch']} | {p['tpot_s'] * 1e3:.2f} | {m['tpot_s'] * 1e3:.2f} | {err['tpot_s'] * 100:+.1f}% | "
+              f"{p['ttft_s'] * 1e3:.1f} | {m['ttft_s'] * 1e3:.1f} | {err['ttft_s'] * 100:+.1f}% |")
+    return len(picked)
 
 
 QUANTITIES = (("output_tokens_per_s", "output tok/s", 1), ("tpot_s", "TPOT/ITL", -1), ("ttft_s", "TTFT", -1))

@@ -110,3 +110,27 @@ def test_tuning_only_hides_the_external_checks_validation_rows(monkeypatch: pyte
     seen = _split._visible(aic_silicon.load())
     assert seen and {e["split"] for e in seen} == {"tuning"}
     assert len(seen) == sum(e["split"] == "tuning" for e in ENTRIES)
+
+
+def test_campaign_rows_list_the_tuning_rows_of_a_campaign_and_never_a_validation_row(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """serving_accuracy.py --campaign TEXT lists a campaign's tuning rows one by one (for looking into its misses on
+    the half constants are chosen on): each row's predicted and measured TPOT and TTFT as run() gives them, and no
+    row of a validation campaign even when the text matches it."""
+    tuning = [e for e in ENTRIES if e["source"]["key"].endswith("h100_sxm/trtllm/1.3.0rc1/gpt-oss-120b")]
+    assert tuning and {e["split"] for e in tuning} == {"tuning"}
+    validation = [e for e in ENTRIES if e["split"] == "validation"][:3]
+    entries = tuning + validation
+    res = serving_accuracy.run(entries=entries)
+    shown = serving_accuracy.print_campaign_rows(res["rows"], entries, "")  # "" matches every campaign
+    out = capsys.readouterr().out
+    assert shown == len(tuning)
+    lines = [ln for ln in out.splitlines() if ln.startswith("| h100_sxm/trtllm/1.3.0rc1/gpt-oss-120b")]
+    assert len(lines) == len(tuning)
+    for e in validation:  # no validation row's campaign or measurement is printed
+        assert e["source"]["key"].split(":", 1)[-1] not in out
+    r = next(r for r in res["rows"] if r["id"] == tuning[0]["id"])
+    e = tuning[0]
+    want = (f"| {e['tp']} | {e['input_len']} | {e['output_len']} | {e['batch']} | {r['predicted']['tpot_s'] * 1e3:.2f} "
+            f"| {r['measured']['tpot_s'] * 1e3:.2f} |")
+    assert any(want in ln for ln in lines)
