@@ -143,3 +143,26 @@ def test_realistic_local_gemm_is_the_roofline_commands_realistic_time():
     op = rf.matmul(8192, 8192, 3584)
     assert real.compute_s == pytest.approx(rf.realistic_time_s(op, chip, default_efficiency(chip)))
     assert real.compute_s > ideal.compute_s
+
+
+def test_realistic_fp8_gemm_runs_at_the_planners_fp8_rate():
+    """Session 28: `roofline`'s realistic time multiplied an FP8 GEMM's bf16 large-GEMM fraction (0.80) by the FP8 one
+    (0.62), timing it at 0.50 of the FP8 peak where the planner and the serving step use 0.62 (efficiency.yaml
+    fp8_peak_fraction). By hand on an H100: 2 x 8192 x 8192 x 3584 FLOPs at 1979 TFLOP/s x 0.62 x 3584/(3584 + 256),
+    the kernel's launch on top; and the same rate as the training ledger's FP8 GEMM (CostModel.mm_peak)."""
+    from meshplan.cost import roofline as rf
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.specs.model import load_model
+    from meshplan.train.costmodel import CostModel, Options, Problem
+
+    chip = load_chip("h100-sxm")
+    eff = default_efficiency(chip)
+    op = rf.matmul(8192, 8192, 3584, lhs_dtype="fp8", rhs_dtype="fp8")
+    flops = 2 * 8192 * 8192 * 3584
+    hand = flops / (1979e12 * 0.62 * 3584 / (3584 + 256)) + eff.kernel_overhead_s
+    assert eff.fp8_peak_fraction == 0.62 and eff.matmul_half_dim == 256.0
+    assert rf.realistic_time_s(op, chip, eff) == pytest.approx(hand, rel=1e-9)
+    cm = CostModel(Problem(load_model("llama3-8b"), chip, 8, 4096, 8), eff, Options(compute_dtype="fp8",
+                                                                                   fp8_recipe="tensorwise"))
+    ledger = cm._matmul_time(flops, 8192, 8192, 3584)
+    assert rf.realistic_time_s(op, chip, eff) - eff.kernel_overhead_s == pytest.approx(ledger, rel=1e-9)

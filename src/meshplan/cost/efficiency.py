@@ -21,6 +21,8 @@ from meshplan.errors import MeshplanError
 from meshplan.specs.hardware import Chip
 
 EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.yaml"
+# formats whose GEMMs run on the low-precision tensor-core / MXU path (efficiency.yaml fp8_peak_fraction)
+LOW_PRECISION_DTYPES = ("fp8", "int8", "int4", "e4m3", "float8")
 PROFILE_SCHEMA = "meshplan-profile/1"
 MOE_OVERLAP_FILE = Path(__file__).parent / "data" / "moe_overlap.yaml"
 HOST_OVERHEAD_FILE = Path(__file__).parent / "data" / "host_overhead.yaml"
@@ -55,6 +57,13 @@ class Efficiency:
         penalty d/(d + d_half) for the smallest dimension (tile/wave quantization, book ch.12)."""
         d = np.minimum(np.minimum(m, n), k)
         return self.matmul_peak_fraction * d / (d + self.matmul_half_dim)
+
+    def dtype_scale(self, dtype: str) -> float:
+        """What a GEMM in `dtype` reaches of its own peak, relative to what `matmul` gives at the bf16 peak: the
+        low-precision large-GEMM fraction over the bf16 one (fp8_peak_fraction / matmul_peak_fraction) for fp8/int8
+        formats, 1 for the rest. The planner's FP8 GEMM rate (train/costmodel.py mm_peak), the serving step's
+        (infer/step.py _matmul_fraction) and `roofline`'s realistic time all take it from here."""
+        return self.fp8_peak_fraction / self.matmul_peak_fraction if dtype in LOW_PRECISION_DTYPES else 1.0
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -136,14 +136,17 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
 
 def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
     """meshplan's realistic time of one op beside the book's ideal `roofline` (DESIGN.md accuracy source 2):
-    FLOPs at the peak times the kernel's efficiency (matmul: shape-dependent `eff.matmul`, fp8 scaled by
-    fp8_peak_fraction; attention: the fused forward kernel's fraction), bytes at W_hbm x hbm_fraction,
+    FLOPs at the peak times the kernel's efficiency (matmul: shape-dependent `eff.matmul`, a low-precision format
+    scaled to its own large-GEMM fraction, `eff.dtype_scale`; attention: the fused forward kernel's fraction), bytes at W_hbm x hbm_fraction,
     overlapped (max), plus one kernel launch."""
     r = roofline(op, chip)
     frac = 1.0
     if op.kind == "matmul":
+        # the planner's own GEMM rate: eff.matmul at the bf16 large-GEMM fraction, scaled to the format's own
+        # (session 28: fp8 was multiplied by fp8_peak_fraction on top of matmul_peak_fraction, 0.80 x 0.62 of the
+        # FP8 peak where train and serve use 0.62)
         frac = float(eff.matmul(*op.dims)) if op.dims else eff.matmul_peak_fraction
-        frac *= eff.fp8_peak_fraction if op.dtype == "fp8" else 1.0
+        frac *= eff.dtype_scale(op.dtype)
     elif op.kind == "attention":
         frac = eff.attention_fwd_fraction
     return max(r.t_math_s / frac, r.t_mem_s / eff.hbm_fraction) + eff.kernel_overhead_s

@@ -140,7 +140,7 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     narrower weight dimension `weight_dim` (tile and wave quantization: the penalty `Efficiency.matmul` applies to
     the smallest of a GEMM's dimensions and training applies to every GEMM, book ch.12; efficiency.yaml
     matmul_half_dim)."""
-    base = eff.fp8_peak_fraction if compute_dtype != "bf16" else eff.matmul_peak_fraction
+    base = eff.matmul_peak_fraction * eff.dtype_scale(compute_dtype)
     rows = tokens / (tokens + eff.matmul_rows_half)
     thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
     return base * min(rows, thin)

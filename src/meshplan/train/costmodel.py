@@ -577,7 +577,7 @@ class CostModel:
         chip = problem.chip
         self.peak_bf16 = chip.peak("bf16")
         if self.opt.compute_dtype == "fp8":
-            self.mm_peak = (chip.peak("fp8") * eff.fp8_peak_fraction / eff.matmul_peak_fraction
+            self.mm_peak = (chip.peak("fp8") * eff.dtype_scale("fp8")
                             * fp8_gemm_fraction(self.opt.fp8_scaling, chip.name, chip.kind))
         else:
             self.mm_peak = self.peak_bf16
