@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_check.py [--json]
 
-Four tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
+Five tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
 header), each compared with the meshplan term that times the same operation, unchanged:
 
   nccl-tests on 2/4/8 H100 SXM (all_gather, reduce_scatter, all_reduce; 64 KiB - 512 MiB)
@@ -14,6 +14,9 @@ header), each compared with the meshplan term that times the same operation, unc
       one kernel overhead)
   vLLM 0.14's fused_moe and TensorRT-LLM 1.2's CUTLASS MoE layers (bf16 / fp8 / fp8_block, 11 expert shapes)
       the rate the serving step streams touched experts at (efficiency.hbm_fraction of the HBM peak)
+  TensorRT-LLM 1.2's CUTLASS MoE layers at 1,024-16,384 tokens (bf16 / fp8, the expert shapes of five presets)
+      the serving step's MoE terms for one layer: infer.step.routed_expert_gemm_s, the moe_permute traffic and the
+      routing kernels' overheads
 
 Nothing here is fed back into meshplan: it reports. Error = predicted / measured - 1 (positive: meshplan slower).
 """
@@ -33,8 +36,9 @@ from gemm_check import predictions
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
-from meshplan.infer.step import _allreduce_s, moe_permute_bytes
+from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s
 from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
 
 DATA = Path(__file__).parent / "data"
 CHIP = "h100-sxm"
@@ -148,10 +152,42 @@ def moe_layers(chip) -> dict:
     return out
 
 
+def moe_prefill_predicted_s(r: dict, chip) -> float:
+    """The serving step's MoE terms for one measured layer of aic_h100_trtllm_moe_prefill.csv: the routed-expert GEMMs
+    (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp), the permute traffic (step.py's
+    moe_permute term, bf16 activations) and the kernel overheads of the routing kernels and the gate/up, activation
+    and down kernels (as moe_layer_rows takes them out)."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.config import serving_constant
+
+    eff = default_efficiency(chip)
+    m = load_model(r["model"])
+    cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype="fp8" if r["dtype"] == "fp8" else "bf16")
+    T = float(r["tokens"])
+    permute = moe_permute_bytes(T, m.d_model, m.experts_per_token, 2.0) / (chip.hbm_bandwidth_bytes_per_s
+                                                                          * eff.hbm_fraction)
+    kernels = (serving_constant("moe_routing_kernels_per_layer", chip) + 3) * eff.kernel_overhead_s
+    return routed_expert_gemm_s(m, chip, cfg, eff, T) + permute + kernels
+
+
+def moe_prefill(chip) -> dict:
+    """Error of the step's MoE terms against TensorRT-LLM 1.2's measured layers at prefill token counts, by preset,
+    format and routing (the rows name the preset whose expert shape they measure)."""
+    groups: dict[str, list[float]] = {}
+    for r in _rows("aic_h100_trtllm_moe_prefill.csv"):
+        m = load_model(r["model"])
+        if (m.d_model, m.d_ff, m.experts_per_token, m.n_experts) != tuple(int(r[k]) for k in ("hidden", "inter", "topk",
+                                                                                               "experts")):
+            raise ValueError(f"{r['model']}: the row's expert shape is not the preset's")
+        label = f"{r['model']} {r['dtype']} {r['distribution']}"
+        groups.setdefault(label, []).append(moe_prefill_predicted_s(r, chip) / (float(r["time_us"]) * 1e-6) - 1.0)
+    return {k: _stats(v) for k, v in sorted(groups.items())}
+
+
 def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
-            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip)}
+            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
           "error = predicted / measured - 1 (positive: meshplan slower)")
     for title, key in (("nccl-tests (collectives model)", "nccl_tests"),
                        ("vLLM custom all-reduce, CUDA graph (serving step's TP all-reduce)", "vllm_custom_allreduce"),
-                       ("vLLM bf16 GEMM at decode batches (serving step's GEMM term)", "decode_gemm_bf16")):
+                       ("vLLM bf16 GEMM at decode batches (serving step's GEMM term)", "decode_gemm_bf16"),
+                       ("TensorRT-LLM 1.2 CUTLASS MoE layers, 1,024-16,384 tokens, moe_tp 1-8 (serving step's MoE "
+                        "terms)", "moe_prefill")):
         print(f"\n### {title}\n| group | n | signed median | median abs |\n|---|---|---|---|")
         for g, s in res[key].items():
             print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% |")

@@ -38,10 +38,12 @@ def test_the_tables_read_in_the_units_their_headers_state() -> None:
 def test_every_row_gets_a_prediction() -> None:
     res = kernel_check.report()
     assert res["chip"] == "h100-sxm"
-    n = {k: sum(s["n"] for s in res[k].values()) for k in ("nccl_tests", "vllm_custom_allreduce", "decode_gemm_bf16")}
+    n = {k: sum(s["n"] for s in res[k].values())
+         for k in ("nccl_tests", "vllm_custom_allreduce", "decode_gemm_bf16", "moe_prefill")}
     assert n == {"nccl_tests": len(kernel_check._rows("aic_h100_nccl_tests.csv")),
                  "vllm_custom_allreduce": len(kernel_check._rows("aic_h100_vllm_custom_allreduce.csv")),
-                 "decode_gemm_bf16": len(kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv"))}
+                 "decode_gemm_bf16": len(kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv")),
+                 "moe_prefill": len(kernel_check._rows("aic_h100_trtllm_moe_prefill.csv"))}
     assert all(math.isfinite(s["signed_median"]) for k in n for s in res[k].values())
 
 
@@ -73,3 +75,26 @@ def test_a_decode_batch_of_a_fine_grained_moe_runs_one_row_per_touched_expert() 
     assert rows_per_touched_expert(m, 4) == pytest.approx(16 / touched) == pytest.approx(1.048, abs=1e-3)
     assert tokens_per_expert(m, 4) == pytest.approx(0.125)
     assert rows_per_touched_expert(m, 4096) == pytest.approx(tokens_per_expert(m, 4096))
+
+
+def test_a_prefill_moe_layer_is_timed_by_the_steps_own_terms_by_hand() -> None:
+    """Session 28: the prefill MoE table (TensorRT-LLM 1.2 CUTLASS, aic_h100_trtllm_moe_prefill.csv) is compared with
+    the serving step's MoE terms. Mixtral 8x7B's layer at 8,192 tokens on one H100 in bf16, by hand from the
+    constants: each of the 8 experts runs 8192 x 2 / 8 = 2048 rows, at 0.75 (efficiency.yaml matmul_peak_fraction h100-sxm)
+    x min(2048/(2048 + 128), 4096/(4096 + 256)) of 989 TFLOP/s for 2 x 8192 x 2 x 3 x 4096 x 14336 FLOPs; the permute
+    moves 2 x 8192 x 4096 x (2 + 1) bf16 elements at 0.8 x 3.35 TB/s; 4 routing kernels + gate/up, activation and
+    down at 4 us each. The table's rows measure the presets' own expert shapes, bf16 and fp8, both routings."""
+    rows = kernel_check._rows("aic_h100_trtllm_moe_prefill.csv")
+    assert {r["model"] for r in rows} == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                                          "deepseek-v3"}
+    assert {r["dtype"] for r in rows} == {"bfloat16", "fp8"} and {r["moe_tp"] for r in rows} == {"1", "2", "4", "8"}
+    r = next(r for r in rows if (r["model"], r["dtype"], r["tokens"], r["moe_tp"], r["distribution"])
+             == ("mixtral-8x7b", "bfloat16", "8192", "1", "balanced"))
+    flops = 2 * 8192 * 2 * 3 * 4096 * 14336
+    gemm = flops / (989e12 * 0.75 * min(2048 / (2048 + 128), 4096 / (4096 + 256)))
+    permute = 2 * 8192 * 4096 * 3 * 2 / (0.8 * H100_HBM_BYTES_PER_S)
+    hand = gemm + permute + (4 + 3) * 4e-6
+    chip = kernel_check.load_chip("h100-sxm")
+    assert kernel_check.moe_prefill_predicted_s(r, chip) == pytest.approx(hand, rel=1e-6)
+    # the measured layer itself: 5.77 TFLOP in the row's time is a plausible H100 bf16 GEMM rate (below the peak)
+    assert flops / (float(r["time_us"]) * 1e-6) < 989e12

@@ -146,6 +146,22 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     return base * min(rows, thin)
 
 
+def routed_expert_gemm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, tokens: float) -> float:
+    """One MoE layer's routed-expert GEMMs (gate/up and down) for `tokens` tokens of the replica on one chip: 2 x
+    tokens x k x (the expert's weights on the chip) FLOPs at the step's GEMM rate, each touched expert a problem of
+    `rows_per_touched_expert` rows whose narrower weight dimension is min(D, F / (tp / ep)) (each expert's F splits
+    over the tp/ep chips sharing it; vLLM fused_moe, TensorRT-LLM's MoE plugin, Megablocks: one grouped GEMM).
+    stage_parts adds it to the layer's GEMM term; benchmarks/kernel_check.py times measured MoE layers with it."""
+    if not m.is_moe or tokens <= 0:
+        return 0.0
+    lp = _layer_params(m, cfg.tp, cfg.pp, cfg.attention_dp)
+    cdt = cfg.compute_dtype(chip)
+    expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)
+    flops = 2.0 * tokens * m.experts_per_token * lp.routed_expert
+    return flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
+                                                      min(m.d_model, expert_ff)))
+
+
 @lru_cache(maxsize=256)
 def _dense_gemms(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = False) -> tuple[tuple[float, float], ...]:
     """(weights on one TP chip, narrower weight dimension) of each non-routed GEMM of the mean layer; the weights
@@ -325,9 +341,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
             t_mm += 2.0 * logit_rows * m.d_model * vocab / (
                 peak * _matmul_fraction(eff, cdt, logit_rows, min(m.d_model, vocab)))
         if expert_flops > 0:
-            expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)  # each expert's F splits over the tp/ep chips sharing it
-            t_mm += expert_flops / (peak * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
-                                                            min(m.d_model, expert_ff)))
+            t_mm += Ls * routed_expert_gemm_s(m, chip, cfg, eff, tokens)
     t_kv = kv_bytes / W
     # the decodes' KV read at the rate the engine's decode attention kernel reaches with this many (sequence, KV head)
     # units, where it is measured and slower than the HBM stream (serving.yaml engine_decode_attention_kv_rate: few
