@@ -137,8 +137,8 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
 def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
     """meshplan's realistic time of one op beside the book's ideal `roofline` (DESIGN.md accuracy source 2):
     FLOPs at the peak times the kernel's efficiency (matmul: shape-dependent `eff.matmul`, a low-precision format
-    scaled to its own large-GEMM fraction, `eff.dtype_scale`; attention: the fused forward kernel's fraction), bytes at W_hbm x hbm_fraction,
-    overlapped (max), plus one kernel launch."""
+    scaled to its own large-GEMM fraction, `eff.dtype_scale`; attention: the fused forward kernel's fraction), bytes
+    at W_hbm x hbm_fraction, overlapped (max), plus one kernel launch."""
     r = roofline(op, chip)
     frac = 1.0
     if op.kind == "matmul":
