@@ -21,6 +21,7 @@ import yaml
 
 from meshplan.cost.topology import Cluster, GroupPlacement, MeshMapping, Span, place_group
 from meshplan.errors import MeshplanError
+from meshplan.math.interp import log_interp
 
 KINDS = ("allgather", "reducescatter", "allreduce", "alltoall", "permute")
 _EFF_FILE = Path(__file__).parent / "data" / "collective_efficiency.yaml"
@@ -71,20 +72,7 @@ def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
     pts = entry.get("points")
     if not pts or nbytes <= 0:
         return float(entry["value"])
-    return _log_interp(pts, nbytes)
-
-
-def _log_interp(pts, x: float) -> float:
-    """y at `x` on measured [x, y] points sorted by x: linear in log(x) between neighbours, clamped outside."""
-    (x0, y0), (x1, y1) = pts[0], pts[-1]
-    if x <= x0:
-        return float(y0)
-    if x >= x1:
-        return float(y1)
-    for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
-        if xa <= x <= xb:
-            return float(ya + math.log(x / xa) / math.log(xb / xa) * (yb - ya))
-    return float(y1)
+    return log_interp(pts, nbytes)
 
 
 def ep_dispatch_scale_out_efficiency(backend: str, nodes: float) -> float | None:
@@ -95,7 +83,7 @@ def ep_dispatch_scale_out_efficiency(backend: str, nodes: float) -> float | None
     entry = _catalog().get("ep_dispatch_scale_out", {}).get(backend)
     if entry is None:
         return None
-    return _log_interp(entry["points"], nodes)
+    return log_interp(entry["points"], nodes)
 
 
 def sharp_speedup(ideal: bool) -> float:

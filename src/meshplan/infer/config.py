@@ -11,7 +11,6 @@ vLLM --data-parallel-size with --enable-expert-parallel).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import yaml
 
 from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.math.interp import log_interp
 from meshplan.math.transformer import dtype_bytes
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -219,13 +219,8 @@ def decode_attention_kv_rate(cfg: ServeConfig, chip: Chip, units: float) -> floa
     hit = _engine_hit("engine_decode_attention_kv_rate", cfg.engine, chip)
     if hit is None:
         return None
-    pts = [(float(u), float(r)) for u, r in hit["points"]]
-    x = math.log2(max(units, pts[0][0]))
-    for (u0, r0), (u1, r1) in zip(pts, pts[1:], strict=False):
-        lo, hi = math.log2(u0), math.log2(u1)
-        if x <= hi:
-            return r0 + (x - lo) / (hi - lo) * (r1 - r0)
-    return None
+    pts = hit["points"]
+    return None if units > pts[-1][0] else log_interp(pts, units)
 
 
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
