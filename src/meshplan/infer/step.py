@@ -314,12 +314,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
     kv_per_token = kv_bytes_per_token_per_chip(m, cfg)
     kv_bytes = kv_per_token * (decode_seqs * decode_ctx + prefill_tokens)
-    # routed experts run as a grouped GEMM of one problem per touched expert with ~tokens*k/E_touched rows each (vLLM
-    # fused_moe, TensorRT-LLM MoE plugin, Megablocks): the skinny-GEMM row penalty applies per expert, at those rows
-    routed = m.experts_per_token * lp.routed_expert if m.is_moe else 0.0
     # logits only for the sampled rows: each decode sequence and the last position of each prompt chunk
     logit_rows = decode_seqs + min(prefill_seqs, prefill_tokens)
-    expert_flops = 2.0 * tokens * Ls * routed
     # per head and (query, cached token) pair: QKᵀ + AV widths. MLA decodes in the latent space with the
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
     # its prefill up-projects K and V as training does
@@ -340,8 +336,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
             vocab = m.vocab_size / atp
             t_mm += 2.0 * logit_rows * m.d_model * vocab / (
                 peak * _matmul_fraction(eff, cdt, logit_rows, min(m.d_model, vocab)))
-        if expert_flops > 0:
-            t_mm += Ls * routed_expert_gemm_s(m, chip, cfg, eff, tokens)
+        # the routed experts as one grouped GEMM of a problem per touched expert (0 for a dense model)
+        t_mm += Ls * routed_expert_gemm_s(m, chip, cfg, eff, tokens)
     t_kv = kv_bytes / W
     # the decodes' KV read at the rate the engine's decode attention kernel reaches with this many (sequence, KV head)
     # units, where it is measured and slower than the HBM stream (serving.yaml engine_decode_attention_kv_rate: few
