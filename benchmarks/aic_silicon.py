@@ -151,12 +151,12 @@ def write_subset(rows: list[dict], path: Path = SUBSET) -> None:
 
 def load(path: Path = SUBSET) -> list[dict]:
     """The subset as serving_measurements_new.yaml entries (serving_accuracy.predict reads them unchanged)."""
+    from serving_accuracy import _assumptions  # the one reader of serving_assumptions.yaml (sibling module)
+
     from meshplan.infer.config import LAUNCH_SERVER_PATHS
 
     with path.open() as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    from serving_accuracy import _assumptions  # the one reader of serving_assumptions.yaml (sibling module)
-
     rounds = int(_assumptions()["aic_requests_per_client"]["value"])
     entries = []
     for r in rows:

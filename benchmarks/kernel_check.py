@@ -110,16 +110,24 @@ MOE_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
 MOE_BINS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # upper edges of the rows-per-touched-expert bins
 
 
+def _moe_fixed_s(chip, eff, tokens: float, d_model: int, k: int) -> float:
+    """The serving step's terms of one MoE layer besides its expert GEMMs: the permute traffic (step.py's moe_permute
+    term, bf16 activations) and the kernel overheads of the routing kernels and of the gate/up, activation and down
+    kernels."""
+    from meshplan.infer.config import serving_constant
+
+    permute = moe_permute_bytes(tokens, d_model, k, 2.0) / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
+    return permute + (serving_constant("moe_routing_kernels_per_layer", chip) + 3) * eff.kernel_overhead_s
+
+
 def moe_layer_rows(chip) -> list[dict]:
     """Each measured MoE layer with its rows per touched expert, its touched expert bytes on one GPU and the expert
     streaming rate the measurement implies once meshplan's own fixed terms of that layer are taken out (the per-kernel
     overhead of the router, top-k, permute and finalize kernels and of the gate/up, activation and down kernels, and
     the permute traffic: step.py's kernel and moe_permute terms), as a fraction of the HBM peak."""
     from meshplan.cost.efficiency import default_efficiency
-    from meshplan.infer.config import serving_constant
 
     eff = default_efficiency(chip)
-    fixed_kernels = serving_constant("moe_routing_kernels_per_layer", chip) + 3  # + gate/up, activation, down
     W = chip.hbm_bandwidth_bytes_per_s
     out = []
     for r in _rows("aic_h100_moe_layers.csv"):
@@ -129,8 +137,7 @@ def moe_layer_rows(chip) -> list[dict]:
         # (mod E), so the layer touches min(E, tokens x k) distinct experts, each at tokens x k / touched rows
         touched = min(E, T * k)
         nbytes = touched * 3 * h * f * MOE_BYTES[r["dtype"]] / (int(r["moe_tp"]) * int(r["moe_ep"]))
-        permute = moe_permute_bytes(T, h, k, 2.0) / (W * eff.hbm_fraction)  # the step's term, bf16 activations
-        t = float(r["time_us"]) * 1e-6 - fixed_kernels * eff.kernel_overhead_s - permute
+        t = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, h, k)
         out.append({"fw": r["fw"], "rows": T * k / touched, "bytes": nbytes, "fraction": nbytes / (t * W) if t > 0
                     else float("inf")})
     return out
@@ -154,31 +161,25 @@ def moe_layers(chip) -> dict:
 
 def moe_prefill_predicted_s(r: dict, chip) -> float:
     """The serving step's MoE terms for one measured layer of aic_h100_trtllm_moe_prefill.csv: the routed-expert GEMMs
-    (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp), the permute traffic (step.py's
-    moe_permute term, bf16 activations) and the kernel overheads of the routing kernels and the gate/up, activation
-    and down kernels (as moe_layer_rows takes them out)."""
+    (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp) and the rest of the layer's terms
+    (_moe_fixed_s, as moe_layer_rows takes them out). The row names the preset whose expert shape it measures."""
     from meshplan.cost.efficiency import default_efficiency
-    from meshplan.infer.config import serving_constant
 
-    eff = default_efficiency(chip)
     m = load_model(r["model"])
+    if (m.d_model, m.d_ff, m.experts_per_token, m.n_experts) != tuple(int(r[k]) for k in ("hidden", "inter", "topk",
+                                                                                           "experts")):
+        raise ValueError(f"{r['model']}: the row's expert shape is not the preset's")
+    eff = default_efficiency(chip)
     cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype="fp8" if r["dtype"] == "fp8" else "bf16")
     T = float(r["tokens"])
-    permute = moe_permute_bytes(T, m.d_model, m.experts_per_token, 2.0) / (chip.hbm_bandwidth_bytes_per_s
-                                                                          * eff.hbm_fraction)
-    kernels = (serving_constant("moe_routing_kernels_per_layer", chip) + 3) * eff.kernel_overhead_s
-    return routed_expert_gemm_s(m, chip, cfg, eff, T) + permute + kernels
+    return routed_expert_gemm_s(m, chip, cfg, eff, T) + _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
 
 
 def moe_prefill(chip) -> dict:
     """Error of the step's MoE terms against TensorRT-LLM 1.2's measured layers at prefill token counts, by preset,
-    format and routing (the rows name the preset whose expert shape they measure)."""
+    format and routing."""
     groups: dict[str, list[float]] = {}
     for r in _rows("aic_h100_trtllm_moe_prefill.csv"):
-        m = load_model(r["model"])
-        if (m.d_model, m.d_ff, m.experts_per_token, m.n_experts) != tuple(int(r[k]) for k in ("hidden", "inter", "topk",
-                                                                                               "experts")):
-            raise ValueError(f"{r['model']}: the row's expert shape is not the preset's")
         label = f"{r['model']} {r['dtype']} {r['distribution']}"
         groups.setdefault(label, []).append(moe_prefill_predicted_s(r, chip) / (float(r["time_us"]) * 1e-6) - 1.0)
     return {k: _stats(v) for k, v in sorted(groups.items())}
