@@ -280,13 +280,12 @@ def print_campaign_rows(rows: list[dict], entries: list[dict], text: str) -> int
     print("|" + "---|" * 11)
     for r in picked:
         e = setup[r["id"]]
+        head = f"| {r['source_key'].split(':', 1)[-1]} | {e['tp']} | {e['input_len']} | {e['output_len']} | {e['batch']} |"
         if "skipped" in r:
-            print(f"| {r['source_key'].split(':', 1)[-1]} | {e['tp']} | {e['input_len']} | {e['output_len']} | "
-                  f"{e['batch']} | unplannable: {r['skipped']} |")
+            print(f"{head} unplannable: {r['skipped']} |")
             continue
         p, m, err = r["predicted"], r["measured"], r["error"]
-        print(f"| {r['source_key'].split(':', 1)[-1]} | {e['tp']} | {e['input_len']} | {e['output_len']} | "
-              f"{e['batch']} | {p['tpot_s'] * 1e3:.2f} | {m['tpot_s'] * 1e3:.2f} | {err['tpot_s'] * 100:+.1f}% | "
+        print(f"{head} {p['tpot_s'] * 1e3:.2f} | {m['tpot_s'] * 1e3:.2f} | {err['tpot_s'] * 100:+.1f}% | "
               f"{p['ttft_s'] * 1e3:.1f} | {m['ttft_s'] * 1e3:.1f} | {err['ttft_s'] * 100:+.1f}% |")
     return len(picked)
 
