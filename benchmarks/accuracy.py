@@ -202,10 +202,29 @@ def evaluate_all(entries: list[dict], d_half_gpu: float | None = None) -> tuple[
     return rows, unplannable
 
 
+SOURCE_FLAGS = ("known_regression",)
+
+
+def source_flagged(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(entries in the statistics, entries their source marks as not the software's normal performance: `source_flag`
+    of a known kind, training_measurements_new.yaml header). An unknown kind is an error, not a silent exclusion."""
+    kept, flagged = [], []
+    for e in entries:
+        flag = e.get("source_flag")
+        if flag is None:
+            kept.append(e)
+        elif flag.get("kind") in SOURCE_FLAGS and flag.get("text"):
+            flagged.append(e)
+        else:
+            raise ValueError(f"{e.get('id')}: source_flag needs a kind of {SOURCE_FLAGS} and the source's text")
+    return kept, flagged
+
+
 def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = None) -> dict:
     """Issue #14's tables: the reference set and each half of the new runs (median |err|, p90, signed median,
-    within 25%, unplannable, predicted-faster count), then each half per family; then every new row."""
-    entries = load_new_training()
+    within 25%, unplannable, predicted-faster count), then each half per family; then every new row; then the rows
+    their source flags (source_flagged), apart and outside every statistic."""
+    entries, flagged = source_flagged(load_new_training())
     rows, unplannable = evaluate_all(entries, d_half_gpu)
     head = ("| set | n planned | median abs err | p90 abs err | signed median | within 25% | unplannable | "
             "predicted faster | layout does not fit |")
@@ -238,6 +257,17 @@ def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = 
               + (f"  [{r['note']}]" if r.get("note") else ""))
     for e, why in unplannable:
         print(f"UNPLANNABLE {e['id']} ({e.get('split')}): {why[:150]}")
+    if flagged:
+        frows, funplannable = evaluate_all(flagged, d_half_gpu)
+        print(f"\n{len(flagged)} row(s) flagged by their source, outside every statistic above:")
+        for r in frows:
+            e = next(x for x in flagged if x["id"] == r["id"])
+            print(f"FLAGGED {r['id']} ({r['split']}): measured {r['measured_step_s']:.3f} s, predicted "
+                  f"{r['pred_step_s']:.3f} s ({r['rel_err']:+.1%}); {e['source_flag']['kind']}: "
+                  f"{' '.join(e['source_flag']['text'].split())}")
+        for e, why in funplannable:
+            print(f"FLAGGED {e['id']} ({e.get('split')}), unplannable: {why[:150]}")
+    report["source_flagged"] = [e["id"] for e in flagged]
     return report
 
 

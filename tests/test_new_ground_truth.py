@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _split  # noqa: E402  (benchmark helpers, not part of the package)
@@ -189,3 +190,27 @@ def test_an_unknown_sample_generator_is_refused() -> None:
     with pytest.raises(MeshplanError, match="unknown length_sample generator"):
         serving_accuracy.sample_lengths({"generator": "vllm_random", "seed": 0, "random_input_len": 8,
                                          "random_output_len": 8, "random_range_ratio": 0.0}, 4)
+
+
+def test_a_row_its_source_flags_is_reported_apart_and_an_unknown_flag_is_refused() -> None:
+    """Session 29: a row whose source footnotes a known performance regression stays out of the statistics
+    (accuracy.source_flagged); an unknown flag kind, or one without the source's text, is an error, never a silent
+    exclusion."""
+    plain = {"id": "a"}
+    flagged = {"id": "b", "source_flag": {"kind": "known_regression", "text": "footnote: known issue"}}
+    assert accuracy.source_flagged([plain, flagged]) == ([plain], [flagged])
+    for bad in ({"kind": "looks_wrong", "text": "x"}, {"kind": "known_regression"}):
+        with pytest.raises(ValueError, match="source_flag"):
+            accuracy.source_flagged([{"id": "c", "source_flag": bad}])
+
+
+def test_every_flagged_row_quotes_the_footnote_that_flags_it() -> None:
+    """Each flagged row's quoted table row carries the footnote marker its flag text quotes: the flag comes from the
+    published row, not from the row's error."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "training_measurements_new.yaml"
+    entries = yaml.safe_load(path.read_text())
+    flagged = accuracy.source_flagged(entries)[1]
+    assert [e["id"] for e in flagged] == ["mbridge_26p06p01_gpt-oss-120b_gb200_64_mxfp8"]
+    for e in flagged:
+        marker = e["source_flag"]["text"].split("[^", 1)[1].split("]", 1)[0]
+        assert f"[^{marker}]" in e["source"]["row"]
