@@ -36,7 +36,7 @@ from gemm_check import predictions
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
-from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s
+from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s, rows_per_touched_expert
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -223,10 +223,50 @@ def moe_prefill(chip) -> dict:
     return out
 
 
+A100_ROW_BINS = ((0.0, 64.0), (64.0, 512.0), (512.0, 2048.0), (2048.0, float("inf")))
+
+
+def a100_moe_rows() -> list[dict]:
+    """aic_a100_trtllm_moe.csv's layers with the rows each touched expert runs (step.rows_per_touched_expert)."""
+    out = []
+    for r in _rows("aic_a100_trtllm_moe.csv"):
+        m = load_model(r["model"])
+        out.append({**r, "rows": rows_per_touched_expert(m, float(r["tokens"]))})
+    return out
+
+
+def grouped_fraction_implied(r: dict, chip) -> float:
+    """The large-problem grouped-GEMM fraction one measured layer implies: its expert FLOPs over its time less the
+    step's own fixed MoE terms (_moe_fixed_s), over the bf16 peak times the thin-dimension penalty of the expert's
+    narrower weight dimension (the ceiling's penalty in step._matmul_fraction) -- how efficiency.yaml
+    grouped_matmul_peak_fraction a100-80gb is read from the table, over its layers of >= 2048 rows per expert."""
+    from meshplan.cost.efficiency import default_efficiency
+
+    m, eff = load_model(r["model"]), default_efficiency(chip)
+    T, tp = float(r["tokens"]), int(r["moe_tp"])
+    flops = 2 * T * m.experts_per_token * 3 * m.d_model * m.d_ff / tp
+    seconds = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
+    dim = min(m.d_model, m.d_ff / tp)
+    return flops / seconds / (chip.peak("bf16") * dim / (dim + eff.matmul_half_dim))
+
+
+def a100_moe(chip) -> dict:
+    """The step's MoE terms on A100 against TensorRT-LLM 1.0's measured layers (every token count, power-law
+    routing), by rows per touched expert; below 64 rows the layer streams its weights, which moe_prefill_predicted_s
+    (the GEMMs' compute and the fixed terms) does not count, so that bin reads low."""
+    groups: dict[str, list[float]] = {}
+    for r in a100_moe_rows():
+        lo, hi = next(b for b in A100_ROW_BINS if b[0] <= r["rows"] < b[1])
+        label = f"{lo:g}-{hi:g} rows" if hi < float("inf") else f"{lo:g}+ rows"
+        groups.setdefault(label, []).append(moe_prefill_predicted_s(r, chip) / (float(r["time_us"]) * 1e-6) - 1.0)
+    return {k: _stats(v) for k, v in groups.items()}
+
+
 def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
-            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip)}
+            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
+            "a100_moe": a100_moe(load_chip("a100-80gb"))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("vLLM custom all-reduce, CUDA graph (serving step's TP all-reduce)", "vllm_custom_allreduce"),
                        ("vLLM bf16 GEMM at decode batches (serving step's GEMM term)", "decode_gemm_bf16"),
                        ("TensorRT-LLM 1.2 CUTLASS MoE layers, 1,024-16,384 tokens, moe_tp 1-8 (serving step's MoE "
-                        "terms)", "moe_prefill")):
+                        "terms)", "moe_prefill"),
+                       ("TensorRT-LLM 1.0 MoE layers on A100-SXM4-80GB, 1-65,536 tokens, moe_tp 1-8, power-law routing "
+                        "(serving step's MoE terms, a100-80gb)", "a100_moe")):
         print(f"\n### {title}\n| group | n | signed median | median abs |\n|---|---|---|---|")
         for g, s in res[key].items():
             if "signed_median" in s:

@@ -65,9 +65,10 @@ def test_grouped_gemm_shape_whole_experts() -> None:
     for expert_tp, rows, width in ((True, 8192, 768), (False, 4096, 1536)):
         cm, _, g = _cm(expert_tp)
         seen = []
-        cm._matmul_time = lambda flops, m_, n_, k_, seen=seen: seen.append((flops, _f(m_), _f(n_), k_)) or 0.0
+        cm._matmul_time = lambda flops, m_, n_, k_, grouped=False, seen=seen: \
+            seen.append((flops, _f(m_), _f(n_), k_, grouped)) or 0.0
         cm._grouped_gemm_s(g, f_routed)
-        assert seen == [(f_routed, rows, width, 4096)]
+        assert seen == [(f_routed, rows, width, 4096, True)]  # timed as a grouped GEMM (Efficiency.grouped_matmul)
 
 
 def test_tp_collectives_and_all_to_all_in_the_ledger() -> None:

@@ -49,6 +49,7 @@ class Efficiency:
     attention_bwd_flops_ratio: float
     unfused_elementwise_factor: float
     comm_compute_interference: float
+    grouped_matmul_peak_fraction: float
     origin: str = "defaults"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -57,6 +58,15 @@ class Efficiency:
         penalty d/(d + d_half) for the smallest dimension (tile/wave quantization, book ch.12)."""
         d = np.minimum(np.minimum(m, n), k)
         return self.matmul_peak_fraction * d / (d + self.matmul_half_dim)
+
+    def grouped_matmul(self, m: Any, n: Any, k: Any) -> Any:
+        """Fraction of peak for one expert's [m,k]·[k,n] problem (m rows, weights k x n) of a MoE layer's grouped GEMM
+        (TensorRT-LLM's MoE plugin, vLLM fused_moe, TE GroupedLinear / MegaBlocks): `matmul`'s fraction, kept under
+        the grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, where a kernel
+        measurement puts it below the dense GEMM's) times the penalty of the narrower weight dimension. Equal to
+        `matmul` where the chip has no grouped measurement of its own."""
+        d = np.minimum(n, k)
+        return np.minimum(self.matmul(m, n, k), self.grouped_matmul_peak_fraction * d / (d + self.matmul_half_dim))
 
     def dtype_scale(self, dtype: str) -> float:
         """What a GEMM in `dtype` reaches of its own peak, relative to what `matmul` gives at the bf16 peak: the
@@ -76,7 +86,9 @@ _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_p
            "attention_fa2_bwd_fraction", "attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction",
            "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
-           "comm_compute_interference")
+           "comm_compute_interference", "grouped_matmul_peak_fraction")
+# fields a chip may leave out of efficiency.yaml: it then takes the named field's value (no separate measurement)
+_FALLBACK_FIELDS = {"grouped_matmul_peak_fraction": "matmul_peak_fraction"}
 
 
 @lru_cache(maxsize=1)
@@ -126,7 +138,11 @@ def default_efficiency(chip: Chip) -> Efficiency:
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
     for f in _FIELDS:
-        entry = table[f].get(chip.name) or table[f].get(chip.kind)
+        entry = (table.get(f) or {}).get(chip.name) or (table.get(f) or {}).get(chip.kind)
+        if entry is None and f in _FALLBACK_FIELDS:
+            values[f] = values[_FALLBACK_FIELDS[f]]
+            sources[f] = f"as {_FALLBACK_FIELDS[f]}: no measurement of its own for {chip.name}"
+            continue
         if entry is None:
             raise MeshplanError(f"no default efficiency '{f}' for {chip.name} ({chip.kind}); give --profile")
         values[f] = float(entry["value"])
@@ -238,6 +254,10 @@ def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficie
                             f"(known: {', '.join(_FIELDS)})")
     rules = profile_rules()
     changes = {f: float(rules[f].check(eff[f], f"profile '{path}': efficiency.{f}")) for f in _FIELDS if f in eff}
+    for f, twin in _FALLBACK_FIELDS.items():
+        # a field the chip's defaults take from its twin follows a calibrated twin unless the profile gives it
+        if f not in changes and twin in changes and base.sources.get(f, "").startswith(f"as {twin}"):
+            changes[f] = changes[twin]
     return replace(base, **changes, origin=origin)
 
 

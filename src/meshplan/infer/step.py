@@ -134,16 +134,20 @@ def rows_per_touched_expert(m: ModelConfig, tokens: float) -> float:
     return tokens * m.experts_per_token / touched if touched > 0 else 0.0
 
 
-def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf")) -> float:
+def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf"),
+                     grouped: bool = False) -> float:
     """Large-GEMM fraction (fp8 or bf16) times the penalty of the GEMM's most constraining dimension: the skinny-GEMM
     row penalty m/(m + rows_half) of its `tokens` rows, or the thin-dimension penalty d/(d + half_dim) of its
     narrower weight dimension `weight_dim` (tile and wave quantization: the penalty `Efficiency.matmul` applies to
     the smallest of a GEMM's dimensions and training applies to every GEMM, book ch.12; efficiency.yaml
-    matmul_half_dim)."""
-    base = eff.matmul_peak_fraction * eff.dtype_scale(compute_dtype)
+    matmul_half_dim). `grouped`: one expert's problem of a MoE layer's grouped GEMM, which also stays under the
+    grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, times the thin-dimension
+    penalty): the row penalty is the tiles', the ceiling the kernel's main loop (`Efficiency.grouped_matmul`)."""
+    scale = eff.dtype_scale(compute_dtype)
     rows = tokens / (tokens + eff.matmul_rows_half)
     thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
-    return base * min(rows, thin)
+    frac = eff.matmul_peak_fraction * scale * min(rows, thin)
+    return min(frac, eff.grouped_matmul_peak_fraction * scale * thin) if grouped else frac
 
 
 def routed_expert_gemm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, tokens: float) -> float:
@@ -159,7 +163,7 @@ def routed_expert_gemm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effi
     expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)
     flops = 2.0 * tokens * m.experts_per_token * lp.routed_expert
     return flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
-                                                      min(m.d_model, expert_ff)))
+                                                      min(m.d_model, expert_ff), grouped=True))
 
 
 @lru_cache(maxsize=256)

@@ -587,8 +587,11 @@ class CostModel:
     # --- compute -------------------------------------------------------------------------------
     # Each term function returns one layer's (or the loss's) work for one micro-batch: seconds forward (`f_s`)
     # and backward (`b_s`), FLOPs and HBM bytes; `compute_terms` adds them up and writes the ledger.
-    def _matmul_time(self, flops, m_, n_, k_):
-        return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
+    def _matmul_time(self, flops, m_, n_, k_, grouped: bool = False):
+        """Seconds of `flops` in [m,k]x[k,n] GEMMs; `grouped`: a MoE layer's grouped expert GEMMs, at the grouped
+        kernel's large-problem fraction (Efficiency.grouped_matmul)."""
+        frac = self.eff.grouped_matmul(m_, n_, k_) if grouped else self.eff.matmul(m_, n_, k_)
+        return flops / (self.mm_peak * frac)
 
     def _matmul_term(self, g: dict) -> dict:
         """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape: the
@@ -648,7 +651,7 @@ class CostModel:
         if not m.is_moe:
             return 0.0
         rows = g["t_expert"] * c["k"] * g["ep"] / m.n_experts
-        return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / g["etp"], c["D"])
+        return (self._expert_load_ratio(g) * self._matmul_time(f_routed, rows, c["F"] / g["etp"], c["D"], grouped=True)
                 + self.layer_kernels_fwd(g)["moe"] * self.eff.kernel_overhead_s)
 
     def layer_kernels_fwd(self, g: dict) -> dict:
