@@ -31,6 +31,9 @@ def test_the_grouped_ceiling_binds_large_problems_and_the_row_penalty_small_ones
     assert eff.grouped_matmul(4096, 14336, 4096) == pytest.approx(0.54 * 4096 / 4352)
     # at 64 rows the tiles' penalty rules: 0.84 x 64/320 = 0.168, under the ceiling
     assert eff.grouped_matmul(64, 14336, 4096) == pytest.approx(0.84 * 64 / 320)
+    # the ceiling alone, as the serving step takes it: an unbounded weight dimension has no penalty
+    assert eff.grouped_ceiling(float("inf")) == pytest.approx(0.54)
+    assert eff.grouped_ceiling(1792) == pytest.approx(0.54 * 1792 / 2048)
     # a chip without a grouped measurement times grouped GEMMs as dense ones
     h100 = default_efficiency(load_chip("h100-sxm"))
     assert h100.grouped_matmul_peak_fraction == h100.matmul_peak_fraction

@@ -65,8 +65,16 @@ class Efficiency:
         the grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, where a kernel
         measurement puts it below the dense GEMM's) times the penalty of the narrower weight dimension. Equal to
         `matmul` where the chip has no grouped measurement of its own."""
-        d = np.minimum(n, k)
-        return np.minimum(self.matmul(m, n, k), self.grouped_matmul_peak_fraction * d / (d + self.matmul_half_dim))
+        return np.minimum(self.matmul(m, n, k), self.grouped_ceiling(np.minimum(n, k)))
+
+    def grouped_ceiling(self, weight_dim: Any) -> Any:
+        """The grouped kernel's large-problem ceiling for experts whose narrower weight dimension is `weight_dim`:
+        grouped_matmul_peak_fraction x d/(d + matmul_half_dim) (an unbounded dimension: no penalty)."""
+        d = np.asarray(weight_dim, dtype=float)
+        with np.errstate(invalid="ignore"):  # inf / inf where the dimension is unbounded, replaced by 1
+            thin = np.where(np.isinf(d), 1.0, d / (d + self.matmul_half_dim))
+        out = self.grouped_matmul_peak_fraction * thin
+        return float(out) if out.ndim == 0 else out
 
     def dtype_scale(self, dtype: str) -> float:
         """What a GEMM in `dtype` reaches of its own peak, relative to what `matmul` gives at the bf16 peak: the

@@ -147,7 +147,7 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     rows = tokens / (tokens + eff.matmul_rows_half)
     thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
     frac = eff.matmul_peak_fraction * scale * min(rows, thin)
-    return min(frac, eff.grouped_matmul_peak_fraction * scale * thin) if grouped else frac
+    return min(frac, eff.grouped_ceiling(weight_dim) * scale) if grouped else frac
 
 
 def routed_expert_gemm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, tokens: float) -> float:
