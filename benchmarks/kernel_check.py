@@ -37,6 +37,7 @@ from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
 from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s, rows_per_touched_expert
+from meshplan.math.transformer import touched_experts
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -160,9 +161,11 @@ def moe_layers(chip) -> dict:
 
 
 def moe_prefill_predicted_s(r: dict, chip) -> float:
-    """The serving step's MoE terms for one measured layer of aic_h100_trtllm_moe_prefill.csv: the routed-expert GEMMs
-    (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp) and the rest of the layer's terms
-    (_moe_fixed_s, as moe_layer_rows takes them out). The row names the preset whose expert shape it measures."""
+    """The serving step's MoE terms for one measured layer (aic_h100_trtllm_moe_prefill.csv, aic_a100_trtllm_moe.csv):
+    the routed-expert GEMMs (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp) or, where
+    longer, the read of the touched experts' weights at the step's HBM rate (stage_parts' max of the weight read and
+    the GEMMs), plus the rest of the layer's terms (_moe_fixed_s, as moe_layer_rows takes them out). The row names the
+    preset whose expert shape it measures."""
     from meshplan.cost.efficiency import default_efficiency
 
     m = load_model(r["model"])
@@ -172,7 +175,10 @@ def moe_prefill_predicted_s(r: dict, chip) -> float:
     eff = default_efficiency(chip)
     cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype="fp8" if r["dtype"] == "fp8" else "bf16")
     T = float(r["tokens"])
-    return routed_expert_gemm_s(m, chip, cfg, eff, T) + _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
+    read = touched_experts(m, T) * 3 * m.d_model * m.d_ff / cfg.tp * MOE_BYTES[r["dtype"]] \
+        / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
+    return max(routed_expert_gemm_s(m, chip, cfg, eff, T), read) + _moe_fixed_s(chip, eff, T, m.d_model,
+                                                                                 m.experts_per_token)
 
 
 # A measured layer slower by more than this than another of the same preset, format and routing that does at least
@@ -252,8 +258,7 @@ def grouped_fraction_implied(r: dict, chip) -> float:
 
 def a100_moe(chip) -> dict:
     """The step's MoE terms on A100 against TensorRT-LLM 1.0's measured layers (every token count, power-law
-    routing), by rows per touched expert; below 64 rows the layer streams its weights, which moe_prefill_predicted_s
-    (the GEMMs' compute and the fixed terms) does not count, so that bin reads low."""
+    routing), by rows per touched expert (below ~64 rows the layer is bound by its weight read)."""
     groups: dict[str, list[float]] = {}
     for r in a100_moe_rows():
         lo, hi = next(b for b in A100_ROW_BINS if b[0] <= r["rows"] < b[1])
