@@ -37,7 +37,7 @@ from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
 from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s, rows_per_touched_expert
-from meshplan.math.transformer import touched_experts
+from meshplan.math.transformer import expert_params, touched_experts
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 
@@ -175,7 +175,7 @@ def moe_prefill_predicted_s(r: dict, chip) -> float:
     eff = default_efficiency(chip)
     cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype="fp8" if r["dtype"] == "fp8" else "bf16")
     T = float(r["tokens"])
-    read = touched_experts(m, T) * 3 * m.d_model * m.d_ff / cfg.tp * MOE_BYTES[r["dtype"]] \
+    read = touched_experts(m, T) * expert_params(m) / cfg.tp * MOE_BYTES[r["dtype"]] \
         / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
     return max(routed_expert_gemm_s(m, chip, cfg, eff, T), read) + _moe_fixed_s(chip, eff, T, m.d_model,
                                                                                  m.experts_per_token)
@@ -214,9 +214,10 @@ def moe_prefill(chip) -> dict:
     format and routing; the rows `dominated_rows` screens out are counted apart ("screened out"), not compared."""
     rows = _rows("aic_h100_trtllm_moe_prefill.csv")
     screened = dominated_rows(rows)
+    screened_ids = {id(r) for r in screened}
     groups: dict[str, list[float]] = {}
     for r in rows:
-        if any(r is q for q in screened):
+        if id(r) in screened_ids:
             continue
         label = f"{r['model']} {r['dtype']} {r['distribution']}"
         groups.setdefault(label, []).append(moe_prefill_predicted_s(r, chip) / (float(r["time_us"]) * 1e-6) - 1.0)
@@ -250,7 +251,7 @@ def grouped_fraction_implied(r: dict, chip) -> float:
 
     m, eff = load_model(r["model"]), default_efficiency(chip)
     T, tp = float(r["tokens"]), int(r["moe_tp"])
-    flops = 2 * T * m.experts_per_token * 3 * m.d_model * m.d_ff / tp
+    flops = 2 * T * m.experts_per_token * expert_params(m) / tp
     seconds = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
     dim = min(m.d_model, m.d_ff / tp)
     return flops / seconds / (chip.peak("bf16") * dim / (dim + eff.matmul_half_dim))

@@ -140,13 +140,18 @@ def bare_loop(eff: Efficiency) -> Efficiency:
     return replace(eff, step_overhead_s=0.0)
 
 
+def _table_entry(field_name: str, chip: Chip) -> dict | None:
+    """efficiency.yaml's entry of `field_name` for the chip, by name then kind; None where it has none."""
+    rows = _table().get(field_name) or {}
+    return rows.get(chip.name) or rows.get(chip.kind)
+
+
 def default_efficiency(chip: Chip) -> Efficiency:
     """Look up each efficiency for the chip by name, then by kind ('gpu'/'tpu')."""
-    table = _table()
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
     for f in _FIELDS:
-        entry = (table.get(f) or {}).get(chip.name) or (table.get(f) or {}).get(chip.kind)
+        entry = _table_entry(f, chip)
         if entry is None and f in _FALLBACK_FIELDS:
             values[f] = values[_FALLBACK_FIELDS[f]]
             sources[f] = f"as {_FALLBACK_FIELDS[f]}: no measurement of its own for {chip.name}"
@@ -264,7 +269,7 @@ def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficie
     changes = {f: float(rules[f].check(eff[f], f"profile '{path}': efficiency.{f}")) for f in _FIELDS if f in eff}
     for f, twin in _FALLBACK_FIELDS.items():
         # a field the chip's defaults take from its twin follows a calibrated twin unless the profile gives it
-        if f not in changes and twin in changes and base.sources.get(f, "").startswith(f"as {twin}"):
+        if f not in changes and twin in changes and _table_entry(f, chip) is None:
             changes[f] = changes[twin]
     return replace(base, **changes, origin=origin)
 
