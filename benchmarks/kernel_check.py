@@ -36,6 +36,7 @@ from gemm_check import predictions
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
 from meshplan.infer.config import ServeConfig
+from meshplan.infer.memory import moe_layer_share
 from meshplan.infer.step import _allreduce_s, moe_permute_bytes, routed_expert_gemm_s, rows_per_touched_expert
 from meshplan.math.transformer import expert_params, touched_experts
 from meshplan.specs.hardware import load_chip
@@ -177,8 +178,10 @@ def moe_prefill_predicted_s(r: dict, chip) -> float:
     T = float(r["tokens"])
     read = touched_experts(m, T) * expert_params(m) / cfg.tp * MOE_BYTES[r["dtype"]] \
         / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
-    return max(routed_expert_gemm_s(m, chip, cfg, eff, T), read) + _moe_fixed_s(chip, eff, T, m.d_model,
-                                                                                 m.experts_per_token)
+    # routed_expert_gemm_s times the step's mean layer, whose routed experts carry moe_layer_share of a MoE layer's
+    # (DeepSeek-V3: 58 MoE layers among 61); a measured row is one MoE layer, whole
+    gemm = routed_expert_gemm_s(m, chip, cfg, eff, T) / moe_layer_share(m)
+    return max(gemm, read) + _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
 
 
 # A measured layer slower by more than this than another of the same preset, format and routing that does at least

@@ -132,3 +132,24 @@ def test_a_prefill_moe_layer_is_timed_by_the_steps_own_terms_by_hand() -> None:
     assert kernel_check.moe_prefill_predicted_s(r, chip) == pytest.approx(hand, rel=1e-6)
     # the measured layer itself: 5.77 TFLOP in the row's time is a plausible H100 bf16 GEMM rate (below the peak)
     assert flops / (float(r["time_us"]) * 1e-6) < 989e12
+
+
+def test_a_deepseek_moe_layer_is_timed_whole_not_as_the_steps_mean_layer() -> None:
+    """Session 30: DeepSeek-V3 has 58 MoE layers among 61 (3 dense layers first), so the serving step's mean layer
+    carries 58/61 of a MoE layer's routed experts; a measured row is one MoE layer, timed whole. By hand at 8,192 tokens
+    on one H100 in bf16: 8192 x 8 routed rows over the 256 experts (all touched: 256 (1 - (1 - 8/256)^8192) = 256) =
+    256 rows each, at 0.75 x min(256/(256 + 128), 2048/(2048 + 256)) = 0.5 of 989 TFLOP/s (the grouped ceiling on
+    H100 is the dense fraction, 0.75 x 2048/2304 = 0.667, not binding) for 2 x 8192 x 8 x 3 x 7168 x 2048 FLOPs =
+    11.7 ms, longer than the 256 experts' 22.5 GB read at 0.8 x 3.35 TB/s = 8.4 ms; plus the permute, 2 x 8192 x 7168
+    x (8 + 1) bf16 elements at 0.8 x 3.35 TB/s, and 4 routing + 3 expert kernels at 4 us each."""
+    rows = kernel_check._rows("aic_h100_trtllm_moe_prefill.csv")
+    r = next(r for r in rows if (r["model"], r["dtype"], r["tokens"], r["moe_tp"], r["distribution"])
+             == ("deepseek-v3", "bfloat16", "8192", "1", "balanced"))
+    flops = 2 * 8192 * 8 * 3 * 7168 * 2048
+    gemm = flops / (989e12 * 0.75 * min(256 / (256 + 128), 2048 / (2048 + 256)))
+    read = 256 * 3 * 7168 * 2048 * 2 / (0.8 * H100_HBM_BYTES_PER_S)
+    assert gemm > read
+    permute = 2 * 8192 * 7168 * 9 * 2 / (0.8 * H100_HBM_BYTES_PER_S)
+    hand = gemm + permute + (4 + 3) * 4e-6
+    chip = kernel_check.load_chip("h100-sxm")
+    assert kernel_check.moe_prefill_predicted_s(r, chip) == pytest.approx(hand, rel=1e-6)
