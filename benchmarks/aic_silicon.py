@@ -18,7 +18,9 @@ preset, added third, each before any comparison of its rows), one pipeline stage
     backend / release / model, the folder structure of the rows' own source_file provenance;
   - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16, fp4 -> mxfp4 for gpt-oss (its released MXFP4
     experts; Hopper has no FP4 GEMM) and dropped elsewhere; KV dtype unstated (serving_assumptions.yaml
-    missing_kv_dtype);
+    missing_kv_dtype); Qwen/Qwen3-235B-A22B-FP8 on its own preset, qwen3-235b-a22b-fp8 (session 30: the release's
+    128x128 block scales, which an engine's MoE kernel runs at another rate than per-tensor FP8), its campaign name,
+    ids and split unchanged;
   - MoE layout: the experts over the TP group, moe_tp_size x moe_ep_size = tp_size (else dropped), ep = moe_ep_size;
     attention data parallel where attention_dp_size equals tp_size, none where it is 1 or unset (else dropped);
   - engine: the current preset of the backend (vllm, sglang, trtllm: the PyTorch backend of TensorRT-LLM 1.x), or
@@ -50,11 +52,14 @@ TITLE = ("ai-dynamo/aiconfigurator silicon_sample.csv: real end-to-end serving m
          "NVIDIA's benchmark DB), mean TTFT and TPOT of a closed loop at fixed lengths")
 MODELS = {"meta-llama/Llama-3.1-70B": "llama3.1-70b", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1-8b",
           "nvidia/Llama-3.1-8B-Instruct-FP8": "llama3.1-8b", "Qwen/Qwen3-32B": "qwen3-32b",
-          "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b", "openai/gpt-oss-120b": "gpt-oss-120b",
+          "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b-fp8", "openai/gpt-oss-120b": "gpt-oss-120b",
           "deepseek-ai/DeepSeek-V3": "deepseek-v3", "deepseek-ai/DeepSeek-R1": "deepseek-v3"}
 # the campaign's name where two checkpoints share a preset (DeepSeek-R1 is DeepSeek-V3's architecture and FP8 format)
-CAMPAIGN_NAMES = {"deepseek-ai/DeepSeek-R1": "deepseek-r1"}
-MOE_FAMILIES = {"qwen3-235b-a22b": ["serving_moe", "serving_moe_fine_grained"],  # 128 experts, top-8
+CAMPAIGN_NAMES = {"deepseek-ai/DeepSeek-R1": "deepseek-r1",
+                  # the FP8 release's own preset (its quantization_config: 128x128 block scales, session 30) keeps the
+                  # campaign name, ids and split it had on the bf16 architecture preset
+                  "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b"}
+MOE_FAMILIES = {"qwen3-235b-a22b-fp8": ["serving_moe", "serving_moe_fine_grained"],  # 128 experts, top-8
                 "gpt-oss-120b": ["serving_moe"],  # 128 experts, top-4
                 "deepseek-v3": ["serving_moe", "serving_moe_fine_grained"]}  # 256 experts, top-8
 SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200"}

@@ -108,7 +108,10 @@ def decode_gemm(chip) -> dict:
     return {k: _stats(groups[k]) for k in order if k in groups}
 
 
-MOE_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0}
+MOE_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0, "w4a16_mxfp4": 4.25 / 8}
+# a table's format name -> (the layout's weight_dtype, config.expert_gemm_format's name for the kernel's format)
+MOE_FORMATS = {"bfloat16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp8_block": ("fp8", "fp8_block"),
+               "w4a16_mxfp4": ("mxfp4", "mxfp4")}
 MOE_BINS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # upper edges of the rows-per-touched-expert bins
 
 
@@ -161,7 +164,7 @@ def moe_layers(chip) -> dict:
     return out
 
 
-def moe_prefill_predicted_s(r: dict, chip) -> float:
+def moe_prefill_predicted_s(r: dict, chip, engine: str = "default") -> float:
     """The serving step's MoE terms for one measured layer (aic_h100_trtllm_moe_prefill.csv, aic_a100_trtllm_moe.csv):
     the routed-expert GEMMs (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp) or, where
     longer, the read of the touched experts' weights at the step's HBM rate (stage_parts' max of the weight read and
@@ -174,13 +177,14 @@ def moe_prefill_predicted_s(r: dict, chip) -> float:
                                                                                            "experts")):
         raise ValueError(f"{r['model']}: the row's expert shape is not the preset's")
     eff = default_efficiency(chip)
-    cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype="fp8" if r["dtype"] == "fp8" else "bf16")
+    weight_dtype, fmt = MOE_FORMATS[r["dtype"]]
+    cfg = ServeConfig(tp=int(r["moe_tp"]), weight_dtype=weight_dtype, engine=engine)
     T = float(r["tokens"])
     read = touched_experts(m, T) * expert_params(m) / cfg.tp * MOE_BYTES[r["dtype"]] \
         / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
     # routed_expert_gemm_s times the step's mean layer, whose routed experts carry moe_layer_share of a MoE layer's
-    # (DeepSeek-V3: 58 MoE layers among 61); a measured row is one MoE layer, whole
-    gemm = routed_expert_gemm_s(m, chip, cfg, eff, T) / moe_layer_share(m)
+    # (DeepSeek-V3: 58 MoE layers among 61); a measured row is one MoE layer, whole, in the row's own format
+    gemm = routed_expert_gemm_s(m, chip, cfg, eff, T, fmt=fmt) / moe_layer_share(m)
     return max(gemm, read) + _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
 
 
@@ -271,11 +275,82 @@ def a100_moe(chip) -> dict:
     return {k: _stats(v) for k, v in groups.items()}
 
 
+# vLLM's MoE tables: the table's release -> the engine preset that stands for it (serving.yaml engine_releases); rows
+# per touched expert from which a layer's rate reads the kernel's large-problem ceiling (the tiles' row penalty
+# m/(m + 128) is 0.8 there, and the measured rates have flattened)
+VLLM_RELEASES = {"0.14.0": "vllm@0.14", "0.24.0": "vllm"}
+VLLM_CEILING_ROWS = 512.0
+VLLM_CEILING_ROUTING = "power_law_1.01"
+
+
+def vllm_moe_rows() -> list[dict]:
+    """aic_vllm_moe_prefill.csv's layers with the rows each touched expert runs (step.rows_per_touched_expert)."""
+    out, models = [], {}
+    for r in _rows("aic_vllm_moe_prefill.csv"):
+        m = models.setdefault(r["model"], load_model(r["model"]))
+        out.append({**r, "rows": rows_per_touched_expert(m, float(r["tokens"]))})
+    return out
+
+
+def format_fraction_implied(r: dict, chip) -> float:
+    """The large-problem fraction one measured layer implies for its format: its expert FLOPs over its time less the
+    step's own fixed MoE terms (_moe_fixed_s), over the format's peak (the FP8 peak for fp8 and fp8_block, the bf16
+    peak for bf16 and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty of the
+    expert's narrower weight dimension: grouped_fraction_implied in the layer's own format."""
+    from meshplan.cost.efficiency import default_efficiency
+
+    m, eff = load_model(r["model"]), default_efficiency(chip)
+    T, tp = float(r["tokens"]), int(r["moe_tp"])
+    flops = 2 * T * m.experts_per_token * expert_params(m) / tp
+    seconds = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
+    dim = min(m.d_model, m.d_ff / tp)
+    peak = chip.peak("fp8" if MOE_FORMATS[r["dtype"]][1] in ("fp8", "fp8_block") else "bf16")
+    return flops / seconds / (peak * dim / (dim + eff.matmul_half_dim))
+
+
+def vllm_ceilings() -> dict[tuple[str, str, str], dict]:
+    """(engine preset, chip, format) -> the median implied fraction (format_fraction_implied) of its layers at
+    VLLM_CEILING_ROUTING with at least VLLM_CEILING_ROWS rows per touched expert, and their count: how serving.yaml
+    engine_grouped_matmul_peak_fraction is read from the tables."""
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    chips: dict[str, object] = {}
+    for r in vllm_moe_rows():
+        if r["distribution"] != VLLM_CEILING_ROUTING or r["rows"] < VLLM_CEILING_ROWS:
+            continue
+        chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
+        key = (VLLM_RELEASES[r["vllm"]], r["chip"], MOE_FORMATS[r["dtype"]][1])
+        groups.setdefault(key, []).append(format_fraction_implied(r, chip))
+    return {k: {"n": len(v), "median": statistics.median(v)} for k, v in sorted(groups.items())}
+
+
+def vllm_moe() -> dict:
+    """The step's MoE terms for vLLM's measured layers (each timed as its release's preset and in its own format)
+    against the tables, by release, chip, format and rows per touched expert; 'default' beside each: the same layers
+    timed without the engine's measured ceiling (the chip's grouped ceiling, as TensorRT-LLM's and training's)."""
+    groups: dict[str, dict[str, list[float]]] = {}
+    chips: dict[str, object] = {}
+    for r in vllm_moe_rows():
+        if r["distribution"] != VLLM_CEILING_ROUTING:
+            continue
+        chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
+        t = float(r["time_us"]) * 1e-6
+        band = "64-512 rows" if r["rows"] < VLLM_CEILING_ROWS else "512+ rows"
+        if r["rows"] < 64:
+            band = "under 64 rows"
+        label = f"vllm {r['vllm']} {r['chip']} {MOE_FORMATS[r['dtype']][1]} {band}"
+        g = groups.setdefault(label, {"engine": [], "default": []})
+        g["engine"].append(moe_prefill_predicted_s(r, chip, VLLM_RELEASES[r["vllm"]]) / t - 1.0)
+        g["default"].append(moe_prefill_predicted_s(r, chip) / t - 1.0)
+    return {k: {**_stats(v["engine"]), "default_signed_median": statistics.median(v["default"])}
+            for k, v in sorted(groups.items())}
+
+
 def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
             "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
-            "a100_moe": a100_moe(load_chip("a100-80gb"))}
+            "a100_moe": a100_moe(load_chip("a100-80gb")), "vllm_moe": vllm_moe(),
+            "vllm_ceilings": {" ".join(k): v for k, v in vllm_ceilings().items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +381,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{sc['n']} measured layers screened out (slower by more than {DOMINATED_TOLERANCE:.0%} than a layer of "
                   "the same preset, format and routing doing at least their work per GPU): "
                   + ", ".join(f"{k} ({n})" for k, n in sc["rows"].items()))
+    print("\n### vLLM FusedMoE layers, 1,024-16,384 tokens, power-law routing, each in its own format (serving step's MoE "
+          "terms as the release's preset; 'without' = the chip's grouped ceiling instead of vLLM's measured one)")
+    print("| group | n | signed median | median abs | without: signed median |\n|---|---|---|---|---|")
+    for g, s in res["vllm_moe"].items():
+        print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% | "
+              f"{100 * s['default_signed_median']:+.1f}% |")
+    print(f"\n### vLLM FusedMoE large-problem fraction by release, chip and format (median over the layers with >= "
+          f"{VLLM_CEILING_ROWS:g} rows per touched expert, {VLLM_CEILING_ROUTING}; serving.yaml "
+          "engine_grouped_matmul_peak_fraction)\n| preset chip format | n | implied fraction |\n|---|---|---|")
+    for g, s in res["vllm_ceilings"].items():
+        print(f"| {g} | {s['n']} | {s['median']:.3f} |")
     print("\n### MoE layers, vLLM fused_moe and TensorRT-LLM CUTLASS (expert weights streamed, fraction of HBM peak)")
     print("| engine, rows per touched expert | n | measured median | meshplan |\n|---|---|---|---|")
     for g, s in res["moe_layers"].items():

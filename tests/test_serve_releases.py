@@ -27,8 +27,15 @@ def test_every_release_names_a_preset_and_overrides_known_keys_with_a_source():
         for key, by_chip in overrides.items():
             assert key.startswith("engine_") and key in table, (name, key)
             for entry in by_chip.values():
-                # a value, or a measured curve (engine_decode_attention_kv_rate: [units, bytes/s] points)
-                assert set(entry) in ({"value", "source"}, {"points", "source"}) and len(entry["source"]) > 40
+                # a value, or a measured curve (engine_decode_attention_kv_rate: [units, bytes/s] points), or one
+                # fraction per experts' format (engine_grouped_matmul_peak_fraction)
+                formats = set(entry) - {"source"}
+                if key == "engine_grouped_matmul_peak_fraction":
+                    assert formats and formats <= set(C.EXPERT_GEMM_FORMATS)
+                    assert all(0.0 < entry[f] <= 1.0 for f in formats)
+                else:
+                    assert formats in ({"value"}, {"points"})
+                assert "source" in entry and len(entry["source"]) > 40
 
 
 def test_sglang_0_3_runs_serially_and_keeps_every_other_sglang_default():

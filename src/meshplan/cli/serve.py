@@ -191,7 +191,7 @@ def serve(
              "--enable-expert-parallel). Default: searched for MoE models, off for a pinned --tp.")] = None,
     quant: Annotated[str | None, typer.Option(help="Weights: bf16 | fp8 | int8 | int4 | mxfp4 (the experts of an "
                                                    "MXFP4 checkpoint, gpt-oss; the rest bf16). Default: the released "
-                                                   "checkpoint's, from its config.json (mxfp4 for gpt-oss, fp8 for DeepSeek-V3, else bf16).")] = None,
+                                                   "checkpoint's, from its config.json (mxfp4 for gpt-oss, fp8 for DeepSeek-V3 and qwen3-235b-a22b-fp8, else bf16).")] = None,
     kv_quant: Annotated[str, typer.Option(help="KV cache: bf16 | fp8 | int8.")] = "bf16",
     tpot_target: Annotated[float | None, typer.Option(help="Time per output token target (s).")] = None,
     ttft_target: Annotated[float | None, typer.Option(help="Time to first token target (s).")] = None,

@@ -223,6 +223,35 @@ def decode_attention_kv_rate(cfg: ServeConfig, chip: Chip, units: float) -> floa
     return None if units > pts[-1][0] else log_interp(pts, units)
 
 
+EXPERT_GEMM_FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4")
+
+
+def expert_gemm_format(m: ModelConfig, cfg: ServeConfig, chip: Chip) -> str:
+    """The number format the engine's MoE kernel runs the routed-expert GEMMs in (EXPERT_GEMM_FORMATS): 'mxfp4' for
+    MXFP4 experts (gpt-oss: weights dequantized in the kernel, bf16 math on Hopper); 'fp8_block' for FP8 weights served
+    as an FP8 release with block scales (config.json quantization_config weight_block_size: DeepSeek-V3, Qwen's FP8
+    checkpoints; vLLM/SGLang run them through block-scaled FP8 kernels); 'fp8' for FP8 with one scale per tensor (an
+    engine's own FP8 quantization of a bf16 checkpoint: vLLM --quantization fp8, per-tensor weight scales); else the
+    GEMMs' compute dtype."""
+    if cfg.weight_dtype == "mxfp4":
+        return "mxfp4"
+    cdt = cfg.compute_dtype(chip)
+    if cdt == "fp8":
+        return "fp8_block" if m.released_weight_dtype == "fp8" and m.released_weight_block else "fp8"
+    return cdt
+
+
+def engine_grouped_ceiling(cfg: ServeConfig, chip: Chip, fmt: str) -> float | None:
+    """The large-problem fraction of its format's peak (fp8 formats: the FP8 peak; bf16 and mxfp4: the bf16 peak) that
+    the engine's own MoE kernel reaches on this chip, before the thin-dimension penalty, where serving.yaml
+    engine_grouped_matmul_peak_fraction measures it (vLLM's fused_moe, by release); None elsewhere (the chip's
+    efficiency.yaml grouped_matmul_peak_fraction then bounds the expert GEMMs, as in training)."""
+    hit = _engine_hit("engine_grouped_matmul_peak_fraction", cfg.engine, chip)
+    if hit is None or fmt not in hit:
+        return None
+    return float(hit[fmt])
+
+
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
     """The fraction of the memory left after weights, activations and the runtime that the engine gives its KV cache,
     for engines that size the KV cache that way (TensorRT-LLM's free_gpu_memory_fraction); None for engines that

@@ -94,6 +94,10 @@ class ModelConfig:
     # the released checkpoint's linear weights where they ship quantized: "fp8" (config.json quantization_config
     # quant_method fp8: DeepSeek-V3/R1's 128x128 block-scaled E4M3); "" = the model dtype
     released_weight_dtype: str = ""
+    # the FP8 checkpoint's scaling blocks: weights quantized in blocks of this many x this many elements with a scale
+    # each (config.json quantization_config weight_block_size: [128, 128] for DeepSeek-V3 and Qwen3's FP8 releases);
+    # 0 = one scale per tensor, or not an FP8 release
+    released_weight_block: int = 0
     family: str = "llama"
     source: str = ""
 
@@ -487,6 +491,10 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         rope_scaling = "yarn"  # transformers' GptOssConfig default rope_parameters: rope_type "yarn", factor 32
     quant = cfg.get("quantization_config")
     method = str(quant.get("quant_method", "")) if isinstance(quant, dict) else ""
+    block = quant.get("weight_block_size") if method == "fp8" else None
+    if block is not None and not (isinstance(block, list) and block and all(isinstance(b, int) and b > 0 for b in block)):
+        raise MeshplanError(f"{origin}: quantization_config.weight_block_size must be a list of positive integers, "
+                            f"got {block!r}")
     expert_dtype = method if family == "gpt_oss" else ""
     m = ModelConfig(
         name=name, n_layers=L, d_model=D, n_heads=N, n_kv_heads=K, head_dim=H, d_ff=F, vocab_size=V,
@@ -509,6 +517,7 @@ def model_from_hf(cfg: dict[str, Any], name: str, origin: str) -> ModelConfig:
         moe_n_groups=_int(cfg, origin, "n_group", default=0) if E and cfg.get("n_group") else 0,
         moe_topk_groups=_int(cfg, origin, "topk_group", default=0) if E and cfg.get("topk_group") else 0,
         expert_weight_dtype=expert_dtype, released_weight_dtype="fp8" if method == "fp8" else "",
+        released_weight_block=int(block[0]) if block else 0,
         source=str(cfg.get("_source", origin)), **mla, **dense,
     )
     validate_model(m)
