@@ -123,3 +123,19 @@ def test_engines_and_chips_without_a_measurement_have_no_ceiling() -> None:
         assert engine_grouped_ceiling(ServeConfig(engine=engine), load_chip("h200"), "fp8_block") is None
     assert engine_grouped_ceiling(ServeConfig(engine="vllm"), load_chip("a100-80gb"), "bf16") is None
     assert engine_grouped_ceiling(ServeConfig(engine="vllm@0.14"), load_chip("h200"), "mxfp4") is None
+
+
+def test_serve_json_names_the_experts_format_and_the_engines_ceiling(capsys) -> None:
+    from conftest import run_cli
+
+    base = ["serve", "--hardware", "h200", "--chips", "8", "--input-len", "1000", "--output-len", "200", "--tp", "8",
+            "--json"]
+    code, out, _ = run_cli(base + ["--model", "qwen3-235b-a22b-fp8", "--engine", "vllm"], capsys)
+    assert code == 0
+    o = json.loads(out)
+    assert o["config"]["weight_dtype"] == "fp8"  # the release's own format, unasked
+    assert o["expert_gemms"] == {"format": "fp8_block", "engine_ceiling": 0.34}
+    code, out, _ = run_cli(base + ["--model", "qwen3-235b-a22b", "--quant", "fp8", "--engine", "trtllm"], capsys)
+    assert code == 0 and json.loads(out)["expert_gemms"] == {"format": "fp8", "engine_ceiling": None}
+    code, out, _ = run_cli(base + ["--model", "llama3.1-8b"], capsys)
+    assert code == 0 and "expert_gemms" not in json.loads(out)

@@ -23,8 +23,10 @@ from meshplan.infer.config import (
     check_layout,
     check_workload,
     chunked_prefill,
+    engine_grouped_ceiling,
     engine_names,
     engine_token_budget,
+    expert_gemm_format,
     mixes_prompts,
     native_weight_dtype,
     replica_token_budget,
@@ -148,6 +150,11 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         "searched": res.searched,
         "skipped_layouts": res.skipped,  # layouts that cannot be placed on this cluster: reason -> count
     })
+    if m.is_moe:  # the format the engine's MoE kernel runs the routed experts in, and its measured ceiling if any
+        fmt = expert_gemm_format(m, best.config, chip)
+        # engine_ceiling: serving.yaml engine_grouped_matmul_peak_fraction for this engine, chip and format (of the
+        # format's peak, before the thin-dimension penalty); null: the chip's efficiency.yaml grouped ceiling bounds them
+        out["expert_gemms"] = {"format": fmt, "engine_ceiling": engine_grouped_ceiling(best.config, chip, fmt)}
     if harness is not None:  # what the harness set for the best layout
         out["harness"] = harness_settings(harness, m, chip, best.config, w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
