@@ -36,7 +36,8 @@ def _yaml_entries() -> dict[tuple[str, str], dict]:
 def test_every_yaml_ceiling_is_the_tables_median_to_two_decimals() -> None:
     derived = kernel_check.vllm_ceilings()
     entries = _yaml_entries()
-    assert set(entries) == {("vllm", "h100-sxm"), ("vllm", "h200"), ("vllm@0.14", "h100-sxm"), ("vllm@0.14", "h200")}
+    assert set(entries) == {("vllm", "h100-sxm"), ("vllm", "h200"), ("vllm@0.14", "h100-sxm"), ("vllm@0.14", "h200"),
+                            ("vllm@0.14", "a100-80gb")}
     checked = 0
     for (engine, chip), v in entries.items():
         assert "aiconfigurator" in v["source"] or v["source"].startswith("as ")
@@ -48,18 +49,21 @@ def test_every_yaml_ceiling_is_the_tables_median_to_two_decimals() -> None:
             assert got["n"] >= 6
             assert v[fmt] == pytest.approx(got["median"], abs=0.005), (engine, chip, fmt)
             checked += 1
-    assert checked == 14
+    assert checked == 15
 
 
 def test_the_table_reads_in_the_units_its_header_states() -> None:
     """No measured layer does its expert FLOPs faster than its format's dense peak (the FP8 peak for fp8 formats, the
-    bf16 peak otherwise): a misread unit (us for ms) would break that by 1000x."""
+    bf16 peak otherwise; A100: 312 TFLOP/s bf16, NVIDIA A100 datasheet): a misread unit (us for ms) would break that by
+    1000x."""
     rows = kernel_check.vllm_moe_rows()
-    assert len(rows) == 5400
+    assert len(rows) == 5400 + 243
     for r in rows:
         m = load_model(r["model"])
         flops = 2 * float(r["tokens"]) * m.experts_per_token * 3 * m.d_model * m.d_ff / int(r["moe_tp"])
         peak = H200_FP8_PEAK if r["dtype"] in ("fp8", "fp8_block") else H200_BF16_PEAK
+        if r["chip"] == "a100-80gb":
+            peak = 312e12
         assert flops / (float(r["time_us"]) * 1e-6) < peak
 
 
