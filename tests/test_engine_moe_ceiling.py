@@ -143,3 +143,13 @@ def test_serve_json_names_the_experts_format_and_the_engines_ceiling(capsys) -> 
     assert code == 0 and json.loads(out)["expert_gemms"] == {"format": "fp8", "engine_ceiling": None}
     code, out, _ = run_cli(base + ["--model", "llama3.1-8b"], capsys)
     assert code == 0 and "expert_gemms" not in json.loads(out)
+
+
+def test_serve_table_names_the_experts_format(capsys) -> None:
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["serve", "--model", "qwen3-235b-a22b-fp8", "--hardware", "h200", "--chips", "8",
+                            "--input-len", "1000", "--output-len", "200", "--tp", "8", "--engine", "vllm@0.14"], capsys)
+    assert code == 0
+    line = next(x for x in out.splitlines() if "MoE expert GEMMs" in x)
+    assert "fp8_block" in line and "0.31" in line

@@ -419,6 +419,11 @@ def _print_table(o: dict) -> None:
             ("$ per M input / output tokens", f"${cost['input']:.3f} / ${cost['output']:.3f} (at "
                                               f"${o['price']['per_chip_hour']:g}/chip-hour, {o['price']['basis']})"),
             ("decode step bound by", o["decode_step"]["bound"])]
+    if o.get("expert_gemms"):
+        g = o["expert_gemms"]
+        rate = (f"the engine's measured MoE kernel: {g['engine_ceiling']:.2f} of the format's peak on large problems"
+                if g["engine_ceiling"] is not None else "no engine measurement: the chip's grouped-GEMM ceiling")
+        rows.append(("MoE expert GEMMs", f"{g['format']}, {rate}"))
     if o.get("harness"):
         h = o["harness"]
         rows.append((f"{h['harness']} settings", f"max_batch_size {h['max_batch_size']:,}, max_num_tokens "
