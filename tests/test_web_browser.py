@@ -223,6 +223,29 @@ def test_serve_report_names_the_sequences_the_budget_lets_decode(browser, tmp_pa
     assert not errors
 
 
+def test_serve_report_names_a_moes_expert_format(browser, tmp_path):
+    # session 30: a MoE's card names the format the engine's MoE kernel runs the experts in and its measured rate
+    out = tmp_path / "moe.html"
+    _cli(["serve", "--model=qwen3-235b-a22b-fp8", "--hardware=h200", "--chips=8", "--tp=8", "--engine=vllm",
+          "--input-len=1000", "--output-len=200", f"--html={out}"])
+    ctx, pg, requested, errors = _open_offline(browser, out)
+    try:
+        assert pg.locator("#card-experts .v").inner_text() == "fp8_block"
+        assert "0.34 of peak" in pg.locator("#card-experts .k").inner_text()
+    finally:
+        ctx.close()
+    assert not errors
+    out = tmp_path / "dense.html"
+    _cli(["serve", "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
+          "--output-len=10", f"--html={out}"])
+    ctx, pg, requested, errors = _open_offline(browser, out)
+    try:
+        assert pg.locator("#card-tpot .v").count() == 1 and pg.locator("#card-experts").count() == 0
+    finally:
+        ctx.close()
+    assert not errors
+
+
 @pytest.mark.skipif(not os.environ.get("MESHPLAN_SCREENSHOTS"), reason="set MESHPLAN_SCREENSHOTS=docs to save them")
 def test_screenshots(page, base_url):
     d = Path(os.environ["MESHPLAN_SCREENSHOTS"])

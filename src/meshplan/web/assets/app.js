@@ -275,6 +275,11 @@
       ["$ / M tokens blended", "$" + cost.blended.toFixed(3), "cost-blended"],
       ["memory per chip", `${fmtGiB(o.memory_bytes_per_chip.total)} of ${fmtGiB(o.memory_bytes_per_chip.budget)}`, "memory"],
       ["decode step bound by", o.decode_step.bound, "bound"]];
+    if (o.expert_gemms) {  // a MoE: the format the engine's MoE kernel runs the experts in, and its measured rate
+      const g = o.expert_gemms;
+      cards.push(["MoE expert GEMMs" + (g.engine_ceiling !== null ? ` (engine kernel: ${g.engine_ceiling.toFixed(2)} of peak)` : " (chip's grouped ceiling)"),
+        g.format, "experts"]);
+    }
     const box = $("serve-cards");
     box.textContent = "";
     for (const [k, v, id] of cards) {
