@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import platform
 import statistics
 import sys
@@ -275,12 +276,11 @@ def a100_moe(chip) -> dict:
     return {k: _stats(v) for k, v in groups.items()}
 
 
-# vLLM's MoE tables: the table's release -> the engine preset that stands for it (serving.yaml engine_releases); rows
-# per touched expert from which a layer's rate reads the kernel's large-problem ceiling (the tiles' row penalty
-# m/(m + 128) is 0.8 there, and the measured rates have flattened)
+# vLLM's MoE tables: the table's release -> the engine preset that stands for it (serving.yaml engine_releases); the
+# routing the curves are read under (aiconfigurator's skewed default, as real routers are), and the grid of rows_half
 VLLM_RELEASES = {"0.14.0": "vllm@0.14", "0.24.0": "vllm"}
-VLLM_CEILING_ROWS = 512.0
 VLLM_CEILING_ROUTING = "power_law_1.01"
+VLLM_ROWS_HALF_GRID = range(0, 513)
 
 
 def vllm_moe_rows() -> list[dict]:
@@ -293,10 +293,10 @@ def vllm_moe_rows() -> list[dict]:
 
 
 def format_fraction_implied(r: dict, chip) -> float:
-    """The large-problem fraction one measured layer implies for its format: its expert FLOPs over its time less the
-    step's own fixed MoE terms (_moe_fixed_s), over the format's peak (the FP8 peak for fp8 and fp8_block, the bf16
-    peak for bf16 and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty of the
-    expert's narrower weight dimension: grouped_fraction_implied in the layer's own format."""
+    """The fraction of its format's peak one measured layer implies: its expert FLOPs over its time less the step's own
+    fixed MoE terms (_moe_fixed_s), over the format's peak (the FP8 peak for fp8 and fp8_block, the bf16 peak for bf16
+    and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty of the expert's
+    narrower weight dimension: grouped_fraction_implied in the layer's own format."""
     from meshplan.cost.efficiency import default_efficiency
 
     m, eff = load_model(r["model"]), default_efficiency(chip)
@@ -308,19 +308,38 @@ def format_fraction_implied(r: dict, chip) -> float:
     return flops / seconds / (peak * dim / (dim + eff.matmul_half_dim))
 
 
-def vllm_ceilings() -> dict[tuple[str, str, str], dict]:
-    """(engine preset, chip, format) -> the median implied fraction (format_fraction_implied) of its layers at
-    VLLM_CEILING_ROUTING with at least VLLM_CEILING_ROWS rows per touched expert, and their count: how serving.yaml
-    engine_grouped_matmul_peak_fraction is read from the tables."""
-    groups: dict[tuple[str, str, str], list[float]] = {}
+def fit_kernel_curve(points: list[tuple[float, float]]) -> tuple[float, int, float]:
+    """(fraction, rows_half, median |relative error|) of the curve fraction x rows / (rows + rows_half) through
+    `points` (rows per touched expert, implied fraction): rows_half the integer of VLLM_ROWS_HALF_GRID with the least
+    squared log error, fraction the geometric mean of implied x (rows + rows_half) / rows at it (the least-squares
+    scale in log space)."""
+    best = None
+    for r0 in VLLM_ROWS_HALF_GRID:
+        logs = [math.log(f * (r + r0) / r) for r, f in points]
+        mean = sum(logs) / len(logs)
+        sse = sum((x - mean) ** 2 for x in logs)
+        if best is None or sse < best[0]:
+            best = (sse, r0, math.exp(mean))
+    _, r0, c = best
+    return c, r0, statistics.median(abs(c * r / (r + r0) / f - 1.0) for r, f in points)
+
+
+def vllm_kernel_fits() -> dict[tuple[str, str, str], dict]:
+    """(engine preset, chip, format) -> the kernel curve (fit_kernel_curve) through its layers at VLLM_CEILING_ROUTING:
+    how serving.yaml engine_grouped_matmul_peak_fraction (fraction, rows_half) is read from the tables."""
+    groups: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
     chips: dict[str, object] = {}
     for r in vllm_moe_rows():
-        if r["distribution"] != VLLM_CEILING_ROUTING or r["rows"] < VLLM_CEILING_ROWS:
+        if r["distribution"] != VLLM_CEILING_ROUTING:
             continue
         chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
         key = (VLLM_RELEASES[r["vllm"]], r["chip"], MOE_FORMATS[r["dtype"]][1])
-        groups.setdefault(key, []).append(format_fraction_implied(r, chip))
-    return {k: {"n": len(v), "median": statistics.median(v)} for k, v in sorted(groups.items())}
+        groups.setdefault(key, []).append((r["rows"], format_fraction_implied(r, chip)))
+    out = {}
+    for k, pts in sorted(groups.items()):
+        c, r0, err = fit_kernel_curve(pts)
+        out[k] = {"n": len(pts), "fraction": c, "rows_half": r0, "median_abs_error": err}
+    return out
 
 
 def vllm_moe() -> dict:
@@ -334,7 +353,7 @@ def vllm_moe() -> dict:
             continue
         chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
         t = float(r["time_us"]) * 1e-6
-        band = "64-512 rows" if r["rows"] < VLLM_CEILING_ROWS else "512+ rows"
+        band = "64-512 rows" if r["rows"] < 512 else "512+ rows"
         if r["rows"] < 64:
             band = "under 64 rows"
         label = f"vllm {r['vllm']} {r['chip']} {MOE_FORMATS[r['dtype']][1]} {band}"
@@ -350,7 +369,7 @@ def report() -> dict:
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
             "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
             "a100_moe": a100_moe(load_chip("a100-80gb")), "vllm_moe": vllm_moe(),
-            "vllm_ceilings": {" ".join(k): v for k, v in vllm_ceilings().items()}}
+            "vllm_kernel_fits": {" ".join(k): v for k, v in vllm_kernel_fits().items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,11 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     for g, s in res["vllm_moe"].items():
         print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% | "
               f"{100 * s['default_signed_median']:+.1f}% |")
-    print(f"\n### vLLM FusedMoE large-problem fraction by release, chip and format (median over the layers with >= "
-          f"{VLLM_CEILING_ROWS:g} rows per touched expert, {VLLM_CEILING_ROUTING}; serving.yaml "
-          "engine_grouped_matmul_peak_fraction)\n| preset chip format | n | implied fraction |\n|---|---|---|")
-    for g, s in res["vllm_ceilings"].items():
-        print(f"| {g} | {s['n']} | {s['median']:.3f} |")
+    print(f"\n### vLLM FusedMoE kernel curve by release, chip and format: fraction x rows / (rows + rows_half) of the "
+          f"format's peak, fitted over every layer at {VLLM_CEILING_ROUTING} (serving.yaml "
+          "engine_grouped_matmul_peak_fraction)\n| preset chip format | n | fraction | rows_half | median abs error |\n"
+          "|---|---|---|---|---|")
+    for g, s in res["vllm_kernel_fits"].items():
+        print(f"| {g} | {s['n']} | {s['fraction']:.3f} | {s['rows_half']} | {100 * s['median_abs_error']:.1f}% |")
     print("\n### MoE layers, vLLM fused_moe and TensorRT-LLM CUTLASS (expert weights streamed, fraction of HBM peak)")
     print("| engine, rows per touched expert | n | measured median | meshplan |\n|---|---|---|---|")
     for g, s in res["moe_layers"].items():

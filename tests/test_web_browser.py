@@ -231,7 +231,7 @@ def test_serve_report_names_a_moes_expert_format(browser, tmp_path):
     ctx, pg, requested, errors = _open_offline(browser, out)
     try:
         assert pg.locator("#card-experts .v").inner_text() == "fp8_block"
-        assert "0.34 of peak" in pg.locator("#card-experts .k").inner_text()
+        assert "0.35 of peak" in pg.locator("#card-experts .k").inner_text()
     finally:
         ctx.close()
     assert not errors

@@ -23,7 +23,7 @@ from meshplan.infer.config import (
     check_layout,
     check_workload,
     chunked_prefill,
-    engine_grouped_ceiling,
+    engine_grouped_kernel,
     engine_names,
     engine_token_budget,
     expert_gemm_format,
@@ -152,9 +152,12 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     })
     if m.is_moe:  # the format the engine's MoE kernel runs the routed experts in, and its measured ceiling if any
         fmt = expert_gemm_format(m, best.config, chip)
-        # engine_ceiling: serving.yaml engine_grouped_matmul_peak_fraction for this engine, chip and format (of the
-        # format's peak, before the thin-dimension penalty); null: the chip's efficiency.yaml grouped ceiling bounds them
-        out["expert_gemms"] = {"format": fmt, "engine_ceiling": engine_grouped_ceiling(best.config, chip, fmt)}
+        # engine_fraction / engine_rows_half: serving.yaml engine_grouped_matmul_peak_fraction's curve for this engine,
+        # chip and format (fraction x rows / (rows + rows_half) of the format's peak, before the thin-dimension penalty);
+        # null: the generic GEMM rate under the chip's efficiency.yaml grouped ceiling times them
+        kernel = engine_grouped_kernel(best.config, chip, fmt)
+        out["expert_gemms"] = {"format": fmt, "engine_fraction": kernel[0] if kernel else None,
+                               "engine_rows_half": kernel[1] if kernel else None}
     if harness is not None:  # what the harness set for the best layout
         out["harness"] = harness_settings(harness, m, chip, best.config, w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
@@ -421,8 +424,9 @@ def _print_table(o: dict) -> None:
             ("decode step bound by", o["decode_step"]["bound"])]
     if o.get("expert_gemms"):
         g = o["expert_gemms"]
-        rate = (f"the engine's measured MoE kernel: {g['engine_ceiling']:.2f} of the format's peak on large problems"
-                if g["engine_ceiling"] is not None else "no engine measurement: the chip's grouped-GEMM ceiling")
+        rate = (f"the engine's measured MoE kernel: {g['engine_fraction']:.2f} of the format's peak x rows / (rows + "
+                f"{g['engine_rows_half']:g})" if g["engine_fraction"] is not None
+                else "no engine measurement: the chip's grouped-GEMM ceiling")
         rows.append(("MoE expert GEMMs", f"{g['format']}, {rate}"))
     if o.get("harness"):
         h = o["harness"]

@@ -241,15 +241,16 @@ def expert_gemm_format(m: ModelConfig, cfg: ServeConfig, chip: Chip) -> str:
     return cdt
 
 
-def engine_grouped_ceiling(cfg: ServeConfig, chip: Chip, fmt: str) -> float | None:
-    """The large-problem fraction of its format's peak (fp8 formats: the FP8 peak; bf16 and mxfp4: the bf16 peak) that
-    the engine's own MoE kernel reaches on this chip, before the thin-dimension penalty, where serving.yaml
-    engine_grouped_matmul_peak_fraction measures it (vLLM's fused_moe, by release); None elsewhere (the chip's
-    efficiency.yaml grouped_matmul_peak_fraction then bounds the expert GEMMs, as in training)."""
+def engine_grouped_kernel(cfg: ServeConfig, chip: Chip, fmt: str) -> tuple[float, float] | None:
+    """(fraction, rows_half) of the engine's own MoE kernel on this chip for experts in format `fmt`, where serving.yaml
+    engine_grouped_matmul_peak_fraction measures it (vLLM's FusedMoE, by release): each expert problem runs at
+    fraction x rows / (rows + rows_half) of the format's peak (fp8 formats: the FP8 peak; bf16 and mxfp4: the bf16 peak)
+    times the thin-dimension penalty; None elsewhere (the generic GEMM rate under the chip's efficiency.yaml
+    grouped_matmul_peak_fraction then times the expert GEMMs, as in training)."""
     hit = _engine_hit("engine_grouped_matmul_peak_fraction", cfg.engine, chip)
     if hit is None or fmt not in hit:
         return None
-    return float(hit[fmt])
+    return float(hit[fmt]["fraction"]), float(hit[fmt]["rows_half"])
 
 
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:

@@ -41,7 +41,7 @@ from meshplan.infer.config import (
     ServeConfig,
     custom_allreduce,
     decode_attention_kv_rate,
-    engine_grouped_ceiling,
+    engine_grouped_kernel,
     expert_gemm_format,
     frontend_token_s,
     fused_add_norm,
@@ -137,7 +137,7 @@ def rows_per_touched_expert(m: ModelConfig, tokens: float) -> float:
 
 
 def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf"),
-                     grouped: bool = False, engine_ceiling: float | None = None) -> float:
+                     grouped: bool = False, engine_kernel: tuple[float, float] | None = None) -> float:
     """Large-GEMM fraction (fp8 or bf16) times the penalty of the GEMM's most constraining dimension: the skinny-GEMM
     row penalty m/(m + rows_half) of its `tokens` rows, or the thin-dimension penalty d/(d + half_dim) of its
     narrower weight dimension `weight_dim` (tile and wave quantization: the penalty `Efficiency.matmul` applies to
@@ -145,17 +145,18 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     matmul_half_dim). `grouped`: one expert's problem of a MoE layer's grouped GEMM, which also stays under the
     grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, times the thin-dimension
     penalty): the row penalty is the tiles', the ceiling the kernel's main loop (`Efficiency.grouped_matmul`).
-    `engine_ceiling`: the serving engine's own MoE kernel's large-problem fraction of the compute dtype's peak where it
-    is measured (config.engine_grouped_ceiling), which then takes the place of the chip's grouped ceiling, times the same
-    thin-dimension penalty."""
+    `engine_kernel`: the serving engine's own MoE kernel's curve where it is measured (config.engine_grouped_kernel:
+    fraction x rows / (rows + rows_half) of the compute dtype's peak), which then times each expert problem in place of
+    the generic rate and the chip's grouped ceiling, with the same thin-dimension penalty."""
     scale = eff.dtype_scale(compute_dtype)
     rows = tokens / (tokens + eff.matmul_rows_half)
     thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
     frac = eff.matmul_peak_fraction * scale * min(rows, thin)
     if not grouped:
         return frac
-    if engine_ceiling is not None:
-        return min(frac, engine_ceiling * thin)
+    if engine_kernel is not None:
+        fraction, rows_half = engine_kernel
+        return fraction * thin * tokens / (tokens + rows_half)
     return min(frac, eff.grouped_ceiling(weight_dim) * scale)
 
 
@@ -166,18 +167,18 @@ def routed_expert_gemm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effi
     `rows_per_touched_expert` rows whose narrower weight dimension is min(D, F / (tp / ep)) (each expert's F splits
     over the tp/ep chips sharing it; vLLM fused_moe, TensorRT-LLM's MoE plugin, Megablocks: one grouped GEMM).
     stage_parts adds it to the layer's GEMM term; benchmarks/kernel_check.py times measured MoE layers with it.
-    The engine's own MoE kernel bounds each problem where serving.yaml engine_grouped_matmul_peak_fraction measures it
-    for the experts' format (`fmt`, default config.expert_gemm_format: bf16, per-tensor fp8, block-scaled fp8, mxfp4)."""
+    The engine's own MoE kernel curve times each problem where serving.yaml engine_grouped_matmul_peak_fraction measures
+    it for the experts' format (`fmt`, default config.expert_gemm_format: bf16, per-tensor fp8, block-scaled fp8, mxfp4)."""
     if not m.is_moe or tokens <= 0:
         return 0.0
     lp = _layer_params(m, cfg.tp, cfg.pp, cfg.attention_dp)
     cdt = cfg.compute_dtype(chip)
     expert_ff = m.d_ff / max(cfg.tp // cfg.ep, 1)
     flops = 2.0 * tokens * m.experts_per_token * lp.routed_expert
-    ceiling = engine_grouped_ceiling(cfg, chip, fmt or expert_gemm_format(m, cfg, chip))
+    kernel = engine_grouped_kernel(cfg, chip, fmt or expert_gemm_format(m, cfg, chip))
     return flops / (chip.peak(cdt) * _matmul_fraction(eff, cdt, rows_per_touched_expert(m, tokens),
                                                       min(m.d_model, expert_ff), grouped=True,
-                                                      engine_ceiling=ceiling))
+                                                      engine_kernel=kernel))
 
 
 @lru_cache(maxsize=256)

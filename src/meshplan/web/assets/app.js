@@ -277,7 +277,7 @@
       ["decode step bound by", o.decode_step.bound, "bound"]];
     if (o.expert_gemms) {  // a MoE: the format the engine's MoE kernel runs the experts in, and its measured rate
       const g = o.expert_gemms;
-      cards.push(["MoE expert GEMMs" + (g.engine_ceiling !== null ? ` (engine kernel: ${g.engine_ceiling.toFixed(2)} of peak)` : " (chip's grouped ceiling)"),
+      cards.push(["MoE expert GEMMs" + (g.engine_fraction !== null ? ` (engine kernel: ${g.engine_fraction.toFixed(2)} of peak)` : " (chip's grouped ceiling)"),
         g.format, "experts"]);
     }
     const box = $("serve-cards");
