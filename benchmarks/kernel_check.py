@@ -241,28 +241,18 @@ def moe_prefill(chip) -> dict:
 A100_ROW_BINS = ((0.0, 64.0), (64.0, 512.0), (512.0, 2048.0), (2048.0, float("inf")))
 
 
-def a100_moe_rows() -> list[dict]:
-    """aic_a100_trtllm_moe.csv's layers with the rows each touched expert runs (step.rows_per_touched_expert)."""
-    out = []
-    for r in _rows("aic_a100_trtllm_moe.csv"):
-        m = load_model(r["model"])
+def _with_expert_rows(name: str) -> list[dict]:
+    """A MoE layer table's rows, each with the rows its touched experts run (step.rows_per_touched_expert)."""
+    out, models = [], {}
+    for r in _rows(name):
+        m = models.setdefault(r["model"], load_model(r["model"]))
         out.append({**r, "rows": rows_per_touched_expert(m, float(r["tokens"]))})
     return out
 
 
-def grouped_fraction_implied(r: dict, chip) -> float:
-    """The large-problem grouped-GEMM fraction one measured layer implies: its expert FLOPs over its time less the
-    step's own fixed MoE terms (_moe_fixed_s), over the bf16 peak times the thin-dimension penalty of the expert's
-    narrower weight dimension (the ceiling's penalty in step._matmul_fraction) -- how efficiency.yaml
-    grouped_matmul_peak_fraction a100-80gb is read from the table, over its layers of >= 2048 rows per expert."""
-    from meshplan.cost.efficiency import default_efficiency
-
-    m, eff = load_model(r["model"]), default_efficiency(chip)
-    T, tp = float(r["tokens"]), int(r["moe_tp"])
-    flops = 2 * T * m.experts_per_token * expert_params(m) / tp
-    seconds = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
-    dim = min(m.d_model, m.d_ff / tp)
-    return flops / seconds / (chip.peak("bf16") * dim / (dim + eff.matmul_half_dim))
+def a100_moe_rows() -> list[dict]:
+    """aic_a100_trtllm_moe.csv's layers with their rows per touched expert."""
+    return _with_expert_rows("aic_a100_trtllm_moe.csv")
 
 
 def a100_moe(chip) -> dict:
@@ -284,19 +274,16 @@ VLLM_ROWS_HALF_GRID = range(0, 513)
 
 
 def vllm_moe_rows() -> list[dict]:
-    """aic_vllm_moe_prefill.csv's layers with the rows each touched expert runs (step.rows_per_touched_expert)."""
-    out, models = [], {}
-    for r in _rows("aic_vllm_moe_prefill.csv"):
-        m = models.setdefault(r["model"], load_model(r["model"]))
-        out.append({**r, "rows": rows_per_touched_expert(m, float(r["tokens"]))})
-    return out
+    """aic_vllm_moe_prefill.csv's layers with their rows per touched expert."""
+    return _with_expert_rows("aic_vllm_moe_prefill.csv")
 
 
 def format_fraction_implied(r: dict, chip) -> float:
     """The fraction of its format's peak one measured layer implies: its expert FLOPs over its time less the step's own
     fixed MoE terms (_moe_fixed_s), over the format's peak (the FP8 peak for fp8 and fp8_block, the bf16 peak for bf16
     and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty of the expert's
-    narrower weight dimension: grouped_fraction_implied in the layer's own format."""
+    narrower weight dimension. How efficiency.yaml grouped_matmul_peak_fraction a100-80gb is read from the A100 table
+    (bf16, its layers of >= 2048 rows per expert) and serving.yaml engine_grouped_matmul_peak_fraction from vLLM's."""
     from meshplan.cost.efficiency import default_efficiency
 
     m, eff = load_model(r["model"]), default_efficiency(chip)
@@ -345,7 +332,8 @@ def vllm_kernel_fits() -> dict[tuple[str, str, str], dict]:
 def vllm_moe() -> dict:
     """The step's MoE terms for vLLM's measured layers (each timed as its release's preset and in its own format)
     against the tables, by release, chip, format and rows per touched expert; 'default' beside each: the same layers
-    timed without the engine's measured ceiling (the chip's grouped ceiling, as TensorRT-LLM's and training's)."""
+    timed without the engine's measured curve (the generic rate under the chip's grouped ceiling, as TensorRT-LLM's
+    and training's)."""
     groups: dict[str, dict[str, list[float]]] = {}
     chips: dict[str, object] = {}
     for r in vllm_moe_rows():
@@ -353,9 +341,7 @@ def vllm_moe() -> dict:
             continue
         chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
         t = float(r["time_us"]) * 1e-6
-        band = "64-512 rows" if r["rows"] < 512 else "512+ rows"
-        if r["rows"] < 64:
-            band = "under 64 rows"
+        band = "under 64 rows" if r["rows"] < 64 else "64-512 rows" if r["rows"] < 512 else "512+ rows"
         label = f"vllm {r['vllm']} {r['chip']} {MOE_FORMATS[r['dtype']][1]} {band}"
         g = groups.setdefault(label, {"engine": [], "default": []})
         g["engine"].append(moe_prefill_predicted_s(r, chip, VLLM_RELEASES[r["vllm"]]) / t - 1.0)
@@ -401,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                   "the same preset, format and routing doing at least their work per GPU): "
                   + ", ".join(f"{k} ({n})" for k, n in sc["rows"].items()))
     print("\n### vLLM FusedMoE layers, 1,024-16,384 tokens, power-law routing, each in its own format (serving step's MoE "
-          "terms as the release's preset; 'without' = the chip's grouped ceiling instead of vLLM's measured one)")
+          "terms as the release's preset; 'without' = the generic rate instead of vLLM's measured curve)")
     print("| group | n | signed median | median abs | without: signed median |\n|---|---|---|---|---|")
     for g, s in res["vllm_moe"].items():
         print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% | "

@@ -53,7 +53,7 @@ def test_the_serving_steps_expert_gemms_on_a100_by_hand() -> None:
 
 def test_the_a100_ceiling_is_the_measured_tables_median() -> None:
     """efficiency.yaml's 0.54 is the median, over the A100 table's layers of >= 2048 rows per touched expert, of the
-    fraction each implies (kernel_check.grouped_fraction_implied), rounded to two places; the measured layers never
+    fraction each implies (kernel_check.format_fraction_implied), rounded to two places; the measured layers never
     beat the datasheet peak, and the table's dense GEMMs' 0.84 sits well above them."""
     chip = load_chip("a100-80gb")
     rows = kernel_check.a100_moe_rows()
@@ -63,7 +63,7 @@ def test_the_a100_ceiling_is_the_measured_tables_median() -> None:
         m = load_model(r["model"])
         flops = 2 * float(r["tokens"]) * m.experts_per_token * 3 * m.d_model * m.d_ff / int(r["moe_tp"])
         assert flops / (float(r["time_us"]) * 1e-6) < A100_BF16_FLOPS
-    implied = [kernel_check.grouped_fraction_implied(r, chip) for r in rows if r["rows"] >= 2048]
+    implied = [kernel_check.format_fraction_implied(r, chip) for r in rows if r["rows"] >= 2048]
     assert len(implied) == 99
     assert round(statistics.median(implied), 2) == default_efficiency(chip).grouped_matmul_peak_fraction
     # the step's MoE terms against the large layers: within 5% at the median

@@ -173,6 +173,18 @@ def _open_offline(browser, path: Path):
     return ctx, pg, requested, errors
 
 
+@contextlib.contextmanager
+def _serve_report(browser, path: Path, args: list[str]):
+    """The page of `meshplan serve ARGS --html PATH`, opened offline; after the block, no page error was raised."""
+    _cli(["serve", *args, f"--html={path}"])
+    ctx, pg, _, errors = _open_offline(browser, path)
+    try:
+        yield pg
+    finally:
+        ctx.close()
+    assert not errors
+
+
 def _cli(argv: list[str]) -> None:
     from meshplan.cli.app import main
 
@@ -212,38 +224,23 @@ def test_html_report_renders_offline(browser, tmp_path):
 
 def test_serve_report_names_the_sequences_the_budget_lets_decode(browser, tmp_path):
     # a batch past the step token budget's limit: 200 in flight, 81 decode at once (metrics.budget_batch_limit)
-    out = tmp_path / "budget.html"
-    _cli(["serve", "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
-          "--output-len=10", "--batch=200", f"--html={out}"])
-    ctx, pg, requested, errors = _open_offline(browser, out)
-    try:
+    with _serve_report(browser, tmp_path / "budget.html", [
+            "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
+            "--output-len=10", "--batch=200"]) as pg:
         assert pg.locator("#card-batch .v").inner_text().endswith("81 decode at once (step budget)")
-    finally:
-        ctx.close()
-    assert not errors
 
 
 def test_serve_report_names_a_moes_expert_format(browser, tmp_path):
     # session 30: a MoE's card names the format the engine's MoE kernel runs the experts in and its measured rate
-    out = tmp_path / "moe.html"
-    _cli(["serve", "--model=qwen3-235b-a22b-fp8", "--hardware=h200", "--chips=8", "--tp=8", "--engine=vllm",
-          "--input-len=1000", "--output-len=200", f"--html={out}"])
-    ctx, pg, requested, errors = _open_offline(browser, out)
-    try:
+    with _serve_report(browser, tmp_path / "moe.html", [
+            "--model=qwen3-235b-a22b-fp8", "--hardware=h200", "--chips=8", "--tp=8", "--engine=vllm",
+            "--input-len=1000", "--output-len=200"]) as pg:
         assert pg.locator("#card-experts .v").inner_text() == "fp8_block"
         assert "0.35 of peak" in pg.locator("#card-experts .k").inner_text()
-    finally:
-        ctx.close()
-    assert not errors
-    out = tmp_path / "dense.html"
-    _cli(["serve", "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
-          "--output-len=10", f"--html={out}"])
-    ctx, pg, requested, errors = _open_offline(browser, out)
-    try:
+    with _serve_report(browser, tmp_path / "dense.html", [
+            "--model=llama3.1-8b", "--hardware=h100-sxm", "--chips=1", "--tp=1", "--input-len=1000",
+            "--output-len=10"]) as pg:
         assert pg.locator("#card-tpot .v").count() == 1 and pg.locator("#card-experts").count() == 0
-    finally:
-        ctx.close()
-    assert not errors
 
 
 @pytest.mark.skipif(not os.environ.get("MESHPLAN_SCREENSHOTS"), reason="set MESHPLAN_SCREENSHOTS=docs to save them")
