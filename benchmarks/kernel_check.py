@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import platform
 import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 from gemm_check import predictions
 
 from meshplan.cost.collectives import group_collective
@@ -166,7 +166,8 @@ def moe_layers(chip) -> dict:
 
 
 def moe_prefill_predicted_s(r: dict, chip, engine: str = "default") -> float:
-    """The serving step's MoE terms for one measured layer (aic_h100_trtllm_moe_prefill.csv, aic_a100_trtllm_moe.csv):
+    """The serving step's MoE terms for one measured layer (aic_trtllm_moe_prefill.csv, aic_vllm_moe_prefill.csv,
+    aic_a100_trtllm_moe.csv):
     the routed-expert GEMMs (step.routed_expert_gemm_s, the preset's expert shape at the row's moe_tp) or, where
     longer, the read of the touched experts' weights at the step's HBM rate (stage_parts' max of the weight read and
     the GEMMs), plus the rest of the layer's terms (_moe_fixed_s, as moe_layer_rows takes them out). The row names the
@@ -201,7 +202,7 @@ def dominated_rows(rows: list[dict]) -> list[dict]:
     same model, dtype and routing beats by more than DOMINATED_TOLERANCE while doing at least their work per GPU:
     tokens >= theirs and moe_tp <= theirs (each GPU runs every expert at 1/moe_tp of its intermediate columns)."""
     def key(r: dict) -> tuple:
-        return r["model"], r["dtype"], r["distribution"]
+        return r.get("chip"), r["model"], r["dtype"], r["distribution"]
 
     def work(r: dict) -> tuple[int, int, float]:
         return int(r["tokens"]), int(r["moe_tp"]), float(r["time_us"])
@@ -217,10 +218,19 @@ def dominated_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def moe_prefill_rows() -> list[dict]:
+    """The H100 layers of TensorRT-LLM 1.2's table (aic_trtllm_moe_prefill.csv) that session 28 compared with the
+    generic rate: bf16 and per-tensor fp8, moe_tp 1-8, the expert shapes of mixtral-8x7b, mixtral-8x22b,
+    qwen3-30b-a3b, qwen3-235b-a22b and deepseek-v3."""
+    return [r for r in _rows("aic_trtllm_moe_prefill.csv") if r["chip"] == CHIP and r["dtype"] in ("bfloat16", "fp8")
+            and int(r["moe_tp"]) <= 8]
+
+
 def moe_prefill(chip) -> dict:
-    """Error of the step's MoE terms against TensorRT-LLM 1.2's measured layers at prefill token counts, by preset,
-    format and routing; the rows `dominated_rows` screens out are counted apart ("screened out"), not compared."""
-    rows = _rows("aic_h100_trtllm_moe_prefill.csv")
+    """Error of the step's MoE terms at the generic rate (no engine curve) against TensorRT-LLM 1.2's measured layers
+    at prefill token counts (moe_prefill_rows), by preset, format and routing; the rows `dominated_rows` screens out
+    are counted apart ("screened out"), not compared."""
+    rows = moe_prefill_rows()
     screened = dominated_rows(rows)
     screened_ids = {id(r) for r in screened}
     groups: dict[str, list[float]] = {}
@@ -266,11 +276,14 @@ def a100_moe(chip) -> dict:
     return {k: _stats(v) for k, v in groups.items()}
 
 
-# vLLM's MoE tables: the table's release -> the engine preset that stands for it (serving.yaml engine_releases); the
-# routing the curves are read under (aiconfigurator's skewed default, as real routers are), and the grid of rows_half
-VLLM_RELEASES = {"0.14.0": "vllm@0.14", "0.24.0": "vllm"}
-VLLM_CEILING_ROUTING = "power_law_1.01"
-VLLM_ROWS_HALF_GRID = range(0, 513)
+# The engines' MoE tables: each table's release -> the engine preset that stands for it (serving.yaml
+# engine_grouped_matmul_peak_fraction and engine_releases), by the CSV's release column; the routing the curves are read
+# under (aiconfigurator's skewed default, as real routers are), and the grids of rows_half and half_dim
+ENGINE_TABLES = {"vllm": ("aic_vllm_moe_prefill.csv", {"0.14.0": "vllm@0.14", "0.24.0": "vllm"}),
+                 "trtllm": ("aic_trtllm_moe_prefill.csv", {"1.2.0rc5": "trtllm"})}
+KERNEL_CURVE_ROUTING = "power_law_1.01"
+ROWS_HALF_GRID = np.arange(0, 513)
+HALF_DIM_GRID = np.arange(0, 4097, 16)
 
 
 def vllm_moe_rows() -> list[dict]:
@@ -278,73 +291,107 @@ def vllm_moe_rows() -> list[dict]:
     return _with_expert_rows("aic_vllm_moe_prefill.csv")
 
 
-def format_fraction_implied(r: dict, chip) -> float:
+def trtllm_moe_rows() -> list[dict]:
+    """aic_trtllm_moe_prefill.csv's layers (TensorRT-LLM 1.2's PyTorch-flow MoE on H100 and H200) with their rows per
+    touched expert."""
+    return _with_expert_rows("aic_trtllm_moe_prefill.csv")
+
+
+def engine_moe_rows(engine: str) -> list[dict]:
+    """An engine's MoE table (ENGINE_TABLES) with each row's engine preset under `preset`, less the rows
+    `dominated_rows` screens out of each release and chip."""
+    name, releases = ENGINE_TABLES[engine]
+    rows = _with_expert_rows(name)
+    out = []
+    for release in releases:
+        for chip in sorted({r["chip"] for r in rows}):
+            group = [r for r in rows if r[engine] == release and r["chip"] == chip]
+            screened = {id(r) for r in dominated_rows(group)}
+            out += [{**r, "preset": releases[release]} for r in group if id(r) not in screened]
+    return out
+
+
+def format_fraction_implied(r: dict, chip, half_dim: float | None = None) -> float:
     """The fraction of its format's peak one measured layer implies: its expert FLOPs over its time less the step's own
     fixed MoE terms (_moe_fixed_s), over the format's peak (the FP8 peak for fp8 and fp8_block, the bf16 peak for bf16
-    and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty of the expert's
-    narrower weight dimension. How efficiency.yaml grouped_matmul_peak_fraction a100-80gb is read from the A100 table
-    (bf16, its layers of >= 2048 rows per expert) and serving.yaml engine_grouped_matmul_peak_fraction from vLLM's."""
+    and for MXFP4 experts, which Hopper dequantizes to bf16 math) times the thin-dimension penalty d / (d + half_dim)
+    of the expert's narrower weight dimension d (default half_dim: efficiency.yaml matmul_half_dim; 0: no penalty, the
+    raw fraction the engine curves are fitted to). How efficiency.yaml grouped_matmul_peak_fraction a100-80gb is read
+    from the A100 table (bf16, its layers of >= 2048 rows per expert)."""
     from meshplan.cost.efficiency import default_efficiency
 
     m, eff = load_model(r["model"]), default_efficiency(chip)
     T, tp = float(r["tokens"]), int(r["moe_tp"])
     flops = 2 * T * m.experts_per_token * expert_params(m) / tp
     seconds = float(r["time_us"]) * 1e-6 - _moe_fixed_s(chip, eff, T, m.d_model, m.experts_per_token)
-    dim = min(m.d_model, m.d_ff / tp)
+    dim = expert_dim(r)
     peak = chip.peak("fp8" if MOE_FORMATS[r["dtype"]][1] in ("fp8", "fp8_block") else "bf16")
-    return flops / seconds / (peak * dim / (dim + eff.matmul_half_dim))
+    h = eff.matmul_half_dim if half_dim is None else half_dim
+    return flops / seconds / (peak * dim / (dim + h))
 
 
-def fit_kernel_curve(points: list[tuple[float, float]]) -> tuple[float, int, float]:
-    """(fraction, rows_half, median |relative error|) of the curve fraction x rows / (rows + rows_half) through
-    `points` (rows per touched expert, implied fraction): rows_half the integer of VLLM_ROWS_HALF_GRID with the least
-    squared log error, fraction the geometric mean of implied x (rows + rows_half) / rows at it (the least-squares
-    scale in log space)."""
+def expert_dim(r: dict) -> float:
+    """The narrower weight dimension of a measured layer's expert problem on one GPU: min(D, F / moe_tp)."""
+    m = load_model(r["model"])
+    return min(m.d_model, m.d_ff / int(r["moe_tp"]))
+
+
+def fit_kernel_curve(points: list[tuple[float, float, float]]) -> tuple[float, int, int, float]:
+    """(fraction, rows_half, half_dim, median |relative error|) of the curve
+    fraction x rows / (rows + rows_half) x dim / (dim + half_dim) through `points` (rows per touched expert, the
+    expert's narrower weight dimension, raw implied fraction of the format's peak): rows_half and half_dim the grid
+    points (ROWS_HALF_GRID, HALF_DIM_GRID) with the least squared log error, fraction the geometric mean of
+    implied x (rows + rows_half) / rows x (dim + half_dim) / dim at them (the least-squares scale in log space)."""
+    rows, dims, frac = (np.asarray(c, dtype=float) for c in zip(*points, strict=True))
+    by_rows = np.log((rows[:, None] + ROWS_HALF_GRID[None, :]) / rows[:, None])  # points x rows_half
     best = None
-    for r0 in VLLM_ROWS_HALF_GRID:
-        logs = [math.log(f * (r + r0) / r) for r, f in points]
-        mean = sum(logs) / len(logs)
-        sse = sum((x - mean) ** 2 for x in logs)
-        if best is None or sse < best[0]:
-            best = (sse, r0, math.exp(mean))
-    _, r0, c = best
-    return c, r0, statistics.median(abs(c * r / (r + r0) / f - 1.0) for r, f in points)
+    for h in HALF_DIM_GRID:
+        logs = (np.log(frac) + np.log((dims + h) / dims))[:, None] + by_rows
+        sse = ((logs - logs.mean(axis=0)) ** 2).sum(axis=0)
+        i = int(np.argmin(sse))
+        if best is None or sse[i] < best[0] - 1e-12:
+            best = (float(sse[i]), int(ROWS_HALF_GRID[i]), int(h), float(np.exp(logs[:, i].mean())))
+    _, r0, h0, c = best
+    model = c * rows / (rows + r0) * dims / (dims + h0)
+    return c, r0, h0, float(np.median(np.abs(model / frac - 1.0)))
 
 
-def vllm_kernel_fits() -> dict[tuple[str, str, str], dict]:
-    """(engine preset, chip, format) -> the kernel curve (fit_kernel_curve) through its layers at VLLM_CEILING_ROUTING:
-    how serving.yaml engine_grouped_matmul_peak_fraction (fraction, rows_half) is read from the tables."""
-    groups: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+def engine_kernel_fits(engine: str | None = None) -> dict[tuple[str, str, str], dict]:
+    """(engine preset, chip, format) -> the kernel curve (fit_kernel_curve) through the engine table's layers at
+    KERNEL_CURVE_ROUTING (the screened rows left out): how serving.yaml engine_grouped_matmul_peak_fraction (fraction,
+    rows_half, half_dim) is read from the tables. `engine`: one of ENGINE_TABLES, default every one."""
+    groups: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
     chips: dict[str, object] = {}
-    for r in vllm_moe_rows():
-        if r["distribution"] != VLLM_CEILING_ROUTING:
-            continue
-        chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
-        key = (VLLM_RELEASES[r["vllm"]], r["chip"], MOE_FORMATS[r["dtype"]][1])
-        groups.setdefault(key, []).append((r["rows"], format_fraction_implied(r, chip)))
+    for eng in ([engine] if engine else ENGINE_TABLES):
+        for r in engine_moe_rows(eng):
+            if r["distribution"] != KERNEL_CURVE_ROUTING:
+                continue
+            chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
+            key = (r["preset"], r["chip"], MOE_FORMATS[r["dtype"]][1])
+            groups.setdefault(key, []).append((r["rows"], expert_dim(r), format_fraction_implied(r, chip, half_dim=0)))
     out = {}
     for k, pts in sorted(groups.items()):
-        c, r0, err = fit_kernel_curve(pts)
-        out[k] = {"n": len(pts), "fraction": c, "rows_half": r0, "median_abs_error": err}
+        c, r0, h0, err = fit_kernel_curve(pts)
+        out[k] = {"n": len(pts), "fraction": c, "rows_half": r0, "half_dim": h0, "median_abs_error": err}
     return out
 
 
-def vllm_moe() -> dict:
-    """The step's MoE terms for vLLM's measured layers (each timed as its release's preset and in its own format)
-    against the tables, by release, chip, format and rows per touched expert; 'default' beside each: the same layers
-    timed without the engine's measured curve (the generic rate under the chip's grouped ceiling, as TensorRT-LLM's
-    and training's)."""
+def engine_moe(engine: str) -> dict:
+    """The step's MoE terms for an engine table's measured layers (each timed as its release's preset and in its own
+    format) against the table, by release, chip, format and rows per touched expert; 'default' beside each: the same
+    layers timed without the engine's measured curve (the generic rate under the chip's grouped ceiling, as training's
+    and the engines without a curve)."""
     groups: dict[str, dict[str, list[float]]] = {}
     chips: dict[str, object] = {}
-    for r in vllm_moe_rows():
-        if r["distribution"] != VLLM_CEILING_ROUTING:
+    for r in engine_moe_rows(engine):
+        if r["distribution"] != KERNEL_CURVE_ROUTING:
             continue
         chip = chips.setdefault(r["chip"], load_chip(r["chip"]))
         t = float(r["time_us"]) * 1e-6
         band = "under 64 rows" if r["rows"] < 64 else "64-512 rows" if r["rows"] < 512 else "512+ rows"
-        label = f"vllm {r['vllm']} {r['chip']} {MOE_FORMATS[r['dtype']][1]} {band}"
+        label = f"{engine} {r[engine]} {r['chip']} {MOE_FORMATS[r['dtype']][1]} {band}"
         g = groups.setdefault(label, {"engine": [], "default": []})
-        g["engine"].append(moe_prefill_predicted_s(r, chip, VLLM_RELEASES[r["vllm"]]) / t - 1.0)
+        g["engine"].append(moe_prefill_predicted_s(r, chip, r["preset"]) / t - 1.0)
         g["default"].append(moe_prefill_predicted_s(r, chip) / t - 1.0)
     return {k: {**_stats(v["engine"]), "default_signed_median": statistics.median(v["default"])}
             for k, v in sorted(groups.items())}
@@ -354,8 +401,9 @@ def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
             "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
-            "a100_moe": a100_moe(load_chip("a100-80gb")), "vllm_moe": vllm_moe(),
-            "vllm_kernel_fits": {" ".join(k): v for k, v in vllm_kernel_fits().items()}}
+            "a100_moe": a100_moe(load_chip("a100-80gb")),
+            **{f"{e}_moe": engine_moe(e) for e in ENGINE_TABLES},
+            "engine_kernel_fits": {" ".join(k): v for k, v in engine_kernel_fits().items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,18 +434,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{sc['n']} measured layers screened out (slower by more than {DOMINATED_TOLERANCE:.0%} than a layer of "
                   "the same preset, format and routing doing at least their work per GPU): "
                   + ", ".join(f"{k} ({n})" for k, n in sc["rows"].items()))
-    print("\n### vLLM FusedMoE layers, 1,024-16,384 tokens, power-law routing, each in its own format (serving step's MoE "
-          "terms as the release's preset; 'without' = the generic rate instead of vLLM's measured curve)")
-    print("| group | n | signed median | median abs | without: signed median |\n|---|---|---|---|---|")
-    for g, s in res["vllm_moe"].items():
-        print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% | "
-              f"{100 * s['default_signed_median']:+.1f}% |")
-    print(f"\n### vLLM FusedMoE kernel curve by release, chip and format: fraction x rows / (rows + rows_half) of the "
-          f"format's peak, fitted over every layer at {VLLM_CEILING_ROUTING} (serving.yaml "
-          "engine_grouped_matmul_peak_fraction)\n| preset chip format | n | fraction | rows_half | median abs error |\n"
-          "|---|---|---|---|---|")
-    for g, s in res["vllm_kernel_fits"].items():
-        print(f"| {g} | {s['n']} | {s['fraction']:.3f} | {s['rows_half']} | {100 * s['median_abs_error']:.1f}% |")
+    for engine, title in (("vllm", "vLLM FusedMoE"), ("trtllm", "TensorRT-LLM 1.2 PyTorch-flow MoE")):
+        print(f"\n### {title} layers, 1,024-16,384 tokens, power-law routing, each in its own format (serving step's "
+              "MoE terms as the release's preset; 'without' = the generic rate instead of the engine's measured curve)")
+        print("| group | n | signed median | median abs | without: signed median |\n|---|---|---|---|---|")
+        for g, s in res[f"{engine}_moe"].items():
+            print(f"| {g} | {s['n']} | {100 * s['signed_median']:+.1f}% | {100 * s['median_abs']:.1f}% | "
+                  f"{100 * s['default_signed_median']:+.1f}% |")
+    print(f"\n### Engine MoE kernel curves by release, chip and format: fraction x rows / (rows + rows_half) x dim / "
+          f"(dim + half_dim) of the format's peak, fitted over every layer at {KERNEL_CURVE_ROUTING} (serving.yaml "
+          "engine_grouped_matmul_peak_fraction)\n| preset chip format | n | fraction | rows_half | half_dim | "
+          "median abs error |\n|---|---|---|---|---|---|")
+    for g, s in res["engine_kernel_fits"].items():
+        print(f"| {g} | {s['n']} | {s['fraction']:.3f} | {s['rows_half']} | {s['half_dim']} | "
+              f"{100 * s['median_abs_error']:.1f}% |")
     print("\n### MoE layers, vLLM fused_moe and TensorRT-LLM CUTLASS (expert weights streamed, fraction of HBM peak)")
     print("| engine, rows per touched expert | n | measured median | meshplan |\n|---|---|---|---|")
     for g, s in res["moe_layers"].items():

@@ -43,7 +43,7 @@ def test_every_row_gets_a_prediction() -> None:
     assert n == {"nccl_tests": len(kernel_check._rows("aic_h100_nccl_tests.csv")),
                  "vllm_custom_allreduce": len(kernel_check._rows("aic_h100_vllm_custom_allreduce.csv")),
                  "decode_gemm_bf16": len(kernel_check._rows("aic_h100_vllm_decode_gemm_bf16.csv")),
-                 "moe_prefill": len(kernel_check._rows("aic_h100_trtllm_moe_prefill.csv"))}
+                 "moe_prefill": len(kernel_check.moe_prefill_rows())}
     # every row is compared or, in the MoE table, screened out (kernel_check.dominated_rows) and counted apart
     assert all(math.isfinite(s["signed_median"]) for k in n for g, s in res[k].items() if g != "screened out")
     assert set(res["moe_prefill"]["screened out"]["rows"]) <= {f"{m} moe_tp {t}" for m in (
@@ -69,7 +69,7 @@ def test_the_trtllm_moe_table_screens_out_its_measured_anomalies() -> None:
     """The measured Mixtral 8x22B layer at moe_tp 8 takes longer than at moe_tp 4, where each GPU holds twice the
     expert columns (bf16, balanced, 4,096 tokens: 4,673.7 us against 1,623.2 us in the file), so it is screened
     out; Mixtral 8x7B's layers fall with moe_tp as they should and all are kept."""
-    rows = kernel_check._rows("aic_h100_trtllm_moe_prefill.csv")
+    rows = kernel_check.moe_prefill_rows()
 
     def row(model: str, tp: str) -> dict:
         return next(r for r in rows if (r["model"], r["dtype"], r["tokens"], r["moe_tp"], r["distribution"])
@@ -112,13 +112,13 @@ def test_a_decode_batch_of_a_fine_grained_moe_runs_one_row_per_touched_expert() 
 
 
 def test_a_prefill_moe_layer_is_timed_by_the_steps_own_terms_by_hand() -> None:
-    """Session 28: the prefill MoE table (TensorRT-LLM 1.2 CUTLASS, aic_h100_trtllm_moe_prefill.csv) is compared with
+    """Session 28: the prefill MoE table (TensorRT-LLM 1.2 CUTLASS, the H100 bf16 / fp8 rows of aic_trtllm_moe_prefill.csv) is compared with
     the serving step's MoE terms. Mixtral 8x7B's layer at 8,192 tokens on one H100 in bf16, by hand from the
     constants: each of the 8 experts runs 8192 x 2 / 8 = 2048 rows, at 0.75 (efficiency.yaml matmul_peak_fraction h100-sxm)
     x min(2048/(2048 + 128), 4096/(4096 + 256)) of 989 TFLOP/s for 2 x 8192 x 2 x 3 x 4096 x 14336 FLOPs; the permute
     moves 2 x 8192 x 4096 x (2 + 1) bf16 elements at 0.8 x 3.35 TB/s; 4 routing kernels + gate/up, activation and
     down at 4 us each. The table's rows measure the presets' own expert shapes, bf16 and fp8, both routings."""
-    rows = kernel_check._rows("aic_h100_trtllm_moe_prefill.csv")
+    rows = kernel_check.moe_prefill_rows()
     assert {r["model"] for r in rows} == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
                                           "deepseek-v3"}
     assert {r["dtype"] for r in rows} == {"bfloat16", "fp8"} and {r["moe_tp"] for r in rows} == {"1", "2", "4", "8"}
@@ -142,7 +142,7 @@ def test_a_deepseek_moe_layer_is_timed_whole_not_as_the_steps_mean_layer() -> No
     H100 is the dense fraction, 0.75 x 2048/2304 = 0.667, not binding) for 2 x 8192 x 8 x 3 x 7168 x 2048 FLOPs =
     11.7 ms, longer than the 256 experts' 22.5 GB read at 0.8 x 3.35 TB/s = 8.4 ms; plus the permute, 2 x 8192 x 7168
     x (8 + 1) bf16 elements at 0.8 x 3.35 TB/s, and 4 routing + 3 expert kernels at 4 us each."""
-    rows = kernel_check._rows("aic_h100_trtllm_moe_prefill.csv")
+    rows = kernel_check.moe_prefill_rows()
     r = next(r for r in rows if (r["model"], r["dtype"], r["tokens"], r["moe_tp"], r["distribution"])
              == ("deepseek-v3", "bfloat16", "8192", "1", "balanced"))
     flops = 2 * 8192 * 8 * 3 * 7168 * 2048

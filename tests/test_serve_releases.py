@@ -32,8 +32,9 @@ def test_every_release_names_a_preset_and_overrides_known_keys_with_a_source():
                 formats = set(entry) - {"source"}
                 if key == "engine_grouped_matmul_peak_fraction":
                     assert formats and formats <= set(C.EXPERT_GEMM_FORMATS)
-                    assert all(set(entry[f]) == {"fraction", "rows_half"} and 0.0 < entry[f]["fraction"] <= 1.0
-                               and entry[f]["rows_half"] >= 0 for f in formats)
+                    assert all(set(entry[f]) == {"fraction", "rows_half", "half_dim"}
+                               and 0.0 < entry[f]["fraction"] <= 1.0 and entry[f]["rows_half"] >= 0
+                               and entry[f]["half_dim"] >= 0 for f in formats)
                 else:
                     assert formats in ({"value"}, {"points"})
                 assert "source" in entry and len(entry["source"]) > 40

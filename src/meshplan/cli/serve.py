@@ -152,12 +152,14 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
     })
     if m.is_moe:  # the format the engine's MoE kernel runs the routed experts in, and its measured ceiling if any
         fmt = expert_gemm_format(m, best.config, chip)
-        # engine_fraction / engine_rows_half: serving.yaml engine_grouped_matmul_peak_fraction's curve for this engine,
-        # chip and format (fraction x rows / (rows + rows_half) of the format's peak, before the thin-dimension penalty);
-        # null: the generic GEMM rate under the chip's efficiency.yaml grouped ceiling times them
+        # engine_fraction / engine_rows_half / engine_half_dim: serving.yaml engine_grouped_matmul_peak_fraction's curve
+        # for this engine, chip and format (fraction x rows / (rows + rows_half) x d / (d + half_dim) of the format's
+        # peak, d the expert's narrower weight dimension); null: the generic GEMM rate under the chip's
+        # efficiency.yaml grouped ceiling times them
         kernel = engine_grouped_kernel(best.config, chip, fmt)
         out["expert_gemms"] = {"format": fmt, "engine_fraction": kernel[0] if kernel else None,
-                               "engine_rows_half": kernel[1] if kernel else None}
+                               "engine_rows_half": kernel[1] if kernel else None,
+                               "engine_half_dim": kernel[2] if kernel else None}
     if harness is not None:  # what the harness set for the best layout
         out["harness"] = harness_settings(harness, m, chip, best.config, w).as_dict()
     if clients is not None:  # closed loop: `batch` is then the sequences running, the rest wait for a slot
@@ -425,7 +427,7 @@ def _print_table(o: dict) -> None:
     if o.get("expert_gemms"):
         g = o["expert_gemms"]
         rate = (f"the engine's measured MoE kernel: {g['engine_fraction']:.2f} of the format's peak x rows / (rows + "
-                f"{g['engine_rows_half']:g})" if g["engine_fraction"] is not None
+                f"{g['engine_rows_half']:g}) x d / (d + {g['engine_half_dim']:g})" if g["engine_fraction"] is not None
                 else "no engine measurement: the chip's grouped-GEMM ceiling")
         rows.append(("MoE expert GEMMs", f"{g['format']}, {rate}"))
     if o.get("harness"):

@@ -241,16 +241,18 @@ def expert_gemm_format(m: ModelConfig, cfg: ServeConfig, chip: Chip) -> str:
     return cdt
 
 
-def engine_grouped_kernel(cfg: ServeConfig, chip: Chip, fmt: str) -> tuple[float, float] | None:
-    """(fraction, rows_half) of the engine's own MoE kernel on this chip for experts in format `fmt`, where serving.yaml
-    engine_grouped_matmul_peak_fraction measures it (vLLM's FusedMoE, by release): each expert problem runs at
-    fraction x rows / (rows + rows_half) of the format's peak (fp8 formats: the FP8 peak; bf16 and mxfp4: the bf16 peak)
-    times the thin-dimension penalty; None elsewhere (the generic GEMM rate under the chip's efficiency.yaml
-    grouped_matmul_peak_fraction then times the expert GEMMs, as in training)."""
+def engine_grouped_kernel(cfg: ServeConfig, chip: Chip, fmt: str) -> tuple[float, float, float] | None:
+    """(fraction, rows_half, half_dim) of the engine's own MoE kernel on this chip for experts in format `fmt`, where
+    serving.yaml engine_grouped_matmul_peak_fraction measures it (vLLM's FusedMoE and TensorRT-LLM's MoE, by release):
+    each expert problem runs at fraction x rows / (rows + rows_half) x d / (d + half_dim) of the format's peak (fp8
+    formats: the FP8 peak; bf16 and mxfp4: the bf16 peak), d the expert's narrower weight dimension on the chip; None
+    elsewhere (the generic GEMM rate under the chip's efficiency.yaml grouped_matmul_peak_fraction then times the expert
+    GEMMs, as in training)."""
     hit = _engine_hit("engine_grouped_matmul_peak_fraction", cfg.engine, chip)
     if hit is None or fmt not in hit:
         return None
-    return float(hit[fmt]["fraction"]), float(hit[fmt]["rows_half"])
+    e = hit[fmt]
+    return float(e["fraction"]), float(e["rows_half"]), float(e["half_dim"])
 
 
 def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:

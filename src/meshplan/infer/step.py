@@ -137,7 +137,7 @@ def rows_per_touched_expert(m: ModelConfig, tokens: float) -> float:
 
 
 def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_dim: float = float("inf"),
-                     grouped: bool = False, engine_kernel: tuple[float, float] | None = None) -> float:
+                     grouped: bool = False, engine_kernel: tuple[float, float, float] | None = None) -> float:
     """Large-GEMM fraction (fp8 or bf16) times the penalty of the GEMM's most constraining dimension: the skinny-GEMM
     row penalty m/(m + rows_half) of its `tokens` rows, or the thin-dimension penalty d/(d + half_dim) of its
     narrower weight dimension `weight_dim` (tile and wave quantization: the penalty `Efficiency.matmul` applies to
@@ -146,8 +146,8 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, times the thin-dimension
     penalty): the row penalty is the tiles', the ceiling the kernel's main loop (`Efficiency.grouped_matmul`).
     `engine_kernel`: the serving engine's own MoE kernel's curve where it is measured (config.engine_grouped_kernel:
-    fraction x rows / (rows + rows_half) of the compute dtype's peak), which then times each expert problem in place of
-    the generic rate and the chip's grouped ceiling, with the same thin-dimension penalty."""
+    fraction x rows / (rows + rows_half) x d / (d + half_dim) of the compute dtype's peak, both penalties measured with
+    the kernel), which then times each expert problem in place of the generic rate and the chip's grouped ceiling."""
     scale = eff.dtype_scale(compute_dtype)
     rows = tokens / (tokens + eff.matmul_rows_half)
     thin = weight_dim / (weight_dim + eff.matmul_half_dim) if weight_dim < float("inf") else 1.0
@@ -155,8 +155,9 @@ def _matmul_fraction(eff: Efficiency, compute_dtype: str, tokens: float, weight_
     if not grouped:
         return frac
     if engine_kernel is not None:
-        fraction, rows_half = engine_kernel
-        return fraction * thin * tokens / (tokens + rows_half)
+        fraction, rows_half, half_dim = engine_kernel
+        engine_thin = weight_dim / (weight_dim + half_dim) if weight_dim < float("inf") else 1.0
+        return fraction * engine_thin * tokens / (tokens + rows_half)
     return min(frac, eff.grouped_ceiling(weight_dim) * scale)
 
 
