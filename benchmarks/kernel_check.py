@@ -1,9 +1,9 @@
-"""meshplan's kernel-level terms against NVIDIA's measured H100 kernel tables (aiconfigurator's database).
+"""meshplan's kernel-level terms against NVIDIA's measured kernel tables (aiconfigurator's database).
 
     python benchmarks/kernel_check.py [--json]
 
-Five tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_h100_*.csv, each with its source and method in its
-header), each compared with the meshplan term that times the same operation, unchanged:
+Tables from ai-dynamo/aiconfigurator@095f58a51 (data/aic_*.csv, each with its source and method in its header), each
+compared with the meshplan term that times the same operation, unchanged:
 
   nccl-tests on 2/4/8 H100 SXM (all_gather, reduce_scatter, all_reduce; 64 KiB - 512 MiB)
       cost.collectives.group_collective on an h100-sxm node: the collectives model training and serving share
@@ -14,9 +14,11 @@ header), each compared with the meshplan term that times the same operation, unc
       one kernel overhead)
   vLLM 0.14's fused_moe and TensorRT-LLM 1.2's CUTLASS MoE layers (bf16 / fp8 / fp8_block, 11 expert shapes)
       the rate the serving step streams touched experts at (efficiency.hbm_fraction of the HBM peak)
-  TensorRT-LLM 1.2's CUTLASS MoE layers at 1,024-16,384 tokens (bf16 / fp8, the expert shapes of five presets)
+  TensorRT-LLM 1.2's MoE layers on H100 and H200 and vLLM 0.14 / 0.24 FusedMoE layers on H100, H200 and A100, at
+  1,024-16,384 tokens (bf16 / fp8 / fp8_block / mxfp4, the expert shapes of the presets)
       the serving step's MoE terms for one layer: infer.step.routed_expert_gemm_s, the moe_permute traffic and the
-      routing kernels' overheads
+      routing kernels' overheads, at the generic rate and on the engine's measured curve; and the curves themselves
+      (engine_kernel_fits: how serving.yaml engine_grouped_matmul_peak_fraction is read from these tables)
 
 Nothing here is fed back into meshplan: it reports. Error = predicted / measured - 1 (positive: meshplan slower).
 """
