@@ -15,6 +15,7 @@ error is an optimistic prediction (faster than measured), and for TPOT and TTFT 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-new", action="store_true", help="skip the new measurements of issue #14")
     ap.add_argument("--no-aic", action="store_true",
                     help="skip the external check on aiconfigurator's silicon sample (aic_silicon.py)")
+    ap.add_argument("--no-nim", action="store_true",
+                    help="skip the external check on the NIM sizing-course sweeps (nim_dli.py)")
     ap.add_argument("--tuning-only", action="store_true",
                     help="load only the tuning half of the new data (for choosing constants without seeing validation)")
     ap.add_argument("--campaign", metavar="TEXT",
@@ -246,12 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         from _split import load_new_serving  # sibling helper, imported here so the module loads on its own (tests)
 
         res["new"] = run(entries=load_new_serving())
-    if not args.no_aic and args.file == DATA / "serving_measurements.yaml":
+    external: dict[str, list[dict]] = {}  # the external checks' entries, by name (EXTERNAL_CHECKS)
+    if args.file == DATA / "serving_measurements.yaml":
         from _split import _visible
-        from aic_silicon import load as load_aic
 
-        aic_entries = _visible(load_aic())
-        res["aic"] = run(entries=aic_entries)
+        for name, (module, _) in EXTERNAL_CHECKS.items():
+            if not getattr(args, f"no_{name}"):
+                external[name] = _visible(importlib.import_module(module).load())
+                res[name] = run(entries=external[name])
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         print()
@@ -261,11 +266,20 @@ def main(argv: list[str] | None = None) -> int:
             print("\n## Issue #14: new published serving measurements")
             print_report(res["new"])
             print_halves(res, res["new"]["rows"])
-        if "aic" in res:
-            print_aic(res["aic"]["rows"])
+        for name, entries in external.items():
+            print_external(res[name]["rows"], EXTERNAL_CHECKS[name][1])
             if args.campaign:
-                print_campaign_rows(res["aic"]["rows"], aic_entries, args.campaign)
+                print_campaign_rows(res[name]["rows"], entries, args.campaign)
     return 0
+
+
+# The external checks: closed-loop sweeps at fixed lengths from benchmark databases or datasets that do not quote every
+# engine flag as serving_measurements_new.yaml's entries do, reported apart from issue #14's tables, by half and by
+# measurement campaign (source key): name -> (the sibling module whose load() gives the entries, the table's title)
+EXTERNAL_CHECKS = {
+    "aic": ("aic_silicon", "aiconfigurator silicon sample (closed loop, fixed lengths; aic_silicon.py)"),
+    "nim": ("nim_dli", "NIM sizing-course sweeps, TensorRT-LLM backend (closed loop, fixed lengths; nim_dli.py)"),
+}
 
 
 def print_campaign_rows(rows: list[dict], entries: list[dict], text: str) -> int:
@@ -329,14 +343,14 @@ def print_halves(res: dict, rows: list[dict]) -> dict:
     return out
 
 
-def print_aic(rows: list[dict]) -> dict:
-    """The external check (aic_silicon.py): aiconfigurator's silicon sample, per half and per measurement campaign
-    (its source key), TPOT and TTFT, apart from issue #14's tables: its rows come from a benchmark database dump that
-    does not record the deployments' engine flags or the benchmark client's settings, which every entry of
-    serving_measurements_new.yaml quotes from its source."""
+def print_external(rows: list[dict], title: str) -> dict:
+    """An external check (EXTERNAL_CHECKS), per half and per measurement campaign (its source key), each quantity the
+    source measured, apart from issue #14's tables: its rows come from a benchmark database or dataset that does not
+    record every engine flag or the benchmark client's settings, which every entry of serving_measurements_new.yaml
+    quotes from its source."""
     from _split import SPLITS, error_stats, format_stats_row
 
-    print("\n## External check: aiconfigurator silicon sample (closed loop, fixed lengths; aic_silicon.py)")
+    print(f"\n## External check: {title}")
     print("| half / campaign / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
     print("|" + "---|" * 7)
     out = {}
@@ -344,7 +358,7 @@ def print_aic(rows: list[dict]) -> dict:
     for h in SPLITS:
         for label_key in ["all"] + keys:
             rs = [r for r in rows if r.get("split") == h and label_key in ("all", r["source_key"])]
-            for key, label, _ in QUANTITIES[1:]:
+            for key, label, _ in QUANTITIES:
                 errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
                 if errs:
                     name = label_key.split(":", 1)[-1]
