@@ -209,14 +209,16 @@ def dominated_rows(rows: list[dict]) -> list[dict]:
     def work(r: dict) -> tuple[int, int, float]:
         return int(r["tokens"]), int(r["moe_tp"]), float(r["time_us"])
 
+    # compared only within a chip, preset, format and routing: each row's work read once, not once per pair
+    groups: dict[tuple, list[tuple[int, int, float, dict]]] = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append((*work(r), r))
     out = []
     for r in rows:
         tokens, tp, t = work(r)
-        for q in rows:
-            tq, tpq, time_q = work(q)
-            if q is not r and key(q) == key(r) and tq >= tokens and tpq <= tp and time_q * (1 + DOMINATED_TOLERANCE) < t:
-                out.append(r)
-                break
+        if any(q is not r and tq >= tokens and tpq <= tp and time_q * (1 + DOMINATED_TOLERANCE) < t
+               for tq, tpq, time_q, q in groups[key(r)]):
+            out.append(r)
     return out
 
 
