@@ -12,6 +12,7 @@ agree.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import math
 import os
@@ -71,3 +72,45 @@ def format_stats_row(label: str, s: dict, unplannable: int | None = None) -> str
     un = "" if unplannable is None else f" {unplannable} |"
     return (f"| {label} | {s['n']} | {pct(s['median_abs'])} | {pct(s['p90_abs'])} | {pct(s['signed_median'], True)} | "
             f"{s['within_25']}/{s['n']} |{un}")
+
+
+# The external checks' subsets (aic_silicon.py, nim_dli.py): a CSV of closed-loop runs, each row carrying its source
+# key and split, written and read the same way.
+def repeat_id(seen: dict[str, int], rid: str) -> str:
+    """A configuration measured again keeps each measurement: the first as `rid`, then `rid`_r2, _r3, ..."""
+    seen[rid] = seen.get(rid, 0) + 1
+    return rid if seen[rid] == 1 else f"{rid}_r{seen[rid]}"
+
+
+def write_subset_csv(path: Path, header: str, fields: tuple[str, ...], rows: list[dict]) -> None:
+    """A subset's `#` comment header (its source and how each column maps from it), then its rows."""
+    with path.open("w", newline="") as f:
+        f.write(header)
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_subset_csv(path: Path) -> list[dict]:
+    """A subset's rows (its `#` comment lines skipped); a row whose split is not the rule's for its source key is
+    refused."""
+    with path.open() as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    for r in rows:
+        if r["split"] != split_of(r["source_key"]):
+            raise ValueError(f"{r['id']}: split {r['split']} is not the rule's for {r['source_key']}")
+    return rows
+
+
+def closed_loop_entry(r: dict, *, families: list[str], source: dict, engine: str, measured: dict, notes: str,
+                      **extra) -> dict:
+    """A subset row as a serving_measurements_new.yaml entry (serving_accuracy.predict reads it unchanged): one engine
+    over the row's tp GPUs, a closed loop of its `concurrency` clients at its fixed lengths, KV dtype unstated;
+    `extra` adds the source's own keys (ep, frontend, benchmark_requests, ...)."""
+    tp = int(r["tp"])
+    return {"id": r["id"], "split": r["split"], "families": families, "source": source, "model": r["model"],
+            "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1, "weight_dtype": r["weight_dtype"],
+            "kv_dtype": None, "input_len": int(r["input_len"]), "output_len": int(r["output_len"]),
+            "batch": int(r["concurrency"]), "regime": "fixed_batch", "engine": engine, **extra, "measured": measured,
+            "notes": notes}
+

@@ -41,7 +41,13 @@ import re
 import sys
 from pathlib import Path
 
-from _split import split_of  # sibling module: benchmarks/ is on the path of every script and test that loads this
+from _split import (  # sibling module: benchmarks/ is on the path of every script and test that loads this
+    closed_loop_entry,
+    read_subset_csv,
+    repeat_id,
+    split_of,
+    write_subset_csv,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 SUBSET = DATA / "aic_silicon_subset.csv"
@@ -130,9 +136,8 @@ def select(upstream: Path) -> list[dict]:
             rid = (f"aic_{r['system']}_{r['backend']}_{release}_{name}_{r['precision'] or 'bf16'}_tp{tp}"
                    f"{f'_ep{layout[0]}' if layout[0] > 1 else ''}{'_adp' if layout[1] else ''}_"
                    f"{r['isl']}_{r['osl']}_c{c}").replace(".", "p").replace("-", "_")
-            seen[rid] = seen.get(rid, 0) + 1  # a configuration measured again keeps each measurement: _r2, _r3, ...
             out.append({
-                "id": rid if seen[rid] == 1 else f"{rid}_r{seen[rid]}",
+                "id": repeat_id(seen, rid),
                 "source_key": key, "split": split_of(key), "model": model, "hardware": hw, "engine": r["backend"],
                 "weight_dtype": weights, "tp": tp, "ep": layout[0], "attention_dp": int(layout[1]),
                 "input_len": _int(r["isl"]),
@@ -143,15 +148,12 @@ def select(upstream: Path) -> list[dict]:
 
 
 def write_subset(rows: list[dict], path: Path = SUBSET) -> None:
-    with path.open("w", newline="") as f:
-        f.write(f"# Subset of ai-dynamo/aiconfigurator@{COMMIT} aic-core/src/aiconfigurator_core/systems/silicon_sample.csv\n"
-                "# (Apache-2.0; measured figures, NVIDIA). Rows and columns kept, renamed and mapped by "
-                "benchmarks/aic_silicon.py (its docstring states the rules); ttft_ms/tpot_ms, concurrency, tp and\n"
-                "# lengths are the upstream silicon_ttft_ms/silicon_tpot_ms, batch_size, tp_size and isl/osl "
-                "verbatim; provenance is the upstream silicon_data_source.\n")
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_subset_csv(path, f"# Subset of ai-dynamo/aiconfigurator@{COMMIT} aic-core/src/aiconfigurator_core/systems/"
+                     "silicon_sample.csv\n"
+                     "# (Apache-2.0; measured figures, NVIDIA). Rows and columns kept, renamed and mapped by "
+                     "benchmarks/aic_silicon.py (its docstring states the rules); ttft_ms/tpot_ms, concurrency, tp and\n"
+                     "# lengths are the upstream silicon_ttft_ms/silicon_tpot_ms, batch_size, tp_size and isl/osl "
+                     "verbatim; provenance is the upstream silicon_data_source.\n", FIELDS, rows)
 
 
 def load(path: Path = SUBSET) -> list[dict]:
@@ -160,31 +162,22 @@ def load(path: Path = SUBSET) -> list[dict]:
 
     from meshplan.infer.config import LAUNCH_SERVER_PATHS
 
-    with path.open() as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     rounds = int(_assumptions()["aic_requests_per_client"]["value"])
     entries = []
-    for r in rows:
-        if r["split"] != split_of(r["source_key"]):
-            raise ValueError(f"{r['id']}: split {r['split']} is not the rule's for {r['source_key']}")
-        c, tp = int(r["concurrency"]), int(r["tp"])
-        entries.append({
-            "id": r["id"], "split": r["split"],
-            "families": ["serving_ttft_itl_under_load", "serving_aic_silicon", *MOE_FAMILIES.get(r["model"], [])],
-            "source": {"key": r["source_key"], "title": TITLE, "url": URL,
-                       "where": f"row {r['upstream_id']} ({r['model_path']}, {r['engine']} "
-                                f"{r['backend_version'] or 'release unstated'}): closed loop, concurrency {c}",
-                       "date": "2026-04 (DB dump)"},
-            "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
-            "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
-            "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch",
-            "engine": release_preset(r["engine"], r["backend_version"]),
-            "benchmark_requests": c * rounds,
-            "ep": int(r["ep"]), "attention_dp": bool(int(r["attention_dp"])),
-            "frontend": LAUNCH_SERVER_PATHS.get(r["engine"]),
-            "measured": {"output_tokens_per_s": None, "tpot_s": float(r["tpot_ms"]) / 1e3,
-                         "ttft_s": float(r["ttft_ms"]) / 1e3},
-            "notes": f"aiconfigurator silicon sample; provenance: {r['provenance']}"})
+    for r in read_subset_csv(path):
+        c = int(r["concurrency"])
+        entries.append(closed_loop_entry(
+            r, families=["serving_ttft_itl_under_load", "serving_aic_silicon", *MOE_FAMILIES.get(r["model"], [])],
+            source={"key": r["source_key"], "title": TITLE, "url": URL,
+                    "where": f"row {r['upstream_id']} ({r['model_path']}, {r['engine']} "
+                             f"{r['backend_version'] or 'release unstated'}): closed loop, concurrency {c}",
+                    "date": "2026-04 (DB dump)"},
+            engine=release_preset(r["engine"], r["backend_version"]),
+            measured={"output_tokens_per_s": None, "tpot_s": float(r["tpot_ms"]) / 1e3,
+                      "ttft_s": float(r["ttft_ms"]) / 1e3},
+            notes=f"aiconfigurator silicon sample; provenance: {r['provenance']}",
+            benchmark_requests=c * rounds, ep=int(r["ep"]), attention_dp=bool(int(r["attention_dp"])),
+            frontend=LAUNCH_SERVER_PATHS.get(r["engine"])))
     return entries
 
 

@@ -292,13 +292,13 @@ HALF_DIM_GRID = np.arange(0, 4097, 16)
 
 def vllm_moe_rows() -> list[dict]:
     """aic_vllm_moe_prefill.csv's layers with their rows per touched expert."""
-    return _with_expert_rows("aic_vllm_moe_prefill.csv")
+    return _with_expert_rows(ENGINE_TABLES["vllm"][0])
 
 
 def trtllm_moe_rows() -> list[dict]:
     """aic_trtllm_moe_prefill.csv's layers (TensorRT-LLM 1.2's PyTorch-flow MoE on H100 and H200) with their rows per
     touched expert."""
-    return _with_expert_rows("aic_trtllm_moe_prefill.csv")
+    return _with_expert_rows(ENGINE_TABLES["trtllm"][0])
 
 
 def engine_moe_rows(engine: str) -> list[dict]:

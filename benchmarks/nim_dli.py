@@ -35,7 +35,13 @@ import csv
 import sys
 from pathlib import Path
 
-from _split import split_of  # sibling module: benchmarks/ is on the path of every script and test that loads this
+from _split import (  # sibling module: benchmarks/ is on the path of every script and test that loads this
+    closed_loop_entry,
+    read_subset_csv,
+    repeat_id,
+    split_of,
+    write_subset_csv,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 SUBSET = DATA / "nim_dli_sizing.csv"
@@ -72,9 +78,8 @@ def select(upstream: Path) -> list[dict]:
             tp, c = int(r["task_inputs-n_gpus"]), int(r["input_config-concurrency"])
             prec = r["task_inputs-precision"]
             rid = f"nim_dli_{gpu}_{model}_{prec}_tp{tp}_{isl}_{osl}_c{c}".replace(".", "p").replace("-", "_")
-            seen[rid] = seen.get(rid, 0) + 1  # a configuration measured again keeps each measurement: _r2, ...
             out.append({
-                "id": rid if seen[rid] == 1 else f"{rid}_r{seen[rid]}", "source_key": key, "split": split_of(key),
+                "id": repeat_id(seen, rid), "source_key": key, "split": split_of(key),
                 "model": model, "hardware": hw, "weight_dtype": WEIGHTS[prec], "tp": tp, "input_len": isl,
                 "output_len": osl, "concurrency": c,
                 "ttft_ms": round(float(r["time_to_first_token-avg"]) / NS_PER_MS, 4),
@@ -85,39 +90,25 @@ def select(upstream: Path) -> list[dict]:
 
 
 def write_subset(rows: list[dict], path: Path = SUBSET) -> None:
-    with path.open("w", newline="") as f:
-        f.write(f"# Subset of {URL}\n# (figures measured with NVIDIA NIM; mapped by benchmarks/nim_dli.py, whose "
-                "docstring states the rules): ttft_ms / itl_ms are the upstream time_to_first_token-avg /\n"
-                "# inter_token_latency-avg (ns) / 1e6, output_tokens_per_s the upstream output_token_throughput-avg, "
-                "tp the upstream task_inputs-n_gpus, lengths and concurrency the upstream input_config values; "
-                "upstream_row is the line in the upstream file.\n")
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_subset_csv(path, f"# Subset of {URL}\n# (figures measured with NVIDIA NIM; mapped by benchmarks/nim_dli.py, "
+                     "whose docstring states the rules): ttft_ms / itl_ms are the upstream time_to_first_token-avg /\n"
+                     "# inter_token_latency-avg (ns) / 1e6, output_tokens_per_s the upstream "
+                     "output_token_throughput-avg, tp the upstream task_inputs-n_gpus, lengths and concurrency the "
+                     "upstream input_config values; upstream_row is the line in the upstream file.\n", FIELDS, rows)
 
 
 def load(path: Path = SUBSET) -> list[dict]:
     """The subset as serving_measurements_new.yaml entries (serving_accuracy.predict reads them unchanged)."""
-    with path.open() as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    entries = []
-    for r in rows:
-        if r["split"] != split_of(r["source_key"]):
-            raise ValueError(f"{r['id']}: split {r['split']} is not the rule's for {r['source_key']}")
-        c, tp = int(r["concurrency"]), int(r["tp"])
-        entries.append({
-            "id": r["id"], "split": r["split"], "families": ["serving_ttft_itl_under_load", "serving_nim_dli"],
-            "source": {"key": r["source_key"], "title": TITLE, "url": URL,
-                       "where": f"line {r['upstream_row']} ({r['upstream_precision']}, {tp} GPU(s)): closed loop, "
-                                f"concurrency {c}",
-                       "date": "2024 (Llama 3 NIM)"},
-            "model": r["model"], "hardware": r["hardware"], "chips": tp, "tp": tp, "pp": 1,
-            "weight_dtype": r["weight_dtype"], "kv_dtype": None, "input_len": int(r["input_len"]),
-            "output_len": int(r["output_len"]), "batch": c, "regime": "fixed_batch", "engine": ENGINE,
-            "measured": {"output_tokens_per_s": float(r["output_tokens_per_s"]), "tpot_s": float(r["itl_ms"]) / 1e3,
-                         "ttft_s": float(r["ttft_ms"]) / 1e3},
-            "notes": "NIM sizing-course sweep (GenAI-Perf); mean ITL compared as TPOT"})
-    return entries
+    return [closed_loop_entry(
+        r, families=["serving_ttft_itl_under_load", "serving_nim_dli"],
+        source={"key": r["source_key"], "title": TITLE, "url": URL,
+                "where": f"line {r['upstream_row']} ({r['upstream_precision']}, {r['tp']} GPU(s)): closed loop, "
+                         f"concurrency {r['concurrency']}",
+                "date": "2024 (Llama 3 NIM)"},
+        engine=ENGINE,
+        measured={"output_tokens_per_s": float(r["output_tokens_per_s"]), "tpot_s": float(r["itl_ms"]) / 1e3,
+                  "ttft_s": float(r["ttft_ms"]) / 1e3},
+        notes="NIM sizing-course sweep (GenAI-Perf); mean ITL compared as TPOT") for r in read_subset_csv(path)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -47,3 +48,10 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         main(args)
     out = capsys.readouterr()
     return int(exc.value.code or 0), out.out, out.err
+
+
+def split_by_rule(source_key: str) -> str:
+    """issue #14's frozen split, computed here apart from benchmarks/_split.py: the first 8 hex digits of the source
+    key's SHA-256, even -> validation, odd -> tuning."""
+    return "validation" if int(hashlib.sha256(source_key.encode()).hexdigest()[:8], 16) % 2 == 0 else "tuning"
+

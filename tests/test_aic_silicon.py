@@ -5,12 +5,12 @@ benchmarks/_split.py's rule gives it, and every kept row plans at its published 
 from __future__ import annotations
 
 import csv
-import hashlib
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import split_by_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _split  # noqa: E402  (benchmark helpers, not part of the package)
@@ -51,10 +51,8 @@ def test_the_import_keeps_the_rows_its_rules_name_and_maps_them(tmp_path: Path) 
     assert (a["input_len"], a["output_len"], a["ttft_ms"], a["tpot_ms"]) == (1024, 8192, 150.5, 9.25)
     assert b["source_key"] == "aic-silicon-2026-04:h100_sxm/sglang/unversioned/qwen3-32b"
     assert (b["hardware"], b["weight_dtype"], b["engine"]) == ("h100-sxm", "bf16", "sglang")
-    # the split: the first 8 hex digits of the key's SHA-256, even -> validation
-    for r in rows:
-        even = int(hashlib.sha256(r["source_key"].encode()).hexdigest()[:8], 16) % 2 == 0
-        assert r["split"] == ("validation" if even else "tuning")
+    # the split by the rule, computed apart from _split.py (conftest.split_by_rule)
+    assert [r["split"] for r in rows] == [split_by_rule(r["source_key"]) for r in rows]
     # written and read back: a closed loop of the row's clients, the engine's own server path, KV by the stated rule
     out = tmp_path / "subset.csv"
     aic_silicon.write_subset(rows, out)

@@ -4,11 +4,11 @@ row's split as benchmarks/_split.py's rule gives it, and every kept row plans at
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import split_by_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _split  # noqa: E402  (benchmark helpers, not part of the package)
@@ -56,9 +56,8 @@ def test_the_import_keeps_the_rows_its_rules_name_and_maps_them(tmp_path: Path) 
     assert (a["hardware"], a["weight_dtype"], a["tp"], a["concurrency"]) == ("h100-sxm", "fp8", 4, 25)
     assert (a["ttft_ms"], a["itl_ms"], a["output_tokens_per_s"]) == (1500.0, 20.0, 1234.5)
     assert (b["hardware"], b["weight_dtype"], b["model"]) == ("a100-80gb", "bf16", "llama3-8b")
-    for r in rows:  # the split: the first 8 hex digits of the key's SHA-256, even -> validation
-        even = int(hashlib.sha256(r["source_key"].encode()).hexdigest()[:8], 16) % 2 == 0
-        assert r["split"] == ("validation" if even else "tuning")
+    # the split by the rule, computed apart from _split.py (conftest.split_by_rule)
+    assert [r["split"] for r in rows] == [split_by_rule(r["source_key"]) for r in rows]
     out = tmp_path / "subset.csv"
     nim_dli.write_subset(rows, out)
     ea, _ = nim_dli.load(out)
