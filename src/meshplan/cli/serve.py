@@ -168,7 +168,8 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         running = best.running_batch * best.replicas
         out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
                           "queue_wait_s": best.queue_wait_s, "requests": requests,
-                          "first_round_ttft_s": best.first_round_ttft_s}
+                          "first_round_ttft_s": best.first_round_ttft_s,
+                          "rounds_in_phase": best.rounds_in_phase}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -367,7 +368,8 @@ def serve(
                                              concurrency, trace),
                                      kv_batch=max(best.batch, out["max_batch_per_replica"]))
         sim = out["simulation"]
-        if concurrency and not trace and input_dist == output_dist == "fixed" and sim["ttft_s"]["p50"] > 2 * out["ttft_s"]:
+        if concurrency and not trace and input_dist == output_dist == "fixed" and sim["ttft_s"]["p50"] > 2 * out["ttft_s"] \
+                and not best.rounds_in_phase:
             # fixed lengths under a closed loop: the clients that start together finish together and send again
             # together, so their prompts keep reaching the engine in waves; the closed form's clients are at spread-out
             # ages. Said, not corrected: a real benchmark's lengths and timing spread the waves by an amount not known
@@ -442,7 +444,9 @@ def _print_table(o: dict) -> None:
     if "clients" in o:
         q = o["clients"]
         bench = (f"; a benchmark of {q['requests']:,} requests, its first round's mean TTFT "
-                 f"{fmt_time(q['first_round_ttft_s'])} in the mean" if q.get("requests") else "; steady state")
+                 f"{fmt_time(q['first_round_ttft_s'])} in the mean" if q.get("requests") else "")
+        bench += ("; rounds in phase (the engine takes whole prompts: the clients' prompts arrive in groups)"
+                  if q.get("rounds_in_phase") else "; steady state (the clients' phases spread)")
         t.add_row("closed-loop clients", f"{q['clients']:,} clients, {q['running']:,} running, {q['waiting']:,} "
                                          f"waiting; queue wait {fmt_time(q['queue_wait_s'])}{bench}")
     if "simulation" in o:

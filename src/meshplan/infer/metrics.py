@@ -13,6 +13,7 @@ Two batching modes:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ class ServePoint:
     queue_wait_s: float = 0.0  # mean wait for a slot of the clients beyond the batch limit (admission_queue_wait_s)
     # a closed-loop benchmark's first round (evaluate's `requests`): its mean TTFT with the server path, None without
     first_round_ttft_s: float | None = None
+    # a closed loop whose rounds stay in phase (in_phase_ttft_s priced its TTFT): True; spread (the steady state): False;
+    # None without a closed loop of clients
+    rounds_in_phase: bool | None = None
 
     @property
     def throughput_per_chip(self) -> float:
@@ -400,6 +404,66 @@ def first_round_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Effici
     return ttft
 
 
+def in_phase_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, w: Workload, clients: int,
+                    arrival_delay_s: float = 0.0) -> float | None:
+    """Mean engine TTFT (no server path) of a closed loop of `clients` equal requests on one replica, every one
+    admitted, whose rounds stay in phase: an engine that schedules whole prompts (config.chunked_prefill False:
+    TensorRT-LLM's default) takes the clients' prompts in groups of as many as a step has room for beside the other
+    clients' decodes (prefill_room), and the members of a group end their last decode in the same step, send their
+    next requests together and are prefilled together again, one group per step, every round (a round of O output
+    tokens spans O steps per group). A group's TTFT is its wait for the steps the engine picked before the requests
+    arrived (scheduler_wait_s; one more for an engine that schedules a step ahead: config.schedules_ahead; none when
+    the group is alone and the engine idles) and its own prompt step. None where the rounds cannot stay whole: one output token, or more groups
+    than a round has steps. The simulator keeps the same groups step by step (tests/test_serve_in_phase.py holds the
+    two together); an engine that chunks prompts is priced by the spread steady state instead (evaluate)."""
+    prompt = max(prefill_len(cfg, chip, w.input_len), 1)
+    ranks = min(cfg.attention_dp_size, clients)  # each attention-DP rank takes its round-robin share
+    queue = math.ceil(clients / ranks)
+    mixes = mixes_prompts(cfg, chip)
+    if w.output_len <= 1:
+        return None
+    # the group size: the most prompts a step has room for beside every other client's decode (each rank its own)
+    size = queue
+    while size > 1 and size * prompt > prefill_room(cfg, chip, ranks * (queue - size) if mixes else 0):
+        size -= 1
+    groups = math.ceil(queue / size)
+    if groups > w.output_len - 1:
+        return None
+    sizes = [size] * (groups - 1) + [queue - (groups - 1) * size]
+
+    @functools.cache
+    def prompt_step_s(n: int) -> float:  # n prompts on each rank beside the other clients' decodes
+        riders = ranks * (queue - n) if mixes else 0.0
+        return step_cost(m, chip, cfg, eff, riders, w.mean_decode_context, n * ranks * prompt, prompt / 2.0,
+                         riders + n * ranks, n * ranks).time_s
+
+    @functools.cache
+    def decode_s(others: int) -> float:  # the others' decode step at the end of their round
+        return decode_step(m, chip, cfg, eff, others, w.input_len + w.output_len).time_s if others else 0.0
+
+    steps = [prompt_step_s(n) for n in sizes]  # two distinct group sizes at most: two step costs
+    ahead = schedules_ahead(cfg, chip)
+    total = 0.0
+    for j, n in enumerate(sizes):
+        # the steps the engine picked before the group's requests arrived: one (a round of O + 1 steps a group), two for
+        # an engine that schedules a step ahead (O + 2). The last before the group's own prompt step is the previous
+        # group's prompt step, the one before that the group's before it; where no group is that far back in the
+        # round, a decode step of the others. A group alone: the engine idles, no wait.
+        others = ranks * (queue - n)
+        decode = decode_s(others)
+        last = steps[j - 1] if j >= 1 else decode
+        if ahead:
+            wait = scheduler_wait_s(steps[j - 2] if j >= 2 else decode, others, closed_loop=True,
+                                    arrival_delay_s=arrival_delay_s) + (last if others else 0.0)
+        else:
+            wait = scheduler_wait_s(last, others, closed_loop=True, arrival_delay_s=arrival_delay_s)
+        total += n * (wait + steps[j])
+    ttft = total / queue
+    if prompt < w.input_len:  # the first token from the decode step after the prefill (prefill_len)
+        ttft += decode_step(m, chip, cfg, eff, clients, w.mean_decode_context).time_s
+    return ttft
+
+
 def benchmark_mean_ttft_s(steady_s: float, first_round_s: float, first: int, requests: float) -> float:
     """Mean TTFT over a closed-loop benchmark of `requests` requests per replica whose `first` start together (the
     first round, first_round_ttft_s) and the rest at the spread-out ages of the steady state (`steady_s`). Past its
@@ -497,6 +561,15 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
             waiting = max(per_replica_clients or batch, batch)
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, running, closed_loop, waiting)
+    in_phase = None if per_replica_clients is None else False
+    if mode == "continuous" and per_replica_clients is not None and per_replica_clients <= running \
+            and not chunked_prefill(cfg, chip):
+        # a closed loop of equal requests on an engine that takes whole prompts keeps its rounds in phase: the
+        # clients' prompts arrive in groups, not spread over the steps (in_phase_ttft_s); TPOT and throughput carry
+        # the same prompt work either way
+        grouped = in_phase_ttft_s(m, chip, cfg, eff, w, per_replica_clients)
+        if grouped is not None:
+            ttft, in_phase = grouped, True
     # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
     # inter-token gaps do not change (every token takes the same way out)
     frontend_s = frontend_first_token_s(cfg, chip)
@@ -516,4 +589,4 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
         price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running,
-        first_round_ttft_s=first_round_s)
+        first_round_ttft_s=first_round_s, rounds_in_phase=in_phase)
