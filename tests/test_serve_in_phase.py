@@ -35,31 +35,29 @@ def test_one_group_is_its_prompt_step_on_an_idle_engine():
     assert in_phase_ttft_s(m, chip, cfg, eff, w, 4) == pytest.approx(want, rel=1e-12)
 
 
-def test_groups_take_turns_each_waiting_one_step():
-    # 4 clients, prompts of 5,000 tokens, a budget of 8,192: one prompt a step beside the three others' decodes
-    # (2 x 5,000 > 8,192 - 2), so four groups of one. The round's first group waits the last decode step of the
-    # group after it, each later group the prompt step of the group before it (TensorRT-LLM's C++ executor picks the
-    # next step before the new request arrives: the engine schedules each step after the last, trtllm@0.17)
-    m, chip, eff = _setup()
-    cfg = ServeConfig(tp=1, engine="trtllm@0.17", max_num_batched_tokens=8192)
-    w = Workload(5000, 256)
-    prompt = step_cost(m, chip, cfg, eff, 3, w.mean_decode_context, 5000, 2500, 4, 1).time_s
-    decode = step_cost(m, chip, cfg, eff, 3, 5000 + 256).time_s
-    want = (decode + prompt + 3 * (prompt + prompt)) / 4
-    assert in_phase_ttft_s(m, chip, cfg, eff, w, 4) == pytest.approx(want, rel=1e-12)
+# 4 clients, prompts of 5,000 tokens, a budget of 8,192: one prompt a step beside the three others' decodes
+# (2 x 5,000 > 8,192 - 2), so four groups of one; each group's prompt step and the others' decode step at the round's end
+FOUR_GROUPS = (Workload(5000, 256), 4)
 
 
-def test_an_engine_one_step_ahead_waits_two_steps():
-    # the same four groups of one under TensorRT-LLM's PyTorch executor, which picks step n + 1 while step n runs
-    # (config.schedules_ahead): a request arrives after two steps were picked, so group j waits the prompt steps of
-    # groups j - 2 and j - 1, or a decode step of the others where the round has no such group (a round is O + 2 steps)
+@pytest.mark.parametrize("engine,waits", [
+    # TensorRT-LLM's C++ executor picks the next step before the new request arrives (it schedules each step after
+    # the last, trtllm@0.17): the round's first group waits the last decode step of the group after it, each later
+    # group the prompt step of the group before it
+    ("trtllm@0.17", lambda p, d: [d, p, p, p]),
+    # its PyTorch executor picks step n + 1 while step n runs (config.schedules_ahead): a request arrives after two
+    # steps were picked, so group j waits the prompt steps of groups j - 2 and j - 1, or a decode step of the others
+    # where the round has no such group (a round is O + 2 steps)
+    ("trtllm", lambda p, d: [2 * d, d + p, 2 * p, 2 * p]),
+])
+def test_groups_take_turns_each_waiting_the_steps_picked_before_it(engine, waits):
     m, chip, eff = _setup()
-    cfg = ServeConfig(tp=1, engine="trtllm", max_num_batched_tokens=8192)
-    w = Workload(5000, 256)
+    cfg = ServeConfig(tp=1, engine=engine, max_num_batched_tokens=8192)
+    w, clients = FOUR_GROUPS
     prompt = step_cost(m, chip, cfg, eff, 3, w.mean_decode_context, 5000, 2500, 4, 1).time_s
     decode = step_cost(m, chip, cfg, eff, 3, 5000 + 256).time_s
-    waits = [2 * decode, decode + prompt, 2 * prompt, 2 * prompt]
-    assert in_phase_ttft_s(m, chip, cfg, eff, w, 4) == pytest.approx(sum(x + prompt for x in waits) / 4, rel=1e-12)
+    want = sum(x + prompt for x in waits(prompt, decode)) / clients
+    assert in_phase_ttft_s(m, chip, cfg, eff, w, clients) == pytest.approx(want, rel=1e-12)
 
 
 def test_rounds_that_cannot_stay_whole_are_not_grouped():
