@@ -27,7 +27,7 @@ def test_twice_the_batch_limit_of_clients_waits_littles_law(capsys):
     assert b == over["batch"] == 16  # the limit runs; the other 16 clients wait
     assert at["clients"] == {"clients": 16, "running": 16, "waiting": 0, "queue_wait_s": 0.0,
                                            "requests": None, "first_round_ttft_s": None,
-                                           "rounds_in_phase": False}
+                                           "rounds_in_phase": False, "spread_ttft_s": None}
     assert over["clients"]["running"] == 16 and over["clients"]["waiting"] == 16
     # the running batch is the same, so throughput is too; each slot turns over every O = 64 steps:
     # request throughput X = (output tokens/s) / O, and Little's law on the waiting queue: W = (C - B) / X
@@ -49,7 +49,7 @@ def test_clients_key_and_human_line(capsys):
     few = _plan(capsys, 4)
     assert few["batch"] == 4 and few["clients"] == {"clients": 4, "running": 4, "waiting": 0, "queue_wait_s": 0.0,
                                            "requests": None, "first_round_ttft_s": None,
-                                           "rounds_in_phase": False}
+                                           "rounds_in_phase": False, "spread_ttft_s": None}
     code, out, err = run_cli(SERVE, capsys)
     assert code == 0 and "clients" not in json.loads(out)
     code, out, err = run_cli(SERVE[:-1] + ["--concurrency", "32"], capsys)

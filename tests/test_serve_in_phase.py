@@ -102,7 +102,17 @@ def test_evaluate_groups_whole_prompt_engines_only():
     # the same engine told to chunk (its --enable_chunked_context) spreads: the steady state, as vLLM's
     chunked = ServeConfig(tp=1, engine="trtllm@0.17", max_num_batched_tokens=8192, chunked_prefill=True)
     q = evaluate(m, chip, 1, chunked, eff, w, 256, clients=16)
-    assert q.rounds_in_phase is False and q.ttft_s < p.ttft_s
+    assert q.rounds_in_phase is False and q.ttft_s < p.ttft_s and q.spread_ttft_s is None
+    # the in-phase point carries the other bound, its own steady state (the spread-out closed form without grouping)
+    assert p.spread_ttft_s < p.ttft_s
+    with_round = evaluate(m, chip, 1, whole, eff, w, 256, clients=16, requests=160)
+    first = with_round.first_round_ttft_s - frontend_first_token_s(whole, chip)
+    grouped = in_phase_ttft_s(m, chip, whole, eff, w, 16)
+    spread = p.spread_ttft_s - frontend_first_token_s(whole, chip)
+    assert with_round.ttft_s - frontend_first_token_s(whole, chip) == pytest.approx(
+        benchmark_mean_ttft_s(grouped, first, 16, 160), rel=1e-12)
+    assert with_round.spread_ttft_s - frontend_first_token_s(whole, chip) == pytest.approx(
+        benchmark_mean_ttft_s(spread, first, 16, 160), rel=1e-12)
     # the grouping moves TTFT only: the prompt work per round is the same
     assert (p.tpot_s, p.throughput_tokens_per_s) == pytest.approx((q.tpot_s, q.throughput_tokens_per_s), rel=0.02)
     # more clients than the engine runs: they queue for a slot (admission_queue_wait_s), not grouped
@@ -115,7 +125,7 @@ def test_cli_says_which(capsys):
             "--output-len", "256", "--concurrency", "16"]
     code, out, err = run_cli([*base, "--engine", "trtllm@0.17"], capsys)
     assert code == 0, err
-    assert "rounds in phase" in out
+    assert "rounds in phase" in out and "were their phases spread" in out
     code, out, err = run_cli([*base, "--engine", "vllm"], capsys)
     assert code == 0, err
     assert "steady state (the clients' phases spread)" in out

@@ -169,7 +169,7 @@ def plan_serving(model: str, hardware: str, chips: int, input_len: int, output_l
         out["clients"] = {"clients": clients, "running": running, "waiting": max(clients - running, 0),
                           "queue_wait_s": best.queue_wait_s, "requests": requests,
                           "first_round_ttft_s": best.first_round_ttft_s,
-                          "rounds_in_phase": best.rounds_in_phase}
+                          "rounds_in_phase": best.rounds_in_phase, "spread_ttft_s": best.spread_ttft_s}
     out["_objects"] = (m, chip, eff, w, best)
     return out
 
@@ -445,7 +445,8 @@ def _print_table(o: dict) -> None:
         q = o["clients"]
         bench = (f"; a benchmark of {q['requests']:,} requests, its first round's mean TTFT "
                  f"{fmt_time(q['first_round_ttft_s'])} in the mean" if q.get("requests") else "")
-        bench += ("; rounds in phase (the engine takes whole prompts: the clients' prompts arrive in groups)"
+        bench += (f"; rounds in phase (the engine takes whole prompts: the clients' prompts arrive in groups; TTFT "
+                  f"{fmt_time(q['spread_ttft_s'])} were their phases spread)"
                   if q.get("rounds_in_phase") else "; steady state (the clients' phases spread)")
         t.add_row("closed-loop clients", f"{q['clients']:,} clients, {q['running']:,} running, {q['waiting']:,} "
                                          f"waiting; queue wait {fmt_time(q['queue_wait_s'])}{bench}")

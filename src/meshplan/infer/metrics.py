@@ -68,6 +68,9 @@ class ServePoint:
     # a closed loop whose rounds stay in phase (in_phase_ttft_s priced its TTFT): True; spread (the steady state): False;
     # None without a closed loop of clients
     rounds_in_phase: bool | None = None
+    # where rounds_in_phase: the TTFT were the clients' phases spread (the steady state), the other bound; real
+    # benchmarks of TensorRT-LLM land between the two (benchmarks/README.md session 32)
+    spread_ttft_s: float | None = None
 
     @property
     def throughput_per_chip(self) -> float:
@@ -562,6 +565,7 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
     ttft, tpot, per_replica, frac, step, queue = (_continuous if mode == "continuous" else _static)(
         m, chip, cfg, eff, w, running, closed_loop, waiting)
     in_phase = None if per_replica_clients is None else False
+    spread = None  # the steady state's TTFT where the rounds are priced in phase: the other bound (clients' phases spread)
     if mode == "continuous" and per_replica_clients is not None and per_replica_clients <= running \
             and not chunked_prefill(cfg, chip):
         # a closed loop of equal requests on an engine that takes whole prompts keeps its rounds in phase: the
@@ -569,7 +573,7 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         # the same prompt work either way
         grouped = in_phase_ttft_s(m, chip, cfg, eff, w, per_replica_clients)
         if grouped is not None:
-            ttft, in_phase = grouped, True
+            ttft, in_phase, spread = grouped, True, ttft
     # the client's TTFT also counts the first token's way through the server (config.frontend_first_token_s); the
     # inter-token gaps do not change (every token takes the same way out)
     frontend_s = frontend_first_token_s(cfg, chip)
@@ -580,6 +584,8 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         first = min(running, per_replica_clients or running, max(requests // max(replicas, 1), 1))
         round_s = first_round_ttft_s(m, chip, cfg, eff, w, first)
         ttft = benchmark_mean_ttft_s(ttft, round_s, first, requests / max(replicas, 1))
+        if spread is not None:
+            spread = benchmark_mean_ttft_s(spread, round_s, first, requests / max(replicas, 1))
         first_round_s = round_s + frontend_s
     ttft += frontend_s
     out = replicas * per_replica
@@ -589,4 +595,5 @@ def evaluate(m: ModelConfig, chip: Chip, n_chips: int, cfg: ServeConfig, eff: Ef
         input_tokens_per_s=out * w.input_len / w.output_len, input_time_fraction=frac,
         memory=memory_per_chip(m, chip, cfg, eff, batch, kv_reserved_per_sequence(cfg, chip, w)), step=step,
         price_per_chip_hour=chip.price_per_chip_hour, queue_wait_s=queue, running_batch=running,
-        first_round_ttft_s=first_round_s, rounds_in_phase=in_phase)
+        first_round_ttft_s=first_round_s, rounds_in_phase=in_phase,
+        spread_ttft_s=None if spread is None else spread + frontend_s)
