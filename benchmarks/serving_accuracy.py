@@ -124,6 +124,7 @@ def predict(e: dict, rules: dict) -> dict:
     else:
         p = best_point(frontier(m, chip, e["chips"], cfg, eff, w, md))
     return {"output_tokens_per_s": p.throughput_tokens_per_s, "tpot_s": p.tpot_s, "ttft_s": p.ttft_s,
+            "spread_ttft_s": p.spread_ttft_s,  # in phase (metrics.in_phase_ttft_s): the steady state's, the other bound
             "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype,
             "max_num_batched_tokens": cfg.max_num_batched_tokens}
 
@@ -365,6 +366,35 @@ def print_external(rows: list[dict], title: str) -> dict:
                     st = error_stats(errs)
                     out[f"{h}/{name}/{key}"] = st
                     print(format_stats_row(f"{h} / {name} / {label}", st, sum("skipped" in r for r in rs)))
+    print_between(rows)
+    return out
+
+
+def print_between(rows: list[dict]) -> dict:
+    """Where a closed loop was priced in phase (metrics.in_phase_ttft_s), where the measured TTFT lies against the two
+    regimes, per half and campaign: below the spread steady state, between it and the in-phase rounds, or above both.
+    Returns the counts by (half, campaign)."""
+    from _split import SPLITS
+
+    two = [r for r in rows if "error" in r and r["predicted"].get("spread_ttft_s") is not None
+           and r["measured"].get("ttft_s") is not None]
+    if not two:
+        return {}
+    print("\n| half / campaign: TTFT of the rows priced in phase | n | below both | between | above both |")
+    print("|" + "---|" * 5)
+    out = {}
+    for h in SPLITS:
+        for key in ["all"] + sorted({r["source_key"] for r in two}):
+            rs = [r for r in two if r.get("split") == h and key in ("all", r["source_key"])]
+            if not rs:
+                continue
+            counts = [0, 0, 0]
+            for r in rs:
+                lo, hi = sorted((r["predicted"]["spread_ttft_s"], r["predicted"]["ttft_s"]))
+                m = r["measured"]["ttft_s"]
+                counts[0 if m < lo else 2 if m > hi else 1] += 1
+            out[(h, key)] = counts
+            print(f"| {h} / {key.split(':', 1)[-1]} | {len(rs)} | {counts[0]} | {counts[1]} | {counts[2]} |")
     return out
 
 

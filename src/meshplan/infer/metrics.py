@@ -68,8 +68,8 @@ class ServePoint:
     # a closed loop whose rounds stay in phase (in_phase_ttft_s priced its TTFT): True; spread (the steady state): False;
     # None without a closed loop of clients
     rounds_in_phase: bool | None = None
-    # where rounds_in_phase: the TTFT were the clients' phases spread (the steady state), the other bound; real
-    # benchmarks of TensorRT-LLM land between the two (benchmarks/README.md session 32)
+    # where rounds_in_phase: the TTFT were the clients' phases spread (the steady state), the other regime; measured
+    # TensorRT-LLM loops mostly lie at or beyond the grouped one (benchmarks/README.md session 32)
     spread_ttft_s: float | None = None
 
     @property
