@@ -412,13 +412,14 @@ def in_phase_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     """Mean engine TTFT (no server path) of a closed loop of `clients` equal requests on one replica, every one
     admitted, whose rounds stay in phase: an engine that schedules whole prompts (config.chunked_prefill False:
     TensorRT-LLM's default) takes the clients' prompts in groups of as many as a step has room for beside the other
-    clients' decodes (prefill_room), and the members of a group end their last decode in the same step, send their
-    next requests together and are prefilled together again, one group per step, every round (a round of O output
-    tokens spans O steps per group). A group's TTFT is its wait for the steps the engine picked before the requests
-    arrived (scheduler_wait_s; one more for an engine that schedules a step ahead: config.schedules_ahead; none when
-    the group is alone and the engine idles) and its own prompt step. None where the rounds cannot stay whole: one output token, or more groups
-    than a round has steps. The simulator keeps the same groups step by step (tests/test_serve_in_phase.py holds the
-    two together); an engine that chunks prompts is priced by the spread steady state instead (evaluate)."""
+    clients' decodes (prefill_room); the members of a group end their last decode in the same step, send their next
+    requests together and are prefilled together again, one group per step, every round (a group's round: its prompt
+    step, O - 1 decode steps and the steps it waits). A group's TTFT is its wait for the steps the engine picked
+    before the requests arrived (scheduler_wait_s; one more for an engine that schedules a step ahead:
+    config.schedules_ahead; none when the group is alone and the engine idles) and its own prompt step. None where
+    the rounds cannot stay whole: one output token, or more groups than a round has decode steps. The simulator keeps
+    the same groups step by step (tests/test_serve_in_phase.py holds the two together); an engine that chunks prompts
+    is priced by the spread steady state instead (evaluate)."""
     prompt = max(prefill_len(cfg, chip, w.input_len), 1)
     ranks = min(cfg.attention_dp_size, clients)  # each attention-DP rank takes its round-robin share
     queue = math.ceil(clients / ranks)
