@@ -224,7 +224,10 @@ def serve(
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients over the deployment (each finished "
                                                          "request is replaced at once): the closed form ranks every "
                                                          "layout under them (clients beyond the batch limit wait for a "
-                                                         "slot; --json key 'clients'), and --simulate runs them.")] = None,
+                                                         "slot; --json key 'clients'; on an engine that takes "
+                                                         "whole prompts, e.g. trtllm, equal requests keep their rounds "
+                                                         "in phase: prompts arrive in groups), and --simulate runs "
+                                                         "them.")] = None,
     engine: Annotated[str, typer.Option(help="Serving engine preset: default | vllm | sglang | trtllm | lmdeploy "
                                              "(the engine's defaults: step token budget, KV sizing, kernel "
                                              "fusion, when the first token comes), or an older release whose "
