@@ -83,14 +83,13 @@ ADP_CASES = [  # attention data parallel: each rank takes its share of a group. 
 ]
 
 
-@pytest.mark.parametrize("model,hardware,cfg,lengths,clients", ADP_CASES, ids=["deepseek-v3", "qwen3-235b"])
-def test_attention_dp_groups_agree_with_the_simulated_loop(model, hardware, cfg, lengths, clients):
-    test_the_grouped_closed_form_agrees_with_the_simulated_loop(model, hardware, cfg, lengths, clients)
+LOOPS = [(model, hardware, cfg, lengths, clients) for model, hardware, cfg in CASES
+         for lengths, clients in [((4096, 128), 8), ((2048, 256), 32), ((1024, 128), 8), ((1024, 128), 16),
+                                  ((1000, 200), 64), ((300, 100), 64)]] + ADP_CASES
 
 
-@pytest.mark.parametrize("model,hardware,cfg", CASES, ids=lambda c: getattr(c, "engine", c))
-@pytest.mark.parametrize("lengths,clients", [((4096, 128), 8), ((2048, 256), 32), ((1024, 128), 8), ((1024, 128), 16),
-                                             ((1000, 200), 64), ((300, 100), 64)])
+@pytest.mark.parametrize("model,hardware,cfg,lengths,clients", LOOPS,
+                         ids=[f"{c[0]}-{c[2].engine}-{c[3][0]}x{c[3][1]}-c{c[4]}" for c in LOOPS])
 def test_the_grouped_closed_form_agrees_with_the_simulated_loop(model, hardware, cfg, lengths, clients):
     # a benchmark of 10 rounds (clients x 10 requests), every request the same: the simulator's mean TTFT against the
     # closed form's, the first round weighed in as evaluate does (benchmark_mean_ttft_s)

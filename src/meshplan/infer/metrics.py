@@ -420,12 +420,12 @@ def in_phase_ttft_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficienc
     the rounds cannot stay whole: one output token, or more groups than a round has decode steps. The simulator keeps
     the same groups step by step (tests/test_serve_in_phase.py holds the two together); an engine that chunks prompts
     is priced by the spread steady state instead (evaluate)."""
+    if w.output_len <= 1:
+        return None
     prompt = max(prefill_len(cfg, chip, w.input_len), 1)
     ranks = min(cfg.attention_dp_size, clients)  # each attention-DP rank takes its round-robin share
     queue = math.ceil(clients / ranks)
     mixes = mixes_prompts(cfg, chip)
-    if w.output_len <= 1:
-        return None
     # the group size: the most prompts a step has room for beside every other client's decode (each rank its own)
     size = queue
     while size > 1 and size * prompt > prefill_room(cfg, chip, ranks * (queue - size) if mixes else 0):
