@@ -12,11 +12,13 @@ agree.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import hashlib
 import math
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -114,3 +116,15 @@ def closed_loop_entry(r: dict, *, families: list[str], source: dict, engine: str
             "batch": int(r["concurrency"]), "regime": "fixed_batch", "engine": engine, **extra, "measured": measured,
             "notes": notes}
 
+
+
+def import_main(argv: list[str] | None, doc: str, upstream_help: str, select: Callable[[Path], list[dict]],
+                write_subset: Callable[[list[dict]], None], subset: Path) -> int:
+    """An external check's importer command (aic_silicon.py, nim_dli.py): `--upstream FILE`, the rows its rules keep
+    (`select`) written to its committed subset (`write_subset`, to `subset`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--upstream", type=Path, required=True, help=upstream_help)
+    rows = select(ap.parse_args(argv).upstream)
+    write_subset(rows)
+    print(f"{len(rows)} rows -> {subset}")
+    return 0

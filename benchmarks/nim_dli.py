@@ -30,13 +30,13 @@ Rules, the same for every row (fixed before any prediction was compared with the
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
 
 from _split import (  # sibling module: benchmarks/ is on the path of every script and test that loads this
     closed_loop_entry,
+    import_main,
     read_subset_csv,
     repeat_id,
     split_of,
@@ -112,13 +112,7 @@ def load(path: Path = SUBSET) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--upstream", type=Path, required=True, help="the course's nim.csv")
-    args = ap.parse_args(argv)
-    rows = select(args.upstream)
-    write_subset(rows)
-    print(f"{len(rows)} rows -> {SUBSET}")
-    return 0
+    return import_main(argv, __doc__, "the course's nim.csv", select, write_subset, SUBSET)
 
 
 if __name__ == "__main__":

@@ -125,3 +125,13 @@ def test_nims_tuning_loops_sit_nearer_the_grouped_rounds() -> None:
     nearer = sum(abs(math.log(r["measured"]["ttft_s"] / r["predicted"]["ttft_s"]))
                  < abs(math.log(r["measured"]["ttft_s"] / r["predicted"]["spread_ttft_s"])) for r in rows)
     assert nearer >= 0.8 * len(rows)
+
+
+def test_the_importers_command_writes_what_its_rules_keep(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    written: list[list[dict]] = []
+    code = _split.import_main(["--upstream", str(tmp_path / "up.csv")], "Importer.\nmore", "the file",
+                              lambda p: [{"from": p.name}], written.append, tmp_path / "subset.csv")
+    assert code == 0 and written == [[{"from": "up.csv"}]]
+    assert capsys.readouterr().out == f"1 rows -> {tmp_path / 'subset.csv'}\n"
+    with pytest.raises(SystemExit):
+        _split.import_main([], "Importer.", "the file", lambda p: [], written.append, tmp_path / "subset.csv")
