@@ -264,7 +264,7 @@ def test_fit_recovers_the_efficiency_curve_and_writes_a_loadable_profile(tmp_pat
     ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
     ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
     ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v5p", "tpu-v5p"),
-    ("TPU v6 lite", "tpu-v6e"), ("NVIDIA H100 PCIe", None), ("NVIDIA GH200 480GB", None), ("cpu", None)])
+    ("TPU v6 lite", "tpu-v6e"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA GH200 480GB", None), ("cpu", None)])
 def test_device_kind_maps_to_the_catalog(kind, chip):
     from meshplan.measure.cluster import chip_for_device_kind
     from meshplan.specs.hardware import preset_chips

@@ -173,7 +173,7 @@ def test_accuracy_benchmark_survives_unseen_entries(monkeypatch, capsys) -> None
     b["measured"] = {"mfu": 0.35}
     b["derived"] = {}
     c = copy.deepcopy(b)
-    c["id"], c["hardware"]["chip"] = "unknown_chip", "MI300X"
+    c["id"], c["hardware"]["chip"] = "unknown_chip", "Intel Gaudi 3"
     monkeypatch.setattr(A, "load_entries", lambda: [a, b, c])
     assert A.main(["--no-search"]) == 0
     out = capsys.readouterr().out

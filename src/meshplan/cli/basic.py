@@ -106,7 +106,7 @@ def hardware(
                   f"{c.hbm_bytes / 1e9:.0f} GB ({fmt_bytes(c.usable_hbm_bytes)} usable)", fmt_rate(c.hbm_bandwidth_bytes_per_s, "B"),
                   fmt_rate(c.links.fast_bandwidth_bytes_per_s, "B"),
                   ("x".join(map(str, c.links.max_slice_shape)) + " torus") if c.links.is_torus
-                  else f"{c.links.nvlink_domain_size} NVLink",
+                  else f"{c.links.nvlink_domain_size} {c.links.fast_label}",
                   fmt_rate(c.links.scale_out_bandwidth_bytes_per_s, "B"), f"{c.price_per_chip_hour:.2f}",
                   c.price_basis)
     console.print(t)

@@ -164,9 +164,9 @@ def _gpu_levels(p: GroupPlacement, V: float, ideal: bool, in_network: bool = Fal
     def frac(d: int) -> float:
         return 1.0 if in_network else (d - 1) / d
 
-    if k > 1:
-        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal, p.cluster.chip_name)
-        out.append(Level("nvlink", "nvlink", V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
+    if k > 1:  # the node fabric: NVLink, PCIe or Infinity Fabric (a full mesh gives k - 1 links: Links docs)
+        w = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name)
+        out.append(Level(links.fast_link, links.fast_link, V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
     if M > 1:
         sp = p.cluster.chip.superpod  # the chip's SuperPod spec where it has one (book ch.12), else the catalog
         L = int(sp["nodes_per_su"]) if sp.get("nodes_per_su") else leaf_degree_nodes(p.cluster.domain_size)
@@ -210,7 +210,7 @@ def _algo_name(p: GroupPlacement, base: str) -> str:
         parts = [f"{wrap} over {len(axes)} torus axis(es)"] if axes else []
         parts += [f"DCN ring across {p.n_domains} slices"] if p.n_domains > 1 else []
     else:
-        parts = [f"NVLink {base} ({p.fast_members} GPUs)"] if p.fast_members > 1 else []
+        parts = [f"{p.cluster.links.fast_label} {base} ({p.fast_members} GPUs)"] if p.fast_members > 1 else []
         parts += [f"rail-aligned {p.cluster.scale_out_link} ring ({p.n_domains} nodes)"] if p.n_domains > 1 else []
     return ("hierarchical: " if len(parts) > 1 else "") + " + ".join(parts)
 
@@ -256,7 +256,8 @@ def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> Collect
                     + math.ceil(math.log2(p.n_domains)) * links.scale_out_hop_latency_s)
         if tree < lat:  # SHARP's reduction runs up and down the switches' aggregation tree: no longer than this
             lat = tree
-            algo = algo if sharp else f"NVLink chain ({p.fast_members} GPUs) + double binary tree ({p.n_domains} nodes)"
+            algo = algo if sharp else (f"{links.fast_label} chain ({p.fast_members} GPUs) + double binary tree "
+                                       f"({p.n_domains} nodes)")
     sent = V if sharp else 2 * ag.bytes_per_chip  # SHARP: egress V(N-1)/N + V/N per GPU (book ch.12)
     return CollectiveCost("allreduce", max(bw, lat), sent, algo, "latency" if lat > bw else "bandwidth",
                           bw, lat, p.size, p.link, levels)
@@ -283,7 +284,7 @@ def _alltoall_gpu(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, floa
     """Book ch.12: in node T = V (N-1) / (W N^2); across M nodes T = V (M-1) / (M^2 W_node), W_node = k NICs.
     In general each GPU holds V/(kM) and sends 1/(kM) of it to every peer."""
     links, k, M = p.cluster.links, p.fast_members, p.n_domains
-    w_gpu = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", V, ideal, p.cluster.chip_name)
+    w_gpu = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name)
     w_nic = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
     t_node = V * (k - 1) / (k * k * M * M * w_gpu)
     t_out = V * (M - 1) / (M * M * k * w_nic)
@@ -332,10 +333,10 @@ def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:
         w = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, nbytes, ideal)
         return _result("permute", p, nbytes, f"ring shift over {p.cluster.scale_out_link}", nbytes / w,
                        links.scale_out_hop_latency_s, additive=True)
-    if not p.cluster.is_torus:
-        w = links.nvlink_bandwidth_bytes_per_s * _eff("nvlink", nbytes, ideal, p.cluster.chip_name)
-        return _result("permute", p, nbytes, "ring shift over NVLink", nbytes / w, links.fast_hop_latency_s,
-                       additive=True)
+    if not p.cluster.is_torus:  # to one neighbour: a full mesh's single link to it (Links.group_bandwidth_bytes_per_s)
+        w = links.group_bandwidth_bytes_per_s(2) * _eff(links.fast_link, nbytes, ideal, p.cluster.chip_name)
+        return _result("permute", p, nbytes, f"ring shift over {links.fast_label}", nbytes / w,
+                       links.fast_hop_latency_s, additive=True)
     s = next(s for s in p.spans if s.length > 1)  # shift along the innermost axis
     w = links.ici_bandwidth_per_link_bytes_per_s * _eff("ici", nbytes, ideal)
     hops = s.step if s.wrap else (s.length - 1) * s.step  # without wraparound the last chip sends the long way

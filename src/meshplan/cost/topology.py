@@ -88,7 +88,7 @@ class Cluster:
 
     @property
     def fast_link(self) -> str:
-        return "ici" if self.is_torus else "nvlink"
+        return self.links.fast_link  # ici, nvlink, pcie or xgmi
 
     @property
     def scale_out_link(self) -> str:
@@ -110,7 +110,7 @@ class Cluster:
             wrap = f"wraparound on axes of {'/'.join(wr)}" if wr else "no wraparound"
             base = f"{self.n_chips} x {self.chip_name}: {self.n_slices} slice(s) of {_shape(self.slice_shape)} ({wrap})"
             return base + (" joined over DCN" if self.n_slices > 1 else "")
-        per = f"{self.domain_size} GPUs per NVLink domain"
+        per = f"{self.domain_size} GPUs per {self.links.fast_label} domain"
         return f"{self.n_chips} x {self.chip_name}: {self.n_slices} node(s), {per}, {self.scale_out_link} between nodes"
 
 
@@ -264,7 +264,7 @@ class GroupPlacement:
     def _fast_text(self) -> str:
         if not self.cluster.is_torus:
             where = "within a node" if self.n_domains == 1 else f"{self.fast_members} GPUs per node"
-            return f"NVLink ({where})"
+            return f"{self.cluster.links.fast_label} ({where})"
         axes = []
         for s in self.spans:
             full = self.cluster.slice_shape[s.dim]

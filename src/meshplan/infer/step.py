@@ -224,9 +224,14 @@ def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> flo
     if group <= 1 or nbytes <= 0:
         return 0.0
     if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size and custom_allreduce(cfg, chip) \
-            and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
+            and custom_allreduce_fabric(chip, group) and nbytes <= serving_constant("custom_allreduce_max_bytes", chip):
         lat = serving_constant("custom_allreduce_latency_s", chip)
-        W = chip.links.nvlink_bandwidth_bytes_per_s * serving_constant("custom_allreduce_nvlink_fraction", chip)
+        if chip.links.fast_domain == "nvswitch":
+            W = chip.links.nvlink_bandwidth_bytes_per_s * serving_constant("custom_allreduce_nvlink_fraction", chip)
+        else:  # the peers' buffers over PCIe or the group's Infinity Fabric links, at the fabric's collective rate
+            from meshplan.cost.collectives import efficiency
+
+            W = chip.links.group_bandwidth_bytes_per_s(group) * efficiency(chip.links.fast_link, nbytes, chip.name)
         one_shot = lat + nbytes * (group - 1) / W
         two_shot = 2 * lat + 2 * nbytes * (group - 1) / group / W
         return min(one_shot, two_shot)
@@ -234,6 +239,14 @@ def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> flo
     from meshplan.cost.topology import make_cluster
 
     return group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
+
+
+def custom_allreduce_fabric(chip: Chip, group: int) -> bool:
+    """Whether the node fabric lets the engines' one-shot all-reduce kernel (each GPU reading its peers' buffers)
+    run for a TP group of `group` GPUs: an NVLink domain, or AMD's fully connected Infinity Fabric, always; GPUs on
+    PCIe only in pairs (vLLM vllm/distributed/device_communicators/custom_all_reduce.py: 'Custom allreduce is
+    disabled because it's not supported on more than two PCIe-only GPUs'; the other engines taken alike)."""
+    return chip.links.fast_domain != "pcie" or group <= 2
 
 
 def _alltoall_s(chip: Chip, nbytes: float, group: int) -> float:

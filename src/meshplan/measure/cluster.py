@@ -23,14 +23,20 @@ from meshplan.specs.hardware import preset_chips
 
 # device_kind substring(s) → catalog chip, most specific first (jax.Device.device_kind strings).
 DEVICE_KIND_CHIPS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gb300",), "gb300-nvl72"),
+    (("b300",), "b300"),
     (("gb200",), "gb200-nvl72"),
     (("b200",), "b200"),
-    (("gh200",), ""),  # Grace Hopper: an H100 die with 96 or 144 GB; not in the catalog
+    (("gh200", "144"), "gh200"),  # the catalog's GH200 is the 144 GB HBM3e part
+    (("gh200",), ""),  # the 96 GB HBM3 GH200: not in the catalog
     (("h200",), "h200"),
     (("h800",), "h800"),
     (("h100", "96gb"), "h100-sxm-96gb"),
-    (("h100", "pcie"), ""),  # no PCIe or NVL H100 in the catalog: needs --hardware
-    (("h100", "nvl"), ""),
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100", "nvl"), ""),  # no H100 NVL (94 GB) in the catalog: needs --hardware
+    (("l40s",), "l40s"),
+    (("mi325x",), "mi325x"),
+    (("mi300x",), "mi300x"),
     (("h100",), "h100-sxm"),
     (("a100", "80gb"), "a100-80gb"),
     (("a100",), "a100-40gb"),

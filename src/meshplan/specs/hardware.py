@@ -17,15 +17,24 @@ from meshplan.validate import hardware_rule
 
 HARDWARE_DIR = DATA_DIR / "hardware"
 DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
+# A chip's fast network (links.fast_domain) -> its link type (the efficiency curve's key) and its name in tables.
+FAST_LINKS = {"ici_torus": "ici", "nvswitch": "nvlink", "pcie": "pcie", "xgmi": "xgmi"}
+FAST_LABELS = {"ici_torus": "ICI", "nvswitch": "NVLink", "pcie": "PCIe", "xgmi": "Infinity Fabric"}
+
 # Datasheets quote fp16 tensor throughput equal to bf16 on every chip in the catalog.
 _DTYPE_ALIASES = {"fp16": "bf16", "float16": "bf16", "bfloat16": "bf16", "float8": "fp8", "e4m3": "fp8"}
 
 
 @dataclass(frozen=True)
 class Links:
-    """The chip's networks. `fast_domain` is 'ici_torus' (TPU) or 'nvswitch' (GPU NVLink domain).
+    """The chip's networks. `fast_domain` is 'ici_torus' (TPU), or a GPU node's own fabric: 'nvswitch' (an NVLink
+    domain behind NVSwitches), 'pcie' (GPUs without NVLink, talking over the node's PCIe switches: L40S, H100 PCIe)
+    or 'xgmi' (AMD Instinct: every GPU of the node wired to every other by its own Infinity Fabric link).
 
     Bandwidths are one direction per chip (egress); the book's bidirectional W_ici is 2x the per-link value.
+    For the GPU fabrics `nvlink_bandwidth_bytes_per_s` holds the GPU's whole egress over its node fabric and
+    `nvlink_domain_size` the GPUs sharing it, whatever the fabric (the YAML names them per fabric); on 'xgmi'
+    `peer_link_bandwidth_bytes_per_s` is one link's, so a group of k GPUs reaches only k-1 of its links.
     """
 
     fast_domain: str
@@ -44,10 +53,31 @@ class Links:
     max_slice_shape: tuple[int, ...] = ()
     wraparound: str = "none"
     chips_per_host: int = 8
+    # GPU (xgmi): one direct link per peer; 0 on switched fabrics (nvswitch, pcie)
+    peer_link_bandwidth_bytes_per_s: float = 0.0
 
     @property
     def is_torus(self) -> bool:
         return self.fast_domain == "ici_torus"
+
+    @property
+    def fast_link(self) -> str:
+        """The fast network's link type, the key of its efficiency curve (collective_efficiency.yaml links)."""
+        return FAST_LINKS[self.fast_domain]
+
+    @property
+    def fast_label(self) -> str:
+        """The fast network as a person names it (tables, errors)."""
+        return FAST_LABELS[self.fast_domain]
+
+    def group_bandwidth_bytes_per_s(self, members: int) -> float:
+        """One GPU's egress toward `members` - 1 peers of its node fabric. A switched fabric (NVSwitch, a PCIe
+        switch) gives the GPU's whole egress to any group; a full mesh (xgmi: AMD Instinct platform, one Infinity
+        Fabric link per peer pair) only the links to the peers in the group: (members - 1) x one link, so TP 2 on
+        MI300X gets one 64 GB/s link of seven (AMD Instinct MI300X platform: 8 GPUs fully connected)."""
+        if self.peer_link_bandwidth_bytes_per_s > 0:
+            return min(self.nvlink_bandwidth_bytes_per_s, max(members - 1, 1) * self.peer_link_bandwidth_bytes_per_s)
+        return self.nvlink_bandwidth_bytes_per_s
 
     @property
     def fast_domain_size(self) -> int:
@@ -69,6 +99,7 @@ class Links:
     def as_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["max_slice_shape"] = list(self.max_slice_shape)
+        d.pop("peer_link_bandwidth_bytes_per_s")
         if self.is_torus:
             for k in ("nvlink_bandwidth_bytes_per_s", "nvlink_domain_size"):
                 d.pop(k)
@@ -76,6 +107,14 @@ class Links:
             for k in ("ici_links_per_chip", "ici_bandwidth_per_link_bytes_per_s", "torus_dims",
                       "max_slice_shape", "wraparound"):
                 d.pop(k)
+            # the fabric's own YAML names (chip_from_mapping reads them back)
+            if self.fast_domain == "pcie":
+                d["pcie_bandwidth_bytes_per_s"] = d.pop("nvlink_bandwidth_bytes_per_s")
+                d["pcie_domain_size"] = d.pop("nvlink_domain_size")
+            elif self.fast_domain == "xgmi":
+                d.pop("nvlink_bandwidth_bytes_per_s")
+                d["xgmi_link_bandwidth_bytes_per_s"] = self.peer_link_bandwidth_bytes_per_s
+                d["xgmi_domain_size"] = d.pop("nvlink_domain_size")
         return d
 
 
@@ -184,7 +223,7 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
     if "bf16" not in peaks:
         raise MeshplanError(f"{origin}: missing field 'peak_flops_per_s.bf16'")
     top = {k: r.number(k) for k in ("hbm_bytes", "hbm_bandwidth_bytes_per_s", "host_bandwidth_bytes_per_s")}
-    fast = r.string("links.fast_domain", choices=("ici_torus", "nvswitch"))
+    fast = r.string("links.fast_domain", choices=tuple(FAST_LINKS))
     common = dict(
         fast_domain=fast,
         scale_out_bandwidth_bytes_per_s=r.number("links.scale_out_bandwidth_bytes_per_s"),
@@ -205,6 +244,22 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         )
         if len(links.max_slice_shape) != links.torus_dims:
             raise MeshplanError(f"{origin}: field 'links.max_slice_shape' must have torus_dims={links.torus_dims} entries")
+    elif fast == "pcie":
+        links = Links(
+            **common,
+            nvlink_bandwidth_bytes_per_s=r.number("links.pcie_bandwidth_bytes_per_s"),
+            nvlink_domain_size=r.integer("links.pcie_domain_size"),
+            chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
+        )
+    elif fast == "xgmi":
+        peer, size = r.number("links.xgmi_link_bandwidth_bytes_per_s"), r.integer("links.xgmi_domain_size")
+        links = Links(
+            **common,
+            nvlink_bandwidth_bytes_per_s=peer * max(size - 1, 1),  # every peer over its own link at once
+            nvlink_domain_size=size,
+            chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
+            peer_link_bandwidth_bytes_per_s=peer,
+        )
     else:
         links = Links(
             **common,
@@ -250,10 +305,14 @@ def load_chip(name_or_path: str) -> Chip:
 # Marketing names in published papers -> catalog presets, most specific first. Each rule is (words that must all
 # appear in the lower-cased description with spaces, dashes and underscores removed, preset).
 _DESCRIPTION_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gb300",), "gb300-nvl72"),  # before b300: "GB300" contains it
+    (("b300",), "b300"),
     (("gb200",), "gb200-nvl72"),
     (("b200",), "b200"),
+    (("gh200",), "gh200"),  # before h200: "GH200" contains it
     (("h200",), "h200"),
     (("h800",), "h800"),
+    (("h100", "pcie"), "h100-pcie"),  # before hbm2e: the PCIe card is HBM2e too
     (("h100", "96gb"), "h100-sxm-96gb"),
     (("h100", "hbm2e"), "h100-sxm-96gb"),
     (("h100", "500w"), "h100-sxm-96gb"),
@@ -263,6 +322,9 @@ _DESCRIPTION_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("a100", "2020"), "a100-40gb"),  # the 2020 DGX A100 shipped with 40 GB parts
     (("a100",), "a100-80gb"),
     (("v100",), "v100-32gb"),
+    (("l40s",), "l40s"),
+    (("mi325x",), "mi325x"),
+    (("mi300x",), "mi300x"),
     (("v6e",), "tpu-v6e"),
     (("trillium",), "tpu-v6e"),
     (("v5p",), "tpu-v5p"),
