@@ -16,6 +16,9 @@ Qwen3 32B; the MoE Qwen3 235B-A22B FP8 and gpt-oss-120b, added second, and DeepS
 preset, added third, each before any comparison of its rows), one pipeline stage. Rules, the same for every row:
   - source key (the split's unit, benchmarks/_split.py): one measurement campaign, 'aic-silicon-2026-04:' + system /
     backend / release / model, the folder structure of the rows' own source_file provenance;
+  - systems (session 33, decided before any prediction of their rows was looked at): also b200_sxm, b300_sxm and
+    gb200 (presets b200, b300, gb200-nvl72), their fp8 and bf16 rows only: a Blackwell fp4 row runs FP4 tensor cores
+    (NVFP4 / MXFP4 GEMMs), which meshplan does not model, so it is dropped, gpt-oss's included;
   - weights: precision fp8 -> fp8, unset -> the checkpoint's bf16, fp4 -> mxfp4 for gpt-oss (its released MXFP4
     experts; Hopper has no FP4 GEMM) and dropped elsewhere; KV dtype unstated (serving_assumptions.yaml
     missing_kv_dtype); Qwen/Qwen3-235B-A22B-FP8 on its own preset, qwen3-235b-a22b-fp8 (session 30: the release's
@@ -28,6 +31,12 @@ preset, added third, each before any comparison of its rows), one pipeline stage
     (session 27: vLLM 0.11.2 and 0.12.0 rows -> vllm@0.14; rows of unstated release keep the current preset);
   - server path unstated: the engine's own HTTP server (infer.config.LAUNCH_SERVER_PATHS; trtllm-serve has none
     known), since a client timing TTFT over HTTP always crosses one (serving_assumptions.yaml aic_server_path);
+  - concurrency: the row's batch_size, which equals the provenance's `silicon_concurrency=N` on every Hopper row kept;
+    a row where the two disagree is dropped (session 33, before any prediction of it was looked at: the GB200 Qwen3
+    32B campaign's batch_size is a half or a quarter of its client count, a per-worker figure whose deployment the
+    row does not state); so is a row whose attention, not data parallel, is split over a TP degree that does not
+    divide the model's query heads (GB200 SGLang DeepSeek-R1 at TP 72 with 128 heads: the row's layout fields are not
+    the deployment's);
   - clients: a closed loop of `silicon_concurrency` clients (the closed-form's `clients`), lengths fixed, sending
     concurrency x 10 requests in all (serving_assumptions.yaml aic_requests_per_client, the project's documented
     practice; added in session 26, after the split).
@@ -68,17 +77,26 @@ CAMPAIGN_NAMES = {"deepseek-ai/DeepSeek-R1": "deepseek-r1",
 MOE_FAMILIES = {"qwen3-235b-a22b-fp8": ["serving_moe", "serving_moe_fine_grained"],  # 128 experts, top-8
                 "gpt-oss-120b": ["serving_moe"],  # 128 experts, top-4
                 "deepseek-v3": ["serving_moe", "serving_moe_fine_grained"]}  # 256 experts, top-8
-SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200"}
+SYSTEMS = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200", "b300_sxm": "b300", "gb200": "gb200-nvl72"}
+BLACKWELL = {"b200_sxm", "b300_sxm", "gb200"}  # FP4 tensor cores: their fp4 rows are dropped (module docstring)
 WEIGHTS = {"fp8": "fp8", "": "bf16"}
 FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dtype", "tp", "ep", "attention_dp",
           "input_len", "output_len", "concurrency", "ttft_ms", "tpot_ms", "upstream_id", "model_path",
           "backend_version", "provenance")
 
 
-def _weights(model: str, precision: str) -> str | None:
+def _weights(model: str, precision: str, system: str = "h100_sxm") -> str | None:
+    if precision == "fp4" and system in BLACKWELL:
+        return None
     if model == "gpt-oss-120b" and precision == "fp4":
         return "mxfp4"
     return WEIGHTS.get(precision)
+
+
+def _heads(model: str) -> int:
+    from meshplan.specs.model import load_model
+
+    return load_model(model).n_heads
 
 
 def _moe_layout(r: dict, tp: int) -> tuple[int, bool] | None:
@@ -124,10 +142,13 @@ def select(upstream: Path) -> list[dict]:
                     or _int(r["pp_size"] or 1) != 1 or not r["batch_size"]):
                 continue
             model, hw = MODELS[r["model_path"]], SYSTEMS[r["system"]]
-            weights = _weights(model, r["precision"])
+            weights = _weights(model, r["precision"], r["system"])
             layout = _moe_layout(r, _int(r["tp_size"])) if model in MOE_FAMILIES else (1, False)
-            if weights is None or layout is None:
+            stated = re.search(r"silicon_concurrency=(\d+)", r["silicon_data_source"])
+            if weights is None or layout is None or (stated and int(stated.group(1)) != _int(r["batch_size"])):
                 continue
+            if not layout[1] and _heads(model) % _int(r["tp_size"]):
+                continue  # attention split over a TP degree that does not divide its heads: not a layout an engine runs
             # the campaign's release; the Llama 3.1 70B rows (one dated dump, 2026-04-06.csv) name none
             release = r["backend_version"] or "unversioned"
             name = CAMPAIGN_NAMES.get(r["model_path"], model)

@@ -36,16 +36,22 @@ def test_the_import_keeps_the_rows_its_rules_name_and_maps_them(tmp_path: Path) 
         "r1,src=a; silicon_concurrency=8,vllm,0.12.0,meta-llama/Llama-3.1-70B,h200_sxm,fp8,agg,1024,8192,fp8,fp8,8.0,4.0,1.0,,,,150.5,9.25",
         # kept: no precision -> the checkpoint's bf16; no release -> 'unversioned'
         "r2,src=b; silicon_concurrency=16,sglang,,Qwen/Qwen3-32B,h100_sxm,,agg,2048,128,,,16.0,2.0,1.0,,,,300.0,20.0",
-        # dropped: disaggregated, a B200, a model without a preset, two pipeline stages, fp4 weights
-        "r3,src=c,trtllm,1.0,meta-llama/Llama-3.1-70B,h200_sxm,fp8,disagg,1024,1024,fp8,fp8,8.0,4.0,1.0,,,,1.0,1.0",
+        # kept (session 33): a B200 in fp8
         "r4,src=d,trtllm,1.0,meta-llama/Llama-3.1-70B,b200_sxm,fp8,agg,1024,1024,fp8,fp8,8.0,4.0,1.0,,,,1.0,1.0",
+        # dropped: disaggregated, a model without a preset, two pipeline stages, fp4 weights, fp4 on Blackwell even
+        # for gpt-oss (FP4 tensor cores), a batch_size that is not the stated client count
+        "r3,src=c,trtllm,1.0,meta-llama/Llama-3.1-70B,h200_sxm,fp8,disagg,1024,1024,fp8,fp8,8.0,4.0,1.0,,,,1.0,1.0",
+        "r8,src=h,trtllm,1.0,openai/gpt-oss-120b,b200_sxm,fp4,agg,1024,1024,,,8.0,1.0,1.0,,1,1,1.0,1.0",
+        "r9,src=i; silicon_concurrency=16,trtllm,1.0,meta-llama/Llama-3.1-70B,h200_sxm,fp8,agg,1024,1024,fp8,fp8,8.0,4.0,1.0,,,,1.0,1.0",
         "r5,src=e,vllm,0.18.0,MiniMaxAI/MiniMax-M2.5,h200_sxm,fp8,agg,1024,1024,fp8,fp8,8.0,4.0,1.0,,,,1.0,1.0",
         "r6,src=f,vllm,0.12.0,meta-llama/Llama-3.1-70B,h200_sxm,fp8,agg,1024,1024,fp8,fp8,8.0,4.0,2.0,,,,1.0,1.0",
         "r7,src=g,vllm,0.12.0,meta-llama/Llama-3.1-8B-Instruct,h200_sxm,fp4,agg,1024,1024,,,8.0,1.0,1.0,,,,1.0,1.0",
     ])
     rows = aic_silicon.select(up)
-    assert [r["upstream_id"] for r in rows] == ["r1", "r2"]
-    a, b = rows
+    assert [r["upstream_id"] for r in rows] == ["r1", "r2", "r4"]
+    a, b, c = rows
+    assert (c["hardware"], c["weight_dtype"], c["source_key"]) == ("b200", "fp8",
+                                                                   "aic-silicon-2026-04:b200_sxm/trtllm/1.0/llama3.1-70b")
     assert a["source_key"] == "aic-silicon-2026-04:h200_sxm/vllm/0.12.0/llama3.1-70b"
     assert (a["hardware"], a["weight_dtype"], a["tp"], a["concurrency"]) == ("h200", "fp8", 4, 8)
     assert (a["input_len"], a["output_len"], a["ttft_ms"], a["tpot_ms"]) == (1024, 8192, 150.5, 9.25)
@@ -56,7 +62,7 @@ def test_the_import_keeps_the_rows_its_rules_name_and_maps_them(tmp_path: Path) 
     # written and read back: a closed loop of the row's clients, the engine's own server path, KV by the stated rule
     out = tmp_path / "subset.csv"
     aic_silicon.write_subset(rows, out)
-    ea, eb = aic_silicon.load(out)
+    ea, eb, _ = aic_silicon.load(out)
     assert (ea["regime"], ea["batch"], ea["chips"], ea["frontend"], ea["kv_dtype"]) == ("fixed_batch", 8, 4,
                                                                                        "vllm-openai", None)
     assert serving_accuracy.mode(ea) == "continuous" and "concurrency 8" in ea["source"]["where"]
@@ -115,7 +121,7 @@ def test_campaign_rows_list_the_tuning_rows_of_a_campaign_and_never_a_validation
     """serving_accuracy.py --campaign TEXT lists a campaign's tuning rows one by one (for looking into its misses on
     the half constants are chosen on): each row's predicted and measured TPOT and TTFT as run() gives them, and no
     row of a validation campaign even when the text matches it."""
-    tuning = [e for e in ENTRIES if e["source"]["key"].endswith("h100_sxm/trtllm/1.3.0rc1/gpt-oss-120b")]
+    tuning = [e for e in ENTRIES if e["source"]["key"].endswith("h200_sxm/trtllm/unversioned/deepseek-v3")]
     assert tuning and {e["split"] for e in tuning} == {"tuning"}
     validation = [e for e in ENTRIES if e["split"] == "validation"][:3]
     entries = tuning + validation
@@ -123,7 +129,7 @@ def test_campaign_rows_list_the_tuning_rows_of_a_campaign_and_never_a_validation
     shown = serving_accuracy.print_campaign_rows(res["rows"], entries, "")  # "" matches every campaign
     out = capsys.readouterr().out
     assert shown == len(tuning)
-    lines = [ln for ln in out.splitlines() if ln.startswith("| h100_sxm/trtllm/1.3.0rc1/gpt-oss-120b")]
+    lines = [ln for ln in out.splitlines() if ln.startswith("| h200_sxm/trtllm/unversioned/deepseek-v3")]
     assert len(lines) == len(tuning)
     for e in validation:  # no validation row's campaign or measurement is printed
         assert e["source"]["key"].split(":", 1)[-1] not in out
