@@ -167,7 +167,7 @@ def test_harness_reads_the_recipes_behaviour() -> None:
             seen += "405b" in key
         elif key.startswith("torchtitan"):
             assert (opts.pp_overlap, opts.fsdp_copies, opts.pp_head_in_split) == (False, True, False), e["id"]
-    assert seen == 17
+    assert seen == 28  # 17 GB200/B200/H100 rows, 11 GB300 (session 33)
 
 
 def test_flags_win_over_the_preset(capsys) -> None:

@@ -183,14 +183,18 @@ def test_every_new_preset_plans_training_and_serving(name, capsys):
 
 
 def test_blackwell_ultra_takes_blackwell_kernel_rates():
-    """B300 and GB300 run the B200 / GB200 kernel fractions (no measurement of their own beyond B300's MAMF, 1769.0
-    against B200's 1745.0 of the same 2250 TFLOP/s peak) at their own peaks, memory and NICs."""
+    """B300 and the GB300 rack's GPU (the same Blackwell Ultra die) run the GEMM fractions read from
+    TransformerEngine's B300 timings (b200's, whose source already reads B300 as B200) at their own peaks, memory and
+    NICs; GB200's lower MAMF-derived figure belongs to the GB200 die."""
     from meshplan.cost.efficiency import default_efficiency
     from meshplan.measure.cluster import chip_for_device_kind
 
-    for new, old in (("b300", "b200"), ("gb300-nvl72", "gb200-nvl72")):
-        a, b = default_efficiency(load_chip(new)), default_efficiency(load_chip(old))
+    b = default_efficiency(load_chip("b200"))
+    for new in ("b300", "gb300-nvl72"):
+        a = default_efficiency(load_chip(new))
         assert (a.matmul_peak_fraction, a.fp8_peak_fraction) == (b.matmul_peak_fraction, b.fp8_peak_fraction)
+    assert default_efficiency(load_chip("gb200-nvl72")).matmul_peak_fraction < b.matmul_peak_fraction
+    assert load_chip("gb300-nvl72").usable_hbm_bytes == pytest.approx(298500227072, rel=1e-3)  # NVIDIA nvml-mock profile
     b300 = load_chip("b300")
     assert b300.hbm_bytes == 288e9 and b300.links.scale_out_bandwidth_bytes_per_s == 100e9  # 8x ConnectX-8 800G
     assert chip_for_device_kind("NVIDIA GB300") == "gb300-nvl72" and chip_for_device_kind("NVIDIA B300 SXM6 AC") == "b300"
