@@ -93,7 +93,7 @@ def test_custom_allreduce_on_pcie_only_in_pairs():
     # in a pair: one synchronisation + the peer's buffer over PCIe at the fabric's rate, or two-shot, the faster
     from meshplan.infer.config import serving_constant
     lat = serving_constant("custom_allreduce_latency_s", PCIE)
-    w = 32e9 * efficiency("pcie", nbytes, PCIE.name)
+    w = 32e9 * efficiency("pcie", nbytes, PCIE.name, 2)
     assert _allreduce_s(PCIE, cfg2, nbytes, 2) == pytest.approx(min(lat + nbytes / w, 2 * lat + nbytes / w), rel=1e-12)
 
 
@@ -126,8 +126,18 @@ def test_preset_fabrics():
     assert load_chip("gh200").links.nvlink_domain_size == 1
     # rccl-tests on 8 MI300X: 316.6 GB/s busbw at 8 GiB -> the fabric curve returns that bus bandwidth
     assert 448e9 * efficiency("xgmi", 8 * 2**30, "mi300x") == pytest.approx(316.6e9, rel=2e-3)
-    # nccl#1639: 28 GB/s busbw on 8 PCIe Gen5 GPUs (63 GB/s per direction)
+    # nccl#1639: 28 GB/s busbw on 8 PCIe Gen5 GPUs, 35 on 4 (63 GB/s per direction)
     assert 63e9 * efficiency("pcie", 2**30, "h100-pcie") == pytest.approx(28e9, rel=0.02)
+    assert 63e9 * efficiency("pcie", 2**30, "h100-pcie", 4) == pytest.approx(35e9, rel=0.02)
+    # aiconfigurator's nccl-tests on L40S nodes, all_reduce of 512 MiB (half): 26.700 / 156.034 / 649.471 ms on 2 / 4 /
+    # 8 GPUs; bus bandwidth 2 (g-1)/g x 2^29 B / t, against 32 GB/s x the curve the preset reads at g GPUs
+    for g, t_ms in ((2, 26.700), (4, 156.034), (8, 649.471)):
+        busbw = 2 * (g - 1) / g * 2**29 / (t_ms * 1e-3)
+        assert 32e9 * efficiency("pcie", 2**29, "l40s", g) == pytest.approx(busbw, rel=0.01)
+    # the ring in one L40S node then takes what nccl-tests took (bandwidth-bound: 2 (g-1)/g V / busbw)
+    l40s = load_chip("l40s")
+    c = group_collective("allreduce", 2**29, make_cluster(l40s, 8), 8)
+    assert c.bandwidth_time_s == pytest.approx(0.649471, rel=0.01)
 
 
 def test_matmul_fractions_follow_the_measured_ceilings():

@@ -63,12 +63,17 @@ def _curve(link: str, chip: str | None) -> dict | None:
     return next((g for g in entry.get("generations", ()) if chip in g["chips"]), entry)
 
 
-def efficiency(link: str, nbytes: float, chip: str | None = None) -> float:
+def efficiency(link: str, nbytes: float, chip: str | None = None, group: int | None = None) -> float:
     """Achieved fraction of peak bandwidth on `link` for a V-byte collective (log-interpolated curve) on
-    `chip` (a catalog name; None or an unlisted chip: the link's generic curve)."""
+    `chip` (a catalog name; None or an unlisted chip: the link's generic curve). A curve measured by group size
+    (`by_group`: [GPUs, fraction], log-interpolated and clamped; PCIe, where the node's host bridges, not the cards'
+    links, bind as more GPUs share them) is read at `group` GPUs (None: its largest group)."""
     entry = _curve(link, chip)
     if entry is None:
         return 1.0
+    by_group = entry.get("by_group")
+    if by_group:
+        return log_interp(by_group, float(group if group else by_group[-1][0]))
     pts = entry.get("points")
     if not pts or nbytes <= 0:
         return float(entry["value"])
@@ -116,8 +121,8 @@ class Level:
     latency_time_s: float
 
 
-def _eff(link: str, nbytes: float, ideal: bool, chip: str | None = None) -> float:
-    return 1.0 if ideal else efficiency(link, nbytes, chip)
+def _eff(link: str, nbytes: float, ideal: bool, chip: str | None = None, group: int | None = None) -> float:
+    return 1.0 if ideal else efficiency(link, nbytes, chip, group)
 
 
 def _torus_axis_bw(s: Span, w1: float) -> float:
@@ -165,7 +170,7 @@ def _gpu_levels(p: GroupPlacement, V: float, ideal: bool, in_network: bool = Fal
         return 1.0 if in_network else (d - 1) / d
 
     if k > 1:  # the node fabric: NVLink, PCIe or Infinity Fabric (a full mesh gives k - 1 links: Links docs)
-        w = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name)
+        w = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name, k)
         out.append(Level(links.fast_link, links.fast_link, V * frac(k) / w, (k - 1) * links.fast_hop_latency_s))
     if M > 1:
         sp = p.cluster.chip.superpod  # the chip's SuperPod spec where it has one (book ch.12), else the catalog
@@ -284,7 +289,7 @@ def _alltoall_gpu(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, floa
     """Book ch.12: in node T = V (N-1) / (W N^2); across M nodes T = V (M-1) / (M^2 W_node), W_node = k NICs.
     In general each GPU holds V/(kM) and sends 1/(kM) of it to every peer."""
     links, k, M = p.cluster.links, p.fast_members, p.n_domains
-    w_gpu = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name)
+    w_gpu = links.group_bandwidth_bytes_per_s(k) * _eff(links.fast_link, V, ideal, p.cluster.chip_name, k)
     w_nic = links.scale_out_bandwidth_bytes_per_s * _eff(links.scale_out_kind, V, ideal)
     t_node = V * (k - 1) / (k * k * M * M * w_gpu)
     t_out = V * (M - 1) / (M * M * k * w_nic)
@@ -334,7 +339,7 @@ def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:
         return _result("permute", p, nbytes, f"ring shift over {p.cluster.scale_out_link}", nbytes / w,
                        links.scale_out_hop_latency_s, additive=True)
     if not p.cluster.is_torus:  # to one neighbour: a full mesh's single link to it (Links.group_bandwidth_bytes_per_s)
-        w = links.group_bandwidth_bytes_per_s(2) * _eff(links.fast_link, nbytes, ideal, p.cluster.chip_name)
+        w = links.group_bandwidth_bytes_per_s(2) * _eff(links.fast_link, nbytes, ideal, p.cluster.chip_name, 2)
         return _result("permute", p, nbytes, f"ring shift over {links.fast_label}", nbytes / w,
                        links.fast_hop_latency_s, additive=True)
     s = next(s for s in p.spans if s.length > 1)  # shift along the innermost axis

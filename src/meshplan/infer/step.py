@@ -231,7 +231,7 @@ def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> flo
         else:  # the peers' buffers over PCIe or the group's Infinity Fabric links, at the fabric's collective rate
             from meshplan.cost.collectives import efficiency
 
-            W = chip.links.group_bandwidth_bytes_per_s(group) * efficiency(chip.links.fast_link, nbytes, chip.name)
+            W = chip.links.group_bandwidth_bytes_per_s(group) * efficiency(chip.links.fast_link, nbytes, chip.name, group)
         one_shot = lat + nbytes * (group - 1) / W
         two_shot = 2 * lat + 2 * nbytes * (group - 1) / group / W
         return min(one_shot, two_shot)
