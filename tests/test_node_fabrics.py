@@ -209,3 +209,27 @@ def test_blackwell_ultra_takes_blackwell_kernel_rates():
     assert b300.hbm_bytes == 288e9 and b300.links.scale_out_bandwidth_bytes_per_s == 100e9  # 8x ConnectX-8 800G
     assert chip_for_device_kind("NVIDIA GB300") == "gb300-nvl72" and chip_for_device_kind("NVIDIA B300 SXM6 AC") == "b300"
     assert chip_for_device_kind("NVIDIA GH200 480GB") is None  # the 96 GB part
+
+
+def test_l40s_gemm_fractions_are_the_measured_medians():
+    """efficiency.yaml's L40S GEMM fractions re-derived from the measured table they cite (TensorRT-LLM's GEMMs on
+    L40S, benchmarks/data/aic_l40s_gemm.csv): the median over the shapes of measured FLOP/s over the peak times the
+    model's own shape penalty, min(m/(m + 128), d/(d + 256)), d = min(n, k)."""
+    import csv
+    import statistics
+    from pathlib import Path
+
+    from meshplan.cost.efficiency import default_efficiency
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "aic_l40s_gemm.csv"
+    rows = list(csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#")))
+    peak = {"bfloat16": 362.05e12, "fp8": 733e12}  # NVIDIA L40S datasheet, dense
+    implied: dict[str, list[float]] = {"bfloat16": [], "fp8": []}
+    for r in rows:
+        m, n, k, t = int(r["m"]), int(r["n"]), int(r["k"]), float(r["latency_ms"]) * 1e-3
+        d = min(n, k)
+        implied[r["dtype"]].append(2 * m * n * k / t / (peak[r["dtype"]] * min(m / (m + 128), d / (d + 256))))
+    eff = default_efficiency(load_chip("l40s"))
+    assert len(implied["bfloat16"]) == len(implied["fp8"]) == 4459
+    assert eff.matmul_peak_fraction == pytest.approx(statistics.median(implied["bfloat16"]), abs=6e-4)
+    assert eff.fp8_peak_fraction == pytest.approx(statistics.median(implied["fp8"]), abs=6e-4)
