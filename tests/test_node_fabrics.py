@@ -193,16 +193,14 @@ def test_every_new_preset_plans_training_and_serving(name, capsys):
 
 
 def test_blackwell_ultra_takes_blackwell_kernel_rates():
-    """B300 and the GB300 rack's GPU (the same Blackwell Ultra die) run the GEMM fractions read from
-    TransformerEngine's B300 timings (b200's, whose source already reads B300 as B200) at their own peaks, memory and
-    NICs; GB200's lower MAMF-derived figure belongs to the GB200 die."""
+    """B300 runs the GEMM fractions read from TransformerEngine's B300 timings (b200's, whose source already reads B300
+    as B200) at its own peaks, memory and NICs; GB200's lower MAMF-derived figure belongs to the GB200 part."""
     from meshplan.cost.efficiency import default_efficiency
     from meshplan.measure.cluster import chip_for_device_kind
 
     b = default_efficiency(load_chip("b200"))
-    for new in ("b300", "gb300-nvl72"):
-        a = default_efficiency(load_chip(new))
-        assert (a.matmul_peak_fraction, a.fp8_peak_fraction) == (b.matmul_peak_fraction, b.fp8_peak_fraction)
+    a = default_efficiency(load_chip("b300"))
+    assert (a.matmul_peak_fraction, a.fp8_peak_fraction) == (b.matmul_peak_fraction, b.fp8_peak_fraction)
     assert default_efficiency(load_chip("gb200-nvl72")).matmul_peak_fraction < b.matmul_peak_fraction
     assert load_chip("gb300-nvl72").usable_hbm_bytes == pytest.approx(298500227072, rel=1e-3)  # NVIDIA nvml-mock profile
     b300 = load_chip("b300")
@@ -233,3 +231,24 @@ def test_l40s_gemm_fractions_are_the_measured_medians():
     assert len(implied["bfloat16"]) == len(implied["fp8"]) == 4459
     assert eff.matmul_peak_fraction == pytest.approx(statistics.median(implied["bfloat16"]), abs=6e-4)
     assert eff.fp8_peak_fraction == pytest.approx(statistics.median(implied["fp8"]), abs=6e-4)
+
+
+def test_gb300_gemm_rates_are_gb200s_times_the_measured_speedup():
+    """GB300's GEMM fractions: GB200's times the median per-shape speed of GB300 over GB200 in NVIDIA's tables of the
+    same TensorRT-LLM GEMMs on both (benchmarks/data/aic_gb300_gb200_gemm.csv, 64 shapes per format), both parts at the
+    same 2.5 PF BF16 / 5 PF FP8 datasheet peaks."""
+    import csv
+    import statistics
+    from pathlib import Path
+
+    from meshplan.cost.efficiency import default_efficiency
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "aic_gb300_gb200_gemm.csv"
+    rows = list(csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#")))
+    t = {(r["system"], r["dtype"], r["m"], r["n"], r["k"]): float(r["latency_ms"]) for r in rows}
+    speed = {dt: statistics.median(t[("gb200", dt, m, n, k)] / t[("gb300", dt, m, n, k)]
+                                   for (s, d, m, n, k) in t if s == "gb300" and d == dt) for dt in ("bfloat16", "fp8")}
+    gb200, gb300 = (default_efficiency(load_chip(n)) for n in ("gb200-nvl72", "gb300-nvl72"))
+    assert load_chip("gb300-nvl72").peak("bf16") == load_chip("gb200-nvl72").peak("bf16")
+    assert gb300.matmul_peak_fraction == pytest.approx(gb200.matmul_peak_fraction * speed["bfloat16"], abs=6e-4)
+    assert gb300.fp8_peak_fraction == pytest.approx(gb200.fp8_peak_fraction * speed["fp8"], abs=6e-4)
