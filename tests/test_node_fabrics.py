@@ -252,3 +252,22 @@ def test_gb300_gemm_rates_are_gb200s_times_the_measured_speedup():
     assert load_chip("gb300-nvl72").peak("bf16") == load_chip("gb200-nvl72").peak("bf16")
     assert gb300.matmul_peak_fraction == pytest.approx(gb200.matmul_peak_fraction * speed["bfloat16"], abs=6e-4)
     assert gb300.fp8_peak_fraction == pytest.approx(gb200.fp8_peak_fraction * speed["fp8"], abs=6e-4)
+
+
+def test_gb300_forward_attention_is_gb200s_times_the_measured_speedup():
+    """GB300's forward attention fractions: GB200's times the median speed of GB300 over GB200 in NVIDIA's tables of
+    the same TensorRT-LLM context attention (benchmarks/data/aic_gb300_gb200_context_attention.csv); the backward,
+    unmeasured, keeps GB200's."""
+    import csv
+    import statistics
+    from pathlib import Path
+
+    from meshplan.cost.efficiency import default_efficiency
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "aic_gb300_gb200_context_attention.csv"
+    rows = list(csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#")))
+    speed = statistics.median(float(r["gb200_ms"]) / float(r["gb300_ms"]) for r in rows)
+    gb200, gb300 = (default_efficiency(load_chip(n)) for n in ("gb200-nvl72", "gb300-nvl72"))
+    assert len(rows) == 1356 and speed > 1.0
+    assert gb300.attention_fwd_fraction == pytest.approx(gb200.attention_fwd_fraction * speed, abs=6e-4)
+    assert gb300.attention_bwd_fraction == gb200.attention_bwd_fraction
