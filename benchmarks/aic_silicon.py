@@ -85,7 +85,7 @@ FIELDS = ("id", "source_key", "split", "model", "hardware", "engine", "weight_dt
           "backend_version", "provenance")
 
 
-def _weights(model: str, precision: str, system: str = "h100_sxm") -> str | None:
+def _weights(model: str, precision: str, system: str) -> str | None:
     if precision == "fp4" and system in BLACKWELL:
         return None
     if model == "gpt-oss-120b" and precision == "fp4":

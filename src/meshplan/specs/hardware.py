@@ -244,28 +244,20 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         )
         if len(links.max_slice_shape) != links.torus_dims:
             raise MeshplanError(f"{origin}: field 'links.max_slice_shape' must have torus_dims={links.torus_dims} entries")
-    elif fast == "pcie":
+    else:  # a GPU node fabric: the YAML names its egress and the GPUs sharing it after the fabric
+        if fast == "xgmi":
+            peer, size = r.number("links.xgmi_link_bandwidth_bytes_per_s"), r.integer("links.xgmi_domain_size")
+            egress = peer * max(size - 1, 1)  # every peer over its own link at once
+        else:
+            key = "pcie" if fast == "pcie" else "nvlink"
+            peer = 0.0
+            egress, size = r.number(f"links.{key}_bandwidth_bytes_per_s"), r.integer(f"links.{key}_domain_size")
         links = Links(
             **common,
-            nvlink_bandwidth_bytes_per_s=r.number("links.pcie_bandwidth_bytes_per_s"),
-            nvlink_domain_size=r.integer("links.pcie_domain_size"),
-            chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
-        )
-    elif fast == "xgmi":
-        peer, size = r.number("links.xgmi_link_bandwidth_bytes_per_s"), r.integer("links.xgmi_domain_size")
-        links = Links(
-            **common,
-            nvlink_bandwidth_bytes_per_s=peer * max(size - 1, 1),  # every peer over its own link at once
+            nvlink_bandwidth_bytes_per_s=egress,
             nvlink_domain_size=size,
             chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
             peer_link_bandwidth_bytes_per_s=peer,
-        )
-    else:
-        links = Links(
-            **common,
-            nvlink_bandwidth_bytes_per_s=r.number("links.nvlink_bandwidth_bytes_per_s"),
-            nvlink_domain_size=r.integer("links.nvlink_domain_size"),
-            chips_per_host=r.integer("links.chips_per_host", required=False, default=8),
         )
     return Chip(
         name=name,
