@@ -50,6 +50,8 @@ class Efficiency:
     unfused_elementwise_factor: float
     comm_compute_interference: float
     grouped_matmul_peak_fraction: float
+    attention_tile_fwd: float
+    attention_tile_bwd: float
     origin: str = "defaults"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -94,7 +96,7 @@ _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_p
            "attention_fa2_bwd_fraction", "attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction",
            "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
-           "comm_compute_interference", "grouped_matmul_peak_fraction")
+           "comm_compute_interference", "grouped_matmul_peak_fraction", "attention_tile_fwd", "attention_tile_bwd")
 # fields a chip may leave out of efficiency.yaml: it then takes the named field's value (no separate measurement)
 _FALLBACK_FIELDS = {"grouped_matmul_peak_fraction": "matmul_peak_fraction"}
 
@@ -182,6 +184,35 @@ def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused", 
     dims = sorted(float(d) for d in points)
     rates = [float(points[int(d)]) for d in dims]
     return float(np.interp(head_dim, dims, rates))
+
+
+# A fused attention kernel's query and key tile (FlashAttention-2, Dao 2023 §3.1; FlashAttention-3, Shah et al. 2024
+# §3: 128 x 128 at head dim 128; cuDNN's sm90/sm100 kernels name 128-row tiles too, e.g. `..._64x128x128_...`)
+ATTENTION_TILE = 128
+# The shape every attention_*_fraction of a chip with tile constants is read at: causal attention over 8,192 tokens,
+# a mean of 4,096 keys per query (efficiency.yaml attention_tile_fwd)
+ATTENTION_ANCHOR_KEYS = 4096.0
+
+
+def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> Any:
+    """How much longer a tiled fused attention kernel takes per counted FLOP than at the anchor shape (causal, 8,192
+    tokens), for queries that attend `keys` keys on average. Its time is c·V + a·Q (efficiency.yaml
+    attention_tile_fwd/_bwd): V the (query tile, key tile) pairs it visits, Q the query tiles, each of which also
+    pays a fixed cost of `k` = a/c tile visits (loading Q, the softmax epilogue, writing O and its statistics).
+    Per query row that is keys/B + diagonal + k·calls tile-widths against keys/B counted: the factor is
+    1 + (diagonal + k·calls)·B/keys, over its anchor value 1 + (1/2 + k)·B/4096. `diagonal` is the partly masked tiles'
+    waste: 1/2 for causal full or chunked attention (the diagonal tile), 1 for a sliding window (its span w + B − 1
+    straddles one more tile), 0 unmasked; `calls` the kernel launches each query row goes through (one per ring step
+    of context parallelism). E.g. forward on GB200 (k 4.67): 2,048 tokens, 1 + 5.17/8 = 1.646 over 1 + 5.17/32 =
+    1.162: 1.417; a 128-token sliding window, 1 + 5.67 = 6.67 over 1.162: 5.742. 1 where the chip has no tile
+    constant (k = 0 and no diagonal: TPUs, which model their block grid in train/costmodel.py, and unmeasured GPUs)."""
+    k = eff.attention_tile_fwd if direction == "fwd" else eff.attention_tile_bwd
+    if not k:
+        return 1.0 if np.ndim(keys) == 0 and np.ndim(calls) == 0 else np.ones(np.broadcast(keys, calls).shape)
+    own = 1.0 + (np.asarray(diagonal, dtype=float) + k * np.asarray(calls, dtype=float)) * ATTENTION_TILE \
+        / np.maximum(np.asarray(keys, dtype=float), 1.0)
+    out = own / (1.0 + (0.5 + k) * ATTENTION_TILE / ATTENTION_ANCHOR_KEYS)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def nccl_sm_slowdown(chip: Chip) -> float | None:

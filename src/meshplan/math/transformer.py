@@ -256,6 +256,18 @@ def mean_attended_keys(m: ModelConfig, seq_len: float, causal: bool = True) -> f
     return sum(attended_keys(w, seq_len, causal, m.window_kind) for w in spans) / len(spans)
 
 
+def masked_tile_share(m: ModelConfig, seq_len: float) -> float:
+    """Key tiles per query tile that a tiled attention kernel visits beyond the keys its queries attend, averaged over
+    the layers (efficiency.attention_tile_factor's `diagonal`): 1/2 for full causal or chunked attention (the diagonal
+    tile is half masked), 1 for a sliding window shorter than the sequence (its span of w + B - 1 keys straddles one
+    more tile than w/B)."""
+    if not m.has_windows:
+        return 0.5
+    spans = m.windows()
+    slid = m.window_kind == "sliding"
+    return sum(1.0 if slid and w and w < seq_len else 0.5 for w in spans) / len(spans)
+
+
 def newest_query_keys(m: ModelConfig, queries: float, context_len: float) -> float:
     """Keys per query, averaged over the layers, of the newest `queries` queries of a causal context of
     `context_len` tokens (a prompt chunk after the earlier chunks, decode steps, the last shard): query p attends

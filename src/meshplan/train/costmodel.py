@@ -18,7 +18,13 @@ import numpy as np
 import yaml
 
 from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations, tpu_reduction_hbm_passes
-from meshplan.cost.efficiency import Efficiency, attention_head_dim_rate, host_constant, moe_constant
+from meshplan.cost.efficiency import (
+    Efficiency,
+    attention_head_dim_rate,
+    attention_tile_factor,
+    host_constant,
+    moe_constant,
+)
 from meshplan.errors import MeshplanError, unknown_name_error
 from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
@@ -718,6 +724,14 @@ class CostModel:
             visit_f, visit_b = (self._causal_block_visits(b) for b in (self.opt.attention_block_fwd,
                                                                          self.opt.attention_block_bwd))
             f_core_f, bwd_flops = f_core * visit_f, f_core * e.attention_bwd_flops_ratio * visit_b
+            if self.opt.attention_kernel == "fused":
+                # cuDNN's fixed work per query tile, at this length, window and ring-step count, over the 8K causal
+                # shape the fractions are read at (efficiency.attention_tile_factor; 1 where the chip has no tile
+                # constant). Measured for cuDNN only: the FA2/SDPA fractions are long-sequence figures of their own
+                keys, diag = tm.mean_attended_keys(m, S), tm.masked_tile_share(m, S)
+                calls = g["cp"] if self.opt.cp_impl in ("ring", "torch") else 1.0
+                fwd_frac = fwd_frac / attention_tile_factor(e, "fwd", keys, diag, calls)
+                bwd_frac = bwd_frac / attention_tile_factor(e, "bwd", keys, diag, calls)
             out = dict(f_s=f_core_f / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
                        flops_f=f_core_f, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
             out.update(qk_f_s=out["f_s"], qk_flops=f_core_f, qk_hbm=0.0)  # a fused kernel recomputes as a whole

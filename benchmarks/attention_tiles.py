@@ -1,0 +1,102 @@
+"""Fused attention's tile overhead and 8K-causal rate, read from NVIDIA's cuDNN training-attention tables.
+
+`data/cudnn_sdpa_training.csv` (NVIDIA/cudnn-frontend's benchmark/sdpa_benchmark_training results: cuDNN fused
+attention, Llama 3.1 heads, bf16, causal and unmasked, 2K-32K tokens, forward and backward on GB200, GB300, H200).
+A tiled kernel's time is c·V + a·Q (efficiency.attention_tile_factor): V the (query tile, key tile) pairs it
+visits, B = 128-token tiles, n = S/B (causal n(n+1)/2 per batch-head, unmasked n²), Q = n query tiles per
+batch-head. Least squares on the relative error over the 2,048-16,384-token rows (32K: the training range ends at
+16K, and GB200's 32K causal forward runs 13% under its 16K rate) gives k = a/c, the fixed work per query tile in
+tile visits, which efficiency.yaml attention_tile_fwd/_bwd carry; the fraction of peak at the anchor (causal, 8,192
+tokens) is the table's own row, which attention_fwd/bwd_fraction carry. Then meshplan's time for every row (the
+chip's fraction and tile factor) beside the measured time.
+
+    python benchmarks/attention_tiles.py
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from meshplan.cost.efficiency import ATTENTION_TILE, attention_tile_factor, default_efficiency
+from meshplan.specs.hardware import load_chip
+
+DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
+CHIPS = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72", "h200": "h200"}
+FIT_MAX_SEQ = 16384
+BWD_FLOPS_RATIO = 2.5  # the tables count the backward as 2.5 forwards (their tflops column), as meshplan does
+
+
+def load_rows(path: Path = DATA) -> list[dict]:
+    with path.open() as fh:
+        lines = [ln for ln in fh if not ln.startswith("#")]
+    rows = []
+    for r in csv.DictReader(lines):
+        rows.append(dict(system=r["system"], causal=r["mask"] == "top_left", batch=int(r["batch"]),
+                         seq=int(r["seq_len"]), heads=int(r["q_heads"]), head_dim=int(r["head_dim"]),
+                         direction=r["pass"], time_s=float(r["time_ms"]) * 1e-3))
+    return rows
+
+
+def counted_flops(r: dict) -> float:
+    """The FLOPs the tables (and meshplan) count: 4·b·h·S·keys·d, keys = S/2 causal, S unmasked; x2.5 backward."""
+    keys = r["seq"] / 2 if r["causal"] else r["seq"]
+    f = 4.0 * r["batch"] * r["heads"] * r["seq"] * keys * r["head_dim"]
+    return f * (BWD_FLOPS_RATIO if r["direction"] == "bwd" else 1.0)
+
+
+def tiles(r: dict) -> tuple[float, float]:
+    """(V, Q): (query tile, key tile) pairs visited and query tiles, over every batch-head."""
+    n, bh = r["seq"] / ATTENTION_TILE, r["batch"] * r["heads"]
+    return bh * (n * (n + 1) / 2 if r["causal"] else n * n), bh * n
+
+
+def fit_tiles(rows: list[dict], system: str, direction: str) -> dict:
+    """k = a/c of time = c·V + a·Q over the system's rows up to FIT_MAX_SEQ (least squares of the relative error),
+    and the measured fraction of peak of the causal 8,192-token row."""
+    sel = [r for r in rows if r["system"] == system and r["direction"] == direction and r["seq"] <= FIT_MAX_SEQ]
+    a_mat = np.array([[*tiles(r)] for r in sel]) / np.array([[r["time_s"]] for r in sel])
+    (c, a), *_ = np.linalg.lstsq(a_mat, np.ones(len(sel)), rcond=None)
+    peak = load_chip(CHIPS[system]).peak("bf16")
+    anchor = next(r for r in sel if r["causal"] and r["seq"] == 8192)
+    return dict(k=a / c, anchor_fraction=counted_flops(anchor) / anchor["time_s"] / peak, n=len(sel),
+                worst=max(abs((c * tiles(r)[0] + a * tiles(r)[1]) / r["time_s"] - 1) for r in sel))
+
+
+def predicted_s(r: dict) -> float:
+    """meshplan's time for the row: counted FLOPs at the chip's attention fraction, times its tile factor."""
+    chip = load_chip(CHIPS[r["system"]])
+    eff = default_efficiency(chip)
+    frac = eff.attention_fwd_fraction if r["direction"] == "fwd" else eff.attention_bwd_fraction
+    keys = r["seq"] / 2 if r["causal"] else r["seq"]
+    factor = attention_tile_factor(eff, r["direction"], keys, 0.5 if r["causal"] else 0.0)
+    return counted_flops(r) / (chip.peak("bf16") * frac) * factor
+
+
+def main() -> int:
+    rows = load_rows()
+    print("| system | pass | rows fitted | k (tile visits per query tile) | worst fit error | 8K causal fraction of peak |")
+    print("|---|---|---|---|---|---|")
+    for system in CHIPS:
+        for direction in ("fwd", "bwd"):
+            f = fit_tiles(rows, system, direction)
+            print(f"| {system} | {direction} | {f['n']} | {f['k']:.2f} | {f['worst']:.1%} | {f['anchor_fraction']:.3f} |")
+    print("\n| system | mask | tokens | pass | measured ms | meshplan ms | error |")
+    print("|---|---|---|---|---|---|---|")
+    errs = []
+    for r in rows:
+        p = predicted_s(r)
+        errs.append(p / r["time_s"] - 1)
+        print(f"| {r['system']} | {'causal' if r['causal'] else 'full'} | {r['seq']} | {r['direction']} | "
+              f"{r['time_s'] * 1e3:.3f} | {p * 1e3:.3f} | {errs[-1]:+.1%} |")
+    a = np.abs(errs)
+    print(f"\nall {len(errs)} rows: median |error| {np.median(a):.1%}, worst {a.max():.1%}, signed median "
+          f"{np.median(errs):+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
