@@ -109,3 +109,35 @@ def test_masked_tile_share() -> None:
     assert tm.masked_tile_share(load_model("llama3-8b"), 8192) == 0.5
     assert tm.masked_tile_share(load_model("gpt-oss-120b"), 4096) == pytest.approx(0.75)
     assert tm.masked_tile_share(load_model("gpt-oss-120b"), 128) == pytest.approx(0.5)
+
+
+def test_serving_prefill_attention_takes_the_tile_factor() -> None:
+    """One 512-token prompt of Llama 3 70B at TP 8 (80 layers, 8 query heads per GPU, QKᵀ + AV widths 256, 256 keys
+    per query on average): 2·80·8·256·512·256 = 4.2950e10 FLOPs. On H100 (k 3.15): (1 + 3.65·128/256) / (1 +
+    3.65·128/4096) = 2.825 / 1.1140625 = 2.53576, at 989e12 x 0.62: 0.177615 ms. On A100 (no tile constant) at
+    312e12 x 0.60: 0.229432 ms."""
+    from meshplan.infer.config import ServeConfig
+    from meshplan.infer.step import stage_parts
+
+    flops = 2 * 80 * 8 * 256 * 512 * 256
+    assert flops == pytest.approx(4.2950e10, rel=1e-4)
+    m = load_model("llama3-70b")
+    for chip, expected in (("h100-sxm", 0.177615e-3), ("a100-80gb", 0.229432e-3)):
+        c = load_chip(chip)
+        parts = stage_parts(m, c, ServeConfig(tp=8), default_efficiency(c), 0, 0, 512, 256)
+        assert parts["attention"] == pytest.approx(expected, rel=1e-5)
+    assert flops * 2.825 / 1.1140625 / (989e12 * 0.62) == pytest.approx(0.177615e-3, rel=1e-5)
+
+
+def test_roofline_realistic_time_takes_the_tile_factor() -> None:
+    """`meshplan roofline --op attention:1,1024,1024,64,8,128` (unmasked, 1,024 keys per query) on H100:
+    4·1024·1024·64·128 = 3.4360e10 FLOPs at 989e12 x 0.62 = 56.03 us, times (1 + 3.15·128/1024) / (1 + 3.65·128/4096)
+    = 1.39375 / 1.1140625 = 1.251052: 70.10 us, plus one 4 us launch (efficiency.yaml kernel_overhead_s gpu): 74.10 us."""
+    from meshplan.cost import roofline as rf
+
+    op = rf.attention(1, 1024, 1024, 64, 8, 128)
+    chip = load_chip("h100-sxm")
+    assert op.flops == pytest.approx(3.4360e10, rel=1e-4)
+    expected = op.flops / (989e12 * 0.62) * 1.39375 / 1.1140625 + 4e-6
+    assert expected == pytest.approx(74.10e-6, rel=1e-4)
+    assert rf.realistic_time_s(op, chip, default_efficiency(chip)) == pytest.approx(expected, rel=1e-9)

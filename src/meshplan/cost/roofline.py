@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshplan.cost.efficiency import Efficiency
+from meshplan.cost.efficiency import Efficiency, attention_tile_factor
 from meshplan.errors import MeshplanError
 from meshplan.math.transformer import (
     attention_pair_width,
     dtype_bytes,
     kv_cached_tokens,
+    masked_tile_share,
     mean_attended_keys,
     newest_query_keys,
     touched_experts,
@@ -32,7 +33,9 @@ class Op:
     bytes: float
     kind: str = "matmul"  # matmul | attention | elementwise
     dtype: str = "bf16"  # the precision the FLOPs run at
-    dims: tuple[float, ...] = ()  # matmul (rows, contracting, cols) for the shape-dependent efficiency
+    # matmul (rows, contracting, cols) for the shape-dependent efficiency; attention (keys per query, masked share of a
+    # tile) for the fused kernel's tile factor (efficiency.attention_tile_factor)
+    dims: tuple[float, ...] = ()
 
     @property
     def intensity(self) -> float:
@@ -84,19 +87,20 @@ def batched_matmul(batch: float, B: float, D: float, F: float, *, per_example_we
 
 def attention(B: float, T: float, S: float, N: int, K: int, H: int, *, causal: bool = False,
               dtype: str = "bf16", kv_dtype: str | None = None, name: str = "attention",
-              keys_per_query: float | None = None) -> Op:
+              keys_per_query: float | None = None, tile_mask: float | None = None) -> Op:
     """Fused (flash) attention of B sequences, T queries over S keys. FLOPs 4·B·T·S·N·H (QKᵀ and AV;
     halved by a causal mask when T = S; `keys_per_query` in place of S where the mask leaves each query another
     mean count, e.g. the newest T queries of an S-token context); bytes read Q and write O (B·T·N·H each) and read
-    K and V (B·S·K·H each) — book ch.4 (GQA intensity) and ch.7 §attention."""
+    K and V (B·S·K·H each) — book ch.4 (GQA intensity) and ch.7 §attention. `tile_mask`: the key tiles per query
+    tile a tiled kernel visits beyond the attended keys (efficiency.attention_tile_factor's `diagonal`; default 1/2
+    causal, 0 unmasked)."""
     _check_positive(B=B, T=T, S=S, N=N, K=K, H=H)
-    if keys_per_query is not None:
-        flops = 4.0 * B * T * keys_per_query * N * H
-    else:
-        flops = 4.0 * B * T * S * N * H * (0.5 if causal and T == S else 1.0)
+    keys = keys_per_query if keys_per_query is not None else S * (0.5 if causal and T == S else 1.0)
+    flops = 4.0 * B * T * keys * N * H
     kvb = dtype_bytes(kv_dtype or dtype)
     nbytes = 2 * B * T * N * H * dtype_bytes(dtype) + 2 * B * S * K * H * kvb
-    return Op(name, flops, nbytes, "attention", dtype)
+    mask = tile_mask if tile_mask is not None else (0.5 if causal else 0.0)
+    return Op(name, flops, nbytes, "attention", dtype, dims=(keys, mask))
 
 
 def elementwise(n_elements: float, *, flops_per_element: float = 1.0, n_inputs: int = 1, n_outputs: int = 1,
@@ -137,7 +141,8 @@ def roofline(op: Op, chip: Chip | None = None, *, peak_flops_per_s: float | None
 def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
     """meshplan's realistic time of one op beside the book's ideal `roofline` (DESIGN.md accuracy source 2):
     FLOPs at the peak times the kernel's efficiency (matmul: shape-dependent `eff.matmul`, a low-precision format
-    scaled to its own large-GEMM fraction, `eff.dtype_scale`; attention: the fused forward kernel's fraction), bytes
+    scaled to its own large-GEMM fraction, `eff.dtype_scale`; attention: the fused forward kernel's fraction at its
+    keys per query, `efficiency.attention_tile_factor`), bytes
     at W_hbm x hbm_fraction, overlapped (max), plus one kernel launch."""
     r = roofline(op, chip)
     frac = 1.0
@@ -148,7 +153,8 @@ def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
         frac = float(eff.matmul(*op.dims)) if op.dims else eff.matmul_peak_fraction
         frac *= eff.dtype_scale(op.dtype)
     elif op.kind == "attention":
-        frac = eff.attention_fwd_fraction
+        # the fused kernel's rate at its keys per query and mask, as the planner's ledger times it
+        frac = eff.attention_fwd_fraction / (attention_tile_factor(eff, "fwd", *op.dims) if op.dims else 1.0)
     return max(r.t_math_s / frac, r.t_mem_s / eff.hbm_fraction) + eff.kernel_overhead_s
 
 
@@ -194,6 +200,7 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
         q_seqs, q_len, masked = 1.0, tokens, False
         keys = kv_cached_tokens(m, seq_len)
         per_query = newest_query_keys(m, tokens, seq_len) if causal else keys
+    tile_mask = masked_tile_share(m, seq_len) if causal else 0.0  # as the training ledger's attention core
     ops = [elementwise(tokens * D, flops_per_element=4, name="norm/attn", dtype=dtype)]
     if m.is_mla:
         # DeepSeek-V2 §2.1: latent down-projections, per-head up-projections (keys and values up-projected as in
@@ -208,12 +215,12 @@ def layer_ops(m: ModelConfig, tokens: float, seq_len: int, *, dtype: str = "bf16
                 matmul(tokens, m.kv_lora_rank, N * (m.head_dim + m.v_dim), name="attn/kv_up", lhs_dtype=dtype,
                        rhs_dtype=dtype),
                 attention(q_seqs, q_len, keys, N, N, max(1, round(attention_pair_width(m) / 2)),
-                          causal=masked, dtype=dtype, name="attn/core", keys_per_query=per_query),
+                          causal=masked, dtype=dtype, name="attn/core", keys_per_query=per_query, tile_mask=tile_mask),
                 matmul(tokens, N * m.v_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     else:
         ops += [matmul(tokens, D, m.q_dim + 2 * m.kv_dim, name="attn/qkv", lhs_dtype=dtype, rhs_dtype=dtype),
                 attention(q_seqs, q_len, keys, m.n_heads, m.n_kv_heads, m.head_dim, causal=masked,
-                          dtype=dtype, name="attn/core", keys_per_query=per_query),
+                          dtype=dtype, name="attn/core", keys_per_query=per_query, tile_mask=tile_mask),
                 matmul(tokens, m.q_dim, D, name="attn/o_proj", lhs_dtype=dtype, rhs_dtype=dtype)]
     ops.append(elementwise(tokens * D, flops_per_element=4, name="norm/mlp", dtype=dtype))
     experts = m.experts_per_token if m.is_moe else 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshplan.cost.efficiency import Efficiency
+from meshplan.cost.efficiency import Efficiency, attention_tile_factor
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
@@ -60,6 +60,7 @@ from meshplan.math.transformer import (
     attention_pair_width,
     dtype_bytes,
     kv_cached_tokens,
+    masked_tile_share,
     mean_attended_keys,
     param_counts,
     pointwise_elements_per_token,
@@ -344,7 +345,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # a dense cache: decode attention reads every slot of the sequence's cache, written or not
     # (ServeConfig.dense_kv_cache; JetStream-PyTorch jetstream_pt/layers.py)
     decode_ctx = kv_cached_tokens(m, decode_ctx) if cfg.dense_kv_cache is None else float(cfg.dense_kv_cache)
-    prefill_ctx = mean_attended_keys(m, 2.0 * prefill_ctx) if prefill_ctx else 0.0
+    prompt_len = 2.0 * prefill_ctx
+    prefill_ctx = mean_attended_keys(m, prompt_len) if prefill_ctx else 0.0
     kv_per_token = kv_bytes_per_token_per_chip(m, cfg)
     kv_bytes = kv_per_token * (decode_seqs * decode_ctx + prefill_tokens)
     # logits only for the sampled rows: each decode sequence and the last position of each prompt chunk
@@ -353,8 +355,8 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     # up-projections absorbed (DeepSeek-V2 §2.1.2): scores over kv_lora_rank + RoPE, values over kv_lora_rank;
     # its prefill up-projects K and V as training does
     decode_pair = attention_pair_width(m, absorbed=True)
-    attn_flops = 2.0 * Ls * m.n_heads / atp * (decode_pair * decode_seqs * decode_ctx
-                                                   + attention_pair_width(m) * prefill_tokens * prefill_ctx)
+    decode_attn_flops = 2.0 * Ls * m.n_heads / atp * decode_pair * decode_seqs * decode_ctx
+    prefill_attn_flops = 2.0 * Ls * m.n_heads / atp * attention_pair_width(m) * prefill_tokens * prefill_ctx
     # the routed experts at their own format (ServeConfig.expert_weight_bytes: gpt-oss's MXFP4), the rest at weight_bytes
     t_w = (dense_weights * cfg.weight_bytes + routed_weights * cfg.expert_weight_bytes) / W
     t_mm = 0.0
@@ -379,7 +381,12 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         if decode_seqs > 0 and not m.is_mla else None
     if rate is not None and rate < W:
         t_kv = kv_per_token * (decode_seqs * decode_ctx / rate + prefill_tokens / W)
-    t_attn = attn_flops / (chip.peak("bf16") * eff.attention_fwd_fraction)
+    # a prompt's attention at the fused kernel's rate for its keys per query, window and tiles (the training
+    # ledger's rule, efficiency.attention_tile_factor: 1 where the chip has no tile constant)
+    prefill_factor = attention_tile_factor(eff, "fwd", prefill_ctx, masked_tile_share(m, prompt_len)) \
+        if prefill_attn_flops > 0 else 1.0
+    t_attn = (decode_attn_flops + prefill_attn_flops * prefill_factor) / (
+        chip.peak("bf16") * eff.attention_fwd_fraction)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
     permute = 0.0
     if m.is_moe:  # routing kernels around the expert GEMMs (serving.yaml moe_routing_kernels_per_layer)
