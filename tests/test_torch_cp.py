@@ -50,18 +50,22 @@ def test_allgather_ring_exposure_by_hand() -> None:
     cm, L, g, ct, prob, eff = _model("torch", bw)
     kv_bytes = 2 * 2 * ELEMS  # bf16 K and V with every query head
     ag_s, dkv_s = CP * kv_bytes / bw, 2 * kv_bytes / bw
-    # attention core seconds, by the book's causal FLOPs (4·t·(S/2)·N·H) at the flash fractions, plus the merges
+    # attention core seconds, by the book's causal FLOPs (4·t·(S/2)·N·H) at the flash fractions, times cuDNN's tile
+    # factor for 131,072 keys per query in 8 launches (H100 k 3.15 forward, 5.00 backward; efficiency.
+    # attention_tile_factor): (1 + (0.5 + 8·3.15)·128/131072) / (1 + 3.65·128/4096) = 1.0250977 / 1.1140625, and
+    # (1 + (0.5 + 8·5)·128/131072) / (1 + 5.5·128/4096) = 1.0395508 / 1.171875; plus the merges
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     flops = 2 * T_LOCAL * (SEQ / 2) * N_HEADS * 2 * HEAD_DIM
-    core_f = flops / (prob.chip.peak("bf16") * eff.attention_fwd_fraction) + 40.5 * ELEMS * (CP - 1) / hbm
-    core_b = (2.5 * flops / (prob.chip.peak("bf16") * eff.attention_bwd_fraction)
+    tile_f, tile_b = 1.0250977 / 1.1140625, 1.0395508 / 1.171875
+    core_f = flops / (prob.chip.peak("bf16") * eff.attention_fwd_fraction) * tile_f + 40.5 * ELEMS * (CP - 1) / hbm
+    core_b = (2.5 * flops / (prob.chip.peak("bf16") * eff.attention_bwd_fraction) * tile_b
               + 58.5 * ELEMS * (CP - 1) / hbm)
-    assert float(ct["layer_core_fwd"][0]) == pytest.approx(core_f, rel=1e-9)
+    assert float(ct["layer_core_fwd"][0]) == pytest.approx(core_f, rel=1e-6)
     exposed_f = 2 * max(ag_s - core_f / CP, 0.0)  # forward and its recompute
     exposed_b = max(ag_s - core_b / CP, 0.0) + (CP - 2) * max(dkv_s - core_b / CP, 0.0) + dkv_s
     out = cm.comm_terms(L, g, ct)
     assert exposed_f > 0.04  # the gather is longer than the diagonal block here
-    assert float(out["cp_mb"][0]) == pytest.approx(LAYERS * (exposed_f + exposed_b), rel=1e-9)
+    assert float(out["cp_mb"][0]) == pytest.approx(LAYERS * (exposed_f + exposed_b), rel=1e-6)
     assert float(out["cp_link_mb"][0]) == pytest.approx(LAYERS * (3 * ag_s + (CP - 1) * dkv_s), rel=1e-9)
 
 

@@ -302,6 +302,11 @@ def profile_efficiency(data: Any, chip: Chip, path: str, origin: str) -> Efficie
         # a field the chip's defaults take from its twin follows a calibrated twin unless the profile gives it
         if f not in changes and twin in changes and _table_entry(f, chip) is None:
             changes[f] = changes[twin]
+    for direction in ("fwd", "bwd"):
+        # a measured attention rate is the device's at the calibration's own lengths, not at the defaults' 8K causal
+        # anchor: without tile constants of its own the profile's rate holds flat (no tile factor on top of it)
+        if f"attention_{direction}_fraction" in changes and f"attention_tile_{direction}" not in changes:
+            changes[f"attention_tile_{direction}"] = 0.0
     return replace(base, **changes, origin=origin)
 
 

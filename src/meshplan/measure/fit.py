@@ -128,6 +128,11 @@ def fit_efficiency(records: list[Record], chip: Chip) -> tuple[dict[str, float],
         # copy ran at 0.64 and its norm kernels at 0.56-0.65 (benchmarks/results/profile_h200_2026-12-04.json)
         out["hbm_fraction"] = max(r["fraction"] for r in by["hbm"])
     out.update(_fit_attention(by.get("attention", []), chip, curves, "attention"))
+    for direction in ("fwd", "bwd"):
+        # the measured rate is the device's own at the calibration's lengths: it holds flat, without the defaults'
+        # tile factor (efficiency.attention_tile_factor, anchored at 8K causal) on top of it
+        if f"attention_{direction}_fraction" in out:
+            out[f"attention_tile_{direction}"] = 0.0
     out.update(_fit_attention(by.get("sdpa", []), chip, curves, "attention_sdpa"))
     if by.get("norm"):
         curves["norm"] = {r["name"]: r["fraction"] for r in by["norm"]}  # reported beside hbm_fraction
