@@ -141,3 +141,13 @@ def test_roofline_realistic_time_takes_the_tile_factor() -> None:
     expected = op.flops / (989e12 * 0.62) * 1.39375 / 1.1140625 + 4e-6
     assert expected == pytest.approx(74.10e-6, rel=1e-4)
     assert rf.realistic_time_s(op, chip, default_efficiency(chip)) == pytest.approx(expected, rel=1e-9)
+
+
+def test_no_gain_past_the_tables_longest_shape() -> None:
+    """The tables end at 16,384 keys per query (GB200 causal forward: 1,708 TFLOP/s at 16K tokens, 1,622 at 32K), so
+    128K tokens in one launch (65,536 keys) take the 16,384-key factor, (1 + 5.17·128/16384) / (1 + 5.17·128/4096) =
+    1.0403906 / 1.1615625 = 0.895681, not the extrapolated (1 + 5.17·128/65536) / 1.1615625 = 0.869603."""
+    eff = default_efficiency(load_chip("gb200-nvl72"))
+    assert attention_tile_factor(eff, "fwd", 65536.0) == pytest.approx(1.0403906 / 1.1615625, rel=1e-6)
+    assert attention_tile_factor(eff, "fwd", 16384.0) == pytest.approx(1.0403906 / 1.1615625, rel=1e-6)
+    assert attention_tile_factor(eff, "fwd", 8192.0) > attention_tile_factor(eff, "fwd", 16384.0)

@@ -52,11 +52,12 @@ def test_allgather_ring_exposure_by_hand() -> None:
     ag_s, dkv_s = CP * kv_bytes / bw, 2 * kv_bytes / bw
     # attention core seconds, by the book's causal FLOPs (4·t·(S/2)·N·H) at the flash fractions, times cuDNN's tile
     # factor for 131,072 keys per query in 8 launches (H100 k 3.15 forward, 5.00 backward; efficiency.
-    # attention_tile_factor): (1 + (0.5 + 8·3.15)·128/131072) / (1 + 3.65·128/4096) = 1.0250977 / 1.1140625, and
-    # (1 + (0.5 + 8·5)·128/131072) / (1 + 5.5·128/4096) = 1.0395508 / 1.171875; plus the merges
+    # attention_tile_factor): 1 + (0.5 + 8·3.15)·128/131072 = 1.0250977 and 1 + (0.5 + 8·5)·128/131072 = 1.0395508,
+    # each under its floor at the tables' longest shape, 16,384 keys in one launch: 1 + 3.65·128/16384 = 1.0285156 and
+    # 1 + 5.5·128/16384 = 1.0429688; over the 8K anchors 1.1140625 and 1.171875; plus the merges
     hbm = prob.chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
     flops = 2 * T_LOCAL * (SEQ / 2) * N_HEADS * 2 * HEAD_DIM
-    tile_f, tile_b = 1.0250977 / 1.1140625, 1.0395508 / 1.171875
+    tile_f, tile_b = 1.0285156 / 1.1140625, 1.0429688 / 1.171875
     core_f = flops / (prob.chip.peak("bf16") * eff.attention_fwd_fraction) * tile_f + 40.5 * ELEMS * (CP - 1) / hbm
     core_b = (2.5 * flops / (prob.chip.peak("bf16") * eff.attention_bwd_fraction) * tile_b
               + 58.5 * ELEMS * (CP - 1) / hbm)

@@ -192,6 +192,10 @@ ATTENTION_TILE = 128
 # The shape every attention_*_fraction of a chip with tile constants is read at: causal attention over 8,192 tokens,
 # a mean of 4,096 keys per query (efficiency.yaml attention_tile_fwd)
 ATTENTION_ANCHOR_KEYS = 4096.0
+# The most keys per query among the rows the tile constants are fitted to (16,384-token unmasked and 32,768-token
+# causal rows): past it the tables gain nothing more (GB200 causal forward 1,708 TFLOP/s at 16K, 1,622 at 32K; H200 674
+# and 688), so a kernel is never taken faster per FLOP than there
+ATTENTION_FIT_MAX_KEYS = 16384.0
 
 
 def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> Any:
@@ -205,12 +209,15 @@ def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: 
     straddles one more tile), 0 unmasked; `calls` the kernel launches each query row goes through (one per ring step
     of context parallelism). E.g. forward on GB200 (k 4.67): 2,048 tokens, 1 + 5.17/8 = 1.646 over 1 + 5.17/32 =
     1.162: 1.417; a 128-token sliding window, 1 + 5.67 = 6.67 over 1.162: 5.742. 1 where the chip has no tile
-    constant (k = 0 and no diagonal: TPUs, which model their block grid in train/costmodel.py, and unmeasured GPUs)."""
+    constant (k = 0 and no diagonal: TPUs, which model their block grid in train/costmodel.py, and unmeasured GPUs).
+    Never below its value at ATTENTION_FIT_MAX_KEYS keys in one launch: the tables end there (no extrapolation to
+    longer contexts, where they show no further gain)."""
     k = eff.attention_tile_fwd if direction == "fwd" else eff.attention_tile_bwd
     if not k:
         return 1.0 if np.ndim(keys) == 0 and np.ndim(calls) == 0 else np.ones(np.broadcast(keys, calls).shape)
-    own = 1.0 + (np.asarray(diagonal, dtype=float) + k * np.asarray(calls, dtype=float)) * ATTENTION_TILE \
-        / np.maximum(np.asarray(keys, dtype=float), 1.0)
+    diag = np.asarray(diagonal, dtype=float)
+    own = 1.0 + (diag + k * np.asarray(calls, dtype=float)) * ATTENTION_TILE / np.maximum(np.asarray(keys, dtype=float), 1.0)
+    own = np.maximum(own, 1.0 + (diag + k) * ATTENTION_TILE / ATTENTION_FIT_MAX_KEYS)  # no gain past the measured range
     out = own / (1.0 + (0.5 + k) * ATTENTION_TILE / ATTENTION_ANCHOR_KEYS)
     return float(out) if np.ndim(out) == 0 else out
 
