@@ -212,7 +212,12 @@ def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: 
     constant (k = 0 and no diagonal: TPUs, which model their block grid in train/costmodel.py, and unmeasured GPUs).
     Never below its value at ATTENTION_FIT_MAX_KEYS keys in one launch: the tables end there (no extrapolation to
     longer contexts, where they show no further gain)."""
-    k = eff.attention_tile_fwd if direction == "fwd" else eff.attention_tile_bwd
+    return tile_factor(eff.attention_tile_fwd if direction == "fwd" else eff.attention_tile_bwd, keys, diagonal, calls)
+
+
+def tile_factor(k: float, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> Any:
+    """attention_tile_factor for a kernel whose fixed work per query tile is `k` key-tile visits (a chip's
+    efficiency.yaml attention_tile_fwd/_bwd, or a serving engine's own kernel: config.engine_context_attention)."""
     if not k:
         return 1.0 if np.ndim(keys) == 0 and np.ndim(calls) == 0 else np.ones(np.broadcast(keys, calls).shape)
     diag = np.asarray(diagonal, dtype=float)

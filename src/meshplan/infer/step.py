@@ -35,12 +35,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshplan.cost.efficiency import Efficiency, attention_tile_factor
+from meshplan.cost.efficiency import Efficiency, attention_tile_factor, tile_factor
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
     custom_allreduce,
     decode_attention_kv_rate,
+    engine_context_attention,
     engine_grouped_kernel,
     expert_gemm_format,
     frontend_token_s,
@@ -382,11 +383,21 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     if rate is not None and rate < W:
         t_kv = kv_per_token * (decode_seqs * decode_ctx / rate + prefill_tokens / W)
     # a prompt's attention at the fused kernel's rate for its keys per query, window and tiles (the training
-    # ledger's rule, efficiency.attention_tile_factor: 1 where the chip has no tile constant)
-    prefill_factor = attention_tile_factor(eff, "fwd", prefill_ctx, masked_tile_share(m, prompt_len)) \
-        if prefill_attn_flops > 0 else 1.0
-    t_attn = (decode_attn_flops + prefill_attn_flops * prefill_factor) / (
-        chip.peak("bf16") * eff.attention_fwd_fraction)
+    # ledger's rule, efficiency.attention_tile_factor: 1 where the chip has no tile constant), or on the engine's own
+    # measured prompt-attention op (config.engine_context_attention: a fixed cost per layer, less the launch the
+    # kernel count below already charges, and its own rate and tiles)
+    peak_bf16 = chip.peak("bf16")
+    t_attn = decode_attn_flops / (peak_bf16 * eff.attention_fwd_fraction)
+    if prefill_attn_flops > 0:
+        mask = masked_tile_share(m, prompt_len)
+        ctx = engine_context_attention(cfg, chip)
+        if ctx is None:
+            t_attn += prefill_attn_flops * attention_tile_factor(eff, "fwd", prefill_ctx, mask) / (
+                peak_bf16 * eff.attention_fwd_fraction)
+        else:
+            fixed_s, frac, k = ctx
+            t_attn += Ls * max(fixed_s - eff.kernel_overhead_s, 0.0) \
+                + prefill_attn_flops * tile_factor(k, prefill_ctx, mask) / (peak_bf16 * frac)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
     permute = 0.0
     if m.is_moe:  # routing kernels around the expert GEMMs (serving.yaml moe_routing_kernels_per_layer)
