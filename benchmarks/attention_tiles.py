@@ -10,10 +10,11 @@ tile visits, which efficiency.yaml attention_tile_fwd/_bwd carry; the fraction o
 tokens) is the table's own row, which attention_fwd/bwd_fraction carry. Then meshplan's time for every row (the
 chip's fraction and tile factor) beside the measured time.
 
-Then the serving engines' own prompt-attention op: TensorRT-LLM 1.3's context attention on H100 and H200
-(`data/aic_trtllm_context_attention.csv`, NVIDIA's aiconfigurator tables: 2,533 shapes per chip, batch 1-256, prompts
-of 1-16,384 tokens, 4-64 query heads) fitted as time = t0 + c·V + a·Q (t0 the op's fixed cost per call), which
-serving.yaml engine_context_attention carries as (fixed_s, fraction at the 8K causal anchor, tile_k).
+Then the serving engines' own prompt-attention ops: TensorRT-LLM 1.3's, vLLM 0.24's (FlashAttention-3) and SGLang
+0.5.14's (FlashAttention-3) context attention on H100 and H200 (`data/aic_context_attention.csv`, NVIDIA's
+aiconfigurator tables: 2,533 shapes per engine and chip, batch 1-256, prompts of 1-16,384 tokens, 4-64 query heads)
+fitted as time = t0 + c·V + a·Q (t0 the op's fixed cost per call), which serving.yaml engine_context_attention carries
+as (fixed_s, fraction at the 8K causal anchor, tile_k).
 
     python benchmarks/attention_tiles.py
 """
@@ -30,7 +31,8 @@ from meshplan.cost.efficiency import ATTENTION_TILE, attention_tile_factor, defa
 from meshplan.specs.hardware import load_chip
 
 DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
-ENGINE_DATA = Path(__file__).parent / "data" / "aic_trtllm_context_attention.csv"
+ENGINE_DATA = Path(__file__).parent / "data" / "aic_context_attention.csv"
+ENGINES = ("trtllm", "vllm", "sglang")
 CHIPS = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72", "h200": "h200"}
 FIT_MAX_SEQ = 16384
 BWD_FLOPS_RATIO = 2.5  # the tables count the backward as 2.5 forwards (their tflops column), as meshplan does
@@ -74,16 +76,16 @@ def fit_tiles(rows: list[dict], system: str, direction: str) -> dict:
 
 def load_engine_rows(path: Path = ENGINE_DATA) -> list[dict]:
     with path.open() as fh:
-        return [dict(chip=r["chip"], batch=int(r["batch"]), seq=int(r["isl"]), heads=int(r["heads"]),
+        return [dict(engine=r["engine"], chip=r["chip"], batch=int(r["batch"]), seq=int(r["isl"]), heads=int(r["heads"]),
                      time_s=float(r["latency_ms"]) * 1e-3)
                 for r in csv.DictReader(line for line in fh if not line.startswith("#"))]
 
 
-def fit_engine_context(rows: list[dict], chip_name: str, head_dim: int = 128) -> dict:
-    """time = t0 + c·V + a·Q over the chip's causal prompt-attention rows (least squares of the relative error):
+def fit_engine_context(rows: list[dict], engine: str, chip_name: str, head_dim: int = 128) -> dict:
+    """time = t0 + c·V + a·Q over the engine's causal prompt-attention rows on the chip (least squares of the relative error):
     fixed_s = t0, tile_k = a/c, and the fraction of the bf16 peak at the 8K causal anchor, r/(1 + (1/2 + k)·B/4096)
     with r = 4·head_dim·B² / (c·peak) the rate per visited tile; with its median and 90th-percentile |error|."""
-    sel = [r for r in rows if r["chip"] == chip_name]
+    sel = [r for r in rows if r["engine"] == engine and r["chip"] == chip_name]
     terms = []
     for r in sel:
         n, bh = r["seq"] / ATTENTION_TILE, r["batch"] * r["heads"]
@@ -127,12 +129,13 @@ def main() -> int:
     print(f"\nall {len(errs)} rows: median |error| {np.median(a):.1%}, worst {a.max():.1%}, signed median "
           f"{np.median(errs):+.1%}")
     engine = load_engine_rows()
-    print("\n| TensorRT-LLM 1.3 context attention | rows | fixed_s | tile_k | fraction at 8K causal | median |error| | "
-          "p90 |error| |\n|---|---|---|---|---|---|---|")
-    for chip in ("h100-sxm", "h200"):
-        f = fit_engine_context(engine, chip)
-        print(f"| {chip} | {f['n']} | {f['fixed_s'] * 1e6:.1f} us | {f['tile_k']:.2f} | {f['fraction']:.3f} | "
-              f"{f['median']:.1%} | {f['p90']:.1%} |")
+    print("\n| engine prompt attention | chip | rows | fixed_s | tile_k | fraction at 8K causal | median |error| | "
+          "p90 |error| |\n|---|---|---|---|---|---|---|---|")
+    for name in ENGINES:
+        for chip in ("h100-sxm", "h200"):
+            f = fit_engine_context(engine, name, chip)
+            print(f"| {name} | {chip} | {f['n']} | {f['fixed_s'] * 1e6:.1f} us | {f['tile_k']:.2f} | {f['fraction']:.3f} | "
+                  f"{f['median']:.1%} | {f['p90']:.1%} |")
     return 0
 
 

@@ -225,7 +225,7 @@ def decode_attention_kv_rate(cfg: ServeConfig, chip: Chip, units: float) -> floa
 
 def engine_context_attention(cfg: ServeConfig, chip: Chip) -> tuple[float, float, float] | None:
     """(fixed_s, fraction, tile_k) of the engine's own prompt-attention op on this chip where serving.yaml
-    engine_context_attention measures it (TensorRT-LLM's on H100 and H200); None elsewhere (the chip's cuDNN-class
+    engine_context_attention measures it (TensorRT-LLM's, vLLM's and SGLang's on H100 and H200); None elsewhere (the chip's cuDNN-class
     fraction and tile constant, efficiency.yaml, then time the prompt's attention)."""
     hit = _engine_hit("engine_context_attention", cfg.engine, chip)
     if hit is None:
