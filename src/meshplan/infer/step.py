@@ -10,6 +10,8 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
   T_kv        = KV bytes read / (W_hbm * hbm_fraction)              (decode attention is HBM-bound, ch.7 §8.2;
                 a dense cache, ServeConfig.dense_kv_cache, is read over its whole length)
   T_attention = 2 * tokens * context * N * (QK + AV widths, 2H; MLA decode: 2*kv_lora + rope) / (C * attention_fwd_fraction)
+                (a prompt's part times the fused kernel's tile factor, or on the engine's own measured prompt-attention
+                op: serving.yaml engine_context_attention, a fixed cost per layer and its own rate and tiles)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
                  with latency terms (small-batch decode is latency-bound, ch.7 App. C)
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
