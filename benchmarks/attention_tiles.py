@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.cost.efficiency import ATTENTION_TILE, attention_tile_factor, default_efficiency
+from meshplan.cost.efficiency import ATTENTION_TILE, anchor_tile_factor, attention_tile_factor, default_efficiency
 from meshplan.specs.hardware import load_chip
 
 DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
@@ -83,7 +83,7 @@ def load_engine_rows(path: Path = ENGINE_DATA) -> list[dict]:
 
 def fit_engine_context(rows: list[dict], engine: str, chip_name: str, head_dim: int = 128) -> dict:
     """time = t0 + c·V + a·Q over the engine's causal prompt-attention rows on the chip (least squares of the relative error):
-    fixed_s = t0, tile_k = a/c, and the fraction of the bf16 peak at the 8K causal anchor, r/(1 + (1/2 + k)·B/4096)
+    fixed_s = t0, tile_k = a/c, and the fraction of the bf16 peak at the 8K causal anchor, r / anchor_tile_factor(k)
     with r = 4·head_dim·B² / (c·peak) the rate per visited tile; with its median and 90th-percentile |error|."""
     sel = [r for r in rows if r["engine"] == engine and r["chip"] == chip_name]
     terms = []
@@ -95,7 +95,7 @@ def fit_engine_context(rows: list[dict], engine: str, chip_name: str, head_dim: 
     k = a / c
     rate = 4.0 * head_dim * ATTENTION_TILE**2 / (c * load_chip(chip_name).peak("bf16"))
     errs = np.abs(np.array([(t0 + c * v + a * q) / r["time_s"] - 1 for (_, v, q), r in zip(terms, sel, strict=True)]))
-    return dict(fixed_s=t0, tile_k=k, fraction=rate / (1 + (0.5 + k) * ATTENTION_TILE / 4096.0), n=len(sel),
+    return dict(fixed_s=t0, tile_k=k, fraction=rate / anchor_tile_factor(k), n=len(sel),
                 median=float(np.median(errs)), p90=float(np.percentile(errs, 90)))
 
 

@@ -223,8 +223,15 @@ def tile_factor(k: float, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> A
     diag = np.asarray(diagonal, dtype=float)
     own = 1.0 + (diag + k * np.asarray(calls, dtype=float)) * ATTENTION_TILE / np.maximum(np.asarray(keys, dtype=float), 1.0)
     own = np.maximum(own, 1.0 + (diag + k) * ATTENTION_TILE / ATTENTION_FIT_MAX_KEYS)  # no gain past the measured range
-    out = own / (1.0 + (0.5 + k) * ATTENTION_TILE / ATTENTION_ANCHOR_KEYS)
+    out = own / anchor_tile_factor(k)
     return float(out) if np.ndim(out) == 0 else out
+
+
+def anchor_tile_factor(k: float) -> float:
+    """A tiled kernel's time per counted FLOP at the anchor shape (causal, ATTENTION_ANCHOR_KEYS keys per query, one
+    launch) over its rate per visited tile: 1 + (1/2 + k)·B/4096. A fraction of peak read at the anchor is the
+    per-tile rate over this."""
+    return 1.0 + (0.5 + k) * ATTENTION_TILE / ATTENTION_ANCHOR_KEYS
 
 
 def nccl_sm_slowdown(chip: Chip) -> float | None:
