@@ -10,6 +10,11 @@ tile visits, which efficiency.yaml attention_tile_fwd/_bwd carry; the fraction o
 tokens) is the table's own row, which attention_fwd/bwd_fraction carry. Then meshplan's time for every row (the
 chip's fraction and tile factor) beside the measured time.
 
+Then the same kernel on other heads (`data/cudnn_sdpa_heads.csv`: DeepSeek-V3 / Kimi K2.6 MLA 192/128, Qwen3.5 256,
+LTX-2 and Wan 2.2 128 unmasked, gpt-oss 64 with a 128-token window on GB200/GB300 and 1,024 on H200), none of them
+fitted: meshplan's time with the forward's fixed work per query tile a fixed time (the head-width rule of
+efficiency.attention_tile_factor) beside the time with that work scaled by the head width (session 34's rule).
+
 Then the serving engines' own prompt-attention ops: TensorRT-LLM 1.3's, vLLM 0.24's (FlashAttention-3) and SGLang
 0.5.14's (FlashAttention-3) context attention on H100 and H200 (`data/aic_context_attention.csv`, NVIDIA's
 aiconfigurator tables: 2,533 shapes per engine and chip, batch 1-256, prompts of 1-16,384 tokens, 4-64 query heads)
@@ -27,10 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.cost.efficiency import ATTENTION_TILE, anchor_tile_factor, attention_tile_factor, default_efficiency
+from meshplan.cost.efficiency import (
+    ATTENTION_TILE,
+    anchor_tile_factor,
+    attention_head_dim_rate,
+    attention_tile_factor,
+    default_efficiency,
+)
 from meshplan.specs.hardware import load_chip
 
 DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
+HEADS_DATA = Path(__file__).parent / "data" / "cudnn_sdpa_heads.csv"
 ENGINE_DATA = Path(__file__).parent / "data" / "aic_context_attention.csv"
 ENGINES = ("trtllm", "vllm", "sglang")
 CHIPS = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72", "h200": "h200"}
@@ -50,8 +62,9 @@ def load_rows(path: Path = DATA) -> list[dict]:
 
 
 def counted_flops(r: dict) -> float:
-    """The FLOPs the tables (and meshplan) count: 4·b·h·S·keys·d, keys = S/2 causal, S unmasked; x2.5 backward."""
-    keys = r["seq"] / 2 if r["causal"] else r["seq"]
+    """The FLOPs the tables (and meshplan) count: 4·b·h·S·keys·d, keys = S/2 causal, S unmasked, the window where
+    there is one; x2.5 backward."""
+    keys = r.get("window") or (r["seq"] / 2 if r["causal"] else r["seq"])
     f = 4.0 * r["batch"] * r["heads"] * r["seq"] * keys * r["head_dim"]
     return f * (BWD_FLOPS_RATIO if r["direction"] == "bwd" else 1.0)
 
@@ -99,14 +112,37 @@ def fit_engine_context(rows: list[dict], engine: str, chip_name: str, head_dim: 
                 median=float(np.median(errs)), p90=float(np.percentile(errs, 90)))
 
 
-def predicted_s(r: dict) -> float:
-    """meshplan's time for the row: counted FLOPs at the chip's attention fraction, times its tile factor."""
+def predicted_s(r: dict, width_rule: bool = True) -> float:
+    """meshplan's time for the row: counted FLOPs at the chip's attention fraction, times its tile factor (for a
+    head-width row, `width_rule` False scales the forward's fixed work per query tile with the width, as before)."""
     chip = load_chip(CHIPS[r["system"]])
     eff = default_efficiency(chip)
     frac = eff.attention_fwd_fraction if r["direction"] == "fwd" else eff.attention_bwd_fraction
-    keys = r["seq"] / 2 if r["causal"] else r["seq"]
-    factor = attention_tile_factor(eff, r["direction"], keys, 0.5 if r["causal"] else 0.0)
-    return counted_flops(r) / (chip.peak("bf16") * frac) * factor
+    width = r.get("width", 2.0 * r["head_dim"])
+    if r.get("window"):
+        keys, diag = r["window"], 1.0
+    else:
+        keys, diag = (r["seq"] / 2, 0.5) if r["causal"] else (r["seq"], 0.0)
+    factor = attention_tile_factor(eff, r["direction"], keys, diag, width=width if width_rule else 256.0)
+    # the training ledger's rate at a head narrower than 128 (efficiency.yaml attention_head_dim_rate): the backward's,
+    # and the forward's only under session 34's rule (a chip with a forward tile constant takes the width there now)
+    rate = attention_head_dim_rate(chip, width / 2, "fused", r["direction"])
+    if width_rule and r["direction"] == "fwd":
+        rate = 1.0
+    return counted_flops(r) / (chip.peak("bf16") * frac * rate) * factor
+
+
+def load_head_rows(path: Path = HEADS_DATA) -> list[dict]:
+    """The other heads' rows; `head_dim` the mean of d_qk and d_v (the FLOPs are 2·b·h·S·keys·(d_qk + d_v))."""
+    with path.open() as fh:
+        rows = []
+        for r in csv.DictReader(line for line in fh if not line.startswith("#")):
+            dq, dv = int(r["head_dim_qk"]), int(r["head_dim_v"])
+            rows.append(dict(system=r["system"], model=r["model"], causal=r["mask"] == "top_left",
+                             window=int(r["window"]), batch=int(r["batch"]), seq=int(r["seq_len"]),
+                             heads=int(r["q_heads"]), head_dim=(dq + dv) / 2, width=float(dq + dv),
+                             direction=r["pass"], time_s=float(r["time_ms"]) * 1e-3))
+    return rows
 
 
 def main() -> int:
@@ -128,6 +164,27 @@ def main() -> int:
     a = np.abs(errs)
     print(f"\nall {len(errs)} rows: median |error| {np.median(a):.1%}, worst {a.max():.1%}, signed median "
           f"{np.median(errs):+.1%}")
+    heads = [r for r in load_head_rows() if r["seq"] <= FIT_MAX_SEQ]
+    print("\nOther heads (not fitted), 2K-16K tokens: meshplan's signed error by model, median [range]")
+    print("| system | model | d_qk + d_v | window | pass | rows | fixed time per query tile (now) | "
+          "scaled with the width (s34) |\n|---|---|---|---|---|---|---|---|")
+    for system in CHIPS:
+        for model in sorted({r["model"] for r in heads if r["system"] == system}):
+            for direction in ("fwd", "bwd"):
+                sel = [r for r in heads if r["system"] == system and r["model"] == model and r["direction"] == direction]
+                if not sel:
+                    continue
+                cols = []
+                for rule in (True, False):
+                    e = [predicted_s(r, rule) / r["time_s"] - 1 for r in sel]
+                    cols.append(f"{np.median(e):+.1%} [{min(e):+.0%}, {max(e):+.0%}]")
+                print(f"| {system} | {model} | {sel[0]['width']:.0f} | {sel[0]['window'] or '-'} | {direction} | "
+                      f"{len(sel)} | {cols[0]} | {cols[1]} |")
+    for direction in ("fwd", "bwd"):
+        for rule, name in ((True, "now"), (False, "s34")):
+            e = np.array([predicted_s(r, rule) / r["time_s"] - 1 for r in heads if r["direction"] == direction])
+            print(f"{direction} {name}: {len(e)} rows, median |error| {np.median(np.abs(e)):.1%}, signed "
+                  f"{np.median(e):+.1%}")
     engine = load_engine_rows()
     print("\n| engine prompt attention | chip | rows | fixed_s | tile_k | fraction at 8K causal | median |error| | "
           "p90 |error| |\n|---|---|---|---|---|---|---|---|")

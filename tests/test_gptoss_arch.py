@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshplan.cost.efficiency import attention_head_dim_rate, default_efficiency
+from meshplan.cost.efficiency import attention_head_dim_rate, attention_tile_factor, default_efficiency
+from meshplan.math import transformer as tm
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.config import LayoutArrays, ParallelConfig
@@ -51,22 +52,38 @@ def test_attention_rate_by_head_dim() -> None:
     assert attention_head_dim_rate(load_chip("tpu-v5p"), 64) == 1.0  # TPUs: the MXU fill instead
 
 
+def test_the_fused_forward_rate_point_only_without_a_tile_constant() -> None:
+    """gpt-oss (head dim 64) forward on cuDNN: on H100 (tile constant 3.15) the tile factor takes the width and the
+    rate point is not applied; on A100 (no tile constant) the forward runs at 0.670 of the head-dim-128 fraction."""
+    m = load_model("gpt-oss-120b")
+    for chip, rate in (("h100-sxm", 1.0), ("a100-80gb", 0.670)):
+        cm, g = _cm(m, chip, 8, ep=8, mb=1, opts=Options())
+        core = cm._attention_core_term(g)
+        eff = cm.eff
+        per_flop = _first(core["f_s"]) / _first(core["flops_f"])
+        keys, diag = tm.mean_attended_keys(m, 4096), tm.masked_tile_share(m, 4096)
+        factor = attention_tile_factor(eff, "fwd", keys, diag, width=128)
+        assert per_flop == pytest.approx(factor / (cm.p.chip.peak("bf16") * eff.attention_fwd_fraction * rate),
+                                         rel=1e-9)
+
+
 def test_gptoss_attention_core_time() -> None:
     """gpt-oss-120b (N 64 heads, head dim 64, alternating 128-token windows) at 4096 tokens, one sequence on H100:
     mean attended keys over the two layer kinds = (S/2 + (w - w²/(2S))) / 2 = (2048 + 128 - 2) / 2 = 1087;
-    forward FLOPs 2·4096·1087·64·(64 + 64) = 7.2947e10; at 989e12 · 0.62 (h100 fused fwd) · 0.670 (head dim 64):
-    7.2947e10 / 4.1083e14 = 0.17756 ms. Backward 2.5× the FLOPs (attention_bwd_flops_ratio) at 989e12 · 0.48 ·
-    0.836: 1.8237e11 / 3.9686e14 = 0.45953 ms. Times cuDNN's tile factor (efficiency.attention_tile_factor, H100
-    k = 3.15 forward, 5.00 backward): masked tiles (1/2 full + 1 windowed) / 2 = 0.75 per query tile, so forward
-    (1 + 3.90·128/1087) / (1 + 3.65·128/4096) = 1.45925 / 1.11406 = 1.30984 -> 0.23258 ms; backward
-    (1 + 5.75·128/1087) / (1 + 5.50·128/4096) = 1.67709 / 1.17188 = 1.43112 -> 0.65763 ms."""
+    forward FLOPs 2·4096·1087·64·(64 + 64) = 7.2947e10; at 989e12 · 0.62 (h100 fused fwd): 7.2947e10 / 6.1318e14 =
+    0.11897 ms. Backward 2.5× the FLOPs (attention_bwd_flops_ratio) at 989e12 · 0.48 · 0.836 (head dim 64):
+    1.8237e11 / 3.9686e14 = 0.45953 ms. Times cuDNN's tile factor (efficiency.attention_tile_factor, H100 k = 3.15
+    forward, 5.00 backward): masked tiles (1/2 full + 1 windowed) / 2 = 0.75 per query tile; the forward's fixed work
+    a fixed time, k·256/128 = 6.30 visits of these 64 + 64-wide tiles, so forward (1 + 7.05·128/1087) /
+    (1 + 3.65·128/4096) = 1.83017 / 1.11406 = 1.64280 -> 0.19544 ms; backward (1 + 5.75·128/1087) /
+    (1 + 5.50·128/4096) = 1.67709 / 1.17188 = 1.43112 -> 0.65763 ms."""
     cm, g = _cm(load_model("gpt-oss-120b"), "h100-sxm", 8, ep=8, mb=1, opts=Options())
     f_core = 2 * 4096 * 1087 * 64 * 128
     core = cm._attention_core_term(g)
     assert _first(core["flops_f"]) == pytest.approx(f_core)
-    assert f_core / (989e12 * 0.62 * 0.670) == pytest.approx(0.17756e-3, rel=1e-4)
+    assert f_core / (989e12 * 0.62) == pytest.approx(0.11897e-3, rel=1e-4)
     assert 2.5 * f_core / (989e12 * 0.48 * 0.836) == pytest.approx(0.45953e-3, rel=1e-4)
-    assert _first(core["f_s"]) == pytest.approx(0.23258e-3, rel=1e-4)
+    assert _first(core["f_s"]) == pytest.approx(0.19544e-3, rel=1e-4)
     assert _first(core["b_s"]) == pytest.approx(0.65763e-3, rel=1e-4)
 
 

@@ -56,8 +56,11 @@ def test_megatron_recompute_modules_as_meshplan_policies() -> None:
     # GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2: ["layernorm", "moe_act"]; model zoo "norm, act"
     assert megatron_selective_policy(["layernorm", "moe_act"]) == "gemm-last"
     assert megatron_selective_policy(["norm", "act"]) == "gemm-last"
-    # DeepSeek-V3 presets: ["mla_up_proj"] reruns GEMMs no meshplan policy names
-    assert megatron_selective_policy(["mla_up_proj"]) is None
+    # DeepSeek-V3 presets: ["mla_up_proj"] is meshplan's mla-up-proj; with other modules, or ["mlp"], it reruns
+    # GEMMs no meshplan policy names
+    assert megatron_selective_policy(["mla_up_proj"]) == "mla-up-proj"
+    assert megatron_selective_policy(["mla_up_proj", "moe_act"]) is None
+    assert megatron_selective_policy(["mlp"]) is None
 
 
 def test_recipe_file_covers_every_megatron_bridge_row() -> None:
@@ -96,8 +99,14 @@ def test_megatron_bridge_rows_run_their_recipe(ident, recompute, tp_overlap, par
 
 
 def test_an_unexpressible_recipe_recompute_is_left_to_meshplan() -> None:
-    # v0.5.0 DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2: selective over ["mla_up_proj"]
-    assert H.pins_of(_row("mbridge_26p06_deepseek-v3_gb200_256_mxfp8")).recompute is None
+    # v0.4.0 DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2: selective over ["mlp"] (the dense layers' MLP)
+    assert H.pins_of(_row("mbridge_26p04_deepseek-v3_gb200_256_mxfp8")).recompute is None
+
+
+def test_the_mla_up_projection_recipes_run_mla_up_proj() -> None:
+    # v0.5.0 DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2 and v0.4.0 ..._GB300_FP8_MX_V2: selective over ["mla_up_proj"]
+    for ident in ("mbridge_26p06_deepseek-v3_gb200_256_mxfp8", "mbridge_26p04_deepseek-v3_gb300_256_mxfp8"):
+        assert H.pins_of(_row(ident)).recompute == "mla-up-proj"
 
 
 def test_model_zoo_rows_carry_the_launch_flags() -> None:

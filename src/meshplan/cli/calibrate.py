@@ -227,7 +227,8 @@ def measure(
     dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the devices left).")] = None,
     fsdp: Annotated[int | None, typer.Option(help="FSDP degree.")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
-    recompute: Annotated[str, typer.Option(help="none | selective | full | gemm-last")] = "none",
+    recompute: Annotated[str, typer.Option(
+        help="none | selective | full | gemm-last | mla-up-proj (MLA models: Megatron-Core's recompute of the latent up-projections, --recompute-modules mla_up_proj)")] = "none",
     steps: Annotated[int, typer.Option(help="Timed steps (after one warm-up step).")] = 5,
     layers: Annotated[int | None, typer.Option(help="Use only this many layers of the model.")] = None,
     hardware: Annotated[str | None, typer.Option(help="Chip to predict for (default: detected).")] = None,

@@ -68,7 +68,8 @@ def train(
         help="Expert tensor parallel size (Megatron-Core --expert-tensor-parallel-size): 1 = whole experts on each "
              "rank, the EP group on consecutive ranks (Megatron-Bridge's MoE recipes, the nemo preset), or the --tp "
              "degree (Megatron-LM's default). Unset: the framework's (ETP = TP without one).")] = None,
-    recompute: Annotated[str | None, typer.Option(help="none | selective | full | gemm-last")] = None,
+    recompute: Annotated[str | None, typer.Option(
+        help="none | selective | full | gemm-last | mla-up-proj (MLA models: Megatron-Core's recompute of the latent up-projections, --recompute-modules mla_up_proj)")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2, or 3 (= FSDP over those ranks: --dp 32 --zero 3 is --fsdp 32).")] = None,
     offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
     offload_optimizer: Annotated[int | None, typer.Option(

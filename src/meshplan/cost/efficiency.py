@@ -174,8 +174,9 @@ def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused", 
     """A GPU attention kernel's FLOP rate at `head_dim` relative to head dim 128 (efficiency.yaml
     attention_head_dim_rate, by kernel, `fused` cuDNN or `fa2`, and pass, `fwd` or `bwd`): linear between the
     published points, the narrowest point's rate below them, 1 at and above 128. E.g. fused forward, head dim 64:
-    0.670; 96: (0.670 + 1.0) / 2 = 0.835. 1 on TPUs (their MXU fill is modelled in train/costmodel.py) and for a chip
-    or kernel without points."""
+    0.670; 96: (0.670 + 1.0) / 2 = 0.835 (the training ledger takes the fused forward's only where the chip has no
+    forward tile constant: attention_tile_factor's `width` carries it there). 1 on TPUs (their MXU fill is modelled in
+    train/costmodel.py) and for a chip or kernel without points."""
     table = _table()["attention_head_dim_rate"]
     entry = table.get(chip.name) or table.get(chip.kind)
     points = (entry or {}).get(f"{kernel}_{direction}")
@@ -196,9 +197,18 @@ ATTENTION_ANCHOR_KEYS = 4096.0
 # causal rows): past it the tables gain nothing more (GB200 causal forward 1,708 TFLOP/s at 16K, 1,622 at 32K; H200 674
 # and 688), so a kernel is never taken faster per FLOP than there
 ATTENTION_FIT_MAX_KEYS = 16384.0
+# The anchor rows' per-head width d_qk + d_v (Llama 3.1's 128 + 128), which the tile constants are fitted at. A
+# forward kernel's fixed work per query tile is a fixed time, not a share of the head width (cuDNN 9.22 on GB200 and
+# GB300, NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training: fitted on the Llama rows, it times the 192/128 (DeepSeek-V3,
+# Kimi K2.6) and 256/256 (Qwen3.5) full-attention rows to a median 2.6% / 2.1% against 3.7% / 3.6% with the work
+# scaled by the width, and gpt-oss's 64/64 128-token window within 3% on GB200 against -40%): k is
+# k x ATTENTION_ANCHOR_WIDTH / width in tile visits of the narrower head. The backward's per-tile work (its outer loop
+# over key tiles loads K and V and writes dK and dV, FlashAttention-2 §3.1.2 Algorithm 2) scales with the width
+ATTENTION_ANCHOR_WIDTH = 256.0
 
 
-def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> Any:
+def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0,
+                          width: float = ATTENTION_ANCHOR_WIDTH) -> Any:
     """How much longer a tiled fused attention kernel takes per counted FLOP than at the anchor shape (causal, 8,192
     tokens), for queries that attend `keys` keys on average. Its time is c·V + a·Q (efficiency.yaml
     attention_tile_fwd/_bwd): V the (query tile, key tile) pairs it visits, Q the query tiles, each of which also
@@ -211,18 +221,29 @@ def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: 
     1.162: 1.417; a 128-token sliding window, 1 + 5.67 = 6.67 over 1.162: 5.742. 1 where the chip has no tile
     constant (k = 0 and no diagonal: TPUs, which model their block grid in train/costmodel.py, and unmeasured GPUs).
     Never below its value at ATTENTION_FIT_MAX_KEYS keys in one launch: the tables end there (no extrapolation to
-    longer contexts, where they show no further gain)."""
-    return tile_factor(eff.attention_tile_fwd if direction == "fwd" else eff.attention_tile_bwd, keys, diagonal, calls)
+    longer contexts, where they show no further gain). `width`: the head's d_qk + d_v (math/transformer
+    attention_pair_width); the forward's fixed work is a fixed time, k·256/width visits of a narrower head's tiles
+    (ATTENTION_ANCHOR_WIDTH), e.g. gpt-oss's 64 + 64 window layer: 1 + 1 + 9.34 = 11.34 over 1.162: 9.76."""
+    if direction == "fwd":
+        return tile_factor(eff.attention_tile_fwd, keys, diagonal, calls, width=width)
+    return tile_factor(eff.attention_tile_bwd, keys, diagonal, calls)
 
 
-def tile_factor(k: float, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0) -> Any:
-    """attention_tile_factor for a kernel whose fixed work per query tile is `k` key-tile visits (a chip's
-    efficiency.yaml attention_tile_fwd/_bwd, or a serving engine's own kernel: config.engine_context_attention)."""
+def tile_factor(k: float, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0,
+                width: float = ATTENTION_ANCHOR_WIDTH) -> Any:
+    """attention_tile_factor for a kernel whose fixed work per query tile is `k` key-tile visits at the anchor's
+    head width (a chip's efficiency.yaml attention_tile_fwd/_bwd, or a serving engine's own kernel:
+    config.engine_context_attention); `width` another head's d_qk + d_v, whose tiles are that much narrower (a fixed
+    time per query tile: attention_tile_factor)."""
     if not k:
         return 1.0 if np.ndim(keys) == 0 and np.ndim(calls) == 0 else np.ones(np.broadcast(keys, calls).shape)
+    if width <= 0:
+        raise ValueError(f"attention head width must be positive, got {width}")
+    k_own = k * ATTENTION_ANCHOR_WIDTH / width
     diag = np.asarray(diagonal, dtype=float)
-    own = 1.0 + (diag + k * np.asarray(calls, dtype=float)) * ATTENTION_TILE / np.maximum(np.asarray(keys, dtype=float), 1.0)
-    own = np.maximum(own, 1.0 + (diag + k) * ATTENTION_TILE / ATTENTION_FIT_MAX_KEYS)  # no gain past the measured range
+    own = 1.0 + (diag + k_own * np.asarray(calls, dtype=float)) * ATTENTION_TILE / np.maximum(
+        np.asarray(keys, dtype=float), 1.0)
+    own = np.maximum(own, 1.0 + (diag + k_own) * ATTENTION_TILE / ATTENTION_FIT_MAX_KEYS)  # no gain past the measured range
     out = own / anchor_tile_factor(k)
     return float(out) if np.ndim(out) == 0 else out
 

@@ -100,7 +100,7 @@ def attention(B: float, T: float, S: float, N: int, K: int, H: int, *, causal: b
     kvb = dtype_bytes(kv_dtype or dtype)
     nbytes = 2 * B * T * N * H * dtype_bytes(dtype) + 2 * B * S * K * H * kvb
     mask = tile_mask if tile_mask is not None else (0.5 if causal else 0.0)
-    return Op(name, flops, nbytes, "attention", dtype, dims=(keys, mask))
+    return Op(name, flops, nbytes, "attention", dtype, dims=(keys, mask, 2.0 * H))
 
 
 def elementwise(n_elements: float, *, flops_per_element: float = 1.0, n_inputs: int = 1, n_outputs: int = 1,
@@ -154,7 +154,8 @@ def realistic_time_s(op: Op, chip: Chip, eff: Efficiency) -> float:
         frac *= eff.dtype_scale(op.dtype)
     elif op.kind == "attention":
         # the fused kernel's rate at its keys per query and mask, as the planner's ledger times it
-        frac = eff.attention_fwd_fraction / (attention_tile_factor(eff, "fwd", *op.dims) if op.dims else 1.0)
+        frac = eff.attention_fwd_fraction / (attention_tile_factor(eff, "fwd", op.dims[0], op.dims[1], width=op.dims[2])
+                                             if op.dims else 1.0)
     return max(r.t_math_s / frac, r.t_mem_s / eff.hbm_fraction) + eff.kernel_overhead_s
 
 

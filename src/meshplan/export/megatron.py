@@ -23,12 +23,14 @@ from meshplan.export.common import (
     refuse,
     split_command,
 )
+from meshplan.train.frameworks import megatron_selective_policy
 from meshplan.train.space import Pins
 
 NAME = "megatron"
 PINS = {"offload": 0.0, "offload_params": 0, "offload_optimizer": 0}  # what pretrain_gpt.py cannot do (REASONS; the file states no model-state offload)
 # the values of a free degree a file can say (REASONS: no gemm-last flag; the distributed optimizer is ZeRO-1)
-CHOICES = {"recompute_choices": ("none", "selective", "full"), "zero_choices": (0, 1), "fsdp_replicas": False}
+CHOICES = {"recompute_choices": ("none", "selective", "full", "mla-up-proj"), "zero_choices": (0, 1),
+           "fsdp_replicas": False}
 CHIP_KINDS = ("gpu",)  # PyTorch on NVIDIA GPUs
 SUFFIX = ".sh"
 # behaviour pretrain_gpt.py switches on: (Options changes, the flags to add); `--from` predicts each
@@ -40,7 +42,8 @@ SWITCHES = {
 REASONS = {
     "zero": "the distributed optimizer shards the optimizer state (ZeRO-1); ZeRO-2 has no flag",
     "offload": "pretrain_gpt.py has no activation-offload flag",
-    "recompute": "--recompute-granularity is full or selective; gemm-last has no flag",
+    "recompute": "--recompute-granularity is full or selective (--recompute-modules core_attn or mla_up_proj); "
+                 "gemm-last has no flag",
     "selective_flavor": "selective recompute is the attention core (--recompute-modules core_attn)",
     "cp_impl": "Megatron-Core runs ring attention (Transformer Engine)",
     "attention_kernel": "--attention-backend auto picks Transformer Engine's fused kernel",
@@ -61,7 +64,7 @@ def export(plan: PlanToExport) -> str:
     if c.recompute == "gemm-last":
         raise refuse(NAME, "recompute", c.recompute, REASONS)
     m = p.model
-    gpus = min(p.chip.links.nvlink_domain_size or 8, p.chips)
+    gpus = min(p.chip.links.chips_per_host, p.chips)  # processes per node: the GPUs of one host (an NVL72 tray: 4)
     nodes = divide(NAME, "chips", p.chips, gpus)
     args = [
         "--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
@@ -104,6 +107,8 @@ def export(plan: PlanToExport) -> str:
             flags.append("--distribute-saved-activations")
     elif c.recompute == "selective":
         args += ["--recompute-granularity", "selective"]
+    elif c.recompute == "mla-up-proj":  # transformer_config.py recompute_modules: "mla_up_proj"
+        args += ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
     if o.compute_dtype == "fp8":  # Transformer Engine: casts fused, weights cached per step
         args += ["--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe_name("te", o, p.chip.name)]
     tp_ov, dp_ov = o.overlaps(p.chip.kind)
@@ -131,7 +136,7 @@ _VALUED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--
            "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
            "--kv-channels", "--num-experts", "--moe-router-topk", "--num-virtual-stages-per-pipeline-rank",
            "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity", "--recompute-method",
-           "--recompute-num-layers", "--fp8-format", "--fp8-recipe", "--data-parallel-sharding-strategy",
+           "--recompute-num-layers", "--recompute-modules", "--fp8-format", "--fp8-recipe", "--data-parallel-sharding-strategy",
            "--moe-token-dispatcher-type",
            # the architecture comes from --model; these describe it
            "--normalization", "--position-embedding-type", "--max-position-embeddings"}
@@ -204,6 +209,12 @@ def load(text: str, chips: int | None = None) -> Job:
     recompute = {None: "none", "full": "full", "selective": "selective"}.get(gran)
     if recompute is None:
         raise MeshplanError(f"megatron file: --recompute-granularity must be full or selective, got '{gran}'")
+    modules = values.get("--recompute-modules")
+    if recompute == "selective" and modules is not None:
+        recompute = megatron_selective_policy([modules]) or ""
+        if recompute not in ("selective", "mla-up-proj"):
+            raise MeshplanError(f"megatron file: --recompute-modules {modules}: meshplan reads core_attn or "
+                                "mla_up_proj")
     job.pins = Pins(dp=1 if zero3 else data, fsdp=data if zero3 else 1, tp=tp, pp=pp, vpp=vpp or (None if
                     job.layers_per_stage else 1), cp=cp, ep=ep, microbatch=num("--micro-batch-size", 1),
                     recompute=recompute, zero=1 if "--use-distributed-optimizer" in switches and not zero3 else 0,

@@ -28,6 +28,7 @@ from meshplan.export.common import (
 )
 from meshplan.export.megatron import CHOICES as MEGATRON_CHOICES
 from meshplan.export.megatron import REASONS as MEGATRON_REASONS
+from meshplan.train.frameworks import megatron_selective_policy
 from meshplan.train.space import Pins
 
 NAME = "nemo"
@@ -67,7 +68,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def export(plan: PlanToExport) -> str:
     c, o, p = plan.config, plan.options, plan.problem
-    gpus = min(p.chip.links.nvlink_domain_size or 8, p.chips)
+    gpus = min(p.chip.links.chips_per_host, p.chips)  # processes per node: the GPUs of one host (an NVL72 tray: 4)
     tp_ov, dp_ov = o.overlaps(p.chip.kind)
     flat = {
         "trainer.num_nodes": divide(NAME, "chips", p.chips, gpus), "trainer.devices": gpus,
@@ -92,7 +93,10 @@ def export(plan: PlanToExport) -> str:
     }
     if c.recompute == "full":
         flat.update({"model.config.recompute_method": "uniform", "model.config.recompute_num_layers": 1})
-    if c.recompute not in ("none", "full", "selective"):
+    if c.recompute == "mla-up-proj":  # Megatron-Core TransformerConfig.recompute_modules
+        flat.update({"model.config.recompute_granularity": "selective",
+                     "model.config.recompute_modules": ["mla_up_proj"]})
+    elif c.recompute not in ("none", "full", "selective"):
         flat["model.config.recompute_granularity"] = c.recompute  # read back as not expressible
     if c.fsdp > 1:
         flat["trainer.strategy.ddp.data_parallel_sharding_strategy"] = "optim_grads_params"
@@ -110,6 +114,7 @@ USED = {"trainer.num_nodes", "trainer.devices", "trainer.strategy.tensor_model_p
         "trainer.strategy.ddp.overlap_param_gather", "optim.config.use_distributed_optimizer",
         "trainer.strategy.ddp.use_distributed_optimizer", "model.config.tp_comm_overlap",
         "model.config.recompute_granularity", "model.config.recompute_method", "model.config.recompute_num_layers",
+        "model.config.recompute_modules",
         "data.seq_length", "data.micro_batch_size", "data.global_batch_size", "trainer.plugins.fp8",
         "trainer.plugins.fp8_recipe", "trainer.strategy.ddp.data_parallel_sharding_strategy",
         "model.config.account_for_embedding_in_pipeline_split", "model.config.account_for_loss_in_pipeline_split",
@@ -144,6 +149,13 @@ def load(text: str, chips: int | None = None) -> Job:
     gran = flat.get("model.config.recompute_granularity")
     if gran not in (None, "full", "selective"):
         raise MeshplanError(f"nemo model.config.recompute_granularity must be full or selective, got '{gran}'")
+    modules = flat.get("model.config.recompute_modules")
+    if gran == "selective" and modules is not None:
+        listed = [str(x) for x in modules] if isinstance(modules, list) else [str(modules)]
+        gran = megatron_selective_policy(listed)
+        if gran not in ("none", "selective", "mla-up-proj"):
+            raise MeshplanError(f"nemo model.config.recompute_modules {listed}: meshplan reads [], [core_attn] or "
+                                "[mla_up_proj]")
     zero3 = g("trainer.strategy.ddp.data_parallel_sharding_strategy") == "optim_grads_params"
     vpp = g("trainer.strategy.virtual_pipeline_model_parallel_size") or 1
     distopt = bool(g("optim.config.use_distributed_optimizer") or g("trainer.strategy.ddp.use_distributed_optimizer"))

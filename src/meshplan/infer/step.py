@@ -392,14 +392,15 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
     t_attn = decode_attn_flops / (peak_bf16 * eff.attention_fwd_fraction)
     if prefill_attn_flops > 0:
         mask = masked_tile_share(m, prompt_len)
+        width = attention_pair_width(m)  # the head's d_qk + d_v: a narrower head pays its fixed work per tile whole
         ctx = engine_context_attention(cfg, chip)
         if ctx is None:
-            t_attn += prefill_attn_flops * attention_tile_factor(eff, "fwd", prefill_ctx, mask) / (
+            t_attn += prefill_attn_flops * attention_tile_factor(eff, "fwd", prefill_ctx, mask, width=width) / (
                 peak_bf16 * eff.attention_fwd_fraction)
         else:
             fixed_s, frac, k = ctx
             t_attn += Ls * max(fixed_s - eff.kernel_overhead_s, 0.0) \
-                + prefill_attn_flops * tile_factor(k, prefill_ctx, mask) / (peak_bf16 * frac)
+                + prefill_attn_flops * tile_factor(k, prefill_ctx, mask, width=width) / (peak_bf16 * frac)
     kernels = Ls * serving_constant("decode_kernels_per_layer", chip) * eff.kernel_overhead_s
     permute = 0.0
     if m.is_moe:  # routing kernels around the expert GEMMs (serving.yaml moe_routing_kernels_per_layer)

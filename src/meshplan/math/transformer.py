@@ -16,7 +16,19 @@ from meshplan.specs.model import ModelConfig
 # mxfp4: OCP Microscaling Formats v1.0 — blocks of 32 E2M1 (4-bit) elements sharing one E8M0 (8-bit) scale,
 # 4.25 bits per element (gpt-oss's released expert weights)
 BYTES_PER_DTYPE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 4.25 / 8}
-RECOMPUTE_POLICIES = ("none", "selective", "full", "gemm-last")
+# mla-up-proj: Megatron-Core's selective recompute of the MLA up-projections (recompute_modules ["mla_up_proj"],
+# megatron/core/transformer/multi_latent_attention.py: `qkv_up_proj_and_rope_apply` run under
+# CheckpointWithoutOutput, its query/key/value discarded once the attention core has read them and rebuilt before the
+# core's backward); only meaningful for a model with multi-head latent attention (`check_recompute_for`)
+RECOMPUTE_POLICIES = ("none", "selective", "full", "gemm-last", "mla-up-proj")
+MLA_ONLY_POLICIES = ("mla-up-proj",)
+
+
+def check_recompute_for(m: ModelConfig, recompute: str) -> None:
+    """One clear error for a recompute policy the model has nothing to apply to (mla-up-proj without MLA)."""
+    if recompute in MLA_ONLY_POLICIES and not m.is_mla:
+        raise MeshplanError(f"--recompute {recompute} recomputes the up-projections of multi-head latent attention; "
+                            f"{m.name} has no MLA (use none, selective, full or gemm-last)")
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -465,10 +477,15 @@ def activation_bytes_per_layer(
     rep = 1.0 / tp if sequence_parallel else 1.0  # layer-norm region: replicated under TP unless SP
     q = m.q_dim / tp
     kv = m.kv_dim * max(m.n_kv_heads / tp, 1.0) / m.n_kv_heads  # KV heads are replicated when K < tp
+    latent = 0.0
     if m.is_mla:
         # MLA keeps the up-projected per-head queries, keys (N·(H+R)) and values (N·V) for the attention backward
         q = m.n_heads * m.qk_head_dim / tp
         kv = m.n_heads * attention_pair_width(m) / 2 / tp
+        # and its latents, computed whole on every TP rank (the down-projections are not split over heads): the
+        # query latent (q_lora_rank; none without one, W_Q then reads the normed layer input) and the key-value
+        # latent (kv_lora_rank) that feed the up-projections (DeepSeek-V2 eqs. 1-10)
+        latent = (m.q_lora_rank + m.kv_lora_rank) * 1.0
     f = _mlp_width(m) / tp
     mask = 1.0 if dropout else 0.0
 
@@ -481,6 +498,8 @@ def activation_bytes_per_layer(
     if recompute == "gemm-last":
         parts["layer_input"] = a * sb * D * rep
         parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
+        if latent:  # the down-projections' outputs: both latents and the shared RoPE key (R)
+            parts["attn/latents"] = a * sb * (latent + m.qk_rope_head_dim)
         parts["attn/core_out"] = a * sb * q
         if not flash_attention:
             parts["attn/scores"] = attention_score_bytes(m, seq_len, micro_batch, tp=tp, cp=cp, act_bytes=a)
@@ -490,7 +509,17 @@ def activation_bytes_per_layer(
         g = a if gemm_input_bytes is None else gemm_input_bytes  # a GEMM's saved input
         parts["norm/inputs"] = 2 * a * sb * D * rep
         parts["attn/qkv_in"] = g * sb * D * rep
-        parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
+        if recompute == "mla-up-proj":
+            # Megatron-Core's CheckpointWithoutOutput keeps only its inputs, the normed latents and the RoPE key
+            # (bf16), and frees query/key/value after the core's forward; the up-projections save nothing (their
+            # forward runs without autograd and again, with it, in the backward)
+            parts["attn/latents"] = a * sb * (latent + m.qk_rope_head_dim)
+        else:
+            parts["attn/qkv_out"] = a * sb * (q + 2 * kv)
+            if latent:  # the up-projections' saved inputs: the normed latents (quantised under FP8, like qkv_in)
+                parts["attn/latents"] = g * sb * latent
+        if latent:  # the latent RMSNorms save their inputs (q_a_layernorm, kv_a_layernorm)
+            parts["attn/latent_norm_in"] = a * sb * latent
         if not flash_attention and recompute == "none":
             # softmax output (a·N·s²·b) and, with dropout, its mask and the dropped-out probabilities
             parts["attn/scores"] = (1 + mask * (1 + a) / a) * attention_score_bytes(m, seq_len, micro_batch, tp=tp, cp=cp,
@@ -511,8 +540,8 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, caus
     """Extra forward FLOPs per token spent on recomputation in the backward pass.
 
     full: the whole layer forward again (≈ 2N per token: 6N → 8N, book ch.4); selective: the attention
-    core only (Korthikanti et al. 2022: QKᵀ and AV recomputed); gemm-last and none: no matmul FLOPs
-    (gemm-last rebuilds only elementwise ops)."""
+    core only (Korthikanti et al. 2022: QKᵀ and AV recomputed); mla-up-proj: MLA's query and key-value
+    up-projections; gemm-last and none: no matmul FLOPs (gemm-last rebuilds only elementwise ops)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise MeshplanError(f"unknown recompute policy '{recompute}' (known: {', '.join(RECOMPUTE_POLICIES)})")
     tf = flops_per_token(m, seq_len, causal)
@@ -521,6 +550,10 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, caus
         return layers_matmul + tf.forward_attention
     if recompute == "selective":
         return tf.forward_attention
+    if recompute == "mla-up-proj" and m.is_mla:
+        # the query and key-value up-projections of every layer again (2 FLOPs per weight per token)
+        w = m.mla_weights()
+        return 2.0 * (w["q_up"] + w["kv_up"]) * m.n_layers
     return 0.0
 
 

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshplan.errors import MeshplanError
+from meshplan.math import transformer as tm
 from meshplan.measure.layout import MESH_AXES, Layout, logical_rules, moe_capacity
 from meshplan.specs.model import ModelConfig
 
@@ -140,6 +141,7 @@ def check_supported(model: ModelConfig, layout: Layout, seq_len: int, global_bat
     """Raise MeshplanError for layouts the reference model does not build."""
     if model.is_mla:
         raise MeshplanError(f"{model.name}: multi-head latent attention (MLA) is not in the JAX model yet")
+    tm.check_recompute_for(model, layout.recompute)  # mla-up-proj: MLA models only, which the program refuses above
     if layout.vpp > 1 and layout.pp == 1:
         raise MeshplanError(f"verify: vpp={layout.vpp} needs pipeline parallelism (pp > 1)")
     if layout.vpp > 1 and layout.n_micro(global_batch) < layout.pp:

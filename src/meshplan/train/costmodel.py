@@ -132,6 +132,10 @@ RECOMPUTE_PARTS: dict[str, dict[str, float]] = {
     "selective/attention": {"core": 1.0},
     "selective/op": {"mm": 0.5, "elem": 1.0, "cast": 1.0},
     "selective/layer": {"mm": 0.5, "core": 0.5, "elem": 0.5, "cast": 0.5},
+    # Megatron-Core's mla_up_proj (math/transformer.py RECOMPUTE_POLICIES): MLA's query and key-value up-projection
+    # GEMMs ("up", CostModel._mla_up_projections); the RoPE on their outputs (one fused pointwise kernel,
+    # apply_rope_fusion) and their inputs' FP8 casts are not split out of "elem"/"cast" and not charged: a lower bound
+    "mla-up-proj": {"up": 1.0},
 }
 SELECTIVE_FLAVORS = tuple(k.split("/")[1] for k in RECOMPUTE_PARTS if k.startswith("selective/"))
 
@@ -612,12 +616,15 @@ class CostModel:
         if m.is_moe and self.opt.moe_capacity_factor > 0:
             disp_s, disp_flops, f_capacity = self._capacity_einsum_moe(g, f_routed)
             mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + disp_s
+            up_s, up_flops = self._mla_up_projections(t, tp)
             return dict(f_s=mlp_s + proj_s, flops=f_mlp - f_routed + f_capacity + disp_flops + proj_flops,
-                        down_s=0.0, down_flops=0.0, mlp_s=mlp_s, out_proj_s=self._out_projection_s(t, tp))
+                        down_s=0.0, down_flops=0.0, mlp_s=mlp_s, out_proj_s=self._out_projection_s(t, tp),
+                        up_s=up_s, up_flops=up_flops)
         mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + self._grouped_gemm_s(g, f_routed)
+        up_s, up_flops = self._mla_up_projections(t, tp)
         return dict(f_s=mlp_s + proj_s, flops=f_mlp + proj_flops,
                     down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down, mlp_s=mlp_s,
-                    out_proj_s=self._out_projection_s(t, tp))
+                    out_proj_s=self._out_projection_s(t, tp), up_s=up_s, up_flops=up_flops)
 
     def _capacity_einsum_moe(self, g: dict, f_routed):
         """MaxText's dropping MoE without sparse kernels (layers/moe.py `dense_matmul`, megablox and sparse_matmul
@@ -730,7 +737,7 @@ class CostModel:
                 # constant). Measured for cuDNN only: the FA2/SDPA fractions are long-sequence figures of their own
                 keys, diag = tm.mean_attended_keys(m, S), tm.masked_tile_share(m, S)
                 calls = g["cp"] if self.opt.cp_impl in ("ring", "torch") else 1.0
-                fwd_frac = fwd_frac / attention_tile_factor(e, "fwd", keys, diag, calls)
+                fwd_frac = fwd_frac / attention_tile_factor(e, "fwd", keys, diag, calls, tm.attention_pair_width(m))
                 bwd_frac = bwd_frac / attention_tile_factor(e, "bwd", keys, diag, calls)
             out = dict(f_s=f_core_f / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
                        flops_f=f_core_f, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
@@ -762,9 +769,14 @@ class CostModel:
         128 on v4/v5e/v5p, 256 on v6e). The attention fractions (efficiency.yaml, splash attention on v5e at head
         dim 128) are for a filled array: head dim 128 on v6e's 256x256 MXU runs at half of them. GPUs' fractions
         are measured at head dim 128: a narrower head runs at the published rate of its kernel at that width
-        and pass (efficiency.attention_head_dim_rate; gpt-oss's 64 on cuDNN: 0.670 forward, 0.836 backward)."""
+        and pass (efficiency.attention_head_dim_rate; gpt-oss's 64 on cuDNN: 0.670 forward, 0.836 backward), except
+        cuDNN's forward where the chip has a tile constant: its tile factor takes the width instead
+        (efficiency.attention_tile_factor)."""
         head = tm.attention_pair_width(self.p.model) / 2  # mean of the QKᵀ and AV widths
         if self.p.chip.kind != "tpu":
+            if (direction == "fwd" and self.opt.attention_kernel == "fused" and self.eff.attention_tile_fwd
+                    and self.opt.flash_attention):
+                return 1.0  # cuDNN's forward tile factor carries the width (efficiency.attention_tile_factor)
             return attention_head_dim_rate(self.p.chip, head, self.opt.attention_kernel, direction)
         return min(1.0, head / self.eff.matmul_half_dim)
 
@@ -1026,6 +1038,7 @@ class CostModel:
         for policy in tm.RECOMPUTE_POLICIES:
             w = self._recompute_parts(policy)
             mm_s, mm_flops, wc = w.get("mm", 0) * mm["f_s"], w.get("mm", 0) * mm["flops"], w.get("core", 0)
+            mm_s, mm_flops = mm_s + w.get("up", 0) * mm["up_s"], mm_flops + w.get("up", 0) * mm["up_flops"]
             core_s, core_flops, core_hbm = wc * core["f_s"], wc * core["flops_f"], wc * core["hbm_f"]
             if self.opt.remat_dce and policy == "full":
                 # JAX/XLA remat recomputes only what the backward reads: the dense MLP's down-projection is dropped
@@ -1117,16 +1130,25 @@ class CostModel:
             return qkv_s + self._out_projection_s(t, tp), f_qkv + f_o
         # MLA (DeepSeek-V2 §2.1): the latent down-projections are computed whole on every TP rank; the per-head
         # up-projections and the output projection split over the heads
-        w, N = m.mla_weights(), m.n_heads
-        q_in = m.q_lora_rank or c["D"]
+        w = m.mla_weights()
         t_s = self._matmul_time(2 * t * w["kv_down"], t, m.kv_lora_rank + m.qk_rope_head_dim, c["D"])
         flops = 2 * t * w["kv_down"] + 2 * t * (w["q_up"] + w["kv_up"] + w["o"]) / tp
         if m.q_lora_rank:
             t_s = t_s + self._matmul_time(2 * t * w["q_down"], t, m.q_lora_rank, c["D"])
             flops = flops + 2 * t * w["q_down"]
-        t_s = t_s + self._matmul_time(2 * t * w["q_up"] / tp, t, N * m.qk_head_dim / tp, q_in)
-        t_s = t_s + self._matmul_time(2 * t * w["kv_up"] / tp, t, N * (m.head_dim + m.v_dim) / tp, m.kv_lora_rank)
-        return t_s + self._out_projection_s(t, tp), flops
+        return t_s + self._mla_up_projections(t, tp)[0] + self._out_projection_s(t, tp), flops
+
+    def _mla_up_projections(self, t, tp):
+        """(seconds, FLOPs) of one layer's MLA query and key-value up-projections (split over the heads), each GEMM
+        timed at its own shape: what the mla-up-proj recompute runs again. (0, 0) without MLA."""
+        c, m = self.c, self.p.model
+        if not m.is_mla:
+            return 0.0, 0.0
+        w, N = m.mla_weights(), m.n_heads
+        q_in = m.q_lora_rank or c["D"]
+        t_s = (self._matmul_time(2 * t * w["q_up"] / tp, t, N * m.qk_head_dim / tp, q_in)
+               + self._matmul_time(2 * t * w["kv_up"] / tp, t, N * (m.head_dim + m.v_dim) / tp, m.kv_lora_rank))
+        return t_s, 2 * t * (w["q_up"] + w["kv_up"]) / tp
 
     def _materialized_attention(self, g: dict, f_core) -> dict:
         """Attention without a flash kernel (Megatron 2020-21, BLOOM, the JAX reference of `verify`): QKᵀ and AV as
@@ -1889,7 +1911,10 @@ class CostModel:
         g["head_in_split"] = head > 0
         g["layers_stage"] = np.ceil((m.n_layers + head) / (g["pp"] * g["vpp"])) * g["vpp"]
         # norm scales are replicated over TP (Megatron-SP, and the JAX program: verify's TP8 arguments showed it)
-        dense_layer = pc.per_layer - pc.per_layer_norms - (c["expert_w"] if m.is_moe else 0)
+        # the mean layer, as c["expert_w"] is (DeepSeek's leading dense layers have no experts): its weights less the
+        # norms and the routed experts it holds on average
+        mean_layer = (pc.total - pc.embedding - pc.position - pc.final_norm - pc.unembedding) / m.n_layers
+        dense_layer = mean_layer - pc.per_layer_norms - (c["expert_w"] if m.is_moe else 0)
         g["params_layer_local"] = (dense_layer / g["tp"] + pc.per_layer_norms
                                    + c["expert_w"] / (g["etp"] * g["ep"]))
         # outside the layers: embeddings, output layer and the final norm (which sits with the output layer)

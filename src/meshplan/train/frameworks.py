@@ -292,8 +292,9 @@ def grad_reduce_bytes_of(deepspeed: bool, fp16: bool) -> float:
 # Megatron-Core's `--recompute-modules` (megatron/core/transformer/transformer_config.py `recompute_modules`, default
 # ["core_attn"]): what a selective recompute reruns. core_attn is meshplan's selective (Korthikanti et al. 2022); norms
 # and activations alone ("layernorm", "moe_act"; the MoE model zoo prints them "norm, act") rerun only pointwise ops and
-# keep every GEMM output, meshplan's gemm-last. The others (mla_up_proj, mlp, moe, shared_experts) rerun GEMMs that no
-# meshplan policy names.
+# keep every GEMM output, meshplan's gemm-last. mla_up_proj alone (multi_latent_attention.py: the query and key-value
+# up-projections and their RoPE under CheckpointWithoutOutput) is meshplan's mla-up-proj. The others (mlp, moe,
+# shared_experts, or mla_up_proj with other modules) rerun GEMMs that no meshplan policy names.
 MEGATRON_POINTWISE_MODULES = ("layernorm", "norm", "moe_act", "act")
 
 
@@ -304,6 +305,8 @@ def megatron_selective_policy(modules: list[str] | None) -> str | None:
         return "selective"
     if not modules:
         return "none"
+    if list(modules) == ["mla_up_proj"]:
+        return "mla-up-proj"
     return "gemm-last" if all(m in MEGATRON_POINTWISE_MODULES for m in modules) else None
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from meshplan.errors import InfeasibleError, MeshplanError
+from meshplan.math import transformer as tm
 from meshplan.math.integers import divisors
 from meshplan.specs.hardware import Chip
 from meshplan.specs.model import ModelConfig
@@ -109,6 +110,8 @@ def validate_pins(p: Problem, pins: Pins) -> None:
                             "(load-balanced causal split)")
     if pins.recompute is not None:  # '' is no policy (it was searched as if unpinned)
         check_recompute(pins.recompute)
+        if pins.recompute:
+            tm.check_recompute_for(m, pins.recompute)
     if pins.zero == 3 and pins.fsdp not in (None, 1) and pins.dp not in (None, 1):
         raise MeshplanError("--zero 3 shards everything over the data-parallel ranks: use --fsdp (and --dp for "
                             "replicas of the sharded group) instead")
@@ -203,8 +206,10 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
     m = p.model
     vpp_c = np.asarray(_choices(pins.vpp, [1, 2, 4, 8]), dtype=np.int64)
     mb_c = np.asarray(_choices(pins.microbatch, [1, 2, 4, 8, 16]), dtype=np.int64)
+    # a free policy takes the values the model has something to apply to (mla-up-proj only under MLA)
     rc_c = np.asarray([RECOMPUTE_CODES[pins.recompute]] if pins.recompute else
-                      [RECOMPUTE_CODES[r] for r in (pins.recompute_choices or RECOMPUTE_CODES)])
+                      [RECOMPUTE_CODES[r] for r in (pins.recompute_choices or RECOMPUTE_CODES)
+                       if m.is_mla or r not in tm.MLA_ONLY_POLICIES])
     zero_c = np.asarray(_choices(pins.zero, [z for z in (0, 1, 2) if pins.zero_choices is None
                                              or z in pins.zero_choices]), dtype=np.int64)
     ep_c = np.asarray(_choices(pins.ep, divisors(m.n_experts) if m.is_moe else [1]), dtype=np.int64)
