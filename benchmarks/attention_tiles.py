@@ -132,6 +132,16 @@ def predicted_s(r: dict, width_rule: bool = True) -> float:
     return counted_flops(r) / (chip.peak("bf16") * frac * rate) * factor
 
 
+def mla_backward_rate(rows: list[dict], system: str | None = None) -> float:
+    """cuDNN's backward rate at MLA's head (192 + 128) relative to head dim 128: the median over the 2K-16K rows of
+    meshplan's time at rate 1 over the measured time (efficiency.yaml attention_head_dim_rate gb200-nvl72 fused_bwd
+    160), on one system or on all Blackwell rows."""
+    sel = [r for r in rows if r["width"] == 320 and r["direction"] == "bwd" and r["seq"] <= FIT_MAX_SEQ
+           and r["system"] != "h200" and (system is None or r["system"] == system)]
+    return float(np.median([predicted_s(r) * attention_head_dim_rate(load_chip(CHIPS[r["system"]]), 160, "fused", "bwd")
+                            / r["time_s"] for r in sel]))
+
+
 def load_head_rows(path: Path = HEADS_DATA) -> list[dict]:
     """The other heads' rows; `head_dim` the mean of d_qk and d_v (the FLOPs are 2·b·h·S·keys·(d_qk + d_v))."""
     with path.open() as fh:
@@ -180,8 +190,11 @@ def main() -> int:
                     cols.append(f"{np.median(e):+.1%} [{min(e):+.0%}, {max(e):+.0%}]")
                 print(f"| {system} | {model} | {sel[0]['width']:.0f} | {sel[0]['window'] or '-'} | {direction} | "
                       f"{len(sel)} | {cols[0]} | {cols[1]} |")
+    print(f"cuDNN backward at MLA's head (192 + 128) over head dim 128's rate: GB200 {mla_backward_rate(heads, 'gb200'):.3f}, "
+          f"GB300 {mla_backward_rate(heads, 'gb300'):.3f}, both {mla_backward_rate(heads):.3f} "
+          "(efficiency.yaml attention_head_dim_rate: fused_bwd 160 on Blackwell)")
     for direction in ("fwd", "bwd"):
-        for rule, name in ((True, "now"), (False, "s34")):
+        for rule, name in ((True, "now"), (False, "s34"))[: 2 if direction == "fwd" else 1]:
             e = np.array([predicted_s(r, rule) / r["time_s"] - 1 for r in heads if r["direction"] == direction])
             print(f"{direction} {name}: {len(e)} rows, median |error| {np.median(np.abs(e)):.1%}, signed "
                   f"{np.median(e):+.1%}")

@@ -235,3 +235,18 @@ def test_training_ledger_times_gpt_oss_window_layers_with_the_width_rule() -> No
     assert core["f_s"] / core["flops_f"] == pytest.approx(factor / (chip.peak("bf16") * eff.attention_fwd_fraction),
                                                           rel=1e-9)
     assert factor / attention_tile_factor(eff, "fwd", keys, diag) > 1.2
+
+
+def test_mla_backward_rate_rederives_from_the_tables() -> None:
+    """efficiency.yaml's Blackwell fused_bwd point at MLA's mean head width 160 is the median, over DeepSeek-V3's and
+    Kimi K2.6's 2K-16K backward rows on GB200 and GB300, of meshplan's time at rate 1 over the measured time; each part's
+    own median agrees within 0.005; Hopper keeps rate 1 there (no MLA rows measured)."""
+    from meshplan.cost.efficiency import attention_head_dim_rate
+
+    heads = attention_tiles.load_head_rows()
+    both = attention_tiles.mla_backward_rate(heads)
+    for chip in ("gb200-nvl72", "gb300-nvl72", "b200", "b300"):
+        assert attention_head_dim_rate(load_chip(chip), 160, "fused", "bwd") == pytest.approx(both, abs=0.0006)
+    for system in ("gb200", "gb300"):
+        assert attention_tiles.mla_backward_rate(heads, system) == pytest.approx(both, abs=0.005)
+    assert attention_head_dim_rate(load_chip("h100-sxm"), 160, "fused", "bwd") == 1.0

@@ -173,13 +173,14 @@ def default_efficiency(chip: Chip) -> Efficiency:
 def attention_head_dim_rate(chip: Chip, head_dim: float, kernel: str = "fused", direction: str = "fwd") -> float:
     """A GPU attention kernel's FLOP rate at `head_dim` relative to head dim 128 (efficiency.yaml
     attention_head_dim_rate, by kernel, `fused` cuDNN or `fa2`, and pass, `fwd` or `bwd`): linear between the
-    published points, the narrowest point's rate below them, 1 at and above 128. E.g. fused forward, head dim 64:
-    0.670; 96: (0.670 + 1.0) / 2 = 0.835 (the training ledger takes the fused forward's only where the chip has no
-    forward tile constant: attention_tile_factor's `width` carries it there). 1 on TPUs (their MXU fill is modelled in
-    train/costmodel.py) and for a chip or kernel without points."""
+    published points, the narrowest point's rate below them and the widest's above them (a chip's own points for a
+    kernel and pass, else the GPU-wide ones). E.g. fused forward, head dim 64: 0.670; 96: (0.670 + 1.0) / 2 = 0.835
+    (the training ledger takes the fused forward's only where the chip has no forward tile constant:
+    attention_tile_factor's `width` carries it there); GB200's fused backward at MLA's mean width 160: 0.838. 1 on
+    TPUs (their MXU fill is modelled in train/costmodel.py) and for a chip or kernel without points."""
     table = _table()["attention_head_dim_rate"]
-    entry = table.get(chip.name) or table.get(chip.kind)
-    points = (entry or {}).get(f"{kernel}_{direction}")
+    key = f"{kernel}_{direction}"
+    points = (table.get(chip.name) or {}).get(key) or (table.get(chip.kind) or {}).get(key)  # the chip's own first
     if chip.kind != "gpu" or not points:
         return 1.0
     dims = sorted(float(d) for d in points)
