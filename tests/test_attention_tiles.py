@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshplan.cost.efficiency import attention_tile_factor, default_efficiency
 from meshplan.math import transformer as tm
@@ -250,3 +252,17 @@ def test_mla_backward_rate_rederives_from_the_tables() -> None:
     for system in ("gb200", "gb300"):
         assert attention_tiles.mla_backward_rate(heads, system) == pytest.approx(both, abs=0.005)
     assert attention_head_dim_rate(load_chip("h100-sxm"), 160, "fused", "bwd") == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.floats(1.0, 1e6), diag=st.sampled_from([0.0, 0.5, 1.0]), calls=st.integers(1, 16),
+       narrow=st.floats(32.0, 1024.0), wider=st.floats(1.0, 4.0))
+def test_tile_factor_is_positive_and_falls_with_the_head_width(keys, diag, calls, narrow, wider) -> None:
+    """Any shape: the forward factor is finite and positive, a wider head never pays more per FLOP (its fixed work per
+    query tile is a smaller share of its tiles), and the backward ignores the width."""
+    eff = default_efficiency(load_chip("gb200-nvl72"))
+    a = attention_tile_factor(eff, "fwd", keys, diag, calls, width=narrow)
+    b = attention_tile_factor(eff, "fwd", keys, diag, calls, width=narrow * wider)
+    assert np.isfinite(a) and 0 < b <= a * (1 + 1e-12)
+    assert attention_tile_factor(eff, "bwd", keys, diag, calls, width=narrow) == attention_tile_factor(
+        eff, "bwd", keys, diag, calls)
