@@ -17,6 +17,7 @@ from rich.table import Table
 from meshplan.cli.app import app, console, err_console, fail, print_json
 from meshplan.cost.efficiency import PROFILE_SCHEMA, read_profile_json
 from meshplan.errors import MeshplanError
+from meshplan.math.transformer import RECOMPUTE_HELP
 from meshplan.specs.hardware import Chip, load_chip
 from meshplan.units import fmt_bytes, fmt_rate, fmt_time
 
@@ -227,8 +228,7 @@ def measure(
     dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the devices left).")] = None,
     fsdp: Annotated[int | None, typer.Option(help="FSDP degree.")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
-    recompute: Annotated[str, typer.Option(
-        help="none | selective | full | gemm-last | mla-up-proj (MLA models: Megatron-Core's recompute of the latent up-projections, --recompute-modules mla_up_proj)")] = "none",
+    recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "none",
     steps: Annotated[int, typer.Option(help="Timed steps (after one warm-up step).")] = 5,
     layers: Annotated[int | None, typer.Option(help="Use only this many layers of the model.")] = None,
     hardware: Annotated[str | None, typer.Option(help="Chip to predict for (default: detected).")] = None,

@@ -13,6 +13,7 @@ from meshplan.cli.net import SliceOpt, parse_slice_shape
 from meshplan.cost.efficiency import resolve_efficiency
 from meshplan.cost.topology import make_cluster
 from meshplan.errors import MeshplanError
+from meshplan.math.transformer import RECOMPUTE_HELP
 from meshplan.specs.hardware import load_chip, price_label, with_price
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import (
@@ -68,8 +69,7 @@ def train(
         help="Expert tensor parallel size (Megatron-Core --expert-tensor-parallel-size): 1 = whole experts on each "
              "rank, the EP group on consecutive ranks (Megatron-Bridge's MoE recipes, the nemo preset), or the --tp "
              "degree (Megatron-LM's default). Unset: the framework's (ETP = TP without one).")] = None,
-    recompute: Annotated[str | None, typer.Option(
-        help="none | selective | full | gemm-last | mla-up-proj (MLA models: Megatron-Core's recompute of the latent up-projections, --recompute-modules mla_up_proj)")] = None,
+    recompute: Annotated[str | None, typer.Option(help=RECOMPUTE_HELP)] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage over the dp group: 0, 1, 2, or 3 (= FSDP over those ranks: --dp 32 --zero 3 is --fsdp 32).")] = None,
     offload: Annotated[float | None, typer.Option(help="Fraction of activations offloaded to host memory.")] = None,
     offload_optimizer: Annotated[int | None, typer.Option(

@@ -23,7 +23,7 @@ from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import OFFLOAD_FLAGS, ParallelConfig
 from meshplan.train.costmodel import Options, expert_tp_degree, fp8_recipes
-from meshplan.train.frameworks import framework_options
+from meshplan.train.frameworks import framework_options, megatron_selective_policy
 from meshplan.train.space import Pins, Problem
 from meshplan.units import fmt_bytes, fmt_time
 
@@ -271,6 +271,19 @@ def check_expressible(framework: str, plan: PlanToExport, job: Job, reasons: dic
     raise MeshplanError(f"{framework} cannot express this plan: " + "; ".join(parts)
                         + f". Pin what {framework} can run (e.g. --framework {framework} and the degrees) or "
                           "export to another framework")
+
+
+# the Megatron-Core selective recompute modules a file may list that meshplan reads back (megatron_selective_policy)
+READABLE_SELECTIVE = ("none", "selective", "mla-up-proj")
+
+
+def selective_recompute_of(framework: str, key: str, modules: list[str]) -> str:
+    """meshplan's --recompute for a Megatron-Core file's selective recompute over `modules` (its recompute_modules),
+    or one clear error where meshplan has no policy for them."""
+    policy = megatron_selective_policy(modules)
+    if policy not in READABLE_SELECTIVE:
+        raise MeshplanError(f"{framework} file: {key} {modules}: meshplan reads [], [core_attn] or [mla_up_proj]")
+    return policy
 
 
 def refuse(framework: str, name: str, value: Any, reasons: dict[str, str]) -> MeshplanError:

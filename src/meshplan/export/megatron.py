@@ -21,9 +21,9 @@ from meshplan.export.common import (
     framework_keys,
     header_lines,
     refuse,
+    selective_recompute_of,
     split_command,
 )
-from meshplan.train.frameworks import megatron_selective_policy
 from meshplan.train.space import Pins
 
 NAME = "megatron"
@@ -211,10 +211,7 @@ def load(text: str, chips: int | None = None) -> Job:
         raise MeshplanError(f"megatron file: --recompute-granularity must be full or selective, got '{gran}'")
     modules = values.get("--recompute-modules")
     if recompute == "selective" and modules is not None:
-        recompute = megatron_selective_policy([modules]) or ""
-        if recompute not in ("selective", "mla-up-proj"):
-            raise MeshplanError(f"megatron file: --recompute-modules {modules}: meshplan reads core_attn or "
-                                "mla_up_proj")
+        recompute = selective_recompute_of(NAME, "--recompute-modules", [modules])
     job.pins = Pins(dp=1 if zero3 else data, fsdp=data if zero3 else 1, tp=tp, pp=pp, vpp=vpp or (None if
                     job.layers_per_stage else 1), cp=cp, ep=ep, microbatch=num("--micro-batch-size", 1),
                     recompute=recompute, zero=1 if "--use-distributed-optimizer" in switches and not zero3 else 0,

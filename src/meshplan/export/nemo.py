@@ -23,12 +23,12 @@ from meshplan.export.common import (
     fp8_recipe_name,
     framework_keys,
     header_lines,
+    selective_recompute_of,
     whole,
     yaml_mapping,
 )
 from meshplan.export.megatron import CHOICES as MEGATRON_CHOICES
 from meshplan.export.megatron import REASONS as MEGATRON_REASONS
-from meshplan.train.frameworks import megatron_selective_policy
 from meshplan.train.space import Pins
 
 NAME = "nemo"
@@ -152,10 +152,7 @@ def load(text: str, chips: int | None = None) -> Job:
     modules = flat.get("model.config.recompute_modules")
     if gran == "selective" and modules is not None:
         listed = [str(x) for x in modules] if isinstance(modules, list) else [str(modules)]
-        gran = megatron_selective_policy(listed)
-        if gran not in ("none", "selective", "mla-up-proj"):
-            raise MeshplanError(f"nemo model.config.recompute_modules {listed}: meshplan reads [], [core_attn] or "
-                                "[mla_up_proj]")
+        gran = selective_recompute_of(NAME, "model.config.recompute_modules", listed)
     zero3 = g("trainer.strategy.ddp.data_parallel_sharding_strategy") == "optim_grads_params"
     vpp = g("trainer.strategy.virtual_pipeline_model_parallel_size") or 1
     distopt = bool(g("optim.config.use_distributed_optimizer") or g("trainer.strategy.ddp.use_distributed_optimizer"))

@@ -22,6 +22,9 @@ BYTES_PER_DTYPE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.
 # core's backward); only meaningful for a model with multi-head latent attention (`check_recompute_for`)
 RECOMPUTE_POLICIES = ("none", "selective", "full", "gemm-last", "mla-up-proj")
 MLA_ONLY_POLICIES = ("mla-up-proj",)
+# --recompute's help, wherever a command takes it
+RECOMPUTE_HELP = (" | ".join(RECOMPUTE_POLICIES) + " (mla-up-proj: MLA models only, Megatron-Core's recompute of the "
+                  "latent up-projections, --recompute-modules mla_up_proj)")
 
 
 def check_recompute_for(m: ModelConfig, recompute: str) -> None:
@@ -485,7 +488,7 @@ def activation_bytes_per_layer(
         # and its latents, computed whole on every TP rank (the down-projections are not split over heads): the
         # query latent (q_lora_rank; none without one, W_Q then reads the normed layer input) and the key-value
         # latent (kv_lora_rank) that feed the up-projections (DeepSeek-V2 eqs. 1-10)
-        latent = (m.q_lora_rank + m.kv_lora_rank) * 1.0
+        latent = float(m.q_lora_rank + m.kv_lora_rank)
     f = _mlp_width(m) / tp
     mask = 1.0 if dropout else 0.0
 

@@ -611,17 +611,16 @@ class CostModel:
         f_mlp = 2 * t * c["mlp_w_active"] / tp
         f_routed = 2 * t * c["routed_w_active"] / tp
         proj_s, proj_flops = self._attention_projections(t, tp)
+        up_s, up_flops = self._mla_up_projections(t, tp)  # what mla-up-proj reruns (compute_terms)
         # a dense MLP's down-projection: its output only feeds the residual sum, which no backward reads
         down = 0.0 if m.is_moe else 2 * t * c["D"] * c["F"] / tp
         if m.is_moe and self.opt.moe_capacity_factor > 0:
             disp_s, disp_flops, f_capacity = self._capacity_einsum_moe(g, f_routed)
             mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + disp_s
-            up_s, up_flops = self._mla_up_projections(t, tp)
             return dict(f_s=mlp_s + proj_s, flops=f_mlp - f_routed + f_capacity + disp_flops + proj_flops,
                         down_s=0.0, down_flops=0.0, mlp_s=mlp_s, out_proj_s=self._out_projection_s(t, tp),
                         up_s=up_s, up_flops=up_flops)
         mlp_s = self._matmul_time(f_mlp - f_routed, t, c["F"] / tp, c["D"]) + self._grouped_gemm_s(g, f_routed)
-        up_s, up_flops = self._mla_up_projections(t, tp)
         return dict(f_s=mlp_s + proj_s, flops=f_mlp + proj_flops,
                     down_s=self._matmul_time(down, t, c["F"] / tp, c["D"]), down_flops=down, mlp_s=mlp_s,
                     out_proj_s=self._out_projection_s(t, tp), up_s=up_s, up_flops=up_flops)
