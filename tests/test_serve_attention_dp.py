@@ -90,11 +90,9 @@ def test_moe_dispatch_bytes_and_rows_per_expert(setup):
     assert combine == tokens * D * 2
     # every rank's tokens reach the experts: rows of each expert's GEMM = tokens x k / E
     assert tokens_per_expert(m, tokens) == tokens * TOPK / E == 237
-    # no attention all-reduce: the layer's collectives are exactly the all-gather and the reduce-scatter over 8 GPUs,
-    # each with the in-situ wait at its barrier (serving.yaml collective_sync_s gpu, 8 GPUs: 19.2 us)
+    # no attention all-reduce: the layer's collectives are exactly the all-gather and the reduce-scatter over 8 GPUs
     cl = make_cluster(chip, 8)
-    want = group_collective("allgather", dispatch, cl, 8).time_s + group_collective("reducescatter", combine, cl, 8).time_s \
-        + 2 * 19.2e-6
+    want = group_collective("allgather", dispatch, cl, 8).time_s + group_collective("reducescatter", combine, cl, 8).time_s
     assert _layer_comm_s(m, chip, adp, tokens) == pytest.approx(want)
 
 

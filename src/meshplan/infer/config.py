@@ -45,29 +45,6 @@ def serving_constant(name: str, chip: Chip) -> float:
     return float(hit["value"])
 
 
-@lru_cache(maxsize=16)
-def _sync_points(chip_name: str, chip_kind: str) -> tuple[tuple[float, float], ...]:
-    entry = _table()["collective_sync_s"]
-    hit = entry.get(chip_name) or entry.get(chip_kind)
-    if hit is None:
-        raise MeshplanError(f"no serving constant 'collective_sync_s' for {chip_name} ({chip_kind})")
-    return tuple(sorted((float(g), float(v)) for g, v in (hit["value"] or {}).items()))
-
-
-def collective_sync_table(chip: Chip) -> dict[int, float]:
-    """serving.yaml collective_sync_s for the chip: seconds by group size."""
-    return {int(g): v for g, v in _sync_points(chip.name, chip.kind)}
-
-
-def collective_sync_s(chip: Chip, group: int) -> float:
-    """What one blocking collective over `group` chips costs in an inference step beyond its own kernel: the wait for
-    the slowest rank at the barrier (serving.yaml collective_sync_s, measured in situ against the kernel alone;
-    benchmarks/collective_sync.py). Linear in log2(group) between the measured sizes, clamped outside; 0 for one chip
-    or where nothing was measured."""
-    pts = _sync_points(chip.name, chip.kind)
-    return log_interp(pts, float(group)) if group > 1 and pts else 0.0
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     """One replica's layout and number formats."""

@@ -13,8 +13,7 @@ Per chip and per pipeline stage (book ch.7 §8.3, extended with efficiencies and
                 (a prompt's part times the fused kernel's tile factor, or on the engine's own measured prompt-attention
                 op: serving.yaml engine_context_attention, a fixed cost per layer and its own rate and tiles)
   T_collectives: 2 all-reduces of tokens*D per layer over TP (Megatron, ch.5), MoE all-to-alls over EP,
-                 with latency terms (small-batch decode is latency-bound, ch.7 App. C), each plus the wait for the
-                 slowest rank at its barrier (serving.yaml collective_sync_s, measured in situ: Ladder-Residual's pair)
+                 with latency terms (small-batch decode is latency-bound, ch.7 App. C)
   T_kernels   = layers * kernels per layer * per-kernel overhead (launch/ramp, serving.yaml, efficiency.yaml)
   T_moe_permute = layers * 2 * tokens * D * (k + 1) * act bytes / (W_hbm * hbm_fraction)  (MoE expand + finalize)
   T_pointwise = layers * tokens * pointwise elements per token * act bytes / (W_hbm * hbm_fraction)  (norms,
@@ -42,7 +41,6 @@ from meshplan.cost.efficiency import Efficiency, attention_tile_factor, tile_fac
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
-    collective_sync_s,
     custom_allreduce,
     decode_attention_kv_rate,
     engine_context_attention,
@@ -310,20 +308,18 @@ def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -
     dispatch and combine all-to-alls (k copies of each token, DeepSpeed-MoE/GShard) plus an all-reduce
     over the tp/ep chips sharing each expert. Under attention DP (`tokens`: the replica's) no attention all-reduce;
     each MoE layer an all-gather and a reduce-scatter over the tp ranks (attention_dp_moe_bytes), the dense-MLP
-    layers none (they run data parallel): the mean layer carries moe_layer_share of them. Each collective also pays
-    the in-situ wait for the slowest rank beyond its kernel (config.collective_sync_s)."""
+    layers none (they run data parallel): the mean layer carries moe_layer_share of them."""
     if cfg.attention_dp:
         dispatch, combine = attention_dp_moe_bytes(m, chip, cfg, tokens)
         share = moe_layer_share(m, cfg.pp)
-        return share * (_gather_s(chip, "allgather", dispatch, cfg.tp) + _gather_s(chip, "reducescatter", combine, cfg.tp)
-                        + 2 * collective_sync_s(chip, cfg.tp))
+        return share * (_gather_s(chip, "allgather", dispatch, cfg.tp) + _gather_s(chip, "reducescatter", combine, cfg.tp))
     act = tokens * m.d_model * cfg.act_bytes
-    t = _allreduce_s(chip, cfg, act, cfg.tp) + collective_sync_s(chip, cfg.tp)
+    t = _allreduce_s(chip, cfg, act, cfg.tp)
     if m.is_moe and cfg.ep > 1:
-        t += 2 * (_alltoall_s(chip, act * m.experts_per_token, cfg.ep) + collective_sync_s(chip, cfg.ep))
-        t += _allreduce_s(chip, cfg, act, cfg.tp // cfg.ep) + collective_sync_s(chip, cfg.tp // cfg.ep)
+        t += 2 * _alltoall_s(chip, act * m.experts_per_token, cfg.ep)
+        t += _allreduce_s(chip, cfg, act, cfg.tp // cfg.ep)
     else:
-        t += _allreduce_s(chip, cfg, act, cfg.tp) + collective_sync_s(chip, cfg.tp)
+        t += _allreduce_s(chip, cfg, act, cfg.tp)
     return t
 
 
