@@ -29,25 +29,19 @@ Nothing here is fed back into meshplan: it reports. tests/test_collective_sync.p
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
-from pathlib import Path
+
+from kernel_check import _rows  # the data/ CSV reader (comment lines skipped) kernel_check reads the same tables with
 
 from meshplan.infer.config import ServeConfig
 from meshplan.infer.step import _allreduce_s
 from meshplan.specs.hardware import load_chip
 
-DATA = Path(__file__).parent / "data"
 LAYERS, D_MODEL, ACT_BYTES = 80, 8192, 2  # Llama-3-70B shape, fp16 (gpt_desync_TP.py "llama-3-70b")
 PROMPT, NEW = 1024, 512  # scripts/throughput-70B.sh
 SUMMARY_BATCHES = (1, 4)
-
-
-def _rows(name: str) -> list[dict]:
-    with (DATA / name).open() as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
 def _loglog(points: list[tuple[float, float]], x: float) -> float:
