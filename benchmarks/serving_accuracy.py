@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the external check on aiconfigurator's silicon sample (aic_silicon.py)")
     ap.add_argument("--no-nim", action="store_true",
                     help="skip the external check on the NIM sizing-course sweeps (nim_dli.py)")
+    ap.add_argument("--no-tpu", action="store_true",
+                    help="skip the external check on the TPU engines' sweep (tpu_engines.py)")
     ap.add_argument("--tuning-only", action="store_true",
                     help="load only the tuning half of the new data (for choosing constants without seeing validation)")
     ap.add_argument("--campaign", metavar="TEXT",
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 EXTERNAL_CHECKS = {
     "aic": ("aic_silicon", "aiconfigurator silicon sample (closed loop, fixed lengths; aic_silicon.py)"),
     "nim": ("nim_dli", "NIM sizing-course sweeps, TensorRT-LLM backend (closed loop, fixed lengths; nim_dli.py)"),
+    "tpu": ("tpu_engines", "SGLang-JAX and vLLM on TPU v6e-4, Qwen3 8B / 32B (closed loop, fixed lengths; tpu_engines.py)"),
 }
 
 
