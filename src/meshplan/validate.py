@@ -158,6 +158,7 @@ HARDWARE_RULES: dict[str, Rule] = {
     "links.nvlink_bandwidth_bytes_per_s": Rule(1e6, 1e14, "bytes/s per chip", integer=False),
     "links.ici_bandwidth_per_link_bytes_per_s": Rule(1e6, 1e14, "bytes/s per link", integer=False),
     "links.fast_hop_latency_s": Rule(1e-10, 1.0, "seconds per hop", integer=False),
+    "links.collective_op_latency_s": Rule(0.0, 1e-2, "seconds per collective op", integer=False),
     "links.scale_out_hop_latency_s": Rule(1e-10, 1.0, "seconds per hop", integer=False),
     "links.nvlink_domain_size": Rule(1, 1 << 16, "GPUs in one NVLink domain"),
     "links.pcie_bandwidth_bytes_per_s": Rule(1e6, 1e14, "bytes/s per chip", integer=False),

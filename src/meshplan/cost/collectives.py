@@ -220,11 +220,18 @@ def _algo_name(p: GroupPlacement, base: str) -> str:
     return ("hierarchical: " if len(parts) > 1 else "") + " + ".join(parts)
 
 
+def _op_latency(p: GroupPlacement, ideal: bool) -> float:
+    """The fixed start-up cost of one collective op on the group's fast domain, once per op whatever its hops
+    (hardware YAML links.collective_op_latency_s: measured on TPU ICI, where a lone one-hop ppermute of a few KiB takes
+    ~5-6 us against the book's ~1 us per hop). 0 in the book's own formulas (`ideal`)."""
+    return 0.0 if ideal else p.cluster.links.collective_op_latency_s
+
+
 def _gather(kind: str, p: GroupPlacement, V: float, ideal: bool) -> CollectiveCost:
     """AllGather = ReduceScatter (transposes, book ch.3): each chip sends V (n-1)/n."""
     levels = network_levels(p, V, ideal=ideal)
     bw = max(lv.bandwidth_time_s for lv in levels)
-    lat = sum(lv.latency_time_s for lv in levels)
+    lat = sum(lv.latency_time_s for lv in levels) + _op_latency(p, ideal)
     return _result(kind, p, V * (p.size - 1) / p.size, _algo_name(p, "ring"), bw, lat, levels)
 
 
@@ -249,7 +256,8 @@ def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> Collect
             floor = {x.name: x.bandwidth_time_s for x in network_levels(p, V, ideal=True, in_network=True)}
             levels = tuple((n, max(lt, floor.get(n, 0.0))) for n, lt in levels)
             bw = max(bw, *floor.values()) if floor else bw
-    lat = ag.latency_time_s * (1 if sharp else 2)
+    t_op = _op_latency(p, ideal)  # one op: its start-up once, its hops twice (reduce-scatter, then all-gather)
+    lat = (ag.latency_time_s - t_op) * (1 if sharp else 2) + t_op
     algo = "SHARP in-network reduction" if sharp else "reduce-scatter + all-gather: " + ag.algorithm
     if not p.cluster.is_torus and p.n_domains > 2:
         # NCCL's double binary tree across nodes: 2 log2(M) network hops up and down instead of the ring's 2(M - 1),
@@ -299,6 +307,7 @@ def _alltoall_gpu(p: GroupPlacement, V: float, ideal: bool) -> tuple[float, floa
 
 def _alltoall(p: GroupPlacement, V: float, ideal: bool) -> CollectiveCost:
     bw, lat = (_alltoall_torus if p.cluster.is_torus else _alltoall_gpu)(p, V, ideal)
+    lat += _op_latency(p, ideal)
     sent = V / p.size * (p.size - 1) / p.size  # each chip holds V/N and keeps 1/N of it
     return _result("alltoall", p, sent, "direct all-to-all (bisection-bound)", bw, lat)
 
@@ -346,7 +355,7 @@ def _permute(p: GroupPlacement, nbytes: float, ideal: bool) -> CollectiveCost:
     w = links.ici_bandwidth_per_link_bytes_per_s * _eff("ici", nbytes, ideal)
     hops = s.step if s.wrap else (s.length - 1) * s.step  # without wraparound the last chip sends the long way
     return _result("permute", p, nbytes, "ring shift over ICI", nbytes * s.step / w,
-                   hops * links.fast_hop_latency_s, additive=True)
+                   hops * links.fast_hop_latency_s + _op_latency(p, ideal), additive=True)
 
 
 def _zero(kind: str, p: GroupPlacement) -> CollectiveCost:

@@ -43,6 +43,9 @@ class Links:
     sharp: bool
     fast_hop_latency_s: float
     scale_out_hop_latency_s: float
+    # fixed start-up cost of one collective op on the fast domain, on top of its hops (TPU ICI: an XLA collective's
+    # own synchronisation, measured; 0 where the hop latency already holds it)
+    collective_op_latency_s: float = 0.0
     # GPU (nvswitch)
     nvlink_bandwidth_bytes_per_s: float = 0.0
     nvlink_domain_size: int = 1
@@ -231,6 +234,8 @@ def chip_from_mapping(data: dict[str, Any], origin: str) -> Chip:
         sharp=r.boolean("links.sharp"),
         fast_hop_latency_s=r.number("links.fast_hop_latency_s"),
         scale_out_hop_latency_s=r.number("links.scale_out_hop_latency_s"),
+        collective_op_latency_s=r.number("links.collective_op_latency_s", required=False, default=0.0,
+                                         positive=False),
     )
     if fast == "ici_torus":
         links = Links(
