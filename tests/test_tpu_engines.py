@@ -65,3 +65,15 @@ def test_every_row_plans() -> None:
         assert p["ttft_s"] > 0 and p["output_tokens_per_s"] > 0
         if r["id"].endswith("_itl"):
             assert p["tpot_s"] > 0
+
+
+def test_vllm_on_tpu_caps_memory_at_its_own_default() -> None:
+    """vLLM's TPU worker caps its memory at gpu_memory_utilization (0.9) of the chip's limit, not the 0.95 meshplan
+    assumes for TPU engines without a figure (JetStream)."""
+    from meshplan.infer.config import ServeConfig
+    from meshplan.infer.memory import memory_budget_bytes
+    from meshplan.specs.hardware import load_chip
+
+    chip = load_chip("tpu-v6e")
+    assert memory_budget_bytes(chip, ServeConfig(tp=8, engine="vllm"), 0.0) == pytest.approx(chip.usable_hbm_bytes * 0.9)
+    assert memory_budget_bytes(chip, ServeConfig(tp=8), 0.0) == pytest.approx(chip.usable_hbm_bytes * 0.95)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from meshplan.cost.topology import Cluster, GroupPlacement, MeshMapping, Span, place_group
@@ -100,6 +101,17 @@ def tpu_reduction_hbm_passes() -> float:
     """HBM accesses per element a TPU reduce-scatter or all-reduce makes its TensorCore do for each element it merges
     (data/collective_efficiency.yaml `tpu_reduction`: read the local partial, read the received chunk, write the sum)."""
     return float(_catalog()["tpu_reduction"]["hbm_passes_per_element"]["value"])
+
+
+def tpu_reduction_s(nbytes, n, hbm_bytes_per_s: float):
+    """TensorCore seconds of the merges of a TPU reduce-scatter (or an all-reduce, whose reduce-scatter half merges)
+    of an `nbytes` array per rank over `n` ranks: each rank merges (n - 1)/n of the array's elements, each merge an
+    HBM-bound pass of tpu_reduction_hbm_passes() accesses at `hbm_bytes_per_s` (data/collective_efficiency.yaml
+    `tpu_reduction`). The ring's DMAs do not do it; the chip's vector unit does, in series with the layer's work unless
+    offloaded (training: Options.sparsecore_reduce). Scalars or numpy arrays; 0 for a group of one."""
+    n = np.asarray(n, float)
+    frac = np.where(n > 1, (n - 1) / np.maximum(n, 1.0), 0.0)
+    return tpu_reduction_hbm_passes() * np.asarray(nbytes, float) * frac / hbm_bytes_per_s
 
 
 def leaf_degree_nodes(domain_size: int) -> int:

@@ -273,6 +273,13 @@ def kv_cache_free_fraction(cfg: ServeConfig, chip: Chip) -> float | None:
     return _engine_entry("engine_kv_cache_free_fraction", cfg.engine, chip)
 
 
+def memory_utilization(cfg: ServeConfig, chip: Chip) -> float:
+    """The fraction of the device an engine that caps all its memory that way may use: its own default where
+    serving.yaml engine_memory_utilization lists it, else the chip kind's (serving.yaml memory_utilization)."""
+    own = _engine_entry("engine_memory_utilization", cfg.engine, chip)
+    return own if own is not None else serving_constant("memory_utilization", chip)
+
+
 def chunked_prefill(cfg: ServeConfig, chip: Chip) -> bool:
     """Whether the engine splits prompts over steps: the layout's own setting, else serving.yaml
     engine_chunked_prefill (default: it does)."""

@@ -20,6 +20,7 @@ from meshplan.infer.config import (
     kv_cache_free_fraction,
     kv_heads_per_chip,
     kv_reserved_per_sequence,
+    memory_utilization,
     replica_token_budget,
     serving_constant,
 )
@@ -178,7 +179,7 @@ def memory_budget_bytes(chip: Chip, cfg: ServeConfig, fixed_bytes: float) -> flo
     bytes plus that fraction of what they leave free (`kv_cache_free_fraction`)."""
     frac = kv_cache_free_fraction(cfg, chip)
     if frac is None:
-        return chip.usable_hbm_bytes * serving_constant("memory_utilization", chip)
+        return chip.usable_hbm_bytes * memory_utilization(cfg, chip)
     return fixed_bytes + frac * max(chip.usable_hbm_bytes - fixed_bytes, 0.0)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshplan.cost.efficiency import Efficiency, attention_tile_factor, tile_factor
+from meshplan.cost.efficiency import Efficiency, attention_tile_factor, default_efficiency, tile_factor
 from meshplan.errors import InfeasibleError
 from meshplan.infer.config import (
     ServeConfig,
@@ -216,7 +216,8 @@ def _dense_gemms(m: ModelConfig, tp: int, pp: int = 1, attention_dp: bool = Fals
     return tuple((p, d) for p, d in parts if p > 0)
 
 
-def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> float:
+def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int,
+                 hbm_bytes_per_s: float | None = None) -> float:
     """All-reduce over `group` TP chips. On GPUs inside one NVLink domain, a message up to custom_allreduce_max_bytes
     goes to the engine's own kernel whenever it is eligible, not to NCCL (vLLM GroupCoordinator.all_reduce tries
     CustomAllreduce.should_custom_ar before pynccl; TensorRT-LLM AllReduceStrategy.AUTO), where the engine has one
@@ -224,7 +225,8 @@ def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> flo
     (each GPU reads group-1 peer buffers over NVLink, one synchronisation) or, for large messages, two-shot
     (reduce-scatter then all-gather: 2(group-1)/group of the bytes over NVLink, two synchronisations; NVIDIA blog
     '3x Faster AllReduce with NVSwitch and TensorRT-LLM MultiShot', 2024; vLLM custom_all_reduce.cuh 1stage/2stage),
-    whichever is faster. Otherwise the collectives model (ring/SHARP/torus with hop latency)."""
+    whichever is faster. Otherwise the collectives model (ring/SHARP/torus with hop latency); on a TPU the merges of
+    its reduce-scatter half run on the TensorCore in series (`_tpu_merges_s`)."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     if chip.kind == "gpu" and group <= chip.links.nvlink_domain_size and custom_allreduce(cfg, chip) \
@@ -242,7 +244,23 @@ def _allreduce_s(chip: Chip, cfg: ServeConfig, nbytes: float, group: int) -> flo
     from meshplan.cost.collectives import group_collective
     from meshplan.cost.topology import make_cluster
 
-    return group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
+    return (group_collective("allreduce", nbytes, make_cluster(chip, group), group).time_s
+            + _tpu_merges_s(chip, nbytes, group, hbm_bytes_per_s))
+
+
+def _tpu_merges_s(chip: Chip, nbytes: float, group: int, hbm_bytes_per_s: float | None) -> float:
+    """TensorCore seconds of a TPU reduce-scatter's (or all-reduce's) merges over `group` chips of an `nbytes` array
+    per chip (collectives.tpu_reduction_s, the training ledger's term): every received chunk is added to the local
+    partial through HBM, which the serving engines' XLA collectives do on the TensorCore (libtpu's default; the
+    SparseCore offload flags appear only in tpu-inference's autotune sweeps, .buildkite/xla_autotune/flags.txt).
+    `hbm_bytes_per_s`: the step's HBM rate (default: the chip's at its default efficiency). 0 on GPUs."""
+    if chip.kind != "tpu" or group <= 1:
+        return 0.0
+    from meshplan.cost.collectives import tpu_reduction_s
+
+    if hbm_bytes_per_s is None:
+        hbm_bytes_per_s = chip.hbm_bandwidth_bytes_per_s * default_efficiency(chip).hbm_fraction
+    return float(tpu_reduction_s(nbytes, group, hbm_bytes_per_s))
 
 
 def custom_allreduce_fabric(chip: Chip, group: int) -> bool:
@@ -281,14 +299,16 @@ def _p2p_s(chip: Chip, cfg: ServeConfig, nbytes: float) -> float:
     return group_collective("permute", nbytes / cfg.tp, cluster, cfg.pp, cfg.tp).time_s
 
 
-def _gather_s(chip: Chip, kind: str, nbytes: float, group: int) -> float:
-    """All-gather or reduce-scatter of a `nbytes` gathered array over `group` chips (collectives model)."""
+def _gather_s(chip: Chip, kind: str, nbytes: float, group: int, hbm_bytes_per_s: float | None = None) -> float:
+    """All-gather or reduce-scatter of a `nbytes` gathered array over `group` chips (collectives model); a TPU
+    reduce-scatter adds its TensorCore merges (`_tpu_merges_s`)."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     from meshplan.cost.collectives import group_collective
     from meshplan.cost.topology import make_cluster
 
-    return group_collective(kind, nbytes, make_cluster(chip, group), group).time_s
+    merges = _tpu_merges_s(chip, nbytes, group, hbm_bytes_per_s) if kind == "reducescatter" else 0.0
+    return group_collective(kind, nbytes, make_cluster(chip, group), group).time_s + merges
 
 
 def attention_dp_moe_bytes(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> tuple[float, float]:
@@ -303,7 +323,8 @@ def attention_dp_moe_bytes(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens:
     return dispatch, tokens * m.d_model * cfg.act_bytes
 
 
-def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -> float:
+def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float,
+                  hbm_bytes_per_s: float | None = None) -> float:
     """Collectives of one layer: attention-out all-reduce; MLP-out all-reduce, or for MoE with ep > 1 the
     dispatch and combine all-to-alls (k copies of each token, DeepSpeed-MoE/GShard) plus an all-reduce
     over the tp/ep chips sharing each expert. Under attention DP (`tokens`: the replica's) no attention all-reduce;
@@ -312,14 +333,15 @@ def _layer_comm_s(m: ModelConfig, chip: Chip, cfg: ServeConfig, tokens: float) -
     if cfg.attention_dp:
         dispatch, combine = attention_dp_moe_bytes(m, chip, cfg, tokens)
         share = moe_layer_share(m, cfg.pp)
-        return share * (_gather_s(chip, "allgather", dispatch, cfg.tp) + _gather_s(chip, "reducescatter", combine, cfg.tp))
+        return share * (_gather_s(chip, "allgather", dispatch, cfg.tp)
+                        + _gather_s(chip, "reducescatter", combine, cfg.tp, hbm_bytes_per_s))
     act = tokens * m.d_model * cfg.act_bytes
-    t = _allreduce_s(chip, cfg, act, cfg.tp)
+    t = _allreduce_s(chip, cfg, act, cfg.tp, hbm_bytes_per_s)
     if m.is_moe and cfg.ep > 1:
         t += 2 * _alltoall_s(chip, act * m.experts_per_token, cfg.ep)
-        t += _allreduce_s(chip, cfg, act, cfg.tp // cfg.ep)
+        t += _allreduce_s(chip, cfg, act, cfg.tp // cfg.ep, hbm_bytes_per_s)
     else:
-        t += _allreduce_s(chip, cfg, act, cfg.tp)
+        t += _allreduce_s(chip, cfg, act, cfg.tp, hbm_bytes_per_s)
     return t
 
 
@@ -421,7 +443,7 @@ def stage_parts(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, d
         "compute": t_mm if t_mm > t_w else 0.0,
         "kv_cache": t_kv if t_kv >= t_attn else 0.0,
         "attention": t_attn if t_attn > t_kv else 0.0,
-        "collectives": Ls * _layer_comm_s(m, chip, cfg, tokens),
+        "collectives": Ls * _layer_comm_s(m, chip, cfg, tokens, W),
         "kernel_overhead": kernels,
         "moe_permute": permute,
         "pointwise": pointwise,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations, tpu_reduction_hbm_passes
+from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations, tpu_reduction_s
 from meshplan.cost.efficiency import (
     Efficiency,
     attention_head_dim_rate,
@@ -1846,9 +1846,7 @@ class CostModel:
         group of one. E.g. 1 GB of fp32 gradients over 4 v6e chips: 3 x 1e9 x 3/4 / (1.6e12 x 0.85) = 1.65 ms."""
         if self.p.chip.kind != "tpu" or self.opt.sparsecore_reduce:
             return np.zeros_like(np.asarray(nbytes, float))
-        n = np.asarray(n, float)
-        frac = np.where(n > 1, (n - 1) / np.maximum(n, 1.0), 0.0)
-        return tpu_reduction_hbm_passes() * nbytes * frac / self.hbm
+        return tpu_reduction_s(nbytes, n, self.hbm)
 
     def _fsdp_edge_params(self, g: dict):
         """Parameters (local to a TP rank) of the FSDP group that nothing hides (Options.fsdp_edge_group): none; the
