@@ -86,9 +86,10 @@ def test_serve_cli_dense_cache_errors(capsys, extra, message):
 
 def test_jetstream_rows_against_the_published_throughput():
     """The eight JetStream-PyTorch v5e-8 rows (benchmarks/data/serving_measurements.yaml, quoted from its
-    benchmarks/summary.md): read as a paged cache every one is predicted more than twice as fast as measured; with the
-    table's cache length as a dense cache, every one is within +50% and none is slower than measured. (The remaining
-    optimism is largest on the int8 rows; benchmarks/README.md "Session 16".)"""
+    benchmarks/summary.md): read as a paged cache every one is predicted nearly twice as fast as measured or more (more
+    than twice until session 37's TPU collective start-up and merges, +97.5% now at Llama 3 8B int8 batch 256); with
+    the table's cache length as a dense cache, every one is within +50% and none is slower than measured. (The
+    remaining optimism is largest on the int8 rows; benchmarks/README.md "Session 16".)"""
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(root))
     import serving_accuracy
@@ -101,7 +102,7 @@ def test_jetstream_rows_against_the_published_throughput():
         e.pop("dense_kv_cache")
     paged = serving_accuracy.run(entries=rows)["rows"]
     for d, p in zip(dense, paged, strict=True):
-        assert p["error"]["output_tokens_per_s"] > 1.0, p["id"]
+        assert p["error"]["output_tokens_per_s"] > 0.9, p["id"]
         assert 0.0 < d["error"]["output_tokens_per_s"] < 0.5, d["id"]
 
 

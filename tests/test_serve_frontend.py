@@ -78,8 +78,8 @@ def test_sglang_server_path_from_its_mock_model_measurement():
     check_layout(M8, H100, 1, ServeConfig(engine="sglang@0.3", frontend="sglang-http"))
     with pytest.raises(MeshplanError, match="drives sglang"):
         check_layout(M8, H100, 1, ServeConfig(engine="vllm", frontend="sglang-http"))
-    with pytest.raises(MeshplanError, match="no first-token latency"):
-        frontend_first_token_s(sg, load_chip("tpu-v5e"))
+    # SGLang-JAX keeps SGLang's host processes on TPU (session 37): the same path
+    assert frontend_first_token_s(sg, load_chip("tpu-v5e")) == pytest.approx(SGLANG_PATH_S, abs=0.05e-3)
 
 
 @pytest.mark.parametrize("mode", ["continuous", "static"])
