@@ -129,21 +129,23 @@ def predict(e: dict, rules: dict) -> dict:
             "max_num_batched_tokens": cfg.max_num_batched_tokens}
 
 
-SAMPLE_GENERATORS = ("sglang_random",)
+SAMPLE_GENERATORS = ("sglang_random", "sgl_jax_random")
 
 
 def sample_lengths(spec: dict, n: int) -> list[tuple[int, int]]:
     """(input, output) tokens of the `n` requests a benchmark's random dataset draws, as its own code draws them.
     sglang_random: sglang.bench_serving --dataset-name random (sample_random_requests): numpy's global legacy generator
     seeded with --seed (np.random.seed), then input_lens = randint(max(int(I * r), 1), I + 1, n) and output_lens =
-    randint(int(O * r), O + 1, n), r = --random-range-ratio. numpy's legacy RandomState stream is frozen across versions
-    (NEP 19), so the draw is the benchmark's. Outputs may be 0 here; the simulation runs such a request as 1 token."""
+    randint(int(O * r), O + 1, n), r = --random-range-ratio. sgl_jax_random: SGLang-JAX's copy (python/sgl_jax/
+    bench_serving.py compute_random_lens @ b4621162), which floors both draws at 1: randint(max(int(L * r), 1), L + 1, n).
+    numpy's legacy RandomState stream is frozen across versions (NEP 19), so the draw is the benchmark's. Outputs may
+    be 0 under sglang_random; the simulation runs such a request as 1 token."""
     if spec.get("generator") not in SAMPLE_GENERATORS:
         raise MeshplanError(f"unknown length_sample generator {spec.get('generator')!r} (known: {', '.join(SAMPLE_GENERATORS)})")
     I, O, r = int(spec["random_input_len"]), int(spec["random_output_len"]), float(spec["random_range_ratio"])
     rng = np.random.RandomState(int(spec["seed"]))
     ins = rng.randint(max(int(I * r), 1), I + 1, size=n)
-    outs = rng.randint(int(O * r), O + 1, size=n)
+    outs = rng.randint(max(int(O * r), 1) if spec["generator"] == "sgl_jax_random" else int(O * r), O + 1, size=n)
     return [(int(i), int(o)) for i, o in zip(ins, outs, strict=True)]
 
 
