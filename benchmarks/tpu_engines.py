@@ -32,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from _split import split_of
+from _split import closed_loop_entry, split_of
 
 DATA = Path(__file__).resolve().parent / "data"
 SWEEP = DATA / "tpu_engines_qwen3_sweep.csv"
@@ -56,34 +56,38 @@ def _ran_full_length(r: dict) -> bool:
     return abs(ratio / (int(r["isl"]) / int(r["osl"])) - 1) <= EOS_TOLERANCE
 
 
+def _row_entries(r: dict) -> list[dict]:
+    """One sweep row's two runs as closed-loop entries (_split.closed_loop_entry): the output-1024 run (ITL, output
+    tok/s) and the output-1 run (TTFT)."""
+    engine, frontend, budget = ENGINES[r["engine"]]
+    c = int(r["concurrency"])
+    key = f"sglang-jax-qwen3-benchmark:{r['model']}"
+    name = f"tpu_{r['engine'].replace('-', '')}_{r['model']}_{r['isl']}_{r['osl']}_c{c}"
+    where = f"table '{r['model']} Performance Results', row {r['isl']}/{r['osl']} batch {c}, {r['engine']} columns"
+    row = {"split": split_of(key), "model": r["model"], "hardware": "tpu-v6e", "tp": 4, "weight_dtype": "bf16",
+           "input_len": r["isl"], "concurrency": c}
+    extra = {"frontend": frontend,
+             "arrivals": {"requests": 3 * c, "rate": float("inf"), "concurrency": c, "max_num_seqs": MAX_RUNNING}}
+    if budget:
+        extra["max_num_batched_tokens"] = budget
+    runs = (("itl", int(r["osl"]), "ITL, output tok/s",
+             {"output_tokens_per_s": float(r["output_tok_s"]) if _ran_full_length(r) else None,
+              "tpot_s": float(r["itl_ms"]) / 1e3, "ttft_s": None},
+             "mean ITL (pooled gaps) compared as TPOT", {"tpot_measure": "pooled_itl"}),
+            ("ttft", 1, "TTFT, output-1 run",
+             {"output_tokens_per_s": None, "tpot_s": None, "ttft_s": float(r["ttft_ms"]) / 1e3},
+             "the sweep's TTFT column comes from runs of one output token", {}))
+    return [closed_loop_entry({**row, "id": f"{name}_{suffix}", "output_len": output_len},
+                              families=["serving_ttft_itl_under_load", "serving_tpu"],
+                              source={"key": key, "title": TITLE, "url": URL, "where": f"{where} ({what})",
+                                      "date": "2025-09"},
+                              engine=engine, measured=measured, notes=notes, **extra, **more)
+            for suffix, output_len, what, measured, notes, more in runs]
+
+
 def load(path: Path = SWEEP) -> list[dict]:
     """The sweep as serving_measurements_new.yaml entries (serving_accuracy.predict reads them unchanged)."""
-    out = []
-    for r in _rows(path):
-        engine, frontend, budget = ENGINES[r["engine"]]
-        c = int(r["concurrency"])
-        key = f"sglang-jax-qwen3-benchmark:{r['model']}"
-        base = {"split": split_of(key), "families": ["serving_ttft_itl_under_load", "serving_tpu"],
-                "model": r["model"], "hardware": "tpu-v6e", "chips": 4, "tp": 4, "pp": 1, "weight_dtype": "bf16",
-                "kv_dtype": "bf16", "input_len": int(r["isl"]), "batch": c, "regime": "fixed_batch", "engine": engine,
-                "frontend": frontend,
-                "arrivals": {"requests": 3 * c, "rate": float("inf"), "concurrency": c, "max_num_seqs": MAX_RUNNING}}
-        if budget:
-            base["max_num_batched_tokens"] = budget
-        name = f"tpu_{r['engine'].replace('-', '')}_{r['model']}_{r['isl']}_{r['osl']}_c{c}"
-        where = f"table '{r['model']} Performance Results', row {r['isl']}/{r['osl']} batch {c}, {r['engine']} columns"
-        tok_s = float(r["output_tok_s"]) if _ran_full_length(r) else None
-        out.append({**base, "id": f"{name}_itl", "output_len": int(r["osl"]), "tpot_measure": "pooled_itl",
-                    "source": {"key": key, "title": TITLE, "url": URL, "where": where + " (ITL, output tok/s)",
-                               "date": "2025-09"},
-                    "measured": {"output_tokens_per_s": tok_s, "tpot_s": float(r["itl_ms"]) / 1e3, "ttft_s": None},
-                    "notes": "mean ITL (pooled gaps) compared as TPOT"})
-        out.append({**base, "id": f"{name}_ttft", "output_len": 1,
-                    "source": {"key": key, "title": TITLE, "url": URL, "where": where + " (TTFT, output-1 run)",
-                               "date": "2025-09"},
-                    "measured": {"output_tokens_per_s": None, "tpot_s": None, "ttft_s": float(r["ttft_ms"]) / 1e3},
-                    "notes": "the sweep's TTFT column comes from runs of one output token"})
-    return out
+    return [e for r in _rows(path) for e in _row_entries(r)]
 
 
 def main(argv: list[str] | None = None) -> int:

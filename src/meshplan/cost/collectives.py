@@ -277,8 +277,8 @@ def _allreduce(p: GroupPlacement, V: float, ideal: bool, sharp: bool) -> Collect
         # NVIDIA blog 2019: logarithmic latency, full bandwidth); NCCL runs whichever its model times faster
         # (src/graph/tuning.cc). Session 23, QA finding: 1 GB over 2,048 nodes read latency-bound at 10 ms.
         links = p.cluster.links
-        tree = 2 * ((p.fast_members - 1) * links.fast_hop_latency_s
-                    + math.ceil(math.log2(p.n_domains)) * links.scale_out_hop_latency_s)
+        tree = t_op + 2 * ((p.fast_members - 1) * links.fast_hop_latency_s
+                           + math.ceil(math.log2(p.n_domains)) * links.scale_out_hop_latency_s)
         if tree < lat:  # SHARP's reduction runs up and down the switches' aggregation tree: no longer than this
             lat = tree
             algo = algo if sharp else (f"{links.fast_label} chain ({p.fast_members} GPUs) + double binary tree "
