@@ -12,6 +12,9 @@ compared with the meshplan term that times the same operation, unchanged:
   vLLM 0.14's bf16 GEMMs at decode batches (m <= 256, weights >= 64 MiB)
       the serving step's GEMM term (gemm_check.predictions "serving": max of the weight read and the matmul, plus
       one kernel overhead)
+  TensorRT-LLM 1.2's dense GEMM op (PyTorch flow, bf16 / per-tensor fp8 / block fp8) on H100 and H200, m 1-4096
+      the serving step's GEMM term in that format (max of the weight read and the matmul, plus one kernel overhead),
+      and the table's own description at decode rows (m <= 64): time = fixed + weight bytes / (fraction x HBM peak)
   vLLM 0.14's fused_moe and TensorRT-LLM 1.2's CUTLASS MoE layers (bf16 / fp8 / fp8_block, 11 expert shapes)
       the rate the serving step streams touched experts at (efficiency.hbm_fraction of the HBM peak)
   TensorRT-LLM 1.2's MoE layers on H100 and H200 and vLLM 0.14 / 0.24 FusedMoE layers on H100, H200 and A100, at
@@ -401,10 +404,69 @@ def engine_moe(engine: str) -> dict:
             for k, v in sorted(groups.items())}
 
 
+# TensorRT-LLM's dense GEMM formats in data/aic_trtllm_dense_gemm.csv -> (meshplan's compute dtype, bytes per weight
+# and per input element); outputs are bf16 (2 bytes)
+DENSE_GEMM_FORMATS = {"bfloat16": ("bf16", 2.0), "fp8": ("fp8", 1.0), "fp8_block": ("fp8", 1.0)}
+DENSE_GEMM_M_BINS = ((1, 64, "m 1-64"), (65, 256, "m 128-256"), (257, 1024, "m 512-1024"), (1025, 1 << 30, "m 4096"))
+STREAM_FIT_MIN_BYTES = 64 * MIB  # past the 50 MB L2: the weight read is an HBM stream
+
+
+def trtllm_dense_gemm_rows() -> list[dict]:
+    return [{"chip": r["chip"], "dtype": r["dtype"], "m": int(r["m"]), "n": int(r["n"]), "k": int(r["k"]),
+             "time_s": float(r["time_us"]) * 1e-6} for r in _rows("aic_trtllm_dense_gemm.csv")]
+
+
+def dense_gemm_predicted_s(r: dict, chip) -> float:
+    """The serving step's term for one GEMM in the row's format (gemm_check.predictions' serving model, at the format's
+    peak and bytes): max(2mnk / (peak x _matmul_fraction), bytes / (HBM x hbm_fraction)) + kernel_overhead_s."""
+    from meshplan.cost.efficiency import default_efficiency
+    from meshplan.infer.step import _matmul_fraction
+
+    eff = default_efficiency(chip)
+    cdt, b = DENSE_GEMM_FORMATS[r["dtype"]]
+    m, n, k = r["m"], r["n"], r["k"]
+    t_mm = 2.0 * m * n * k / (chip.peak(cdt) * _matmul_fraction(eff, cdt, m, min(n, k)))
+    t_mem = (m * k * b + k * n * b + m * n * 2.0) / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
+    return max(t_mm, t_mem) + eff.kernel_overhead_s
+
+
+def dense_gemm_stream_fits(rows: list[dict] | None = None) -> dict[tuple[str, str], dict]:
+    """The table's own description of its decode rows (m <= 64, weights >= 64 MiB), by chip and format: least squares of
+    time = fixed + weight bytes / rate, the rate as a fraction of the chip's HBM peak."""
+    rows = trtllm_dense_gemm_rows() if rows is None else rows
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        wbytes = r["n"] * r["k"] * DENSE_GEMM_FORMATS[r["dtype"]][1]
+        if r["m"] <= 64 and wbytes >= STREAM_FIT_MIN_BYTES:
+            groups.setdefault((r["chip"], r["dtype"]), []).append({**r, "weight_bytes": wbytes})
+    out = {}
+    for (chip_name, dtype), g in sorted(groups.items()):
+        x = np.array([r["weight_bytes"] for r in g])
+        y = np.array([r["time_s"] for r in g])
+        (slope, fixed), *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], axis=1), y, rcond=None)
+        out[(chip_name, dtype)] = {"n": len(g), "fixed_us": float(fixed) * 1e6,
+                                   "stream_fraction": float(1.0 / slope / load_chip(chip_name).hbm_bandwidth_bytes_per_s)}
+    return out
+
+
+def trtllm_dense_gemm() -> dict:
+    """meshplan's serving GEMM term vs TensorRT-LLM 1.2's dense GEMMs, by chip, format and row bin."""
+    chips = {name: load_chip(name) for name in ("h100-sxm", "h200")}
+    groups: dict[str, list[float]] = {}
+    for r in trtllm_dense_gemm_rows():
+        label = next(lab for lo, hi, lab in DENSE_GEMM_M_BINS if lo <= r["m"] <= hi)
+        err = dense_gemm_predicted_s(r, chips[r["chip"]]) / r["time_s"] - 1.0
+        groups.setdefault(f"{r['chip']} {r['dtype']} {label}", []).append(err)
+    order = [f"{c} {d} {lab}" for c in chips for d in DENSE_GEMM_FORMATS for _, _, lab in DENSE_GEMM_M_BINS]
+    return {k: _stats(groups[k]) for k in order if k in groups}
+
+
 def report() -> dict:
     chip = load_chip(CHIP)
     return {"chip": chip.name, "nccl_tests": nccl(chip), "vllm_custom_allreduce": custom_allreduce(chip),
-            "decode_gemm_bf16": decode_gemm(chip), "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
+            "decode_gemm_bf16": decode_gemm(chip), "trtllm_dense_gemm": trtllm_dense_gemm(),
+            "trtllm_dense_gemm_stream": {" ".join(k): v for k, v in dense_gemm_stream_fits().items()},
+            "moe_layers": moe_layers(chip), "moe_prefill": moe_prefill(chip),
             "a100_moe": a100_moe(load_chip("a100-80gb")),
             **{f"{e}_moe": engine_moe(e) for e in ENGINE_TABLES},
             "engine_kernel_fits": {" ".join(k): v for k, v in engine_kernel_fits().items()}}
@@ -425,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     for title, key in (("nccl-tests (collectives model)", "nccl_tests"),
                        ("vLLM custom all-reduce, CUDA graph (serving step's TP all-reduce)", "vllm_custom_allreduce"),
                        ("vLLM bf16 GEMM at decode batches (serving step's GEMM term)", "decode_gemm_bf16"),
+                       ("TensorRT-LLM 1.2 dense GEMMs, PyTorch flow, H100 and H200 (serving step's GEMM term in the "
+                        "format)", "trtllm_dense_gemm"),
                        ("TensorRT-LLM 1.2 CUTLASS MoE layers, 1,024-16,384 tokens, moe_tp 1-8 (serving step's MoE "
                         "terms)", "moe_prefill"),
                        ("TensorRT-LLM 1.0 MoE layers on A100-SXM4-80GB, 1-65,536 tokens, moe_tp 1-8, power-law routing "
@@ -438,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{sc['n']} measured layers screened out (slower by more than {DOMINATED_TOLERANCE:.0%} than a layer of "
                   "the same preset, format and routing doing at least their work per GPU): "
                   + ", ".join(f"{k} ({n})" for k, n in sc["rows"].items()))
+    print("\n### TensorRT-LLM 1.2 dense GEMMs at decode rows (m <= 64, weights >= 64 MiB): the table's own fit, time = "
+          "fixed + weight bytes / (fraction x HBM peak); meshplan: hbm_fraction and one kernel_overhead_s\n"
+          "| chip format | n | stream fraction | fixed us |\n|---|---|---|---|")
+    for g, s in res["trtllm_dense_gemm_stream"].items():
+        print(f"| {g} | {s['n']} | {s['stream_fraction']:.3f} | {s['fixed_us']:.1f} |")
     for engine, title in (("vllm", "vLLM FusedMoE"), ("trtllm", "TensorRT-LLM 1.2 PyTorch-flow MoE")):
         print(f"\n### {title} layers, 1,024-16,384 tokens, power-law routing, each in its own format (serving step's "
               "MoE terms as the release's preset; 'without' = the generic rate instead of the engine's measured curve)")
