@@ -315,7 +315,7 @@ QUANTITIES = (("output_tokens_per_s", "output tok/s", 1), ("tpot_s", "TPOT/ITL",
 
 def print_halves(res: dict, rows: list[dict]) -> dict:
     """Issue #14's tables: per quantity, the published set and each half of the new data (median |err|, p90, signed
-    median, within 25%, unplannable, optimistic count), then per half and family."""
+    median, within 25%, unplannable, optimistic count), then per half and family, then per half and source."""
     from _split import SPLITS, error_stats, format_stats_row
 
     ref_rows = res["rows"]
@@ -343,6 +343,16 @@ def print_halves(res: dict, rows: list[dict]) -> dict:
                 errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
                 if errs:
                     print(format_stats_row(f"{h} / {fam} / {label}", error_stats(errs), sum("skipped" in r for r in rs)))
+    # per source (the split's unit: one publication table), so a family's figure can be traced to the tables behind it
+    print("\n| half / source / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
+    print("|" + "---|" * 7)
+    for h in SPLITS:
+        for src in sorted({r["source_key"] for r in rows if r.get("split") == h}):
+            rs = [r for r in rows if r.get("split") == h and r["source_key"] == src]
+            for key, label, _ in QUANTITIES:
+                errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
+                if errs:
+                    print(format_stats_row(f"{h} / {src} / {label}", error_stats(errs), sum("skipped" in r for r in rs)))
     for r in rows:
         if "skipped" in r:
             print(f"UNPLANNABLE {r['id']} ({r.get('split')}): {r['skipped']}")

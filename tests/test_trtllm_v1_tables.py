@@ -68,3 +68,24 @@ def test_splits_layouts_and_the_moe_command(rows: dict[str, dict]) -> None:
     # Scout's table falls in the validation half, the other three in tuning (the rule, computed apart)
     assert {e["split"] for e in rows.values() if e["model"] == "llama4-scout"} == {"validation"}
     assert {e["split"] for e in rows.values() if e["model"] != "llama4-scout"} == {"tuning"}
+
+
+def test_the_halves_report_lists_each_source_with_its_own_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """serving_accuracy.print_halves ends with one row per half, source and quantity (session 38), whose n and signed
+    median are the source's own rows'. Synthetic rows: the table's arithmetic, apart from any prediction."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parent))
+    import serving_accuracy
+
+    def row(src: str, split: str, err: float) -> dict:
+        return {"id": f"{src}-{err}", "split": split, "families": ["serving_moe"], "source_key": src,
+                "error": {"output_tokens_per_s": err, "tpot_s": None, "ttft_s": None}}
+
+    rows = [row("a:x", "validation", 0.10), row("a:x", "validation", 0.30), row("b:y", "tuning", -0.20)]
+    serving_accuracy.print_halves({"rows": []}, rows)
+    out = capsys.readouterr().out
+    table = out[out.index("| half / source / quantity"):]
+    assert "| validation / a:x / output tok/s | 2 | 20.0% |" in table and "| +20.0% |" in table
+    assert "| tuning / b:y / output tok/s | 1 | 20.0% | 20.0% | -20.0% | 1/1 | 0 |" in table
+    assert "TPOT" not in table  # a quantity no row measured gets no line
