@@ -196,6 +196,7 @@ def evaluate_all(entries: list[dict], d_half_gpu: float | None = None) -> tuple[
         try:
             row = evaluate_entry(e, search=False, d_half_gpu=d_half_gpu)
             row["split"], row["families"] = e.get("split"), e.get("families") or []
+            row["source_key"] = (e.get("source") or {}).get("key", "")
             rows.append(row)
         except Exception as exc:  # reported with its reason, never dropped
             unplannable.append((e, f"{type(exc).__name__}: {exc}"))
@@ -222,7 +223,7 @@ def source_flagged(entries: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = None) -> dict:
     """Issue #14's tables: the reference set and each half of the new runs (median |err|, p90, signed median,
-    within 25%, unplannable, predicted-faster count), then each half per family; then every new row; then the rows
+    within 25%, unplannable, predicted-faster count), then each half per family and per source; then every new row; then the rows
     their source flags (source_flagged), apart and outside every statistic."""
     entries, flagged = source_flagged(load_new_training())
     rows, unplannable = evaluate_all(entries, d_half_gpu)
@@ -250,6 +251,14 @@ def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = 
             un = sum(e.get("split") == half and fam in (e.get("families") or []) for e, _ in unplannable)
             if hr or un:
                 print(format_stats_row(f"{half} / {fam}", error_stats([r["rel_err"] for r in hr]), un))
+    # per source (the split's unit: one publication table), so a family's figure can be traced to the tables behind it
+    print("\n| half / source | n planned | median abs err | p90 abs err | signed median | within 25% | unplannable |")
+    print("|" + "---|" * 7)
+    for half in SPLITS:
+        for src in sorted({(e.get("source") or {}).get("key", "") for e in entries if e.get("split") == half}):
+            hr = [r for r in rows if r["split"] == half and r["source_key"] == src]
+            un = sum(e.get("split") == half and (e.get("source") or {}).get("key", "") == src for e, _ in unplannable)
+            print(format_stats_row(f"{half} / {src}", error_stats([r["rel_err"] for r in hr]), un))
     print(f"\n{'id':52s} {'split':10s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'fit':>4s}  layout / bottleneck")
     for r in rows:
         print(f"{r['id'][:52]:52s} {r['split']:10s} {r['measured_step_s']:8.3f} {r['pred_step_s']:8.3f} "
