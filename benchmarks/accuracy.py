@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 from _measurements import (
+    _source_key,
     harness_notes,
     load_entries,
     measured_memory_bytes,
@@ -196,7 +197,7 @@ def evaluate_all(entries: list[dict], d_half_gpu: float | None = None) -> tuple[
         try:
             row = evaluate_entry(e, search=False, d_half_gpu=d_half_gpu)
             row["split"], row["families"] = e.get("split"), e.get("families") or []
-            row["source_key"] = (e.get("source") or {}).get("key", "")
+            row["source_key"] = _source_key(e)
             rows.append(row)
         except Exception as exc:  # reported with its reason, never dropped
             unplannable.append((e, f"{type(exc).__name__}: {exc}"))
@@ -255,9 +256,9 @@ def new_data_report(ref: dict, ref_unplannable: int, d_half_gpu: float | None = 
     print("\n| half / source | n planned | median abs err | p90 abs err | signed median | within 25% | unplannable |")
     print("|" + "---|" * 7)
     for half in SPLITS:
-        for src in sorted({(e.get("source") or {}).get("key", "") for e in entries if e.get("split") == half}):
+        for src in sorted({_source_key(e) for e in entries if e.get("split") == half}):
             hr = [r for r in rows if r["split"] == half and r["source_key"] == src]
-            un = sum(e.get("split") == half and (e.get("source") or {}).get("key", "") == src for e, _ in unplannable)
+            un = sum(e.get("split") == half and _source_key(e) == src for e, _ in unplannable)
             print(format_stats_row(f"{half} / {src}", error_stats([r["rel_err"] for r in hr]), un))
     print(f"\n{'id':52s} {'split':10s} {'meas s':>8s} {'pred s':>8s} {'err':>7s} {'fit':>4s}  layout / bottleneck")
     for r in rows:

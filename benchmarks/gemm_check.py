@@ -51,17 +51,21 @@ def gemm_flops(b: int, m: int, n: int, k: int) -> float:
     return 2.0 * b * m * n * k
 
 
+def serving_gemm_s(chip: Chip, eff, b: int, m: int, n: int, k: int, dtype: str = "bf16",
+                   operand_bytes: float = 2.0) -> float:
+    """The serving step's time for one GEMM (infer/step.py's terms): max(flops / (peak x _matmul_fraction(rows = m,
+    narrower weight dim)), bytes / (HBM x hbm_fraction)) + kernel_overhead_s, at the compute dtype's peak; the input and
+    weight take `operand_bytes` per element, the output 2 (bf16)."""
+    t_mm = gemm_flops(b, m, n, k) / (chip.peak(dtype) * _matmul_fraction(eff, dtype, m, min(n, k)))
+    t_mem = b * ((m * k + k * n) * operand_bytes + m * n * 2.0) / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
+    return max(t_mm, t_mem) + eff.kernel_overhead_s
+
+
 def predictions(rows: list[tuple[int, int, int, int, float]], chip: Chip) -> dict[str, np.ndarray]:
     eff = default_efficiency(chip)
     peak = chip.peak("bf16")
-    hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
-    train, serve = [], []
-    for b, m, n, k, _ in rows:
-        flops = gemm_flops(b, m, n, k)
-        train.append(flops / (peak * float(eff.matmul(m, n, k))))
-        t_mm = flops / (peak * _matmul_fraction(eff, "bf16", m, min(n, k)))
-        t_mem = b * (m * k + k * n + m * n) * 2.0 / hbm
-        serve.append(max(t_mm, t_mem) + eff.kernel_overhead_s)
+    train = [gemm_flops(b, m, n, k) / (peak * float(eff.matmul(m, n, k))) for b, m, n, k, _ in rows]
+    serve = [serving_gemm_s(chip, eff, b, m, n, k) for b, m, n, k, _ in rows]
     return {"training": np.array(train), "serving": np.array(serve)}
 
 

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gemm_check import predictions
+from gemm_check import predictions, serving_gemm_s
 
 from meshplan.cost.collectives import group_collective
 from meshplan.cost.topology import make_cluster
@@ -416,18 +416,13 @@ def trtllm_dense_gemm_rows() -> list[dict]:
              "time_s": float(r["time_us"]) * 1e-6} for r in _rows("aic_trtllm_dense_gemm.csv")]
 
 
-def dense_gemm_predicted_s(r: dict, chip) -> float:
-    """The serving step's term for one GEMM in the row's format (gemm_check.predictions' serving model, at the format's
-    peak and bytes): max(2mnk / (peak x _matmul_fraction), bytes / (HBM x hbm_fraction)) + kernel_overhead_s."""
+def dense_gemm_predicted_s(r: dict, chip, eff=None) -> float:
+    """The serving step's term for one GEMM in the row's format (gemm_check.serving_gemm_s at the format's compute
+    dtype and bytes); `eff` defaults to the chip's."""
     from meshplan.cost.efficiency import default_efficiency
-    from meshplan.infer.step import _matmul_fraction
 
-    eff = default_efficiency(chip)
     cdt, b = DENSE_GEMM_FORMATS[r["dtype"]]
-    m, n, k = r["m"], r["n"], r["k"]
-    t_mm = 2.0 * m * n * k / (chip.peak(cdt) * _matmul_fraction(eff, cdt, m, min(n, k)))
-    t_mem = (m * k * b + k * n * b + m * n * 2.0) / (chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction)
-    return max(t_mm, t_mem) + eff.kernel_overhead_s
+    return serving_gemm_s(chip, eff or default_efficiency(chip), 1, r["m"], r["n"], r["k"], cdt, b)
 
 
 def dense_gemm_stream_fits(rows: list[dict] | None = None) -> dict[tuple[str, str], dict]:
@@ -451,11 +446,14 @@ def dense_gemm_stream_fits(rows: list[dict] | None = None) -> dict[tuple[str, st
 
 def trtllm_dense_gemm() -> dict:
     """meshplan's serving GEMM term vs TensorRT-LLM 1.2's dense GEMMs, by chip, format and row bin."""
+    from meshplan.cost.efficiency import default_efficiency
+
     chips = {name: load_chip(name) for name in ("h100-sxm", "h200")}
+    effs = {name: default_efficiency(chip) for name, chip in chips.items()}
     groups: dict[str, list[float]] = {}
     for r in trtllm_dense_gemm_rows():
         label = next(lab for lo, hi, lab in DENSE_GEMM_M_BINS if lo <= r["m"] <= hi)
-        err = dense_gemm_predicted_s(r, chips[r["chip"]]) / r["time_s"] - 1.0
+        err = dense_gemm_predicted_s(r, chips[r["chip"]], effs[r["chip"]]) / r["time_s"] - 1.0
         groups.setdefault(f"{r['chip']} {r['dtype']} {label}", []).append(err)
     order = [f"{c} {d} {lab}" for c in chips for d in DENSE_GEMM_FORMATS for _, _, lab in DENSE_GEMM_M_BINS]
     return {k: _stats(groups[k]) for k in order if k in groups}

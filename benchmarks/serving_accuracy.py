@@ -333,26 +333,20 @@ def print_halves(res: dict, rows: list[dict]) -> dict:
             opt = sum(sign * x > 0 for x in errs)
             out[f"{key}/{name}"] = dict(st, unplannable=un, optimistic=opt)
             print(format_stats_row(f"{label} / {name}", st, un) + f" {opt}/{len(errs)} |")
-    print("\n| half / family / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
-    print("|" + "---|" * 7)
-    fams = sorted({f for r in rows for f in r.get("families") or []})
-    for h in SPLITS:
-        for fam in fams:
-            rs = [r for r in rows if r.get("split") == h and fam in r["families"]]
-            for key, label, _ in QUANTITIES:
-                errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
-                if errs:
-                    print(format_stats_row(f"{h} / {fam} / {label}", error_stats(errs), sum("skipped" in r for r in rs)))
-    # per source (the split's unit: one publication table), so a family's figure can be traced to the tables behind it
-    print("\n| half / source / quantity | n | median abs err | p90 abs err | signed median | within 25% | unplannable |")
-    print("|" + "---|" * 7)
-    for h in SPLITS:
-        for src in sorted({r["source_key"] for r in rows if r.get("split") == h}):
-            rs = [r for r in rows if r.get("split") == h and r["source_key"] == src]
-            for key, label, _ in QUANTITIES:
-                errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
-                if errs:
-                    print(format_stats_row(f"{h} / {src} / {label}", error_stats(errs), sum("skipped" in r for r in rs)))
+    # per family, then per source (the split's unit: one publication table), so a family's figure can be traced to the
+    # tables behind it
+    for title, groups_of in (("family", lambda r: r.get("families") or []), ("source", lambda r: [r["source_key"]])):
+        print(f"\n| half / {title} / quantity | n | median abs err | p90 abs err | signed median | within 25% | "
+              "unplannable |")
+        print("|" + "---|" * 7)
+        for h in SPLITS:
+            for g in sorted({g for r in rows if r.get("split") == h for g in groups_of(r)}):
+                rs = [r for r in rows if r.get("split") == h and g in groups_of(r)]
+                for key, label, _ in QUANTITIES:
+                    errs = [r["error"][key] for r in rs if "error" in r and r["error"][key] is not None]
+                    if errs:
+                        print(format_stats_row(f"{h} / {g} / {label}", error_stats(errs),
+                                               sum("skipped" in r for r in rs)))
     for r in rows:
         if "skipped" in r:
             print(f"UNPLANNABLE {r['id']} ({r.get('split')}): {r['skipped']}")

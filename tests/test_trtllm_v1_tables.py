@@ -5,11 +5,15 @@ no cell repeats a published-set row; the splits follow the rule; MoE rows carry 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import split_by_rule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import serving_accuracy  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
 SOURCE = "trtllm-perf-v1.0:"
@@ -73,11 +77,6 @@ def test_splits_layouts_and_the_moe_command(rows: dict[str, dict]) -> None:
 def test_the_halves_report_lists_each_source_with_its_own_rows(capsys: pytest.CaptureFixture[str]) -> None:
     """serving_accuracy.print_halves ends with one row per half, source and quantity (session 38), whose n and signed
     median are the source's own rows'. Synthetic rows: the table's arithmetic, apart from any prediction."""
-    import sys
-
-    sys.path.insert(0, str(DATA.parent))
-    import serving_accuracy
-
     def row(src: str, split: str, err: float) -> dict:
         return {"id": f"{src}-{err}", "split": split, "families": ["serving_moe"], "source_key": src,
                 "error": {"output_tokens_per_s": err, "tpot_s": None, "ttft_s": None}}
