@@ -84,7 +84,9 @@ def source_key(e: dict) -> str:
     return str(e["source"].get("key", "")) if isinstance(e.get("source"), dict) else ""
 
 
-def predict(e: dict, rules: dict) -> dict:
+def _setup(e: dict, rules: dict):
+    """The row's model, chip, layout (with the harness's limits where its source ran one), efficiencies, workload,
+    the lengths' note and meshplan's largest batch per replica: what predict() and implied_batch() time."""
     # a config under benchmarks/data (models/qwen3-235b-a22b.json) or a preset name
     m, chip = load_model(str(DATA / e["model"]) if e["model"].endswith(".json") else e["model"]), load_chip(e["hardware"])
     eff = default_efficiency(chip)
@@ -109,6 +111,11 @@ def predict(e: dict, rules: dict) -> dict:
     mb = max_batch_per_replica(m, chip, cfg, eff, w)
     if mb < 1:
         raise MeshplanError("model does not fit")
+    return m, chip, cfg, eff, w, how, mb
+
+
+def predict(e: dict, rules: dict) -> dict:
+    m, chip, cfg, eff, w, how, mb = _setup(e, rules)
     md = mode(e)
     if e.get("arrivals"):  # the benchmark's own arrival process, replayed by the simulator
         return _simulated(e, m, chip, cfg, eff, w, mb, how)
@@ -127,6 +134,65 @@ def predict(e: dict, rules: dict) -> dict:
             "spread_ttft_s": p.spread_ttft_s,  # in phase (metrics.in_phase_ttft_s): the steady state's, the other bound
             "batch": p.batch, "max_batch": mb, "mode": md, "lengths": how, "kv_dtype": cfg.kv_dtype,
             "max_num_batched_tokens": cfg.max_num_batched_tokens}
+
+
+def implied_batch(e: dict, rules: dict, predicted_batch: int) -> dict | None:
+    """For an offline max-throughput row (no batch, no arrivals in the source): the batch at which meshplan's own step
+    times give the measured output tok/s, beside the batch its prediction ran (`predicted_batch`, the capacity-bound
+    best point). A diagnostic that splits a throughput error in two: were the step time right, the run held this
+    many sequences. None where the row is not such a row; `implied` None where even the largest batch meshplan
+    admits falls short of the measurement (its step times are slower than the run's at every batch it can hold)."""
+    meas = (e.get("measured") or {}).get("output_tokens_per_s")
+    if not meas or e.get("batch") or e.get("arrivals") or e.get("regime") != "offline_max_throughput":
+        return None
+    m, chip, cfg, eff, w, _, mb = _setup(e, rules)
+    md = mode(e)
+
+    def tok_s(b: int) -> float:
+        return evaluate(m, chip, e["chips"], cfg, eff, w, b, md).throughput_tokens_per_s
+
+    out = {"predicted_batch": predicted_batch, "max_batch": mb, "implied": None}
+    if tok_s(mb) < meas:
+        return out
+    lo, hi = 0, mb  # throughput rises with the batch up to capacity: bisect for the first batch that reaches meas
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if tok_s(mid) < meas else (lo, mid)
+    out["implied"] = hi
+    return out
+
+
+def print_implied_batch(rows: list[dict], entries: list[dict], rules: dict) -> dict:
+    """Per half and source, the offline max-throughput rows' implied batch (implied_batch) over the batch meshplan's
+    prediction ran: near 1 where the error lies in the step time at that batch, well below 1 where the run held
+    fewer sequences than meshplan's capacity (or its steps at large batch are slower than meshplan's), 'above' where
+    meshplan's steps are slower than the run's at any batch it admits."""
+    from _split import SPLITS
+
+    by_id = {e["id"]: e for e in entries}
+    got: dict[tuple[str, str], list[float | None]] = {}
+    for r in rows:
+        if "error" not in r:
+            continue
+        ib = implied_batch(by_id[r["id"]], rules, r["predicted"]["batch"])
+        if ib is not None:
+            ratio = None if ib["implied"] is None else ib["implied"] / ib["predicted_batch"]
+            got.setdefault((r.get("split"), r["source_key"]), []).append(ratio)
+    print("\n| half / source: offline max-throughput rows | n | implied batch / predicted batch, median | range | "
+          "above capacity |")
+    print("|" + "---|" * 5)
+    out = {}
+    for h in SPLITS:
+        for (half, key), ratios in sorted(got.items()):
+            if half != h:
+                continue
+            vals = sorted(x for x in ratios if x is not None)
+            med = f"{statistics.median(vals):.2f}" if vals else "-"
+            rng = f"{vals[0]:.2f}-{vals[-1]:.2f}" if vals else "-"
+            above = sum(x is None for x in ratios)
+            out[(h, key)] = {"n": len(ratios), "median": statistics.median(vals) if vals else None, "above": above}
+            print(f"| {h} / {key} | {len(ratios)} | {med} | {rng} | {above} |")
+    return out
 
 
 SAMPLE_GENERATORS = ("sglang_random", "sgl_jax_random")
@@ -240,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the external check on the TPU engines' sweep (tpu_engines.py)")
     ap.add_argument("--tuning-only", action="store_true",
                     help="load only the tuning half of the new data (for choosing constants without seeing validation)")
+    ap.add_argument("--implied-batch", action="store_true",
+                    help="also print, per half and source, the batch at which meshplan's step times give each offline "
+                         "max-throughput row's measured tok/s over the batch its prediction ran (implied_batch)")
     ap.add_argument("--campaign", metavar="TEXT",
                     help="also list, row by row, the external check's tuning rows whose campaign (source key) contains "
                          "TEXT: lengths, clients, TP, predicted and measured TPOT and TTFT; implies --tuning-only, so "
@@ -253,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_new and args.file == DATA / "serving_measurements.yaml":
         from _split import load_new_serving  # sibling helper, imported here so the module loads on its own (tests)
 
-        res["new"] = run(entries=load_new_serving())
+        new_entries = load_new_serving()
+        res["new"] = run(entries=new_entries)
     external: dict[str, list[dict]] = {}  # the external checks' entries, by name (EXTERNAL_CHECKS)
     if args.file == DATA / "serving_measurements.yaml":
         from _split import _visible
@@ -271,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n## Issue #14: new published serving measurements")
             print_report(res["new"])
             print_halves(res, res["new"]["rows"])
+            if args.implied_batch:
+                print_implied_batch(res["new"]["rows"], new_entries, _assumptions())
         for name, entries in external.items():
             print_external(res[name]["rows"], EXTERNAL_CHECKS[name][1])
             if args.campaign:
