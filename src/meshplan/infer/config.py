@@ -211,6 +211,12 @@ def _engine_entry(key: str, engine: str, chip: Chip) -> float | None:
     return None if hit is None else float(hit["value"])
 
 
+def engine_host_step_s(cfg: ServeConfig, chip: Chip) -> float:
+    """Host seconds of one engine iteration outside the device step where serving.yaml engine_host_step_s measures it
+    for this engine and chip kind (the JAX engines' scheduler and dispatch on TPU); 0 elsewhere."""
+    return _engine_entry("engine_host_step_s", cfg.engine, chip) or 0.0
+
+
 def decode_attention_kv_rate(cfg: ServeConfig, chip: Chip, units: float) -> float | None:
     """Bytes/s at which the engine's decode attention kernel streams the KV cache when `units` (decoding sequences x
     KV heads on the chip) are its parallel work, where serving.yaml engine_decode_attention_kv_rate measures it for
