@@ -187,11 +187,11 @@ def print_implied_batch(rows: list[dict], entries: list[dict], rules: dict) -> d
             if half != h:
                 continue
             vals = sorted(x for x in ratios if x is not None)
-            med = f"{statistics.median(vals):.2f}" if vals else "-"
+            median = statistics.median(vals) if vals else None
             rng = f"{vals[0]:.2f}-{vals[-1]:.2f}" if vals else "-"
             above = sum(x is None for x in ratios)
-            out[(h, key)] = {"n": len(ratios), "median": statistics.median(vals) if vals else None, "above": above}
-            print(f"| {h} / {key} | {len(ratios)} | {med} | {rng} | {above} |")
+            out[(h, key)] = {"n": len(ratios), "median": median, "above": above}
+            print(f"| {h} / {key} | {len(ratios)} | {'-' if median is None else f'{median:.2f}'} | {rng} | {above} |")
     return out
 
 

@@ -510,21 +510,21 @@ def step_cost(m: ModelConfig, chip: Chip, cfg: ServeConfig, eff: Efficiency, dec
     parts = _pipeline_parts(m, chip, cfg, eff, mb, decode_seqs, decode_ctx, prefill_tokens, prefill_ctx, prefill_seqs)
     parts["step_overhead"] = serving_constant("decode_step_overhead_s", chip) if engine_loop else 0.0
     per_token = frontend_token_s(cfg, chip) if engine_loop else 0.0
-    ahead = schedules_ahead(cfg, chip)
-    device = sum(parts.values())
-    stream_host = 0.0
-    if per_token > 0.0:
-        if streamed_tokens is None:
-            streamed_tokens = decode_seqs + (prefill_seqs or 0.0)
-        stream_host = per_token * streamed_tokens
-        parts["stream_responses"] = max(stream_host - device, 0.0) if ahead else stream_host
     step_host = engine_host_step_s(cfg, chip) if engine_loop else 0.0
-    if step_host > 0.0:
-        # the engine's own host iteration (serving.yaml engine_host_step_s): in series; for an engine a step ahead
-        # beside the device step, which then waits for the excess of all the step's host work (with the streamed
-        # tokens') over it
-        parts["host_step"] = (max(step_host + stream_host - device, 0.0) - parts.get("stream_responses", 0.0)
-                              if ahead else step_host)
+    if per_token > 0.0 or step_host > 0.0:
+        # host work of the step: in series for an engine that runs each step after the last; for one a step ahead
+        # beside the device step, which then waits only for the excess of the step's host work over it
+        ahead, device = schedules_ahead(cfg, chip), sum(parts.values())
+        stream_host = 0.0
+        if per_token > 0.0:
+            if streamed_tokens is None:
+                streamed_tokens = decode_seqs + (prefill_seqs or 0.0)
+            stream_host = per_token * streamed_tokens
+            parts["stream_responses"] = max(stream_host - device, 0.0) if ahead else stream_host
+        if step_host > 0.0:
+            # the engine's own iteration (serving.yaml engine_host_step_s), beside the streamed tokens' host work
+            parts["host_step"] = (max(step_host + stream_host - device, 0.0) - parts.get("stream_responses", 0.0)
+                                  if ahead else step_host)
     total = sum(parts.values())
     return StepCost(total, parts, max(parts, key=parts.get))
 
