@@ -64,7 +64,7 @@ def check_plan_invariants(p: dict, chips: int, peak: float) -> None:
     assert sum(p["time_s"].values()) == pytest.approx(p["step_time_s"], rel=1e-9)
     assert p["mfu"] == pytest.approx(p["model_flops_per_step"] / (p["step_time_s"] * chips * peak), rel=1e-9)
     b = p["bottleneck"]
-    assert b in ("compute", "bubble", "other", "host") or (b.startswith("comm/") and b.split("/", 1)[1] in COMM_KINDS), b
+    assert b in ("compute", "bubble", "other", "host", "offload") or (b.startswith("comm/") and b.split("/", 1)[1] in COMM_KINDS), b
     assert isinstance(p["explanation"], str) and p["explanation"].strip()
 
 

@@ -110,7 +110,9 @@ def framework_plans(framework: str | None, problem: Problem, result, opts: Optio
     own = framework_options(PRESET[name], Options(compute_dtype=opts.compute_dtype, headroom=opts.headroom), {})
     ok, refusals = expressible_plans(name, problem, result, own, model_arg, more, want=len(result.plans))
     if not ok:
-        raise MeshplanError(refusals[0][1] if refusals else f"no plan {name} can run")
+        # the exporter's word on where such layouts run instead (deepspeed: Megatron-DeepSpeed's 3D layouts)
+        hint = getattr(TRAIN[name], "TRAIN_HINT", "")
+        raise MeshplanError((refusals[0][1] if refusals else f"no plan {name} can run") + (f". {hint}" if hint else ""))
     kept = replace(result, plans=[p for _, p, _, _ in ok][:max(len(result.plans), 1)])
     note = None
     if refusals:

@@ -31,6 +31,11 @@ SUFFIX = ".json"
 SWITCHES = {"dp_overlap": ({"dp_overlap": True}, '"zero_optimization": {"overlap_comm": true}')}
 # activation_checkpointing: whole layers or nothing; ZeRO-3 over every data-parallel rank (REASONS)
 CHOICES = {"recompute_choices": ("none", "full"), "fsdp_replicas": False}
+# said when `train --framework deepspeed` can run none of the plans: the degrees a DeepSpeed file cannot hold are
+# set by the model script of Megatron-DeepSpeed (its --tensor-model-parallel-size, --pipeline-model-parallel-size)
+TRAIN_HINT = ("For Megatron-DeepSpeed's 3D layouts (tensor and pipeline parallelism in the model script, ZeRO-1 in "
+              "the config), plan with --framework megatron --zero 1")
+
 REASONS = {
     "tp": "a DeepSpeed config has no tensor-parallel degree (Megatron-DeepSpeed sets it in the model script)",
     "pp": "the pipeline engine is built in the model script, not the config", "cp": "no context parallelism",

@@ -130,7 +130,11 @@ def export(plan: PlanToExport) -> str:
     ep_axis = c.ep if m.is_moe else 1
     degrees = {attr: getattr(c, attr) for attr, _ in AXES}
     if ep_axis > 1:
-        degrees["fsdp"] = c.fsdp // ep_axis if c.fsdp % ep_axis == 0 else 0
+        if c.fsdp % ep_axis:  # the expert axis is carved out of the FSDP ranks (module docstring)
+            raise MeshplanError(f"{NAME} cannot express this plan: expert parallelism = {ep_axis} does not divide "
+                                f"the FSDP degree {c.fsdp} (MaxText's expert axis shards the batch and the non-expert "
+                                f"weights with its fsdp axis: ep must divide fsdp). Pin --fsdp to a multiple of --ep")
+        degrees["fsdp"] = c.fsdp // ep_axis
     data = c.dp * c.fsdp
     n_micro = p.global_batch // (data * c.microbatch)
     accum = 1 if c.pp > 1 else n_micro
@@ -160,8 +164,12 @@ def export(plan: PlanToExport) -> str:
         doc.update({k: int(v) for k, v in zip(SA_BLOCK_KEYS, (*o.attention_block_fwd, *o.attention_block_bwd),
                                                 strict=True) if v > 0})
     for attr, axis in AXES:
-        ici = degrees[attr] // dcn[attr] if degrees[attr] % dcn[attr] == 0 else 0
-        doc[f"ici_{axis}_parallelism"], doc[f"dcn_{axis}_parallelism"] = ici, dcn[attr]
+        # _dcn_split's share divides the plan's degree (a gcd), but not always the fsdp axis left beside the experts
+        if degrees[attr] % dcn[attr]:
+            raise MeshplanError(f"{NAME} cannot express this plan: its {axis} axis ({degrees[attr]} after the "
+                                f"expert axis's {ep_axis}) cannot be split {dcn[attr]} ways over the {slices} slices "
+                                f"(ici x dcn must give the degree)")
+        doc[f"ici_{axis}_parallelism"], doc[f"dcn_{axis}_parallelism"] = degrees[attr] // dcn[attr], dcn[attr]
     doc["ici_expert_parallelism"], doc["dcn_expert_parallelism"] = ep_axis, 1
     header = header_lines(plan, NAME) + [_launch_line(o, p.chip.kind == "tpu")]
     return commented(header) + yaml.safe_dump(doc, sort_keys=False)

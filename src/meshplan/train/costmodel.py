@@ -1542,22 +1542,37 @@ class CostModel:
     @staticmethod
     def _ep_stride(g: dict):
         """Rank distance between the members of an EP group. ETP = TP: the EP ranks are carved out of the data ranks
-        outside the tensor and context ones, tp·cp apart (meshplan's mesh order; Megatron-Core before the folding).
-        ETP = 1 (Options.expert_tp): Megatron-Core's expert rank generator orders tp-ep-dp with the expert TP size 1
-        (parallel_state.initialize_model_parallel, `expert_decoder_rank_generator`, cp folded into the expert-DP), so
-        an EP group takes ep consecutive ranks of the stage (Liu et al. 2025, §3, MoE Parallel Folding): EP 32 with
-        TP 2 on 8-GPU nodes spans 4 nodes, not the 8 that a stride-2 group spans."""
-        return np.where(g["etp"] < g["tp"], 1.0, g["tp"] * g["cp"])
+        outside the tensor and context ones, tp·cp apart (meshplan's mesh order; Megatron-Core before the folding);
+        where ep does not divide dp but dp × cp (`_carved_over_cp`) the group exists only as Megatron-Core's folded
+        expert grid builds it: its expert rank generator orders tp-ep-dp (cp = 1 there), so the EP ranks are etp = tp
+        apart and run over the context ranks, then the data ones (parallel_state.initialize_model_parallel,
+        `expert_decoder_rank_generator`; Liu et al. 2025, §3, MoE Parallel Folding). ETP = 1 (Options.expert_tp): the
+        same generator with an expert TP size of 1, so an EP group takes ep consecutive ranks of the stage: EP 32
+        with TP 2 on 8-GPU nodes spans 4 nodes, not the 8 that a stride-2 group spans. Session 40: a layout sweep
+        (benchmarks/layout_sweep.py) found Mixtral dp 2 cp 4 ep 4 refused, its EP group placed tp·cp apart."""
+        over_cp = CostModel._carved_over_cp(g)
+        return np.where(g["etp"] < g["tp"], 1.0, np.where(over_cp, g["tp"], g["tp"] * g["cp"]))
 
     @staticmethod
     def _ep_axes(g: dict) -> list:
         """The EP group in mesh axes for the ledger: `expert` (ETP = TP), or under ETP = 1 the tensor ranks it folds
-        over first, then context, then `expert` for the rest (consecutive ranks, `_ep_stride`)."""
+        over first, then context, then `expert` for the rest (consecutive ranks, `_ep_stride`). EP folded over the
+        data and context ranks under ETP = TP (`_carved_over_cp`) has no axis of its own: the context ranks first,
+        then `data` (the mesh keeps dp whole there, `_replica_axes`)."""
         fold = g["etp"] < g["tp"]
+        over_cp = CostModel._carved_over_cp(g)
         ep, tp, cp = g["ep"], g["tp"], g["cp"]
         on_tp = np.where(fold, np.minimum(ep, tp), 1.0)
-        on_cp = np.where(fold, np.clip(ep / tp, 1.0, cp), 1.0)
-        return [("expert", ep / (on_tp * on_cp)), ("context", on_cp), ("tensor", on_tp)]
+        on_cp = np.where(fold, np.clip(ep / tp, 1.0, cp), np.where(over_cp, np.minimum(ep, cp), 1.0))
+        rest = ep / (on_tp * on_cp)
+        return [("expert", np.where(over_cp, 1.0, rest)), ("data", np.where(over_cp, rest, 1.0)),
+                ("context", on_cp), ("tensor", on_tp)]
+
+    def ep_group(self, cfg) -> tuple[int, int]:
+        """(size, stride) of a layout's EP group as the cost model places it (`_ep_stride`), for the plan's
+        explanation (planner._link_of)."""
+        g = self.geometry(LayoutArrays.from_configs([cfg]))
+        return int(cfg.ep), int(np.asarray(self._ep_stride(g)).reshape(-1)[0])
 
     @staticmethod
     def _ep_overlap_exposed(g: dict, ct: Terms, a2a, n_a2a):

@@ -61,11 +61,16 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # (config/job_config.py @v0.2.0 `optimizer.implementation` default "fused"); full AC compiled with the block, so
     # the recomputed forward is part of the compiled backward graph (Options.compiled_recompute); async TP leaves the
     # input-gradient reduce-scatters of the separate wq/wk/wv and w1/w3 unfused (Options.tp_overlap_dgrad_rs), and those
-    # separate wq/wk/wv are three GEMMs (Options.separate_qkv)
+    # separate wq/wk/wv are three GEMMs (Options.separate_qkv); its selective AC is the per-op policy, which saves the
+    # matmul and attention outputs and recomputes the rest (Options.selective_flavor "op": torchtitan @b5bcd76c
+    # distributed/activation_checkpoint.py SelectiveAC "Per-op selective activation checkpointing", the llama3 configs'
+    # SelectiveAC.Config(); selective_ac_option "op" in the shipped llama3_8b.toml before it), not Megatron's
+    # recompute of the attention core
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
                        fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False, optimizer_impl="fused",
-                       compiled_recompute=True, tp_overlap_dgrad_rs=False, separate_qkv=True),
+                       compiled_recompute=True, tp_overlap_dgrad_rs=False, separate_qkv=True,
+                       selective_flavor="op"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage

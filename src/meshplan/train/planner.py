@@ -303,8 +303,9 @@ def plan_notes(cfg) -> list[str]:
 
 
 def _axis_groups(cfg) -> dict[str, tuple[int, int]]:
-    """(size, stride) of each parallel axis in the chip order, tensor innermost (ParallelConfig.mesh)."""
-    return {"tp": (cfg.tp, 1), "cp": (cfg.cp, cfg.tp), "ep": (cfg.ep, cfg.tp * cfg.cp),
+    """(size, stride) of each parallel axis in the chip order, tensor innermost (ParallelConfig.mesh); the EP group
+    is the cost model's (CostModel.ep_group)."""
+    return {"tp": (cfg.tp, 1), "cp": (cfg.cp, cfg.tp),
             "fsdp": (cfg.fsdp, cfg.tp * cfg.cp), "dp": (cfg.dp, cfg.tp * cfg.cp * cfg.fsdp),
             "pp": (cfg.pp, cfg.tp * cfg.cp * cfg.fsdp * cfg.dp)}
 
@@ -334,11 +335,24 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
         return "compute", (f"compute-bound: {compute / step:.0%} of the {step:.3g} s step is kernel time at "
                            f"{mfu:.1%} MFU; {SUGGEST['compute']}")
     share = parts[worst] / step
-    host = float(ev.time["other/host"][i]) if "other/host" in ev.time else 0.0
+    other = {k: float(ev.time[f"other/{k}"][i]) for k in ("host", "offload", "offload_optimizer")
+             if f"other/{k}" in ev.time}
+    host = other.get("host", 0.0)
     if worst == "other" and host > 0.5 * parts["other"]:
         # the GPU waits for the CPU to issue its kernels (CostModel.host_bound_per_mb)
         return "host", (f"the CPU issuing kernels one by one holds the GPU back for {host / step:.0%} of the step; "
                         "capture the layers as CUDA graphs (--cuda-graph) or raise the micro-batch")
+    if worst == "other" and max(other.get("offload", 0.0), other.get("offload_optimizer", 0.0)) > 0.5 * parts["other"]:
+        # session 40, layout sweep: an optimizer offload that was 99% of `other` was called a fixed per-step overhead
+        if other.get("offload_optimizer", 0.0) >= other.get("offload", 0.0):
+            t = other["offload_optimizer"]
+            return "offload", (f"the optimizer step on the host (ZeRO-Offload: gradients out, Adam on the CPU, "
+                               f"weights back) takes {t / step:.0%} of the step; keep the optimizer on the device "
+                               "(--offload-optimizer 0) with more ZeRO/FSDP sharding, or overlap it with the next "
+                               "step (--offload-delayed-update)")
+        return "offload", (f"activation offload to host memory takes {other['offload'] / step:.0%} of the step "
+                           "beyond the compute it hides behind; offload less (--offload) or recompute instead "
+                           "(--recompute)")
     if worst in ("bubble", "other"):
         what = "the pipeline bubble" if worst == "bubble" else "fixed per-step overhead"
         return worst, f"{what} takes {share:.0%} of the step; {SUGGEST[worst]}"
@@ -374,6 +388,8 @@ def _grad_group(cm: CostModel, cfg) -> tuple[int, int, str]:
 
 def _link_of(cm: CostModel, ev: Evaluation, i: int, kind: str) -> str:
     cfg = ev.layouts.config(i)
+    if kind == "ep":  # the cost model's own placement (ETP = 1 and EP folded over context ranks differ from the mesh's)
+        return _link(cm, *cm.ep_group(cfg))
     size, stride = _grad_group(cm, cfg)[:2] if kind == "dp" else _axis_groups(cfg)[kind]
     return _link(cm, size, stride)
 

@@ -1,0 +1,291 @@
+"""Plan layouts the way frameworks accept them, for every model and chip preset, and count what meshplan refuses.
+
+    PYTHONPATH=src python benchmarks/layout_sweep.py [--n 1500] [--seed 0] [--serve-n 600] [--json] [--show 20]
+
+Issue #14's last target is that every published layout plans: no "does not map", no "does not fit" where the job ran.
+The published rows cover a few hundred layouts; held-out runs bring others. This sweep draws layouts a framework would
+launch, from every model preset on every chip preset, and runs `meshplan train` (and `serve`) with every degree pinned,
+in process, through the CLI's own `main()`:
+
+- train: chips in {8, 16, 64, 256, 1024} (a TPU's own slice sizes); tp a divisor of the query heads with the KV heads
+  dividing or divided by it (Megatron-Core's rule, megatron/core/transformer/attention.py), at most the chip's fast
+  domain for GPUs; pp dividing the layers (Megatron-Core without uneven stages); cp 1-4 at 8K+ tokens; for MoE an ep
+  dividing the experts and dp x cp x tp (Megatron-Core expert-data-parallel groups, parallel_state.py); dp the rest;
+  a micro-batch dividing the per-replica batch; recompute none / selective / full; dtype bf16 or fp8 where the chip
+  has an FP8 peak; a framework preset (megatron, nemo, torchtitan, deepspeed; maxtext / jax on TPU).
+- serve: tp over the chips (pp the rest), weights in bf16 or fp8, engine default/vllm/sglang/trtllm on GPUs.
+
+Outcomes: ok (exit 0 and a sane plan: 0 < MFU <= 1, HFU <= 1, a finite positive step, tokens/s that equal the
+batch's tokens over the step), refused for memory ("does not fit"), refused otherwise (the message, grouped), an
+exception escaping main() (a defect), or a plan that is not sane (a defect). A "does not fit" is flagged as suspect
+when the training states alone (bf16 weights, fp32 grads and Adam, sharded as pinned) take under a quarter of HBM at
+micro-batch 1 with full recompute - a bound, not a prediction; suspects are listed for review, not counted as
+defects. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import platform
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from meshplan.cli.app import main  # noqa: E402
+from meshplan.specs.hardware import HARDWARE_DIR, load_chip  # noqa: E402
+from meshplan.specs.model import MODELS_DIR, load_model  # noqa: E402
+
+GPU_CHIPS = (8, 16, 64, 256, 1024)
+TPU_CHIPS = (8, 16, 64, 256)
+GPU_FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed", None)
+TPU_FRAMEWORKS = ("maxtext", "jax", None)
+ENGINES = ("default", "vllm", "sglang", "trtllm")
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):  # pragma: no cover - only under a hang
+    raise Timeout()
+
+
+def run_cli(args: list[str], timeout_s: float) -> tuple[str, int, str, str]:
+    """(outcome, exit code, stdout, stderr) of one in-process invocation; outcome 'exception' or 'hang' for a defect."""
+    out, err = io.StringIO(), io.StringIO()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(args)
+        rc = 0 if rc is None else int(rc)
+        outcome = "ran"
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        outcome = "ran"
+    except Timeout:
+        rc, outcome = -1, "hang"
+    except Exception as exc:  # noqa: BLE001 - the sweep's point is to catch what escapes
+        rc, outcome = -2, "exception"
+        err.write(f"{type(exc).__name__}: {exc}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return outcome, rc, out.getvalue(), err.getvalue()
+
+
+def presets(folder: Path, suffix: str) -> list[str]:
+    return sorted(p.stem for p in folder.glob(f"*{suffix}"))
+
+
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def _tp_choices(m, chip) -> list[int]:
+    """Megatron-Core: num_attention_heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)."""
+    cap = chip.links.nvlink_domain_size if chip.kind == "gpu" and chip.links.nvlink_domain_size > 1 else 8
+    kv = max(m.n_kv_heads, 1)
+    return [t for t in (1, 2, 4, 8, 16) if t <= min(cap, 16) and m.n_heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+
+
+def train_case(rng: random.Random, models: list[str], chips: list[str]) -> dict | None:
+    name, hw = rng.choice(models), rng.choice(chips)
+    m, chip = load_model(name), load_chip(hw)
+    n = rng.choice(TPU_CHIPS if chip.kind == "tpu" else GPU_CHIPS)
+    seq = rng.choice((2048, 4096, 8192))
+    tp = rng.choice(_tp_choices(m, chip) or [1])
+    pp = rng.choice([p for p in (1, 2, 4, 8, 16) if m.n_layers % p == 0 and p <= n // tp] or [1])
+    cp = rng.choice([c for c in (1, 2, 4) if c == 1 or seq >= 8192])
+    if n % (tp * pp * cp):
+        return None
+    dp = n // (tp * pp * cp)
+    ep = 1
+    if m.is_moe:
+        ep = rng.choice([e for e in divisors(m.n_experts, 64) if (dp * cp * tp) % e == 0] or [1])
+    gbs = dp * rng.choice((1, 2, 4, 8, 16))
+    mb = rng.choice([b for b in (1, 2, 4) if (gbs // dp) % b == 0])
+    recompute = rng.choice(("none", "selective", "full"))
+    dtype = "fp8" if chip.peak_flops_per_s.get("fp8") and rng.random() < 0.3 else "bf16"
+    framework = rng.choice(TPU_FRAMEWORKS if chip.kind == "tpu" else GPU_FRAMEWORKS)
+    args = ["train", "-m", name, "--hardware", hw, "--chips", str(n), "--seq-len", str(seq), "--global-batch",
+            str(gbs), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--microbatch", str(mb),
+            "--recompute", recompute, "--dtype", dtype, "--top", "1", "--json"]
+    if m.is_moe:
+        args += ["--ep", str(ep)]
+    if framework:
+        args += ["--framework", framework]
+    return {"args": args, "model": name, "hardware": hw, "chips": n, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep,
+            "gbs": gbs, "seq": seq}
+
+
+def serve_case(rng: random.Random, models: list[str], chips: list[str]) -> dict | None:
+    name, hw = rng.choice(models), rng.choice(chips)
+    m, chip = load_model(name), load_chip(hw)
+    n = rng.choice((1, 2, 4, 8, 16))
+    tp = rng.choice([t for t in _tp_choices(m, chip) if t <= n and n % t == 0] or [1])
+    pp = n // tp
+    if pp > 1 and m.n_layers % pp:
+        return None
+    quant = "fp8" if chip.peak_flops_per_s.get("fp8") and rng.random() < 0.4 else "bf16"
+    # requests inside the model's context window (a longer one is refused by design: config.py)
+    lengths = [(i, o) for i in (128, 1024, 4096) for o in (128, 1024) if i + o <= m.max_seq_len]
+    if not lengths:
+        return None
+    inp, outp = rng.choice(lengths)
+    args = ["serve", "-m", name, "--hardware", hw, "--chips", str(n), "--tp", str(tp), "--pp", str(pp),
+            "--input-len", str(inp), "--output-len", str(outp),
+            "--quant", quant, "--json"]
+    if chip.kind == "gpu":
+        args += ["--engine", rng.choice(ENGINES)]
+    if m.is_moe and rng.random() < 0.5:
+        args += ["--ep", str(rng.choice([e for e in divisors(m.n_experts, tp) if tp % e == 0] or [1]))]
+    return {"args": args, "model": name, "hardware": hw, "chips": n, "tp": tp, "pp": pp}
+
+
+def states_fraction(case: dict) -> float:
+    """A lower bound on the training states' share of HBM per chip at the pinned layout: bf16 weights and gradients
+    (2 + 2 B) and Adam's fp32 master and moments (12 B) sharded over the whole data-parallel group (ZeRO-1, the
+    Megatron distributed optimizer), the dense weights over tp x pp, the experts over pp x ep x the largest expert-TP
+    the layout allows (ETP <= tp, ep x ETP dividing dp x cp x tp). Activations and buffers excluded. For flagging
+    suspect refusals only."""
+    from meshplan.infer.memory import expert_params
+    from meshplan.math.transformer import param_counts
+
+    m, chip = load_model(case["model"]), load_chip(case["hardware"])
+    pc = param_counts(m)
+    experts = (pc.n_layers - pc.n_dense_layers) * m.n_experts * expert_params(m) if m.is_moe else 0.0
+    dense = float(pc.total) - experts
+    tp, pp, ep, dp, cp = case["tp"], case["pp"], max(case.get("ep", 1), 1), case["dp"], case["cp"]
+    etp = max(t for t in range(1, tp + 1) if tp % t == 0 and (dp * cp * tp) % (ep * t) == 0)
+    params = dense / (tp * pp) + experts / (pp * ep * etp)
+    return params * (4.0 + 12.0 / (dp * cp)) / chip.hbm_bytes
+
+
+def sane_train(doc: dict, case: dict) -> str | None:
+    plans = doc.get("plans") or []
+    if not plans:
+        return "no plan in the output"
+    p = plans[0]
+    step = p.get("step_time_s")
+    if not (isinstance(step, float) and math.isfinite(step) and step > 0):
+        return f"step_time_s {step!r}"
+    if not (0 < p["mfu"] <= 1.0) or not (0 < p["hfu"] <= 1.0):
+        return f"mfu {p['mfu']:.3g} hfu {p['hfu']:.3g}"
+    want = case["gbs"] * case["seq"] / step
+    if abs(p["tokens_per_s"] / want - 1) > 1e-6:
+        return f"tokens_per_s {p['tokens_per_s']:.6g} != batch tokens / step {want:.6g}"
+    c = p["config"]
+    for k in ("tp", "pp", "cp"):
+        if c[k] != case[k]:
+            return f"pinned {k}={case[k]} came back {c[k]}"
+    return None
+
+
+def sane_serve(doc: dict) -> str | None:
+    text = json.dumps(doc)
+    if "NaN" in text or "Infinity" in text:
+        return "NaN or Infinity in the output"
+    return None
+
+
+def classify(outcome: str, rc: int, stderr: str) -> str:
+    if outcome != "ran":
+        return outcome
+    if rc == 0:
+        return "ok"
+    if rc == 2 and stderr.count("\n") <= 1 and stderr.startswith("error:"):
+        return "refused: memory" if "fit" in stderr else "refused: other"
+    return "bad exit"
+
+
+def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
+    rng = random.Random(seed)
+    models = presets(MODELS_DIR, ".json")
+    chips = presets(HARDWARE_DIR, ".yaml")
+    make = train_case if kind == "train" else serve_case
+    counts: Counter = Counter()
+    messages: Counter = Counter()
+    examples: dict[str, list[str]] = {}  # the first command line of each refusal message
+    defects: list[dict] = []
+    suspects: list[dict] = []
+    t0 = time.perf_counter()
+    done = 0
+    while done < n:
+        case = make(rng, models, chips)
+        if case is None:
+            continue
+        done += 1
+        outcome, rc, out, err = run_cli(case["args"], timeout_s)
+        cls = classify(outcome, rc, err)
+        if cls == "ok":
+            try:
+                doc = json.loads(out)
+                bad = sane_train(doc, case) if kind == "train" else sane_serve(doc)
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                bad = f"unreadable JSON: {exc}"
+            if bad:
+                cls = "insane plan"
+                defects.append({"args": case["args"], "why": bad})
+        elif cls in ("exception", "hang", "bad exit"):
+            defects.append({"args": case["args"], "why": err.strip()[-400:]})
+        elif cls == "refused: other":
+            key = err.strip()[:160]
+            messages[key] += 1
+            examples.setdefault(key, case["args"])
+        elif cls == "refused: memory" and kind == "train":
+            frac = states_fraction(case)
+            if frac < 0.25 and "full" in case["args"] and case["args"][case["args"].index("--microbatch") + 1] == "1":
+                suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
+        counts[cls] += 1
+    return {"kind": kind, "n": n, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1), "counts": dict(counts),
+            "refusals": [(msg, c, examples[msg]) for msg, c in messages.most_common()], "defects": defects, "suspects": suspects}
+
+
+def report(res: dict, show: int) -> None:
+    print(f"\n## {res['kind']}: {res['n']} layouts, seed {res['seed']}, {res['wall_s']} s")
+    print("| outcome | count |\n|---|---|")
+    for k, v in sorted(res["counts"].items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {v} |")
+    if res["refusals"]:
+        print("\nrefusals other than memory (message, count):")
+        for msg, c, args in res["refusals"][:show]:
+            print(f"- {c} x {msg}\n  e.g. `meshplan {' '.join(args)}`")
+    for title, rows in (("defects", res["defects"]), ("suspect memory refusals", res["suspects"])):
+        if rows:
+            print(f"\n{title} ({len(rows)}):")
+            for r in rows[:show]:
+                print(f"- `meshplan {' '.join(r['args'])}`: {r.get('why', '')} {r.get('states_fraction', '')}")
+
+
+def main_(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1500, help="training layouts to draw")
+    ap.add_argument("--serve-n", type=int, default=600, help="serving layouts to draw")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per invocation before it counts as a hang")
+    ap.add_argument("--show", type=int, default=20, help="rows of each list to print")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    res = [sweep("train", a.n, a.seed, a.timeout), sweep("serve", a.serve_n, a.seed, a.timeout)]
+    if a.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"# layout_sweep.py (python {platform.python_version()}, {platform.machine()}, {time.strftime('%Y-%m-%d')})")
+    for r in res:
+        report(r, a.show)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_())

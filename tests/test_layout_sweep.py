@@ -1,0 +1,157 @@
+"""Session 40: what benchmarks/layout_sweep.py found planning framework-legal layouts of every preset, and the sweep
+itself on a small draw (no exception, hang or insane plan may escape `main()`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshplan.cost.efficiency import default_efficiency
+from meshplan.errors import MeshplanError
+from meshplan.specs.hardware import load_chip
+from meshplan.specs.model import load_model
+from meshplan.train.config import ParallelConfig
+from meshplan.train.costmodel import CostModel, Options
+from meshplan.train.planner import plan
+from meshplan.train.space import Pins, Problem
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("layout_sweep", ROOT / "benchmarks" / "layout_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["layout_sweep"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pinned(cfg: ParallelConfig) -> Pins:
+    return Pins(**{k: getattr(cfg, k) for k in ("dp", "fsdp", "tp", "pp", "vpp", "cp", "ep", "microbatch",
+                                                 "recompute", "zero", "offload", "offload_optimizer",
+                                                 "offload_params")})
+
+
+def test_ep_folded_over_context_ranks_is_placed_tp_apart() -> None:
+    """Mixtral 8x7B on 8 H100s, dp 2 cp 2 pp 2 ep 4 (tp 1): ep does not divide dp, only dp x cp, which Megatron-Core
+    allows by folding the expert grid (expert_decoder_rank_generator, order tp-ep-dp: the EP ranks etp = tp = 1
+    apart, the two context ranks of both data replicas). Before session 40 the EP group was placed tp x cp = 2 apart,
+    needing 4 x 2 = 8 ranks of a 4-rank stage, and the layout was refused ('does not map')."""
+    prob = Problem(load_model("mixtral-8x7b"), load_chip("h100-sxm"), 8, 4096, 64)
+    cfg = ParallelConfig(dp=2, cp=2, pp=2, ep=4, microbatch=1, recompute="full", zero=1)
+    opts = replace(Options(), headroom=-1e6)  # timed whatever the memory (the layout is about placement)
+    best = plan(prob, _pinned(cfg), default_efficiency(prob.chip), opts, top=1).plans[0]
+    assert (best["config"]["ep"], best["config"]["cp"], best["config"]["dp"]) == (4, 2, 2)
+    cm = CostModel(prob, default_efficiency(prob.chip), opts)
+    assert cm.ep_group(cfg) == (4, 1)  # tp = 1 apart: ranks r, r+1, r+2, r+3 of the stage
+    # the ledger names the axes the all-to-all crosses: context (2) then data (2), no expert axis of its own
+    keys = [k for k in best["ledger"]["collective_bytes"] if k.startswith("all_to_all/")]
+    assert keys == ["all_to_all/data+context"]
+
+
+def test_ep_with_tensor_ranks_explained_on_its_own_link(capsys) -> None:
+    """gpt-oss-20b on 16 A800s (8 per node), dp 4 tp 4 ep 16 under NeMo (whole experts, ETP 1): the EP group is 16
+    consecutive ranks (Megatron-Core's expert grid), two nodes. The plan's explanation named its link from a second
+    copy of the mesh (ep tp·cp apart: 64 ranks) and failed with 'a group of 16 chips with stride 4 needs 64 chips'."""
+    code, out, err = run_cli(["train", "-m", "gpt-oss-20b", "--hardware", "a800", "--chips", "16", "--seq-len", "8192",
+                              "--global-batch", "16", "--dp", "4", "--tp", "4", "--pp", "1", "--cp", "1",
+                              "--microbatch", "1", "--recompute", "selective", "--ep", "16", "--framework", "nemo",
+                              "--top", "1"], capsys)
+    assert code == 0, err
+    assert "whole experts per rank (ETP 1)" in out
+    # 16 consecutive ranks on 8-GPU nodes: two nodes, so NVLink inside each and InfiniBand between them
+    assert "bottleneck: comm/ep" in out and "exposed on nvlink+infiniband" in " ".join(out.split())
+
+
+def test_torchtitan_selective_is_its_per_op_policy(capsys, tmp_path) -> None:
+    """`--framework torchtitan --recompute selective` means torchtitan's selective AC, the per-op policy (torchtitan
+    SelectiveAC, selective_ac_option 'op'); it was planned as Megatron's attention-core recompute, which torchtitan
+    cannot run, and refused."""
+    args = ["train", "-m", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+            "--global-batch", "64", "--fsdp", "8", "--recompute", "selective", "--framework", "torchtitan", "--top", "1"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    code, out, err = run_cli(args + ["--export", "torchtitan", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    import tomllib
+
+    doc = tomllib.loads(next(tmp_path.glob("*.toml")).read_text())
+    assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+
+
+def test_optimizer_offload_is_named_as_the_bottleneck(capsys) -> None:
+    """A plan whose `other` time is the host's optimizer step (ZeRO-Offload) was explained as 'fixed per-step
+    overhead; raise the batch per step'."""
+    code, out, err = run_cli(["train", "-m", "mixtral-8x7b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len",
+                              "8192", "--global-batch", "16", "--dp", "2", "--tp", "2", "--cp", "2", "--ep", "4",
+                              "--pp", "1", "--microbatch", "1", "--recompute", "full", "--zero", "2",
+                              "--offload-optimizer", "1", "--top", "1", "--json"], capsys)
+    assert code == 0, err
+    p = yaml.safe_load(out)["plans"][0]
+    t = p["time_breakdown_s"]
+    # the step's largest non-compute part is `other`, and the host's optimizer step is most of it
+    assert t["other"] > max(t["exposed_comm"], t["bubble"]) and t["other/offload_optimizer"] > 0.5 * t["other"]
+    assert p["bottleneck"] == "offload"
+    assert "optimizer step on the host" in p["explanation"] and "--offload-optimizer 0" in p["explanation"]
+
+
+def test_maxtext_refuses_ep_outside_fsdp_in_one_line(capsys) -> None:
+    """MaxText's expert axis is carved out of its fsdp axis; a plan with ep not dividing fsdp was written with
+    ici_fsdp_parallelism 0 and refused by the read-back ('must be positive or -1, got 0')."""
+    code, out, err = run_cli(["train", "-m", "gpt-oss-20b", "--hardware", "tpu-v4", "--chips", "64", "--seq-len",
+                              "4096", "--global-batch", "16", "--dp", "8", "--tp", "8", "--pp", "1", "--cp", "1",
+                              "--microbatch", "1", "--recompute", "full", "--ep", "16", "--framework", "maxtext",
+                              "--top", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "maxtext cannot express this plan: expert parallelism = 16 does not divide the FSDP degree 1" in err
+
+
+def test_deepspeed_refusal_points_megatron_deepspeed_users_to_megatron(capsys) -> None:
+    code, out, err = run_cli(["train", "-m", "llama3-70b", "--hardware", "a100-80gb", "--chips", "64", "--seq-len",
+                              "2048", "--global-batch", "512", "--tp", "4", "--pp", "4", "--dp", "4", "--framework",
+                              "deepspeed"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "tensor parallelism = 4" in err and "plan with --framework megatron --zero 1" in err
+    code, out, err = run_cli(["train", "-m", "llama3-70b", "--hardware", "a100-80gb", "--chips", "64", "--seq-len",
+                              "2048", "--global-batch", "512", "--tp", "4", "--pp", "4", "--dp", "4", "--framework",
+                              "megatron", "--zero", "1", "--top", "1"], capsys)
+    assert code == 0, err
+
+
+def test_states_bound_shards_experts_and_optimizer() -> None:
+    """The sweep's lower bound for suspect refusals, by hand: Mixtral 8x7B (46.70B parameters, 44.99B of them in
+    32 x 8 experts of 3 x 4096 x 14336) at tp 2 pp 2 ep 4 dp 8 on 80 GB H100s: dense 1.70B / 4 + experts 44.99B /
+    (2 x 4 x 2) (the largest ETP the layout allows: 2, ep x etp = 8 dividing dp x cp x tp = 16), times
+    4 + 12 / 8 bytes."""
+    mod = _sweep_module()
+    case = {"model": "mixtral-8x7b", "hardware": "h100-sxm", "tp": 2, "pp": 2, "ep": 4, "dp": 8, "cp": 1}
+    experts = 32 * 8 * 3 * 4096 * 14336
+    from meshplan.math.transformer import param_counts
+
+    total = float(param_counts(load_model("mixtral-8x7b")).total)
+    want = ((total - experts) / 4 + experts / 16) * (4 + 12 / 8) / load_chip("h100-sxm").hbm_bytes
+    assert mod.states_fraction(case) == pytest.approx(want, rel=1e-12)
+
+
+def test_small_sweep_has_no_defects() -> None:
+    """A small draw of the sweep (30 training and 30 serving layouts): every invocation exits 0 with a sane plan or 2
+    with one error line."""
+    mod = _sweep_module()
+    for kind in ("train", "serve"):
+        res = mod.sweep(kind, 30, seed=11, timeout_s=120.0)
+        assert res["defects"] == [], res["defects"]
+        assert sum(res["counts"].values()) == 30
+
+
+def test_ep_beyond_data_and_context_ranks_stays_refused() -> None:
+    """The fold needs ep x etp to divide the stage's tp x cp x dp ranks: ep 8 over dp 2 x cp 2 (tp 1) stays refused."""
+    with pytest.raises(MeshplanError):
+        prob = Problem(load_model("mixtral-8x7b"), load_chip("h100-sxm"), 8, 4096, 64)
+        cfg = ParallelConfig(dp=2, cp=2, pp=2, ep=8, microbatch=1, recompute="full", zero=1)
+        plan(prob, _pinned(cfg), default_efficiency(prob.chip), replace(Options(), headroom=-1e6), top=1)
