@@ -13,10 +13,13 @@ in process, through the CLI's own `main()`:
   dividing the experts and dp x cp x tp (Megatron-Core expert-data-parallel groups, parallel_state.py); dp the rest;
   a micro-batch dividing the per-replica batch; recompute none / selective / full; dtype bf16 or fp8 where the chip
   has an FP8 peak; a framework preset (megatron, nemo, torchtitan, deepspeed; maxtext / jax on TPU).
-- serve: tp over the chips (pp the rest), weights in bf16 or fp8, engine default/vllm/sglang/trtllm on GPUs.
+- serve: tp over the chips (pp the rest), weights in bf16 or fp8 (KV in fp8 at times), engine default/vllm/sglang/
+  trtllm on GPUs, ep and attention DP for MoE, driven at its best point, a fixed batch, closed-loop clients or
+  simulated Poisson arrivals; requests inside the model's context window.
 
 Outcomes: ok (exit 0 and a sane plan: 0 < MFU <= 1, HFU <= 1, a finite positive step, tokens/s that equal the
-batch's tokens over the step), refused for memory ("does not fit"), refused otherwise (the message, grouped), an
+batch's tokens over the step, the pinned degrees kept; serving: positive finite TTFT, TPOT and throughput, and
+end-to-end latency = TTFT + (output - 1) x TPOT outside the simulation), refused for memory ("does not fit"), refused otherwise (the message, grouped), an
 exception escaping main() (a defect), or a plan that is not sane (a defect). A "does not fit" is flagged as suspect
 when the training states alone (bf16 weights, fp32 grads and Adam, sharded as pinned) take under a quarter of HBM at
 micro-batch 1 with full recompute - a bound, not a prediction; suspects are listed for review, not counted as
@@ -47,7 +50,7 @@ from meshplan.specs.hardware import HARDWARE_DIR, load_chip  # noqa: E402
 from meshplan.specs.model import MODELS_DIR, load_model  # noqa: E402
 
 GPU_CHIPS = (8, 16, 64, 256, 1024)
-TPU_CHIPS = (8, 16, 64, 256)
+TPU_CHIPS = (8, 16, 64, 256, 512, 2048)  # beyond a slice: multi-slice over DCN
 GPU_FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed", None)
 TPU_FRAMEWORKS = ("maxtext", "jax", None)
 ENGINES = ("default", "vllm", "sglang", "trtllm")
@@ -125,6 +128,24 @@ def train_case(rng: random.Random, models: list[str], chips: list[str]) -> dict 
         args += ["--ep", str(ep)]
     if framework:
         args += ["--framework", framework]
+    # the knobs a published run states beside its degrees, each drawn now and then
+    if rng.random() < 0.3:  # FSDP over the data ranks (torchtitan's dp_shard, ZeRO-3) instead of replicas
+        args[args.index("--dp")] = "--fsdp"
+    elif rng.random() < 0.5:
+        args += ["--zero", str(rng.choice((0, 1, 2)))]
+    if pp > 1 and rng.random() < 0.5:
+        vpps = [v for v in (2, 4) if m.n_layers % (pp * v) == 0]
+        if vpps:
+            args += ["--vpp", str(rng.choice(vpps))]
+        args += ["--pp-schedule", rng.choice(("1f1b", "zb1p", "gpipe"))]
+    if dtype == "fp8" and rng.random() < 0.5:
+        args += ["--fp8-recipe", rng.choice(("tensorwise", "rowwise", "blockwise", "delayed"))]
+    if m.is_moe and ep > 1 and rng.random() < 0.5:
+        args += ["--moe-dispatcher", rng.choice(("alltoall", "deepep", "hybridep"))]
+    if chip.kind == "gpu" and rng.random() < 0.2:
+        args += ["--cuda-graph", rng.choice(("none", "attn", "attn,mlp", "full_iteration"))]
+    if cp > 1 and rng.random() < 0.3:
+        args += ["--cp-impl", rng.choice(("ring", "torch", "allgather"))]
     return {"args": args, "model": name, "hardware": hw, "chips": n, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep,
             "gbs": gbs, "seq": seq}
 
@@ -150,13 +171,27 @@ def serve_case(rng: random.Random, models: list[str], chips: list[str]) -> dict 
         args += ["--engine", rng.choice(ENGINES)]
     if m.is_moe and rng.random() < 0.5:
         args += ["--ep", str(rng.choice([e for e in divisors(m.n_experts, tp) if tp % e == 0] or [1]))]
-    return {"args": args, "model": name, "hardware": hw, "chips": n, "tp": tp, "pp": pp}
+        if tp > 1 and rng.random() < 0.5:
+            args += ["--attention-dp"]
+    # how the benchmark drives the engine: its best point, a fixed batch, closed-loop clients, Poisson arrivals
+    mode = rng.choice(("best", "batch", "clients", "simulate"))
+    if mode == "batch":
+        args += ["--batch", str(rng.choice((1, 8, 64, 256)))]
+    elif mode == "clients":
+        c = rng.choice((1, 16, 128))
+        args += ["--concurrency", str(c), "--requests", str(c * rng.choice((1, 4)))]
+    elif mode == "simulate":
+        args += ["--simulate", "--rate", str(rng.choice((0.5, 4.0, 32.0))), "--requests", "60"]
+    if rng.random() < 0.2:
+        args += ["--kv-quant", "fp8"]
+    return {"args": args, "model": name, "hardware": hw, "chips": n, "tp": tp, "pp": pp, "mode": mode,
+            "output_len": outp}
 
 
 def states_fraction(case: dict) -> float:
     """A lower bound on the training states' share of HBM per chip at the pinned layout: bf16 weights and gradients
     (2 + 2 B) and Adam's fp32 master and moments (12 B) sharded over the whole data-parallel group (ZeRO-1, the
-    Megatron distributed optimizer), the dense weights over tp x pp, the experts over pp x ep x the largest expert-TP
+    Megatron distributed optimizer; all 16 B under FSDP), the dense weights over tp x pp, the experts over pp x ep x the largest expert-TP
     the layout allows (ETP <= tp, ep x ETP dividing dp x cp x tp). Activations and buffers excluded. For flagging
     suspect refusals only."""
     from meshplan.infer.memory import expert_params
@@ -169,7 +204,19 @@ def states_fraction(case: dict) -> float:
     tp, pp, ep, dp, cp = case["tp"], case["pp"], max(case.get("ep", 1), 1), case["dp"], case["cp"]
     etp = max(t for t in range(1, tp + 1) if tp % t == 0 and (dp * cp * tp) % (ep * t) == 0)
     params = dense / (tp * pp) + experts / (pp * ep * etp)
+    if "--fsdp" in case["args"]:  # FSDP / ZeRO-3 shards the weights and gradients too
+        return params * 16.0 / (dp * cp) / chip.hbm_bytes
     return params * (4.0 + 12.0 / (dp * cp)) / chip.hbm_bytes
+
+
+def weights_fraction(case: dict) -> float:
+    """The served weights' share of HBM per chip: every parameter at the --quant width over tp x pp (the experts split
+    over the tp ranks whatever the ep, which divides tp). For flagging suspect serving refusals only."""
+    from meshplan.math.transformer import param_counts
+
+    m, chip = load_model(case["model"]), load_chip(case["hardware"])
+    width = 1.0 if case["args"][case["args"].index("--quant") + 1] == "fp8" else 2.0
+    return float(param_counts(m).total) * width / (case["tp"] * case["pp"]) / chip.hbm_bytes
 
 
 def sane_train(doc: dict, case: dict) -> str | None:
@@ -192,10 +239,19 @@ def sane_train(doc: dict, case: dict) -> str | None:
     return None
 
 
-def sane_serve(doc: dict) -> str | None:
+def sane_serve(doc: dict, case: dict) -> str | None:
+    """Finite, positive latencies and throughput; a request's end-to-end latency is its first token plus
+    (output - 1) token steps (the closed forms' definition; the simulation reports its own means, not checked)."""
     text = json.dumps(doc)
     if "NaN" in text or "Infinity" in text:
         return "NaN or Infinity in the output"
+    for k in ("ttft_s", "tpot_s", "throughput_tokens_per_s"):
+        if not (isinstance(doc.get(k), (int, float)) and doc[k] > 0):
+            return f"{k} {doc.get(k)!r}"
+    if case["mode"] != "simulate":
+        e2e = doc["ttft_s"] + (case["output_len"] - 1) * doc["tpot_s"]
+        if abs(doc["e2e_latency_s"] / e2e - 1) > 1e-6:
+            return f"e2e_latency_s {doc['e2e_latency_s']:.6g} != ttft + (output - 1) x tpot = {e2e:.6g}"
     return None
 
 
@@ -231,7 +287,7 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
         if cls == "ok":
             try:
                 doc = json.loads(out)
-                bad = sane_train(doc, case) if kind == "train" else sane_serve(doc)
+                bad = sane_train(doc, case) if kind == "train" else sane_serve(doc, case)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 bad = f"unreadable JSON: {exc}"
             if bad:
@@ -246,6 +302,10 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
         elif cls == "refused: memory" and kind == "train":
             frac = states_fraction(case)
             if frac < 0.25 and "full" in case["args"] and case["args"][case["args"].index("--microbatch") + 1] == "1":
+                suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
+        elif cls == "refused: memory" and case["mode"] != "batch":  # a pinned batch's KV may well not fit
+            frac = weights_fraction(case)
+            if frac < 0.5:
                 suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
         counts[cls] += 1
     return {"kind": kind, "n": n, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1), "counts": dict(counts),

@@ -130,7 +130,7 @@ def test_states_bound_shards_experts_and_optimizer() -> None:
     (2 x 4 x 2) (the largest ETP the layout allows: 2, ep x etp = 8 dividing dp x cp x tp = 16), times
     4 + 12 / 8 bytes."""
     mod = _sweep_module()
-    case = {"model": "mixtral-8x7b", "hardware": "h100-sxm", "tp": 2, "pp": 2, "ep": 4, "dp": 8, "cp": 1}
+    case = {"model": "mixtral-8x7b", "hardware": "h100-sxm", "tp": 2, "pp": 2, "ep": 4, "dp": 8, "cp": 1, "args": []}
     experts = 32 * 8 * 3 * 4096 * 14336
     from meshplan.math.transformer import param_counts
 
@@ -155,3 +155,14 @@ def test_ep_beyond_data_and_context_ranks_stays_refused() -> None:
         prob = Problem(load_model("mixtral-8x7b"), load_chip("h100-sxm"), 8, 4096, 64)
         cfg = ParallelConfig(dp=2, cp=2, pp=2, ep=8, microbatch=1, recompute="full", zero=1)
         plan(prob, _pinned(cfg), default_efficiency(prob.chip), replace(Options(), headroom=-1e6), top=1)
+
+
+def test_a_dedup_dispatcher_with_every_candidate_filtered_is_one_line(capsys) -> None:
+    """DeepSeek-V3 on 8 B200s, FSDP 2 x TP 4 with EP 8 under a deduplicating dispatcher: no layout passes the FSDP/EP
+    rule, and the empty layout array reached np.vectorize in the dispatcher's copy count, whose error escaped main()
+    ('cannot call `vectorize` on size 0 inputs'). Now the planner's own refusal, one line."""
+    code, out, err = run_cli(["train", "-m", "deepseek-v3", "--hardware", "b200", "--chips", "8", "--seq-len", "2048",
+                              "--global-batch", "2", "--fsdp", "2", "--tp", "4", "--pp", "1", "--cp", "1",
+                              "--microbatch", "1", "--recompute", "selective", "--ep", "8", "--moe-dispatcher",
+                              "hybridep", "--top", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: no layout satisfies the constraints")

@@ -1612,7 +1612,8 @@ class CostModel:
         if links.scale_out_kind != "infiniband" or backend not in ("deepep", "hybridep"):
             return np.zeros_like(np.asarray(sent, float))
         nodes = self._ep_nodes(ep, stride)
-        eff = np.vectorize(lambda n: ep_dispatch_scale_out_efficiency(backend, float(n)) if n > 1 else 1.0)(nodes)
+        eff = np.vectorize(lambda n: ep_dispatch_scale_out_efficiency(backend, float(n)) if n > 1 else 1.0,
+                           otypes=[float])(nodes)
         leaves = np.asarray(sent, float) * (nodes - 1) / nodes
         return leaves / (links.scale_out_bandwidth_bytes_per_s * eff)
 
@@ -1628,7 +1629,8 @@ class CostModel:
             raise unknown_name_error("MoE dispatcher", self.opt.moe_dispatcher, MOE_DISPATCHERS)
         nodes = self._ep_nodes(ep, stride)
         targets = np.where(nodes > 1, nodes, np.asarray(ep, float))
-        out = np.vectorize(lambda n: ragged_destinations(int(copies), int(n)) if n > 1 else 1.0)(targets)
+        # otypes: an empty layout array (every candidate filtered out) has no element to infer the type from
+        out = np.vectorize(lambda n: ragged_destinations(int(copies), int(n)) if n > 1 else 1.0, otypes=[float])(targets)
         return np.minimum(out, copies)
 
     def _pp_terms(self, L: LayoutArrays, g: dict, ct: Terms, out: Terms) -> None:
