@@ -166,3 +166,19 @@ def test_a_dedup_dispatcher_with_every_candidate_filtered_is_one_line(capsys) ->
                               "--microbatch", "1", "--recompute", "selective", "--ep", "8", "--moe-dispatcher",
                               "hybridep", "--top", "1"], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: no layout satisfies the constraints")
+
+
+def test_torchtitan_ep_over_the_context_ranks_is_placed_tp_apart() -> None:
+    """torchtitan builds EP as dp_shard_in_ep x cp (ParallelDims; mesh [dp_shard_mod_ep, dp_shard_in_ep, cp, tp]): Qwen3-30B-A3B
+    on 8 H800s, pp 2 cp 4 ep 4 (tp 1, no FSDP beyond the context ranks) has its EP group on the 4 context ranks of a
+    stage, 1 apart. It was placed tp x cp = 4 apart (16 ranks for a 4-rank stage) and refused ('does not map')."""
+    from meshplan.train.frameworks import framework_options
+
+    prob = Problem(load_model("qwen3-30b-a3b"), load_chip("h800"), 8, 8192, 16)
+    opts = framework_options("torchtitan", replace(Options(), headroom=-1e6), {})
+    cfg = ParallelConfig(pp=2, cp=4, ep=4, microbatch=4, recompute="selective")
+    best = plan(prob, _pinned(cfg), default_efficiency(prob.chip), opts, top=1).plans[0]
+    assert (best["config"]["ep"], best["config"]["cp"], best["config"]["pp"]) == (4, 4, 2)
+    assert CostModel(prob, default_efficiency(prob.chip), opts).ep_group(cfg) == (4, 1)
+    keys = [k for k in best["ledger"]["collective_bytes"] if k.startswith("all_to_all/")]
+    assert keys == ["all_to_all/context"]

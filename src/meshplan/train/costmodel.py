@@ -1550,20 +1550,28 @@ class CostModel:
         same generator with an expert TP size of 1, so an EP group takes ep consecutive ranks of the stage: EP 32
         with TP 2 on 8-GPU nodes spans 4 nodes, not the 8 that a stride-2 group spans. Session 40: a layout sweep
         (benchmarks/layout_sweep.py) found Mixtral dp 2 cp 4 ep 4 refused, its EP group placed tp·cp apart."""
-        over_cp = CostModel._carved_over_cp(g)
-        return np.where(g["etp"] < g["tp"], 1.0, np.where(over_cp, g["tp"], g["tp"] * g["cp"]))
+        return np.where(g["etp"] < g["tp"], 1.0, np.where(CostModel._ep_spans_cp(g), g["tp"], g["tp"] * g["cp"]))
+
+    @staticmethod
+    def _ep_spans_cp(g: dict):
+        """The EP group (ETP = TP) runs over the context ranks, tp apart: folded over dp × cp (`_carved_over_cp`), or
+        carved out of an FSDP shard group that takes in the context ranks (`ep_fsdp`; torchtitan's ParallelDims: EP is
+        dp_shard_in_ep × cp, the mesh [dp_shard_mod_ep, dp_shard_in_ep, cp, tp], so the EP ranks are the contiguous
+        cp block and then dp_shard's, as `_data_parallel_terms` places the experts' FSDP group tp·ep apart)."""
+        return CostModel._carved_over_cp(g) | (g.get("ep_fsdp", False) & (g["cp"] > 1))
 
     @staticmethod
     def _ep_axes(g: dict) -> list:
         """The EP group in mesh axes for the ledger: `expert` (ETP = TP), or under ETP = 1 the tensor ranks it folds
         over first, then context, then `expert` for the rest (consecutive ranks, `_ep_stride`). EP folded over the
         data and context ranks under ETP = TP (`_carved_over_cp`) has no axis of its own: the context ranks first,
-        then `data` (the mesh keeps dp whole there, `_replica_axes`)."""
+        then `data` (the mesh keeps dp whole there, `_replica_axes`); carved out of an FSDP group over the context
+        ranks (`ep_fsdp`), the context ranks, then `expert` for the rest."""
         fold = g["etp"] < g["tp"]
         over_cp = CostModel._carved_over_cp(g)
         ep, tp, cp = g["ep"], g["tp"], g["cp"]
         on_tp = np.where(fold, np.minimum(ep, tp), 1.0)
-        on_cp = np.where(fold, np.clip(ep / tp, 1.0, cp), np.where(over_cp, np.minimum(ep, cp), 1.0))
+        on_cp = np.where(fold, np.clip(ep / tp, 1.0, cp), np.where(CostModel._ep_spans_cp(g), np.minimum(ep, cp), 1.0))
         rest = ep / (on_tp * on_cp)
         return [("expert", np.where(over_cp, 1.0, rest)), ("data", np.where(over_cp, rest, 1.0)),
                 ("context", on_cp), ("tensor", on_tp)]
