@@ -1,6 +1,7 @@
 """Plan layouts the way frameworks accept them, for every model and chip preset, and count what meshplan refuses.
 
-    PYTHONPATH=src python benchmarks/layout_sweep.py [--n 1500] [--seed 0] [--serve-n 600] [--json] [--show 20]
+    PYTHONPATH=src python benchmarks/layout_sweep.py [--n 1500] [--serve-n 600] [--search-n 300] [--seed 0] [--json]
+                                                     [--show 20]
 
 Issue #14's last target is that every published layout plans: no "does not map", no "does not fit" where the job ran.
 The published rows cover a few hundred layouts; held-out runs bring others. This sweep draws layouts a framework would
@@ -16,6 +17,9 @@ in process, through the CLI's own `main()`:
 - serve: tp over the chips (pp the rest), weights in bf16 or fp8 (KV in fp8 at times), engine default/vllm/sglang/
   trtllm on GPUs, ep and attention DP for MoE, driven at its best point, a fixed batch, closed-loop clients or
   simulated Poisson arrivals; requests inside the model's context window.
+- search: training problems with no degree pinned, as a user first asks (meshplan searches every layout); a memory
+  refusal where the model's states sharded over every chip (16 B per parameter) take under a quarter of HBM is a
+  suspect.
 
 Outcomes: ok (exit 0 and a sane plan: 0 < MFU <= 1, HFU <= 1, a finite positive step, tokens/s that equal the
 batch's tokens over the step, the pinned degrees kept; serving: positive finite TTFT, TPOT and throughput, and
@@ -188,6 +192,22 @@ def serve_case(rng: random.Random, models: list[str], chips: list[str]) -> dict 
             "output_len": outp}
 
 
+def search_case(rng: random.Random, models: list[str], chips: list[str]) -> dict | None:
+    """A training problem with no degree pinned (meshplan searches), as a user first asks it."""
+    name, hw = rng.choice(models), rng.choice(chips)
+    chip = load_chip(hw)
+    n = rng.choice(TPU_CHIPS if chip.kind == "tpu" else GPU_CHIPS)
+    seq = rng.choice((2048, 4096, 8192))
+    gbs = n * rng.choice((1, 2, 4))
+    args = ["train", "-m", name, "--hardware", hw, "--chips", str(n), "--seq-len", str(seq), "--global-batch",
+            str(gbs), "--top", "1", "--json"]
+    fw = rng.choice(TPU_FRAMEWORKS if chip.kind == "tpu" else GPU_FRAMEWORKS)
+    if fw:
+        args += ["--framework", fw]
+    return {"args": args, "model": name, "hardware": hw, "chips": n, "gbs": gbs, "seq": seq, "tp": 0, "pp": 0,
+            "cp": 0, "dp": n, "ep": 1, "mode": "search"}
+
+
 def states_fraction(case: dict) -> float:
     """A lower bound on the training states' share of HBM per chip at the pinned layout: bf16 weights and gradients
     (2 + 2 B) and Adam's fp32 master and moments (12 B) sharded over the whole data-parallel group (ZeRO-1, the
@@ -233,7 +253,7 @@ def sane_train(doc: dict, case: dict) -> str | None:
     if abs(p["tokens_per_s"] / want - 1) > 1e-6:
         return f"tokens_per_s {p['tokens_per_s']:.6g} != batch tokens / step {want:.6g}"
     c = p["config"]
-    for k in ("tp", "pp", "cp"):
+    for k in ("tp", "pp", "cp") if case.get("mode") != "search" else ():
         if c[k] != case[k]:
             return f"pinned {k}={case[k]} came back {c[k]}"
     return None
@@ -269,7 +289,7 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
     rng = random.Random(seed)
     models = presets(MODELS_DIR, ".json")
     chips = presets(HARDWARE_DIR, ".yaml")
-    make = train_case if kind == "train" else serve_case
+    make = {"train": train_case, "serve": serve_case, "search": search_case}[kind]
     counts: Counter = Counter()
     messages: Counter = Counter()
     examples: dict[str, list[str]] = {}  # the first command line of each refusal message
@@ -287,7 +307,7 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
         if cls == "ok":
             try:
                 doc = json.loads(out)
-                bad = sane_train(doc, case) if kind == "train" else sane_serve(doc, case)
+                bad = sane_serve(doc, case) if kind == "serve" else sane_train(doc, case)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 bad = f"unreadable JSON: {exc}"
             if bad:
@@ -299,6 +319,15 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
             key = err.strip()[:160]
             messages[key] += 1
             examples.setdefault(key, case["args"])
+        elif cls == "refused: memory" and kind == "search":
+            # the whole model's states sharded over every chip (FSDP / ZeRO-3: 16 B per parameter) under a quarter of
+            # HBM, and still no plan
+            from meshplan.math.transformer import param_counts
+
+            frac = float(param_counts(load_model(case["model"])).total) * 16.0 / case["chips"] \
+                / load_chip(case["hardware"]).hbm_bytes
+            if frac < 0.25:
+                suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
         elif cls == "refused: memory" and kind == "train":
             frac = states_fraction(case)
             if frac < 0.25 and "full" in case["args"] and case["args"][case["args"].index("--microbatch") + 1] == "1":
@@ -332,12 +361,14 @@ def main_(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1500, help="training layouts to draw")
     ap.add_argument("--serve-n", type=int, default=600, help="serving layouts to draw")
+    ap.add_argument("--search-n", type=int, default=300, help="training problems with no degree pinned (searched)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per invocation before it counts as a hang")
     ap.add_argument("--show", type=int, default=20, help="rows of each list to print")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = [sweep("train", a.n, a.seed, a.timeout), sweep("serve", a.serve_n, a.seed, a.timeout)]
+    res = [sweep("train", a.n, a.seed, a.timeout), sweep("serve", a.serve_n, a.seed, a.timeout),
+           sweep("search", a.search_n, a.seed, a.timeout)]
     if a.json:
         print(json.dumps(res, indent=1))
         return 0

@@ -140,13 +140,13 @@ def test_states_bound_shards_experts_and_optimizer() -> None:
 
 
 def test_small_sweep_has_no_defects() -> None:
-    """A small draw of the sweep (30 training and 30 serving layouts): every invocation exits 0 with a sane plan or 2
-    with one error line."""
+    """A small draw of the sweep (30 pinned training layouts, 30 serving layouts, 10 searched training problems): every
+    invocation exits 0 with a sane plan or 2 with one error line."""
     mod = _sweep_module()
-    for kind in ("train", "serve"):
-        res = mod.sweep(kind, 30, seed=11, timeout_s=120.0)
+    for kind, n in (("train", 30), ("serve", 30), ("search", 10)):
+        res = mod.sweep(kind, n, seed=11, timeout_s=120.0)
         assert res["defects"] == [], res["defects"]
-        assert sum(res["counts"].values()) == 30
+        assert sum(res["counts"].values()) == n
 
 
 def test_ep_beyond_data_and_context_ranks_stays_refused() -> None:
