@@ -50,8 +50,9 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from meshplan.cli.app import main  # noqa: E402
-from meshplan.specs.hardware import HARDWARE_DIR, load_chip  # noqa: E402
-from meshplan.specs.model import MODELS_DIR, load_model  # noqa: E402
+from meshplan.math.transformer import param_counts  # noqa: E402
+from meshplan.specs.hardware import load_chip, preset_chips  # noqa: E402
+from meshplan.specs.model import load_model, preset_models  # noqa: E402
 
 GPU_CHIPS = (8, 16, 64, 256, 1024)
 TPU_CHIPS = (8, 16, 64, 256, 512, 2048)  # beyond a slice: multi-slice over DCN
@@ -89,10 +90,6 @@ def run_cli(args: list[str], timeout_s: float) -> tuple[str, int, str, str]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     return outcome, rc, out.getvalue(), err.getvalue()
-
-
-def presets(folder: Path, suffix: str) -> list[str]:
-    return sorted(p.stem for p in folder.glob(f"*{suffix}"))
 
 
 def divisors(n: int, limit: int | None = None) -> list[int]:
@@ -215,7 +212,6 @@ def states_fraction(case: dict) -> float:
     the layout allows (ETP <= tp, ep x ETP dividing dp x cp x tp). Activations and buffers excluded. For flagging
     suspect refusals only."""
     from meshplan.infer.memory import expert_params
-    from meshplan.math.transformer import param_counts
 
     m, chip = load_model(case["model"]), load_chip(case["hardware"])
     pc = param_counts(m)
@@ -232,11 +228,25 @@ def states_fraction(case: dict) -> float:
 def weights_fraction(case: dict) -> float:
     """The served weights' share of HBM per chip: every parameter at the --quant width over tp x pp (the experts split
     over the tp ranks whatever the ep, which divides tp). For flagging suspect serving refusals only."""
-    from meshplan.math.transformer import param_counts
-
     m, chip = load_model(case["model"]), load_chip(case["hardware"])
     width = 1.0 if case["args"][case["args"].index("--quant") + 1] == "fp8" else 2.0
     return float(param_counts(m).total) * width / (case["tp"] * case["pp"]) / chip.hbm_bytes
+
+
+def suspect_bound(kind: str, case: dict) -> tuple[float, float]:
+    """(a lower bound on the memory's share of HBM, the share under which a memory refusal is a suspect) for one
+    refused case; (inf, 0) where no bound applies. Pinned training at micro-batch 1 with full recompute: the states
+    (`states_fraction`) under a quarter. Searched training: the whole model's states sharded over every chip (FSDP /
+    ZeRO-3, 16 B per parameter) under a quarter. Serving without a pinned batch (a pinned batch's KV may well not
+    fit): the weights (`weights_fraction`) under a half."""
+    args = case["args"]
+    if kind == "train":
+        pinned_least = "full" in args and args[args.index("--microbatch") + 1] == "1"
+        return (states_fraction(case), 0.25) if pinned_least else (math.inf, 0.0)
+    if kind == "search":
+        states = float(param_counts(load_model(case["model"])).total) * 16.0 / case["chips"]
+        return states / load_chip(case["hardware"]).hbm_bytes, 0.25
+    return (weights_fraction(case), 0.5) if case["mode"] != "batch" else (math.inf, 0.0)
 
 
 def sane_train(doc: dict, case: dict) -> str | None:
@@ -287,8 +297,7 @@ def classify(outcome: str, rc: int, stderr: str) -> str:
 
 def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
     rng = random.Random(seed)
-    models = presets(MODELS_DIR, ".json")
-    chips = presets(HARDWARE_DIR, ".yaml")
+    models, chips = preset_models(), preset_chips()
     make = {"train": train_case, "serve": serve_case, "search": search_case}[kind]
     counts: Counter = Counter()
     messages: Counter = Counter()
@@ -319,22 +328,9 @@ def sweep(kind: str, n: int, seed: int, timeout_s: float) -> dict:
             key = err.strip()[:160]
             messages[key] += 1
             examples.setdefault(key, case["args"])
-        elif cls == "refused: memory" and kind == "search":
-            # the whole model's states sharded over every chip (FSDP / ZeRO-3: 16 B per parameter) under a quarter of
-            # HBM, and still no plan
-            from meshplan.math.transformer import param_counts
-
-            frac = float(param_counts(load_model(case["model"])).total) * 16.0 / case["chips"] \
-                / load_chip(case["hardware"]).hbm_bytes
-            if frac < 0.25:
-                suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
-        elif cls == "refused: memory" and kind == "train":
-            frac = states_fraction(case)
-            if frac < 0.25 and "full" in case["args"] and case["args"][case["args"].index("--microbatch") + 1] == "1":
-                suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
-        elif cls == "refused: memory" and case["mode"] != "batch":  # a pinned batch's KV may well not fit
-            frac = weights_fraction(case)
-            if frac < 0.5:
+        elif cls == "refused: memory":
+            frac, limit = suspect_bound(kind, case)
+            if frac < limit:
                 suspects.append({"args": case["args"], "states_fraction": round(frac, 3), "why": err.strip()[:160]})
         counts[cls] += 1
     return {"kind": kind, "n": n, "seed": seed, "wall_s": round(time.perf_counter() - t0, 1), "counts": dict(counts),

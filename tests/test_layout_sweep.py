@@ -3,7 +3,6 @@ itself on a small draw (no exception, hang or insane plan may escape `main()`)."
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,15 +20,8 @@ from meshplan.train.planner import plan
 from meshplan.train.space import Pins, Problem
 from tests.conftest import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sweep_module():
-    spec = importlib.util.spec_from_file_location("layout_sweep", ROOT / "benchmarks" / "layout_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["layout_sweep"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import layout_sweep  # noqa: E402
 
 
 def _pinned(cfg: ParallelConfig) -> Pins:
@@ -129,22 +121,20 @@ def test_states_bound_shards_experts_and_optimizer() -> None:
     32 x 8 experts of 3 x 4096 x 14336) at tp 2 pp 2 ep 4 dp 8 on 80 GB H100s: dense 1.70B / 4 + experts 44.99B /
     (2 x 4 x 2) (the largest ETP the layout allows: 2, ep x etp = 8 dividing dp x cp x tp = 16), times
     4 + 12 / 8 bytes."""
-    mod = _sweep_module()
     case = {"model": "mixtral-8x7b", "hardware": "h100-sxm", "tp": 2, "pp": 2, "ep": 4, "dp": 8, "cp": 1, "args": []}
     experts = 32 * 8 * 3 * 4096 * 14336
     from meshplan.math.transformer import param_counts
 
     total = float(param_counts(load_model("mixtral-8x7b")).total)
     want = ((total - experts) / 4 + experts / 16) * (4 + 12 / 8) / load_chip("h100-sxm").hbm_bytes
-    assert mod.states_fraction(case) == pytest.approx(want, rel=1e-12)
+    assert layout_sweep.states_fraction(case) == pytest.approx(want, rel=1e-12)
 
 
 def test_small_sweep_has_no_defects() -> None:
     """A small draw of the sweep (30 pinned training layouts, 30 serving layouts, 10 searched training problems): every
     invocation exits 0 with a sane plan or 2 with one error line."""
-    mod = _sweep_module()
     for kind, n in (("train", 30), ("serve", 30), ("search", 10)):
-        res = mod.sweep(kind, n, seed=11, timeout_s=120.0)
+        res = layout_sweep.sweep(kind, n, seed=11, timeout_s=120.0)
         assert res["defects"] == [], res["defects"]
         assert sum(res["counts"].values()) == n
 

@@ -1558,7 +1558,7 @@ class CostModel:
         carved out of an FSDP shard group that takes in the context ranks (`ep_fsdp`; torchtitan's ParallelDims: EP is
         dp_shard_in_ep × cp, the mesh [dp_shard_mod_ep, dp_shard_in_ep, cp, tp], so the EP ranks are the contiguous
         cp block and then dp_shard's, as `_data_parallel_terms` places the experts' FSDP group tp·ep apart)."""
-        return CostModel._carved_over_cp(g) | (g.get("ep_fsdp", False) & (g["cp"] > 1))
+        return CostModel._carved_over_cp(g) | (g["ep_fsdp"] & (g["cp"] > 1))
 
     @staticmethod
     def _ep_axes(g: dict) -> list:

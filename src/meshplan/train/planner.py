@@ -342,17 +342,16 @@ def explain(p: Problem, cm: CostModel, ev: Evaluation, i: int) -> tuple[str, str
         # the GPU waits for the CPU to issue its kernels (CostModel.host_bound_per_mb)
         return "host", (f"the CPU issuing kernels one by one holds the GPU back for {host / step:.0%} of the step; "
                         "capture the layers as CUDA graphs (--cuda-graph) or raise the micro-batch")
-    if worst == "other" and max(other.get("offload", 0.0), other.get("offload_optimizer", 0.0)) > 0.5 * parts["other"]:
-        # session 40, layout sweep: an optimizer offload that was 99% of `other` was called a fixed per-step overhead
-        if other.get("offload_optimizer", 0.0) >= other.get("offload", 0.0):
-            t = other["offload_optimizer"]
-            return "offload", (f"the optimizer step on the host (ZeRO-Offload: gradients out, Adam on the CPU, "
-                               f"weights back) takes {t / step:.0%} of the step; keep the optimizer on the device "
-                               "(--offload-optimizer 0) with more ZeRO/FSDP sharding, or overlap it with the next "
-                               "step (--offload-delayed-update)")
-        return "offload", (f"activation offload to host memory takes {other['offload'] / step:.0%} of the step "
-                           "beyond the compute it hides behind; offload less (--offload) or recompute instead "
-                           "(--recompute)")
+    # session 40, layout sweep: an optimizer offload that was 99% of `other` was called a fixed per-step overhead
+    offload = max(("offload_optimizer", "offload"), key=lambda k: other.get(k, 0.0))
+    if worst == "other" and other.get(offload, 0.0) > 0.5 * parts["other"]:
+        said = {"offload_optimizer": "the optimizer step on the host (ZeRO-Offload: gradients out, Adam on the CPU, "
+                                     "weights back) takes {:.0%} of the step; keep the optimizer on the device "
+                                     "(--offload-optimizer 0) with more ZeRO/FSDP sharding, or overlap it with the "
+                                     "next step (--offload-delayed-update)",
+                "offload": "activation offload to host memory takes {:.0%} of the step beyond the compute it hides "
+                           "behind; offload less (--offload) or recompute instead (--recompute)"}[offload]
+        return "offload", said.format(other[offload] / step)
     if worst in ("bubble", "other"):
         what = "the pipeline bubble" if worst == "bubble" else "fixed per-step overhead"
         return worst, f"{what} takes {share:.0%} of the step; {SUGGEST[worst]}"
