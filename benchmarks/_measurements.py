@@ -26,6 +26,7 @@ from meshplan.train.frameworks import (
     attention_kernel_of,
     date_of,
     fp8_recipe_of,
+    fp8_scope_of,
     grad_reduce_bytes_of,
     megatron_selective_policy,
     options_from_notes,
@@ -470,6 +471,8 @@ def options_of(e: dict) -> Options:
     recipe = fp8_recipe_of(str(e["training"].get("fp8_recipe") or "").lower() + " " + prec)
     if recipe is not None:
         framework_kw["fp8_recipe"] = recipe
+    if fp8_scope_of(prec) is not None:
+        framework_kw["fp8_scope"] = fp8_scope_of(prec)  # FP8 on the routed experts' grouped GEMMs alone
     return replace(Options(
         pp_schedule=named["pp_schedule"],
         # the dispatcher and EP A2A overlap the source names, else what the row's recipe ran (mbridge_moe_dispatch.yaml)

@@ -20,6 +20,7 @@ from meshplan.train.costmodel import (
     ATTENTION_KERNELS,
     CP_IMPLS,
     CUDA_GRAPH_SCOPES,
+    FP8_SCOPES,
     MOE_DISPATCHERS,
     Options,
     expert_tp_degree,
@@ -128,6 +129,10 @@ def train(
              "per-tensor: torchao's default, TE current scaling), rowwise (torchao rowwise: slower GEMMs, operands "
              "requantised for the backward), blockwise (DeepSeek-V3 1x128/128x128 tiles; MXFP8 on Blackwell) or "
              "delayed (TE amax history). Default: delayed with fused casts, tensorwise without.")] = None,
+    fp8_scope: Annotated[str | None, typer.Option(
+        help="With --dtype fp8: which GEMMs run in FP8: all (every linear but the output layer; default) or experts "
+             "(the routed experts' grouped GEMMs only, the rest bf16: torchtitan's quantize.grouped_mm converters "
+             "alone). MoE models only for experts.")] = None,
     dp_overlap: Annotated[bool | None, typer.Option(
         "--dp-overlap/--no-dp-overlap",
         help="Data-parallel gradient reduction hidden behind the backward (default: yes on GPU, bucketed DDP; no "
@@ -237,6 +242,7 @@ def train(
     graph_scopes = None if cuda_graph is None else _graph_scopes(cuda_graph)
     _check_choice("--attention-kernel", attention_kernel, ATTENTION_KERNELS)
     _check_choice("--fp8-recipe", fp8_recipe, tuple(fp8_recipes()))
+    _check_choice("--fp8-scope", fp8_scope, FP8_SCOPES)
     _check_choice("--weight-dtype", weight_dtype, ("bf16", "fp32"))
     w_bytes = {"bf16": 2.0, "fp32": 4.0}.get(weight_dtype or "")
     explicit = dict(
@@ -245,7 +251,7 @@ def train(
         fp8_weight_cache=fp8_weight_cache, fp8_fused_casts=fp8_fused_casts, ep_overlap=ep_overlap,
         dp_overlap=dp_overlap, moe_node_limit=moe_node_limit, moe_force_balance=moe_force_balance,
         moe_dispatcher=moe_dispatcher, cp_impl=cp_impl, pp_schedule=pp_schedule, attention_kernel=attention_kernel,
-        fp8_recipe=fp8_recipe, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
+        fp8_recipe=fp8_recipe, fp8_scope=fp8_scope, offload_delayed_update=offload_delayed_update, pp_overlap=pp_overlap,
         pp_head_in_split=pp_head_in_split, weight_dtype_bytes=w_bytes, grad_reduce_bytes=w_bytes,
         cuda_graph_scopes=graph_scopes, distribute_saved_activations=distribute_saved_activations,
         sparsecore_reduce=sparsecore_reduce, iota_embedding=iota_embedding)
@@ -353,9 +359,11 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
                                                     else [])
     if pp and pins.pp == 1:
         fail(f"{pp[0]} needs pipeline parallelism and the layout pins pp=1: drop it")
-    fp8 = given("fp8_recipe", "fp8_weight_cache", "fp8_fused_casts")
+    fp8 = given("fp8_recipe", "fp8_weight_cache", "fp8_fused_casts", "fp8_scope")
     if fp8 and dtype != "fp8":
         fail(f"{fp8[0]} goes with --dtype fp8 (the matmuls are {dtype})")
+    if explicit["fp8_scope"] == "experts" and not problem.model.is_moe:
+        fail(f"--fp8-scope experts needs a MoE model ({problem.model.name} has no experts)")
     if explicit["sparsecore_reduce"] and problem.chip.kind != "tpu":
         fail(f"--sparsecore-reduce needs a TPU ({problem.chip.name} is a {problem.chip.kind.upper()})")
     if explicit["iota_embedding"] and problem.chip.kind != "tpu":
@@ -381,7 +389,8 @@ def assumptions(problem: Problem, opts: Options, config: dict | None = None) -> 
     parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if fp8 and opts.fp8_weight_cache
                                                 else "") + (", fused fp8 casts (TE)" if fp8 and opts.fp8_fused_casts
                                                             else ", unfused fp8 casts (torchao)" if fp8 else "")
-             + (f", {opts.fp8_scaling} fp8 scaling" if fp8 else ""),
+             + (f", {opts.fp8_scaling} fp8 scaling" if fp8 else "")
+             + (", fp8 in the routed experts only" if fp8 and opts.fp8_scope == "experts" else ""),
              "TP collectives overlapped" if tp else "TP collectives exposed",
              "DP reduction behind the backward" if dp else "DP reduction after the backward",
              "fused pointwise" if opts.fused_elementwise else "eager pointwise",

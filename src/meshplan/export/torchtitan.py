@@ -62,7 +62,14 @@ REASONS = {
     "tp_overlap": "async TP needs torch.compile (compile.enable)",
     "moe_node_limit": "torchtitan's router has no node limit",
     "sequence_parallel": "torchtitan's TP always shards the norms' sequence (SequenceParallel)",
+    "fp8_moe_layout": "its float8 MoE converter (Float8GroupedMMConverter) asserts pipeline_parallel_degree == 1 and "
+                      "context_parallel_degree == 1",
+    "fp8_scope": "its float8 grouped GEMMs scale rowwise (Float8GroupedMMConverter: dynamic float8 rowwise "
+                 "quantization): plan the experts-only scope with --fp8-recipe rowwise",
 }
+# FP8 converters (torchtitan/components/quantization/float8.py @e347b1e, register_model_converter): every linear but
+# `filter_fqns`, and the MoE experts' grouped GEMMs (`quantize.grouped_mm.float8.fqns`, rowwise scaling)
+LINEAR_FP8, GROUPED_FP8 = "quantize.linear.float8", "quantize.grouped_mm.float8"
 
 
 def export(plan: PlanToExport) -> str:
@@ -79,8 +86,14 @@ def export(plan: PlanToExport) -> str:
     flavor = next((k for k, v in FLAVORS.items() if v == plan.model_arg), None)
     if flavor:
         model.update(name=flavor[0], flavor=flavor[1])
+    moe_fp8 = o.compute_dtype == "fp8" and p.model.is_moe
+    if moe_fp8 and (c.pp > 1 or c.cp > 1):
+        raise refuse(NAME, "fp8_moe_layout", f"pp {c.pp}, cp {c.cp}", REASONS)
+    if moe_fp8 and not o.fp8_dense and o.fp8_scaling != "rowwise":
+        raise refuse(NAME, "fp8_scope", f"experts with {o.fp8_scaling} scaling", REASONS)
     if o.compute_dtype == "fp8":
-        model["converters"] = ["quantize.linear.float8"]
+        # the routed experts run FP8 under either scope (Options.fp8_scope), the linears only under "all"
+        model["converters"] = [LINEAR_FP8] * o.fp8_dense + [GROUPED_FP8] * p.model.is_moe
     sections: dict[str, dict[str, Any]] = {
         "job": {"description": f"meshplan plan: {c.describe()}"},
         "model": model,
@@ -113,9 +126,10 @@ def export(plan: PlanToExport) -> str:
             sections["parallelism"]["pipeline_parallel_expert_parallel_overlap"] = o.ep_overlap
     if c.recompute == "selective":
         sections["activation_checkpoint"]["selective_ac_option"] = SELECTIVE.get(o.selective_flavor, "attention")
-    if o.compute_dtype == "fp8":
-        sections["quantize.linear.float8"] = {"recipe_name": fp8_recipe_name("torchtitan", o, p.chip.name),
-                                              "filter_fqns": ["output"]}
+    if o.fp8_dense:
+        sections[LINEAR_FP8] = {"recipe_name": fp8_recipe_name("torchtitan", o, p.chip.name), "filter_fqns": ["output"]}
+    if moe_fp8:
+        sections[GROUPED_FP8] = {"fqns": ["experts"]}
     return commented(header_lines(plan, NAME)) + "\n" + dumps(sections)
 
 
@@ -245,10 +259,13 @@ def load(text: str, chips: int | None = None) -> Job:
     job.options.update(
         fused_elementwise=compiled, fused_loss=compiled and "loss" in comp.get("components", ["model", "loss"]),
         tp_overlap=bool(par.get("enable_async_tensor_parallel", False)),
-        compute_dtype="fp8" if any(c in ("float8", "quantize.linear.float8") for c in converters) else "bf16",
+        compute_dtype="fp8" if any(c in ("float8", LINEAR_FP8, GROUPED_FP8) for c in converters) else "bf16",
         fp8_recipe=fp8_recipe_from_name("torchtitan", doc.get("quantize", {}).get("linear", {}).get("float8", {})
                                         .get("recipe_name", "tensorwise")),
     )
+    if GROUPED_FP8 in converters and not any(c in ("float8", LINEAR_FP8) for c in converters):
+        # the experts' grouped GEMMs alone, which torchao quantizes rowwise
+        job.options.update(fp8_scope="experts", fp8_recipe="rowwise")
     if par.get("context_parallel_rotate_method", "allgather") != "allgather":
         job.notes.append("context_parallel_rotate_method alltoall is timed as the all-gather rotation")
     job.pins = Pins(dp=dp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, microbatch=mb, recompute=mode, zero=0,

@@ -236,6 +236,7 @@ CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full
 # MaxText's checkpoint names of the attention projections (layers/attentions.py `checkpoint_name`) -> which output
 KEPT_PROJECTIONS = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv", "out_proj": "o"}
 FSDP_EDGE_GROUPS = ("none", "embedding", "root")  # Options.fsdp_edge_group
+FP8_SCOPES = ("all", "experts")  # Options.fp8_scope
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -265,6 +266,12 @@ class Options:
     # FP8 scaling recipe (fp8_recipes.yaml): tensorwise | rowwise | blockwise | delayed; None = delayed when the casts
     # are fused (Transformer Engine's default), tensorwise when not (torchao's default)
     fp8_recipe: str | None = None
+    # Which GEMMs run in FP8 under compute_dtype "fp8" (FP8_SCOPES): "all" = every linear but the output layer
+    # (Transformer Engine's fp8_autocast; torchtitan's linear converters with filter_fqns ["output"], and for MoE its
+    # grouped-GEMM converter too); "experts" = the routed experts' grouped GEMMs alone, the rest in bf16 (torchtitan's
+    # `quantize.grouped_mm.float8` / `quantize.grouped_mm.mx` converters with fqns ["experts"] and no linear converter:
+    # the PyTorch/Nebius DeepSeek-V3 recipe, ml-cookbook pytorch-dsv3-mxfp8 `mxfp8_default`)
+    fp8_scope: str = "all"
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # Benchmark routing with random router logits (Megatron-Core `--moe-router-force-load-balancing`: router.py
@@ -506,7 +513,8 @@ class Options:
                                     ("FSDP edge group", self.fsdp_edge_group, FSDP_EDGE_GROUPS),
                                     ("optimizer implementation", self.optimizer_impl, tuple(OPTIMIZER_UPDATE_BYTES)),
                                     ("selective recomputation", self.selective_flavor, SELECTIVE_FLAVORS),
-                                    ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes()))):
+                                    ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes())),
+                                    ("FP8 scope", self.fp8_scope, FP8_SCOPES)):
             if name not in choices:
                 raise unknown_name_error(kind, str(name), choices)
         for name, rule in _OPTION_RULES.items():  # the numbers, by the shared pydantic rules (meshplan.validate)
@@ -525,6 +533,12 @@ class Options:
         tpu = chip_kind == "tpu"
         return (self.tp_overlap if self.tp_overlap is not None else tpu,
                 self.dp_overlap if self.dp_overlap is not None else not tpu)
+
+    @property
+    def fp8_dense(self) -> bool:
+        """The dense linears (projections, dense and shared-expert MLPs) run in FP8: FP8 matmuls over every linear
+        (`fp8_scope` "all"), not the routed experts alone."""
+        return self.compute_dtype == "fp8" and self.fp8_scope == "all"
 
     @property
     def fp8_scaling(self) -> str:
@@ -582,15 +596,18 @@ class CostModel:
         self.eff = eff
         self.opt = options or Options()
         self.comm = CommModel(problem.chip, problem.chips, problem.slice_shape)
+        if self.opt.compute_dtype == "fp8" and self.opt.fp8_scope == "experts" and not problem.model.is_moe:
+            raise MeshplanError(f"FP8 scope 'experts' puts only the routed experts' GEMMs in FP8, and "
+                                f"{problem.model.name} has none: use --fp8-scope all, or --dtype bf16")
         self.c = _shape_constants(problem.model)
         self.pc = tm.param_counts(problem.model)
         chip = problem.chip
         self.peak_bf16 = chip.peak("bf16")
-        if self.opt.compute_dtype == "fp8":
-            self.mm_peak = (chip.peak("fp8") * eff.dtype_scale("fp8")
-                            * fp8_gemm_fraction(self.opt.fp8_scaling, chip.name, chip.kind))
-        else:
-            self.mm_peak = self.peak_bf16
+        fp8_peak = (chip.peak("fp8") * eff.dtype_scale("fp8") * fp8_gemm_fraction(self.opt.fp8_scaling, chip.name, chip.kind)
+                    if self.opt.compute_dtype == "fp8" else self.peak_bf16)
+        # the dense GEMMs' peak, and the routed experts' grouped GEMMs' (FP8 under either Options.fp8_scope)
+        self.mm_peak = fp8_peak if self.opt.fp8_dense else self.peak_bf16
+        self.expert_mm_peak = fp8_peak
         self.hbm = chip.hbm_bandwidth_bytes_per_s * eff.hbm_fraction
         self.tp_overlap, self.dp_overlap = self.opt.overlaps(chip.kind)
 
@@ -600,8 +617,9 @@ class CostModel:
     def _matmul_time(self, flops, m_, n_, k_, grouped: bool = False):
         """Seconds of `flops` in [m,k]x[k,n] GEMMs; `grouped`: a MoE layer's grouped expert GEMMs, at the grouped
         kernel's large-problem fraction (Efficiency.grouped_matmul)."""
-        frac = self.eff.grouped_matmul(m_, n_, k_) if grouped else self.eff.matmul(m_, n_, k_)
-        return flops / (self.mm_peak * frac)
+        if grouped:
+            return flops / (self.expert_mm_peak * self.eff.grouped_matmul(m_, n_, k_))
+        return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
 
     def _matmul_term(self, g: dict) -> dict:
         """The layer's projection and MLP GEMMs (2·tokens·weights FLOPs; book ch.4), each timed at its shape: the
@@ -955,21 +973,31 @@ class CostModel:
         # the routed copies are the expert side's rows: t_expert·k of D (1/tp of t_mb·k under ETP = 1), and their
         # F-wide fc2 inputs t_expert·k·F/etp = t_mb·k·F/tp either way
         routed = c["moe_share"] * c["k"] if self.p.model.is_moe else 0.0
-        rows_d = t * (mlp_in - routed) + g["t_expert"] * routed  # tokens' rows of D into the MLP's first GEMM
-        # the four linear inputs and the output gradients of the forward's GEMMs (the MLP's first input and last
-        # output: `rows_d` rows of D)
-        a_in = t * (c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp) + rows_d * c["D"]
-        g_out = t * (self._qkv_width(tp) + c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp) + rows_d * c["D"]
+        if self.opt.fp8_dense:
+            rows_d = t * (mlp_in - routed) + g["t_expert"] * routed  # tokens' rows of D into the MLP's first GEMM
+            # the four linear inputs and the output gradients of the forward's GEMMs (the MLP's first input and last
+            # output: `rows_d` rows of D)
+            a_in = t * (c["D"] + c["N"] * c["H"] / tp + c["F"] * c["k"] / tp) + rows_d * c["D"]
+            g_out = t * (self._qkv_width(tp) + c["D"] + (c["mult"] - 1) * c["F"] * c["k"] / tp) + rows_d * c["D"]
+            w_dense = (c["attn_w"] + c["mlp_w_active"] - c["routed_w_active"]) / tp
+            normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
+        else:
+            # Options.fp8_scope "experts": the grouped GEMMs' operands alone: the routed copies into fc1 and their
+            # F-wide fc2 inputs, fc1's and fc2's output gradients; none leaves a norm (the permutation comes first)
+            rows_d = g["t_expert"] * routed
+            a_in = rows_d * c["D"] + t * routed * c["F"] / tp
+            g_out = t * (c["mult"] - 1) * routed * c["F"] / tp + rows_d * c["D"]
+            w_dense, normed = 0.0, 0.0
         # Transformer Engine casts a weight once per step and reuses it over the micro-batches
         # (`is_first_microbatch`); torchao's float8 (torchtitan) casts it on every forward; the routed experts' share
         # is split over ETP (Options.expert_tp)
-        w_rank = (c["attn_w"] + c["mlp_w_active"] - c["routed_w_active"]) / tp + c["routed_w_active"] / g["etp"]
+        w_rank = w_dense + c["routed_w_active"] / g["etp"]
         w_local = w_rank / np.where(self.opt.fp8_weight_cache, g["n_micro"], 1.0)
         recipe = fp8_cast_bytes(self.opt.fp8_scaling, self.p.chip.name)
-        normed = t * (1 + mlp_normed) * c["D"]  # the qkv input and the MLP inputs that leave the norm
         # FSDP float8 all-gather (torchao `enable_fsdp_float8_all_gather`: fsdp_param_bytes 1 under FSDP)
         gather_shard = g["shard"] if self.opt.fsdp_param_bytes == FP8_ELEMENT_BYTES else None
-        tp_sp = np.where(g["sp"], tp, 1.0)  # TP with sequence parallelism: the norms' outputs are gathered
+        # TP with sequence parallelism: the norms' outputs are gathered (into dense linears only)
+        tp_sp = np.where(g["sp"] & self.opt.fp8_dense, tp, 1.0)
         hbm_f, hbm_b = FP8_CASTS[self.opt.fp8_fused_casts](recipe, normed, a_in, g_out, w_local,
                                                            self.opt.fused_elementwise, gather_shard, tp_sp)
         return dict(hbm_f=hbm_f, hbm_b=hbm_b, f_s=hbm_f / self.hbm, b_s=hbm_b / self.hbm)
@@ -1309,7 +1337,7 @@ class CostModel:
         gathering (Transformer Engine, `fp8_fused_casts`, any recipe; torchao float8 with tensorwise scaling), else
         the activations' bytes."""
         o = self.opt
-        fp8 = o.compute_dtype == "fp8" and self.p.chip.kind == "gpu"
+        fp8 = o.fp8_dense and self.p.chip.kind == "gpu"  # the gathered inputs feed dense linears
         return FP8_GATHER_BYTES if fp8 and (o.fp8_fused_casts or o.fp8_scaling == "tensorwise") else o.act_bytes
 
     def _collective_matmul_exposed(self, ct: Terms, sp, ag, rs, ar, k, dgrad_rs=True):
@@ -1994,8 +2022,9 @@ class CostModel:
         usage, `update_usage`, module/linear.py @d0067d0), with its block scales where the recipe has them (MXFP8: one
         E8M0 byte per 32 elements, OCP Microscaling Formats spec v1.0 §5.2; TE's 1×128 blocks: one fp32 per 128, the
         same 1/32 B); None where the saved input is the bf16 activation (bf16, or torchao's float8, which saves the
-        high-precision input: Options.fp8_fused_casts False)."""
-        if self.opt.compute_dtype != "fp8" or not self.opt.fp8_fused_casts:
+        high-precision input: Options.fp8_fused_casts False; the dense GEMMs' under Options.fp8_scope "experts", taken
+        for every GEMM input here)."""
+        if not self.opt.fp8_dense or not self.opt.fp8_fused_casts:
             return None
         return FP8_ELEMENT_BYTES + (FP8_BLOCK_SCALE_BYTES if self.opt.fp8_scaling == "blockwise" else 0.0)
 
@@ -2121,7 +2150,7 @@ class CostModel:
         other = reserve + fsdp_buf + self._torch_cp_buffer(g)
         # FSDP (torchtitan FSDP2, MaxText) keeps fp32 sharded parameters that double as Adam's master copy;
         # DP/ZeRO-1/2 (Megatron) keeps a bf16 working copy next to the fp32 master in the optimizer state.
-        working_bytes = self._fp8_param_bytes() if self.opt.fp8_params and self.opt.compute_dtype == "fp8" else None
+        working_bytes = self._fp8_param_bytes() if self.opt.fp8_params and self.opt.fp8_dense else None
         p_bytes = np.where(fs > 1, FSDP_PARAM_STATE_BYTES, working_bytes or self.opt.param_bytes)
         o_bytes = np.where(fs > 1, MOMENT_BYTES, self.opt.master_bytes + MOMENT_BYTES)
         w_bytes = self.opt.weight_dtype_bytes

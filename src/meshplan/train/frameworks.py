@@ -280,6 +280,17 @@ def fp8_recipe_of(text: str) -> str | None:
     return next((recipe for recipe, words in FP8_RECIPE_WORDS if any(w in text for w in words)), None)
 
 
+# FP8 on the routed experts alone (Options.fp8_scope "experts"): torchtitan's grouped-GEMM converters without a linear
+# one, as run descriptions say it
+FP8_EXPERTS_ONLY_WORDS = ("grouped gemms only", "grouped gemm only", "experts only", "grouped_mm only")
+
+
+def fp8_scope_of(text: str) -> str | None:
+    """Which GEMMs a description puts in FP8 (lower-case text): "experts" where it names the routed experts' grouped
+    GEMMs alone, else None (every linear, the default)."""
+    return "experts" if any(w in text for w in FP8_EXPERTS_ONLY_WORDS) else None
+
+
 def zero3_fetch_of(deepspeed: bool, yymm: int | None) -> str:
     """How a ZeRO-3 run fetched its weights: owner broadcast for DeepSpeed before ZeRO-Infinity, else all-gather."""
     if deepspeed and yymm is not None and yymm < DEEPSPEED_ALLGATHER_SINCE_YYMM:
