@@ -148,11 +148,13 @@ def test_ep_beyond_data_and_context_ranks_stays_refused() -> None:
 
 
 def test_a_dedup_dispatcher_with_every_candidate_filtered_is_one_line(capsys) -> None:
-    """DeepSeek-V3 on 8 B200s, FSDP 2 x TP 4 with EP 8 under a deduplicating dispatcher: no layout passes the FSDP/EP
-    rule, and the empty layout array reached np.vectorize in the dispatcher's copy count, whose error escaped main()
-    ('cannot call `vectorize` on size 0 inputs'). Now the planner's own refusal, one line."""
+    """DeepSeek-V3 on 8 B200s, 2 replicas of FSDP 2 x TP 2 with EP 8 under a deduplicating dispatcher: no layout
+    passes the FSDP/EP rule (EP across replicas and shards), and the empty layout array reached np.vectorize in the
+    dispatcher's copy count, whose error escaped main() ('cannot call `vectorize` on size 0 inputs'; session 40 found
+    it with FSDP 2 x TP 4, which whole experts over the FSDP group's tensor ranks now allow). Now the planner's own
+    refusal, one line."""
     code, out, err = run_cli(["train", "-m", "deepseek-v3", "--hardware", "b200", "--chips", "8", "--seq-len", "2048",
-                              "--global-batch", "2", "--fsdp", "2", "--tp", "4", "--pp", "1", "--cp", "1",
+                              "--global-batch", "4", "--dp", "2", "--fsdp", "2", "--tp", "2", "--pp", "1", "--cp", "1",
                               "--microbatch", "1", "--recompute", "selective", "--ep", "8", "--moe-dispatcher",
                               "hybridep", "--top", "1"], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: no layout satisfies the constraints")

@@ -16,6 +16,8 @@ from meshplan.export.common import (
     check_degrees,
     commented,
     divide,
+    expert_tp_of,
+    expert_tp_size,
     fp8_recipe_from_name,
     fp8_recipe_name,
     framework_keys,
@@ -118,6 +120,9 @@ def export(plan: PlanToExport) -> str:
         "activation_checkpoint": {"mode": RECOMPUTE.get(c.recompute, c.recompute)},
         "compile": {"enable": o.fused_elementwise, "components": components},
     }
+    if p.model.is_moe and c.ep > 1:
+        # whole experts (1, torchtitan's default since #1555) or split over the TP ranks (tp): the plan's own
+        sections["parallelism"]["expert_tensor_parallel_degree"] = expert_tp_size(o, c)
     if pp:
         sections["parallelism"].update(pipeline_parallel_schedule=sched, pipeline_parallel_microbatch_size=c.microbatch)
         if c.vpp > 1:
@@ -263,6 +268,10 @@ def load(text: str, chips: int | None = None) -> Job:
         fp8_recipe=fp8_recipe_from_name("torchtitan", doc.get("quantize", {}).get("linear", {}).get("float8", {})
                                         .get("recipe_name", "tensorwise")),
     )
+    # parallelism.expert_tensor_parallel_degree: unset is 1 in torchtitan (job_config.py since #1555), whole experts
+    key = "parallelism.expert_tensor_parallel_degree"
+    job.options["expert_tp"] = expert_tp_of(NAME, key, whole(NAME, key, par.get("expert_tensor_parallel_degree", 1)),
+                                            tp)
     if GROUPED_FP8 in converters and not any(c in ("float8", LINEAR_FP8) for c in converters):
         # the experts' grouped GEMMs alone, which torchao quantizes rowwise
         job.options.update(fp8_scope="experts", fp8_recipe="rowwise")

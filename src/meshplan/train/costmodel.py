@@ -30,7 +30,7 @@ from meshplan.math import transformer as tm
 from meshplan.train.comm import CommModel
 from meshplan.train.config import LayoutArrays
 from meshplan.train.ledger import Ledger
-from meshplan.train.space import PP_SCHEDULES, Problem
+from meshplan.train.space import PP_SCHEDULES, Problem, expert_tp_degree
 from meshplan.validate import CLI_RULES, Rule
 
 ACT_BYTES = 2.0  # bf16 activations
@@ -150,16 +150,6 @@ def pipeline_warmup_forwards(pp, vpp, ep_overlap: bool = False):
     cap at the step's n_micro·vpp chunks, which the callers apply. pp and vpp may be numpy arrays."""
     interleaved = 2 * (pp - 1) + (vpp - 1) * pp + (1 if ep_overlap else 0)
     return np.where(pp > 1, np.where(vpp > 1, interleaved, pp - 1), 0)
-
-
-def expert_tp_degree(expert_tp: bool, tp, cp, data, ep, sp):
-    """Megatron-Core's expert tensor parallel size of a layout (Options.expert_tp): TP, or 1 where the option says so
-    or where the layout exists only with whole experts: parallel_state.initialize_model_parallel needs the stage's
-    tp·cp·data ranks to divide by etp·ep (MoE Parallel Folding, Liu et al. 2025), so EP beyond the context × data
-    ranks (Qwen3-235B TP 2 EP 32 DP 16 in the Megatron-MoE-ModelZoo) means ETP 1. ETP 1 needs sequence parallelism
-    (`sp`: SP with tp > 1); without it the experts stay split over TP. Scalars or numpy arrays."""
-    whole = np.logical_not(expert_tp) | (np.asarray(cp * data) % ep != 0)
-    return np.where(whole & np.asarray(sp, bool), 1.0, np.asarray(tp, float))
 
 
 def _fp8_te_casts(r: dict, normed, a_in, g_out, w_local, compiled: bool, gather_shard, tp_sp):
@@ -1732,15 +1722,16 @@ class CostModel:
         w_layer = g["params_layer_local"]  # parameters of one layer on this TP/EP rank
         emb = g["params_embed_local"]
         # with EP carved out of the FSDP group the experts are gathered and reduce-scattered over their own, smaller
-        # group (`shard_expert`, torchtitan's dp_shard_mod_ep: fsdp/ep ranks, ep·tp apart in the mesh), beside the
-        # dense weights over the whole one (none where that group is one rank)
+        # group (`shard_expert`, torchtitan's efsdp: the ranks ep·etp apart in the sparse mesh, ep·tp under ETP = TP,
+        # ep under whole experts), beside the dense weights over the whole one (none where that group is one rank)
         ep_fs, sh_e = g["ep_fsdp"], g["shard_expert"]
         w_exp = np.where(ep_fs, g["experts_layer_local"], 0.0)
         w_dense = w_layer - w_exp
 
         def layer_time(kind, nbytes):
             dense = comm.time(kind, nbytes * w_dense, sh, tp)
-            return dense + np.where((w_exp > 0) & (sh_e > 1), comm.time(kind, nbytes * w_exp, sh_e, tp * g["ep"]), 0.0)
+            experts = comm.time(kind, nbytes * w_exp, sh_e, g["etp"] * g["ep"])
+            return dense + np.where((w_exp > 0) & (sh_e > 1), experts, 0.0)
         # a TPU merges every reduce-scatter step's received chunk on its TensorCore (_tpu_reduction_s): the layers'
         # gradients over the shard group, the experts' over theirs. The backward's TensorCore time is then the
         # layers' and the merges': the gathers and scatters hide behind both, and what they cannot hide shows
@@ -1813,11 +1804,17 @@ class CostModel:
         # the shard group in mesh axes: fsdp, and the context ranks that join it
         # (EP carved out of it: the mesh's `fsdp` axis is fsdp/ep and `expert` the rest, Layout.ep_in_fsdp), and the
         # experts' own group there: `fsdp` (and context)
-        ep_f = np.where(ep_fs, g["ep"], 1.0)
+        # With whole experts (ETP 1) the EP group takes the tensor ranks first, then context, then fsdp ones
+        # (`_ep_axes`), and the experts' group the rest of each: tp/on_tp × cp/on_cp × fsdp/ep_f = efsdp
+        whole = ep_fs & (g["etp"] < tp)
+        on_tp = np.where(whole, np.minimum(g["ep"], tp), 1.0)
+        on_cp = np.where(whole, np.clip(g["ep"] / tp, 1.0, sh / g["fsdp"]), 1.0)
+        ep_f = np.where(ep_fs, g["ep"] / (on_tp * on_cp), 1.0)
         shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"] / ep_f, 1)), ("expert", np.where(sh > 1, ep_f, 1)),
                       ("context", np.where(sh > 1, sh / g["fsdp"], 1))]
         expert_shard_axes = [("fsdp", np.where(sh_e > 1, g["fsdp"] / ep_f, 1)),
-                             ("context", np.where(sh_e > 1, sh / g["fsdp"], 1))]
+                             ("context", np.where(sh_e > 1, sh / g["fsdp"] / on_cp, 1)),
+                             ("tensor", np.where(whole & (sh_e > 1), tp / on_tp, 1))]
         for w, e, axes in ((w_dense, emb, shard_axes), (w_exp, 0.0, expert_shard_axes)):
             gathers = np.where(per_mb, nm * (2 * nl * w + emb_gathers * e), np.where(once, nl * w + e, 0.0))
             scatters = np.where(per_mb, nm, np.where(once, 1.0, 0.0)) * (nl * w + e)
@@ -1976,14 +1973,16 @@ class CostModel:
         ticks = g["n_micro"] * g["vpp"]
         g["bubble_runs"] = np.where((g["pp"] > 1) & self.opt.pp_spmd_loop, (ticks + g["pp"] - 1) / ticks, 1.0)
         g["params_stage_local"] = g["layers_stage"] * g["params_layer_local"] + g["params_embed_local"]
-        # EP carved out of the FSDP group (torchtitan's FSDP+EP, parallel_dims.py `_build_mesh_with_ep`: ep =
-        # dp_shard_in_ep·cp, the experts fully_shard-ed over dp_shard_mod_ep = dp_shard·cp/ep and replicated over
-        # dp_replicate) where ep does not divide dp (`_carved`, Megatron's) but divides the shard group fsdp·cp
-        # (ETP = TP): an expert is split over the ep ranks and FSDP-sharded over the other shard/ep only; the dense
-        # weights over all
-        g["ep_fsdp"] = ((g["ep"] > 1) & ~self._carved(g) & (g["etp"] == g["tp"]) & (g["shard"] > 1)
-                        & (g["shard"] % g["ep"] == 0))
-        g["shard_expert"] = np.where(g["ep_fsdp"], g["shard"] / g["ep"], g["shard"])  # the experts' FSDP group
+        # EP carved out of the FSDP group (torchtitan's FSDP+EP, parallel_dims.py: the sparse mesh [pp, dp_replicate,
+        # efsdp, ep, etp], efsdp = dp_shard·cp·tp/(etp·ep), the experts fully_shard-ed over efsdp and replicated over
+        # dp_replicate; @1a36996b, and #1555 for ETP 1) where ep does not divide dp (`_carved`, Megatron's) but
+        # divides the shard group's ranks the expert grid folds over: fsdp·cp under ETP = TP (ep = dp_shard_in_ep·cp),
+        # fsdp·cp·tp with whole experts (ETP 1: ep = dp_shard_in_ep·cp·tp, torchtitan's default since #1555,
+        # 2025-08-13, and its only EP mesh since #3167 removed ETP). An expert is split over the ep ranks and
+        # FSDP-sharded over the efsdp ranks only; the dense weights over the whole shard group
+        fold = g["shard"] * g["tp"] / g["etp"]
+        g["ep_fsdp"] = (g["ep"] > 1) & ~self._carved(g) & (g["shard"] > 1) & (fold % g["ep"] == 0)
+        g["shard_expert"] = np.where(g["ep_fsdp"], fold / g["ep"], g["shard"])  # the experts' FSDP group (efsdp)
         g["experts_layer_local"] = (c["expert_w"] / (g["etp"] * g["ep"]) if m.is_moe
                                     else np.zeros_like(g["params_layer_local"]))
         g["experts_stage_local"] = g["layers_stage"] * g["experts_layer_local"]

@@ -65,12 +65,14 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # matmul and attention outputs and recomputes the rest (Options.selective_flavor "op": torchtitan @b5bcd76c
     # distributed/activation_checkpoint.py SelectiveAC "Per-op selective activation checkpointing", the llama3 configs'
     # SelectiveAC.Config(); selective_ac_option "op" in the shipped llama3_8b.toml before it), not Megatron's
-    # recompute of the attention core
+    # recompute of the attention core; its MoE experts run whole on each rank with EP over dp_shard·cp·tp
+    # (Options.expert_tp False: config/job_config.py `expert_tensor_parallel_degree: int = 1` since #1555, 2025-08-13;
+    # ETP removed and experts always whole since #3167, 2026-04-30, parallel_dims.py @b5bcd76c)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
                        fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False, optimizer_impl="fused",
                        compiled_recompute=True, tp_overlap_dgrad_rs=False, separate_qkv=True,
-                       selective_flavor="op"),
+                       selective_flavor="op", expert_tp=False),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
@@ -124,9 +126,11 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # (2025-12-26) the Llama attention copied K and V to every query head (`repeat_kv`, models/llama3/model/model.py
     # @v0.2.0); v0.2.2 (2026-02-20) passes enable_gqa to SDPA instead (#2259): the current preset
     # torchtitan @9dec370 built AdamW with foreach=True unless `--optimizer.fused` (torchtitan/optimizer.py); fused
-    # became the default with #881 (2025-02-24): Options.optimizer_impl
-    "torchtitan": {"2024.12": dict(fsdp_edge_group="root", repeat_kv=True, optimizer_impl="foreach"),
-                   "2025.06": dict(fsdp_edge_group="root", repeat_kv=True),
+    # became the default with #881 (2025-02-24): Options.optimizer_impl. Expert parallelism arrived after v0.1.0
+    # (#1324, 2025-07, EP carved from dp_shard·cp with the experts split over TP) and whole experts became the
+    # default with #1555 (2025-08-13), before v0.2.0: Options.expert_tp True until then
+    "torchtitan": {"2024.12": dict(fsdp_edge_group="root", repeat_kv=True, optimizer_impl="foreach", expert_tp=True),
+                   "2025.06": dict(fsdp_edge_group="root", repeat_kv=True, expert_tp=True),
                    "2025.10": dict(repeat_kv=True), "2026.02": {}},
 }
 

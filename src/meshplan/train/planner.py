@@ -80,7 +80,8 @@ def _search(problem: Problem, pins: Pins, eff: Efficiency, options: Options | No
     cm = cm or CostModel(problem, eff, _options_for(pins, options))
     free_state = [k for k in OFFLOAD_FLAGS if getattr(pins, k) is None]
     layouts, reasons = enumerate_layouts(problem, replace(pins, **{k: 0 for k in free_state}),
-                                         offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule)
+                                         offload_choices=OFFLOAD_CHOICES, pp_schedule=cm.opt.pp_schedule,
+                                         whole_experts=not cm.opt.expert_tp)
     limit = SEARCH_LAYOUT_LIMIT.get()
     if limit is not None and len(layouts) > limit:
         raise MeshplanError(f"{len(layouts):,} layouts to search, more than the {limit:,} one request may: pin some "

@@ -186,7 +186,7 @@ def normalize_pins(pins: Pins) -> Pins:
 
 
 def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...] = (0.0,),
-                      pp_schedule: str = "1f1b") -> tuple[LayoutArrays, Counter]:
+                      pp_schedule: str = "1f1b", whole_experts: bool = False) -> tuple[LayoutArrays, Counter]:
     """Every candidate layout as arrays, and a count of rejected ones by reason."""
     validate_pins(p, pins)
     if pp_schedule not in PP_SCHEDULES:
@@ -224,7 +224,7 @@ def enumerate_layouts(p: Problem, pins: Pins, offload_choices: tuple[float, ...]
                         indexing="ij")
     idx, vpp, mb, rc, zero, ep, off, st = (g.ravel() for g in grids)
     tp, pp, cp, fs, dp = (mesh[idx, k] for k in range(5))
-    keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule)
+    keep = _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons, pp_schedule, whole_experts)
     if not pins.fsdp_replicas:
         hybrid = keep & (fs > 1) & (dp > 1)
         if hybrid.any():
@@ -255,10 +255,24 @@ def optimizer_offload_ok(dp, fs, cp, pp, zero, offload_optimizer) -> np.ndarray:
     return (offload_optimizer == 0) | (((zero == 2) | (replicas == 1)) & ~((fs > 1) & (pp > 1)))
 
 
-def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, pp_schedule: str = "1f1b") -> np.ndarray:
-    """Mask of layouts that satisfy the divisibility rules; counts the rest by reason."""
+def expert_tp_degree(expert_tp: bool, tp, cp, data, ep, sp):
+    """Megatron-Core's expert tensor parallel size of a layout (Options.expert_tp): TP, or 1 where the option says so
+    or where the layout exists only with whole experts: parallel_state.initialize_model_parallel needs the stage's
+    tp·cp·data ranks to divide by etp·ep (MoE Parallel Folding, Liu et al. 2025), so EP beyond the context × data
+    ranks (Qwen3-235B TP 2 EP 32 DP 16 in the Megatron-MoE-ModelZoo) means ETP 1. ETP 1 needs sequence parallelism
+    (`sp`: SP with tp > 1); without it the experts stay split over TP. Scalars or numpy arrays."""
+    whole = np.logical_not(expert_tp) | (np.asarray(cp * data) % ep != 0)
+    return np.where(whole & np.asarray(sp, bool), 1.0, np.asarray(tp, float))
+
+
+def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, pp_schedule: str = "1f1b",
+              whole_experts: bool = False) -> np.ndarray:
+    """Mask of layouts that satisfy the divisibility rules; counts the rest by reason. `whole_experts`: the
+    framework runs the routed experts unsplit over TP (Options.expert_tp False)."""
     m = p.model
     data = dp * fs
+    # the layout's experts are whole (expert TP 1), as the cost model decides it (costmodel.expert_tp_degree)
+    etp_one = expert_tp_degree(not whole_experts, tp, cp, data, ep, pins.sequence_parallel) < tp
     rules = [
         ("global batch not divisible by data-parallel degree × micro-batch", p.global_batch % (data * mb) == 0),
         # an uneven split (126 layers on 16 stages, as Llama 3 405B) is allowed and timed by its busiest stage,
@@ -274,10 +288,13 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, 
         # with FSDP the expert ranks are carved out of the replicas (Megatron-Core's expert-data-parallel group; the
         # CP ranks are FSDP shards here, and the experts stay tensor-split, so ep | dp: costmodel `_carved`) or out of
         # the FSDP group (torchtitan, parallel_dims.py: `dp_shard * cp % ep == 0`, ep = dp_shard_in_ep·cp, the experts
-        # FSDP-sharded over the rest, dp_shard_mod_ep); an EP group across both, or across the tensor ranks beside
-        # FSDP, has no framework and no mesh (the replicas do not split the dense weights, the FSDP ranks do)
-        ("with FSDP, expert parallelism must divide the replicas (dp) or the FSDP group (fsdp × cp)",
-         (fs == 1) | (dp % ep == 0) | ((fs * cp) % ep == 0)),
+        # FSDP-sharded over the rest, dp_shard_mod_ep), and with whole experts (ETP 1: torchtitan's default since
+        # #1555, 2025-08-13, its only mesh since #3167; `dp_shard * cp * tp % ep == 0`, ep = dp_shard_in_ep·cp·tp)
+        # out of the FSDP group's tensor ranks too; an EP group across replicas and shards has no framework and no
+        # mesh (the replicas do not split the dense weights, the FSDP ranks do)
+        ("with FSDP, expert parallelism must divide the replicas (dp), the FSDP group (fsdp × cp), or with whole "
+         "experts (ETP 1) its tensor ranks too (fsdp × cp × tp)",
+         (fs == 1) | (dp % ep == 0) | ((fs * cp) % ep == 0) | (etp_one & ((fs * cp * tp) % ep == 0))),
         # DualPipe pairs the pipeline ranks from both ends (DeepSeek-V3 §3.2.1)
         ("DualPipe needs an even number of pipeline stages", (pp_schedule != "dualpipe") | (pp == 1) | (pp % 2 == 0)),
         # interleaving shrinks the bubble only when every stage has a micro-batch to run while the first waits for its
