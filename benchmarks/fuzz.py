@@ -120,6 +120,7 @@ NEW_TRAIN = {
     "--cp-impl": "choice:ring,torch,allgather", "--zero3-fetch": "choice:allgather,broadcast",
     "--moe-node-limit": "int", "--pp-overlap": "switch", "--pp-head-in-split": "switch",
     "--moe-force-balance": "switch", "--ep-overlap": "switch", "--no-fused": "switch",
+    "--fp8-scope": "choice:all,experts,dense",  # session 41 (dense: not a scope, an error line)
 }
 
 # verify/calibrate/measure: invalid-only mutations (a valid call compiles or runs JAX for minutes)

@@ -141,6 +141,8 @@ def train_case(rng: random.Random, models: list[str], chips: list[str]) -> dict 
         args += ["--pp-schedule", rng.choice(("1f1b", "zb1p", "gpipe"))]
     if dtype == "fp8" and rng.random() < 0.5:
         args += ["--fp8-recipe", rng.choice(("tensorwise", "rowwise", "blockwise", "delayed"))]
+    if dtype == "fp8" and m.is_moe and rng.random() < 0.3:  # session 41: FP8 on the routed experts alone
+        args += ["--fp8-scope", "experts"]
     if m.is_moe and ep > 1 and rng.random() < 0.5:
         args += ["--moe-dispatcher", rng.choice(("alltoall", "deepep", "hybridep"))]
     if chip.kind == "gpu" and rng.random() < 0.2:

@@ -182,3 +182,16 @@ def test_maxtext_per_device_batch_is_one_pass_of_the_tensor_parallel_group() -> 
     assert (pins.fsdp, pins.tp, pins.microbatch) == (16, 16, 16)
     # a tensor-parallel-free MaxText row keeps its per-device batch (tpu-recipes 70B on v6e-64: 2)
     assert H.pins_of(_row("tpurecipes_v6e_llama3p1-70b_64x1")).microbatch == 2
+
+
+@pytest.mark.parametrize(("ident", "dispatcher", "scope", "expert_tp"), [
+    # PyTorch/Nebius DeepSeek-V3 (train_671b.sh: EP_BACKEND standard|deepep, ETP=1; mxfp8_default: grouped GEMMs only)
+    ("torchtitan_nebius_202602_deepseek-v3_b200_256_bf16_standard_ep", "alltoall", "all", False),
+    ("torchtitan_nebius_202602_deepseek-v3_b200_256_bf16_deepep", "deepep", "all", False),
+    ("torchtitan_nebius_202602_deepseek-v3_b200_256_mxfp8_experts_deepep", "deepep", "experts", False),
+    # torchtitan's DeepEP README: "14,796 vs 9,930 tok/s/GPU at EP=8" against its default expert parallelism
+    ("torchtitan_deepep_202511_qwen3-30b-a3b_b200_8gpu_standard_ep", "alltoall", "all", False),
+    ("torchtitan_deepep_202511_qwen3-30b-a3b_b200_8gpu_deepep", "deepep", "all", False)])
+def test_torchtitan_moe_rows_run_their_dispatcher_and_fp8_scope(ident, dispatcher, scope, expert_tp) -> None:
+    o = H.options_of(_row(ident))
+    assert (o.moe_dispatcher, o.fp8_scope, o.expert_tp, o.moe_force_balance) == (dispatcher, scope, expert_tp, True)
