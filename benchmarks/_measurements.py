@@ -427,7 +427,8 @@ def options_of(e: dict) -> Options:
     titan_kw = preset(version_at("torchtitan", date_of(_source_text(e)))) if titan else {}
     framework_kw = {k: titan_kw[k] for k in ("fused_loss", "fp8_weight_cache", "fp8_fused_casts", "fp8_recipe",
                                              "cp_impl", "fsdp_edge_group", "complex_rope", "repeat_kv",
-                                             "optimizer_impl", "tp_overlap_dgrad_rs", "separate_qkv", "expert_tp")} \
+                                             "optimizer_impl", "tp_overlap_dgrad_rs", "separate_qkv", "expert_tp",
+                                             "grouped_mm_kernel")} \
         if titan else {}
     if titan:
         # full AC compiled with the block (torchtitan's apply_ac, then apply_compile): the recomputed forward is part of

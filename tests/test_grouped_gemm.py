@@ -80,3 +80,33 @@ def test_a_calibrated_dense_fraction_carries_to_a_chip_without_its_own_grouped_o
         eff = load_profile(path, chip)
         assert eff.matmul_peak_fraction == 0.70
         assert eff.grouped_matmul_peak_fraction == pytest.approx(expect_grouped)
+
+
+# pytorch/ao torchao/prototype/moe_training/README.md @36027d82, 'Autograd function': torch._grouped_mm bf16 forward +
+# backward (three GEMMs of 2·M·N·K) over 8 groups on a B200 (1000 W), microseconds
+TORCHAO_BF16_FWD_BWD_US = {(128000, 2048, 7168): 14966.8, (128000, 8192, 5120): 37700.7}
+B200_BF16_FLOPS = 2.25e15  # NVIDIA B200 datasheet, dense BF16 (the b200 preset's peak)
+
+
+def test_torch_grouped_mm_ceiling_rederived_from_torchaos_table() -> None:
+    """Each shape's measured rate over the peak and the narrower weight dimension's penalty d/(d + 256):
+    DeepSeek-V3 6·128000·2048·7168 / 14,966.8 us = 753 TFLOP/s, 0.335 / (2048/2304) = 0.376; Llama 4 Scout
+    854 TFLOP/s, 0.380 / (5120/5376) = 0.399; efficiency.yaml keeps their mean, 0.39."""
+    eff = default_efficiency(load_chip("b200"))
+    implied = [6 * m * n * k / (us * 1e-6) / B200_BF16_FLOPS / (min(n, k) / (min(n, k) + 256))
+               for (m, n, k), us in TORCHAO_BF16_FWD_BWD_US.items()]
+    assert implied == pytest.approx([0.376, 0.399], abs=0.001)
+    assert eff.torch_grouped_matmul_peak_fraction == pytest.approx(statistics.mean(implied), abs=0.005)
+    # the kernel's ceiling binds at 16,000 rows a group; the chip's own grouped fraction (its dense one) does not
+    assert eff.grouped_matmul(16000, 2048, 7168, torch_kernel=True) == pytest.approx(0.39 * 2048 / 2304)
+    assert eff.grouped_matmul(16000, 2048, 7168) == pytest.approx(eff.matmul(16000, 2048, 7168))
+    # chips without a measurement of the torch kernel take their grouped fraction
+    h100 = default_efficiency(load_chip("h100-sxm"))
+    assert h100.grouped_matmul(4096, 2048, 7168, torch_kernel=True) == h100.grouped_matmul(4096, 2048, 7168)
+
+
+def test_torchtitan_runs_its_experts_through_torch_grouped_mm() -> None:
+    from meshplan.train.frameworks import preset
+
+    assert preset("torchtitan")["grouped_mm_kernel"] == "torch"
+    assert "grouped_mm_kernel" not in preset("megatron") and "grouped_mm_kernel" not in preset("nemo")

@@ -418,6 +418,8 @@ def assumptions(problem: Problem, opts: Options, config: dict | None = None) -> 
             split = float(expert_tp_degree(True, c["tp"], c["cp"], c["dp"] * c["fsdp"], c["ep"],
                                            c["sequence_parallel"] and c["tp"] > 1)) > 1
         parts.append("experts split over TP (ETP = TP)" if split else "whole experts per rank (ETP 1)")
+        if opts.grouped_mm_kernel == "torch":
+            parts.append("expert GEMMs by torch._grouped_mm")
     return "; ".join(parts)
 
 

@@ -50,6 +50,7 @@ class Efficiency:
     unfused_elementwise_factor: float
     comm_compute_interference: float
     grouped_matmul_peak_fraction: float
+    torch_grouped_matmul_peak_fraction: float
     attention_tile_fwd: float
     attention_tile_bwd: float
     origin: str = "defaults"
@@ -61,21 +62,24 @@ class Efficiency:
         d = np.minimum(np.minimum(m, n), k)
         return self.matmul_peak_fraction * d / (d + self.matmul_half_dim)
 
-    def grouped_matmul(self, m: Any, n: Any, k: Any) -> Any:
+    def grouped_matmul(self, m: Any, n: Any, k: Any, torch_kernel: bool = False) -> Any:
         """Fraction of peak for one expert's [m,k]·[k,n] problem (m rows, weights k x n) of a MoE layer's grouped GEMM
         (TensorRT-LLM's MoE plugin, vLLM fused_moe, TE GroupedLinear / MegaBlocks): `matmul`'s fraction, kept under
         the grouped kernel's own large-problem ceiling (efficiency.yaml grouped_matmul_peak_fraction, where a kernel
         measurement puts it below the dense GEMM's) times the penalty of the narrower weight dimension. Equal to
-        `matmul` where the chip has no grouped measurement of its own."""
-        return np.minimum(self.matmul(m, n, k), self.grouped_ceiling(np.minimum(n, k)))
+        `matmul` where the chip has no grouped measurement of its own. `torch_kernel`: PyTorch's
+        `torch._grouped_mm` (torchtitan's experts), under its own ceiling (torch_grouped_matmul_peak_fraction)."""
+        return np.minimum(self.matmul(m, n, k), self.grouped_ceiling(np.minimum(n, k), torch_kernel))
 
-    def grouped_ceiling(self, weight_dim: Any) -> Any:
+    def grouped_ceiling(self, weight_dim: Any, torch_kernel: bool = False) -> Any:
         """The grouped kernel's large-problem ceiling for experts whose narrower weight dimension is `weight_dim`:
-        grouped_matmul_peak_fraction x d/(d + matmul_half_dim) (an unbounded dimension: no penalty)."""
+        grouped_matmul_peak_fraction (torch_grouped_matmul_peak_fraction for `torch._grouped_mm`) x d/(d +
+        matmul_half_dim) (an unbounded dimension: no penalty)."""
         d = np.asarray(weight_dim, dtype=float)
         with np.errstate(invalid="ignore"):  # inf / inf where the dimension is unbounded, replaced by 1
             thin = np.where(np.isinf(d), 1.0, d / (d + self.matmul_half_dim))
-        out = self.grouped_matmul_peak_fraction * thin
+        top = self.torch_grouped_matmul_peak_fraction if torch_kernel else self.grouped_matmul_peak_fraction
+        out = top * thin
         return float(out) if out.ndim == 0 else out
 
     def dtype_scale(self, dtype: str) -> float:
@@ -96,9 +100,11 @@ _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_p
            "attention_fa2_bwd_fraction", "attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction",
            "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
-           "comm_compute_interference", "grouped_matmul_peak_fraction", "attention_tile_fwd", "attention_tile_bwd")
+           "comm_compute_interference", "grouped_matmul_peak_fraction", "torch_grouped_matmul_peak_fraction",
+           "attention_tile_fwd", "attention_tile_bwd")
 # fields a chip may leave out of efficiency.yaml: it then takes the named field's value (no separate measurement)
-_FALLBACK_FIELDS = {"grouped_matmul_peak_fraction": "matmul_peak_fraction"}
+_FALLBACK_FIELDS = {"grouped_matmul_peak_fraction": "matmul_peak_fraction",
+                    "torch_grouped_matmul_peak_fraction": "grouped_matmul_peak_fraction"}
 
 
 @lru_cache(maxsize=1)

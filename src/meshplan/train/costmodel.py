@@ -227,6 +227,7 @@ CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full
 KEPT_PROJECTIONS = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv", "out_proj": "o"}
 FSDP_EDGE_GROUPS = ("none", "embedding", "root")  # Options.fsdp_edge_group
 FP8_SCOPES = ("all", "experts")  # Options.fp8_scope
+GROUPED_MM_KERNELS = ("default", "torch")  # Options.grouped_mm_kernel
 CP_IMPLS = {"ring": "_ring_cp_terms", "torch": "_torch_cp_terms", "allgather": "_allgather_cp_terms"}  # Options.cp_impl → CostModel method
 
 
@@ -262,6 +263,10 @@ class Options:
     # `quantize.grouped_mm.float8` / `quantize.grouped_mm.mx` converters with fqns ["experts"] and no linear converter:
     # the PyTorch/Nebius DeepSeek-V3 recipe, ml-cookbook pytorch-dsv3-mxfp8 `mxfp8_default`)
     fp8_scope: str = "all"
+    # The routed experts' grouped GEMM kernel (GROUPED_MM_KERNELS): "default" = the chip's grouped fraction (TE
+    # GroupedLinear, MegaBlocks, XLA's ragged dot); "torch" = PyTorch's `torch._grouped_mm`, at its own measured ceiling
+    # (efficiency.yaml torch_grouped_matmul_peak_fraction; torchtitan's experts, models/moe/moe.py)
+    grouped_mm_kernel: str = "default"
     ep_overlap: bool = False  # MoE all-to-alls hidden behind another micro-batch's compute (DualPipe, MCore)
     moe_node_limit: int = 0  # node-limited routing: a token reaches at most this many nodes (DeepSeek-V3: 4)
     # Benchmark routing with random router logits (Megatron-Core `--moe-router-force-load-balancing`: router.py
@@ -504,7 +509,8 @@ class Options:
                                     ("optimizer implementation", self.optimizer_impl, tuple(OPTIMIZER_UPDATE_BYTES)),
                                     ("selective recomputation", self.selective_flavor, SELECTIVE_FLAVORS),
                                     ("FP8 recipe", self.fp8_recipe or "delayed", tuple(fp8_recipes())),
-                                    ("FP8 scope", self.fp8_scope, FP8_SCOPES)):
+                                    ("FP8 scope", self.fp8_scope, FP8_SCOPES),
+                                    ("grouped GEMM kernel", self.grouped_mm_kernel, GROUPED_MM_KERNELS)):
             if name not in choices:
                 raise unknown_name_error(kind, str(name), choices)
         for name, rule in _OPTION_RULES.items():  # the numbers, by the shared pydantic rules (meshplan.validate)
@@ -608,7 +614,8 @@ class CostModel:
         """Seconds of `flops` in [m,k]x[k,n] GEMMs; `grouped`: a MoE layer's grouped expert GEMMs, at the grouped
         kernel's large-problem fraction (Efficiency.grouped_matmul)."""
         if grouped:
-            return flops / (self.expert_mm_peak * self.eff.grouped_matmul(m_, n_, k_))
+            torch_kernel = self.opt.grouped_mm_kernel == "torch"
+            return flops / (self.expert_mm_peak * self.eff.grouped_matmul(m_, n_, k_, torch_kernel))
         return flops / (self.mm_peak * self.eff.matmul(m_, n_, k_))
 
     def _matmul_term(self, g: dict) -> dict:

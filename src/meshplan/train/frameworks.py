@@ -67,12 +67,14 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # SelectiveAC.Config(); selective_ac_option "op" in the shipped llama3_8b.toml before it), not Megatron's
     # recompute of the attention core; its MoE experts run whole on each rank with EP over dp_shard·cp·tp
     # (Options.expert_tp False: config/job_config.py `expert_tensor_parallel_degree: int = 1` since #1555, 2025-08-13;
-    # ETP removed and experts always whole since #3167, 2026-04-30, parallel_dims.py @b5bcd76c)
+    # ETP removed and experts always whole since #3167, 2026-04-30, parallel_dims.py @b5bcd76c), their GEMMs through
+    # PyTorch's `torch._grouped_mm` (Options.grouped_mm_kernel "torch": models/moe/moe.py `_run_experts_grouped_mm`,
+    # `use_grouped_mm` True by default, @1a36996b; models/common/moe.py `torch._grouped_mm`, @b5bcd76c)
     "torchtitan": dict(fused_elementwise=True, fused_loss=False, fp8_weight_cache=False, fp8_fused_casts=False,
                        fp8_recipe="tensorwise", fsdp_over_cp=True, dp_overlap=True, cp_impl="torch", attention_kernel="sdpa",
                        fsdp_edge_group="embedding", complex_rope=True, repeat_kv=False, optimizer_impl="fused",
                        compiled_recompute=True, tp_overlap_dgrad_rs=False, separate_qkv=True,
-                       selective_flavor="op", expert_tp=False),
+                       selective_flavor="op", expert_tp=False, grouped_mm_kernel="torch"),
     # MaxText (JAX/XLA): XLA fuses pointwise chains and the loss, decomposes TP collectives into collective
     # matmuls, and reduces the scanned layers' gradients across replicas after the backward; its pipeline is one
     # SPMD loop whose bubble iterations compute, with the embedding and output layer replicated on every stage
