@@ -1390,10 +1390,12 @@ class CostModel:
         ETP × EP × expert-DP = TP × CP × DP of a stage, MoE Parallel Folding, Liu et al. 2025): under ETP = TP the
         cp·dp ranks (EP carved out of dp, or out of dp × cp where ep does not divide dp: Mixtral dp 2 cp 2 ep 4 has
         expert DP 1), under ETP = 1 the tp·cp·dp ranks. Not where the CP ranks are FSDP shards (torchtitan's mesh,
-        `ep_fsdp` in geometry)."""
-        cp = np.where(g["shard"] > 1, 1.0, g["cp"])
-        folded = np.where(g["etp"] < g["tp"], g["tp"] * g["cp"] * g["dp"], cp * g["dp"])
-        return (folded % g["ep"] == 0) & (g["ep"] > 1)
+        `ep_fsdp` in geometry). Kept in `g` once computed (the terms ask for it dozens of times a search)."""
+        if "carved" not in g:
+            cp = np.where(g["shard"] > 1, 1.0, g["cp"])
+            folded = np.where(g["etp"] < g["tp"], g["tp"] * g["cp"] * g["dp"], cp * g["dp"])
+            g["carved"] = (folded % g["ep"] == 0) & (g["ep"] > 1)
+        return g["carved"]
 
     @staticmethod
     def _carved_over_cp(g: dict):

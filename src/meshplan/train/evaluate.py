@@ -102,7 +102,7 @@ def evaluate(cm: CostModel, L: LayoutArrays, keep_ledger: bool = True) -> Evalua
     ledger, half of what an evaluation holds, is rebuilt for the plans it reports by evaluating them again)."""
 
     def one(layouts: LayoutArrays) -> Evaluation:
-        ev = _evaluate(cm, layouts)
+        ev = _evaluate(cm, layouts, keep_ledger)
         return ev if keep_ledger else replace(ev, ledger=Ledger())
 
     with np.errstate(invalid="ignore"):
@@ -112,9 +112,10 @@ def evaluate(cm: CostModel, L: LayoutArrays, keep_ledger: bool = True) -> Evalua
                            for i in range(0, len(L), EVALUATE_CHUNK)])
 
 
-def _evaluate(cm: CostModel, L: LayoutArrays) -> Evaluation:
+def _evaluate(cm: CostModel, L: LayoutArrays, collectives: bool = True) -> Evaluation:
     p, e = cm.p, cm.eff
     g = cm.geometry(L)
+    g["ledger"].collectives = collectives  # the per-axis bytes only where the ledger is kept (`evaluate`)
     ct = cm.compute_terms(L, g)
     cc = cm.comm_terms(L, g, ct)
     mem = cm.memory_terms(L, g)

@@ -29,7 +29,11 @@ HOST_KINDS = ("device_to_host", "host_to_device", "memory")
 
 
 class Ledger(dict):
-    """key → array over layouts (or a scalar broadcast over them); `add` accumulates."""
+    """key → array over layouts (or a scalar broadcast over them); `add` accumulates. `collectives` False: the
+    collectives' bytes by mesh axes are not kept (a search ranks by step time and memory, which the cost model
+    derives from its own terms; the plans it reports are evaluated again with a full ledger)."""
+
+    collectives: bool = True
 
     def add(self, key: str, value: Any) -> None:
         self[key] = self.get(key, 0.0) + value
@@ -41,6 +45,8 @@ class Ledger(dict):
         """Add `nbytes` (per device per step, array over layouts) of `kind` over the axes [(name, size)]; each
         layout's key names only its axes of size > 1 (a group of one moves nothing)."""
         assert kind in KINDS, kind
+        if not self.collectives:
+            return
         names = [a for a, _ in axes]
         sizes = np.broadcast_arrays(*[np.asarray(s, float) for _, s in axes], np.asarray(nbytes, float))
         nbytes = sizes[-1]
