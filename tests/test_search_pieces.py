@@ -55,3 +55,16 @@ def test_a_reported_plan_carries_its_own_ledger():
         own = E.evaluate(cm, LayoutArrays.from_configs([ParallelConfig(**p["config"])]))
         assert float(own.step_time_s[0]) == p["step_time_s"]
         assert own.ledger.plan(0) == p["ledger"] and p["ledger"]["flops"]
+
+
+def test_a_search_without_per_axis_bytes_ranks_the_same():
+    """Session 41: a search keeps no per-axis collective bytes (Ledger.collectives False): every number of the
+    evaluation but the ledger is the one a full-ledger evaluation gives, on a MoE problem whose EP, FSDP and TP
+    collectives fill many axes."""
+    full, *_ = _search(PROBLEM, Pins(), EFF, keep_ledger=True)
+    lean, *_ = _search(PROBLEM, Pins(), EFF, keep_ledger=False)
+    a = {k: v for k, v in _arrays(full).items() if not k.startswith("ledger/")}
+    b = {k: v for k, v in _arrays(lean).items() if not k.startswith("ledger/")}
+    assert a.keys() == b.keys() and any(k.startswith("ledger/all_to_all") for k in _arrays(full))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
