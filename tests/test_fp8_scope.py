@@ -127,3 +127,11 @@ def test_torchtitan_export_refuses_fp8_experts_under_pipelining(tmp_path, capsys
                             "--recompute", "full", "--dtype", "fp8", "--fp8-recipe", "rowwise", "--export",
                             "torchtitan", "--out", str(tmp_path)], capsys)
     assert code == 2 and "Float8GroupedMMConverter" in err and err.count("\n") == 1
+
+
+def test_megatron_export_refuses_the_experts_only_scope(tmp_path, capsys) -> None:
+    # Transformer Engine's fp8_autocast covers every TE linear; Megatron-LM has no experts-only FP8 switch
+    code, _, err = run_cli(["train", "-m", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "4096",
+                            "--global-batch", "64", "--ep", "8", "--dtype", "fp8", "--fp8-scope", "experts",
+                            "--export", "megatron", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "megatron cannot express this plan: GEMMs in FP8" in err and err.count("\n") == 1

@@ -213,6 +213,7 @@ _WORDS = {
     "selective_flavor": "what selective recompute saves",
     "fsdp_over_cp": "FSDP over the CP ranks", "zero3_fetch": "ZeRO-3 fetch", "cp_impl": "context-parallel attention",
     "pp_schedule": "pipeline schedule", "attention_kernel": "attention kernel",
+    "fp8_scope": "GEMMs in FP8 (all, or the routed experts only)", "grouped_mm_kernel": "the experts' grouped GEMM kernel",
 }
 
 
@@ -225,6 +226,7 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "tp_overlap": cfg.tp > 1, "dp_overlap": data * cfg.cp > 1,
         "overlap_param_gather": cfg.zero >= 1 and cfg.dp > 1,
         "fp8_weight_cache": fp8, "fp8_fused_casts": fp8, "fp8_recipe": fp8, "ep_overlap": moe and cfg.ep > 1,
+        "fp8_scope": fp8 and moe, "grouped_mm_kernel": moe,
         "moe_node_limit": moe and cfg.ep > 1, "moe_force_balance": moe and cfg.ep > 1,
         "moe_dispatcher": moe and cfg.ep > 1,
         # a choice only where the layout allows both (costmodel.expert_tp_degree)
