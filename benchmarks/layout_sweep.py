@@ -210,8 +210,8 @@ def search_case(rng: random.Random, models: list[str], chips: list[str]) -> dict
 def states_fraction(case: dict) -> float:
     """A lower bound on the training states' share of HBM per chip at the pinned layout: bf16 weights and gradients
     (2 + 2 B) and Adam's fp32 master and moments (12 B) sharded over the whole data-parallel group (ZeRO-1, the
-    Megatron distributed optimizer; all 16 B under FSDP), the dense weights over tp x pp, the experts over pp x ep x the largest expert-TP
-    the layout allows (ETP <= tp, ep x ETP dividing dp x cp x tp). Activations and buffers excluded. For flagging
+    Megatron distributed optimizer), the dense weights over tp x pp, the experts over pp x ep x the largest expert-TP
+    the layout allows (ETP <= tp, ep x ETP dividing dp x cp x tp); under FSDP all 16 B over every rank of a stage. Activations and buffers excluded. For flagging
     suspect refusals only."""
     from meshplan.infer.memory import expert_params
 
@@ -222,8 +222,10 @@ def states_fraction(case: dict) -> float:
     tp, pp, ep, dp, cp = case["tp"], case["pp"], max(case.get("ep", 1), 1), case["dp"], case["cp"]
     etp = max(t for t in range(1, tp + 1) if tp % t == 0 and (dp * cp * tp) % (ep * t) == 0)
     params = dense / (tp * pp) + experts / (pp * ep * etp)
-    if "--fsdp" in case["args"]:  # FSDP / ZeRO-3 shards the weights and gradients too
-        return params * 16.0 / (dp * cp) / chip.hbm_bytes
+    if "--fsdp" in case["args"]:
+        # FSDP / ZeRO-3 shards the weights and gradients too; no state splits over more than the stage's dp x cp x tp
+        # ranks (whole experts sharded over efsdp = dp x cp x tp / ep hold E / (pp x dp x cp x tp) a rank: session 41)
+        return float(pc.total) * 16.0 / (pp * tp * dp * cp) / chip.hbm_bytes
     return params * (4.0 + 12.0 / (dp * cp)) / chip.hbm_bytes
 
 
