@@ -23,13 +23,12 @@ from meshplan.train.costmodel import (
     FP8_SCOPES,
     MOE_DISPATCHERS,
     Options,
-    expert_tp_degree,
     fp8_recipes,
 )
 from meshplan.train.frameworks import framework_options
 from meshplan.train.ideal import ideal_training
 from meshplan.train.planner import plan
-from meshplan.train.space import PP_SCHEDULES, Pins, Problem
+from meshplan.train.space import PP_SCHEDULES, Pins, Problem, expert_tp_degree
 from meshplan.units import fmt_bytes, fmt_time
 from meshplan.validate import TRAIN_TOKENS
 
@@ -383,7 +382,7 @@ def _check_combinations(problem: Problem, pins: Pins, dtype: str, explicit: dict
 
 def assumptions(problem: Problem, opts: Options, config: dict | None = None) -> str:
     """The framework behaviour the plan assumes, in words (each is a flag; docs/cost_model.md); `config`: the plan's
-    layout, where a choice depends on it (the experts' TP split: costmodel.expert_tp_degree)."""
+    layout, where a choice depends on it (the experts' TP split: space.expert_tp_degree)."""
     tp, dp = opts.overlaps(problem.chip.kind)
     fp8 = opts.compute_dtype == "fp8"
     parts = [f"{opts.compute_dtype} matmuls" + (", fp8 weights cast once per step" if fp8 and opts.fp8_weight_cache

@@ -22,9 +22,9 @@ from meshplan import __version__
 from meshplan.errors import MeshplanError
 from meshplan.specs.model import ModelConfig
 from meshplan.train.config import OFFLOAD_FLAGS, ParallelConfig
-from meshplan.train.costmodel import Options, expert_tp_degree, fp8_recipes
+from meshplan.train.costmodel import Options, fp8_recipes
 from meshplan.train.frameworks import framework_options, megatron_selective_policy
-from meshplan.train.space import Pins, Problem
+from meshplan.train.space import Pins, Problem, expert_tp_degree
 from meshplan.units import fmt_bytes, fmt_time
 
 # no framework file meshplan writes carries model-state offload (optimizer, weights): read back, there is none
@@ -65,7 +65,7 @@ def fp8_recipe_from_name(kind: str, name: str | None) -> str | None:
 
 @cache
 def expert_tp_size(options: Options, cfg: ParallelConfig) -> int:
-    """Megatron-Core's expert_tensor_parallel_size of a plan: the cost model's (costmodel.expert_tp_degree)."""
+    """Megatron-Core's expert_tensor_parallel_size of a plan: the cost model's (space.expert_tp_degree)."""
     sp = cfg.sequence_parallel and cfg.tp > 1
     return int(expert_tp_degree(options.expert_tp, cfg.tp, cfg.cp, cfg.dp * cfg.fsdp, cfg.ep, sp))
 
@@ -229,7 +229,7 @@ def relevant(name: str, cfg: ParallelConfig, opts: Options, problem: Problem) ->
         "fp8_scope": fp8 and moe, "grouped_mm_kernel": moe,
         "moe_node_limit": moe and cfg.ep > 1, "moe_force_balance": moe and cfg.ep > 1,
         "moe_dispatcher": moe and cfg.ep > 1,
-        # a choice only where the layout allows both (costmodel.expert_tp_degree)
+        # a choice only where the layout allows both (space.expert_tp_degree)
         "expert_tp": moe and cfg.tp > 1 and cfg.sequence_parallel and (cfg.cp * data) % cfg.ep == 0,
         "selective_flavor": cfg.recompute == "selective",
         "fsdp_over_cp": cfg.cp > 1, "zero3_fetch": cfg.fsdp > 1 or cfg.zero == 3 or opts.fsdp_over_cp and cfg.cp > 1,

@@ -1816,8 +1816,8 @@ class CostModel:
         # With whole experts (ETP 1) the EP group takes the tensor ranks first, then context, then fsdp ones
         # (`_ep_axes`), and the experts' group the rest of each: tp/on_tp × cp/on_cp × fsdp/ep_f = efsdp
         whole = ep_fs & (g["etp"] < tp)
-        on_tp = np.where(whole, np.minimum(g["ep"], tp), 1.0)
-        on_cp = np.where(whole, np.clip(g["ep"] / tp, 1.0, sh / g["fsdp"]), 1.0)
+        ep_axes = dict(self._ep_axes(g))
+        on_tp, on_cp = np.where(whole, ep_axes["tensor"], 1.0), np.where(whole, ep_axes["context"], 1.0)
         ep_f = np.where(ep_fs, g["ep"] / (on_tp * on_cp), 1.0)
         shard_axes = [("fsdp", np.where(sh > 1, g["fsdp"] / ep_f, 1)), ("expert", np.where(sh > 1, ep_f, 1)),
                       ("context", np.where(sh > 1, sh / g["fsdp"], 1))]

@@ -271,7 +271,7 @@ def _feasible(p, pins, tp, pp, cp, fs, dp, vpp, mb, zero, ep, reasons: Counter, 
     framework runs the routed experts unsplit over TP (Options.expert_tp False)."""
     m = p.model
     data = dp * fs
-    # the layout's experts are whole (expert TP 1), as the cost model decides it (costmodel.expert_tp_degree)
+    # the layout's experts are whole (expert TP 1), as the cost model decides it (expert_tp_degree, its geometry)
     etp_one = expert_tp_degree(not whole_experts, tp, cp, data, ep, pins.sequence_parallel) < tp
     rules = [
         ("global batch not divisible by data-parallel degree × micro-batch", p.global_batch % (data * mb) == 0),
