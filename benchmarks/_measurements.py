@@ -438,7 +438,9 @@ def options_of(e: dict) -> Options:
         # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
         # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP,
         # Megatron-Core's unfused expert biases
-        nemo_kw = preset("nemo@24.07" if "nemo-perf-summary-24.07" in _source_key(e) else "nemo")
+        # NeMo 1.x containers (24.xx: the 24.07 performance summary, the 24.03 long-sequence table) behave as the
+        # nemo@24.07 preset; NeMo 2.0 (25.xx) and Megatron-Bridge as the current one
+        nemo_kw = preset("nemo@24.07" if re.search(r"-24\.\d\d:", _source_key(e)) else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
                                                 "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params",
                                                 "expert_tp", "unfused_yarn_rope")}
