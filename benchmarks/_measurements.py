@@ -438,12 +438,14 @@ def options_of(e: dict) -> Options:
         # NeMo's performance recipes (the "nemo" preset of the run's release): parameter all-gather behind the
         # forward, the gradient reduction's dtype, interleaved pipeline sends overlapped or not, Megatron-FSDP,
         # Megatron-Core's unfused expert biases
-        # NeMo 1.x containers (24.xx: the 24.07 performance summary, the 24.03 long-sequence table) behave as the
-        # nemo@24.07 preset; NeMo 2.0 (25.xx) and Megatron-Bridge as the current one
-        nemo_kw = preset("nemo@24.07" if re.search(r"-24\.\d\d:", _source_key(e)) else "nemo")
+        # the NeMo release the source key names (its container, e.g. 'nemo-long-sequence-25.04:'): that release's
+        # preset (frameworks.version_at: the newest listed not after it, the oldest for NeMo 1.x's 24.03); a key
+        # without one (Megatron-Bridge's tables) the current preset
+        release = re.search(r"-(\d\d)\.(\d\d):", _source_key(e))
+        nemo_kw = preset(version_at("nemo", (2000 + int(release[1])) * 100 + int(release[2])) if release else "nemo")
         framework_kw = {k: nemo_kw[k] for k in ("overlap_param_gather", "grad_reduce_bytes", "pp_overlap",
                                                 "fsdp_copies", "unfused_expert_bias", "glu_saves_input", "fp8_params",
-                                                "expert_tp", "unfused_yarn_rope")}
+                                                "expert_tp", "unfused_yarn_rope", "attention_kernel") if k in nemo_kw}
         framework_kw["overlap_param_gather"] = framework_kw["overlap_param_gather"] or named["overlap_param_gather"]
         # a Megatron-Bridge row: the TP overlap and parameter all-gather overlap its recipe set (mbridge_recipes.yaml)
         recipe_kw = {k: v for k, v in mbridge_recipe_of(e).items()

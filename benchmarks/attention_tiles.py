@@ -44,6 +44,11 @@ from meshplan.specs.hardware import load_chip
 DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
 HEADS_DATA = Path(__file__).parent / "data" / "cudnn_sdpa_heads.csv"
 ENGINE_DATA = Path(__file__).parent / "data" / "aic_context_attention.csv"
+# cuDNN 9.10.2 on B200 (NVIDIA/cudnn-frontend@f937055): the `cudnn-9.10` kernel's constants (efficiency.yaml
+# attention_cudnn910_*), fitted on its 8K-32K causal rows (the shorter ones are timed through PyTorch's SDPA call, whose
+# fixed cost swamps the kernel's)
+RELEASE_DATA = Path(__file__).parent / "data" / "cudnn_sdpa_b200_9_10.csv"
+RELEASE_FIT = (8192, 32768)
 ENGINES = ("trtllm", "vllm", "sglang")
 CHIPS = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72", "h200": "h200"}
 FIT_MAX_SEQ = 16384
@@ -85,6 +90,38 @@ def fit_tiles(rows: list[dict], system: str, direction: str) -> dict:
     anchor = next(r for r in sel if r["causal"] and r["seq"] == 8192)
     return dict(k=a / c, anchor_fraction=counted_flops(anchor) / anchor["time_s"] / peak, n=len(sel),
                 worst=max(abs((c * tiles(r)[0] + a * tiles(r)[1]) / r["time_s"] - 1) for r in sel))
+
+
+def load_release_rows(path: Path = RELEASE_DATA) -> list[dict]:
+    """The cuDNN 9.10.2 B200 table as load_rows' rows (system 'b200', causal, both passes)."""
+    with path.open() as fh:
+        table = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    return [dict(system="b200", causal=True, batch=int(r["batch_size"]), seq=int(r["q_seqlen"]),
+                 heads=int(r["num_q_heads"]), head_dim=int(r["head_dim"]), direction=d,
+                 time_s=float(r[col]) * 1e-3)
+            for r in table for d, col in (("fwd", "forward_time"), ("bwd", "backward_time"))]
+
+
+def fit_release(rows: list[dict], direction: str) -> dict:
+    """fit_tiles over the release table's batch-1 rows in RELEASE_FIT (k and the 8K causal fraction of B200's peak)."""
+    lo, hi = RELEASE_FIT
+    sel = [r for r in rows if lo <= r["seq"] <= hi and r["batch"] == 1]
+    CHIPS.setdefault("b200", "b200")
+    global FIT_MAX_SEQ
+    saved, FIT_MAX_SEQ = FIT_MAX_SEQ, hi
+    try:
+        return fit_tiles(sel, "b200", direction)
+    finally:
+        FIT_MAX_SEQ = saved
+
+
+def release_predicted_s(r: dict) -> float:
+    """meshplan's time for a release-table row under the `cudnn-9.10` kernel."""
+    chip = load_chip("b200")
+    eff = default_efficiency(chip)
+    frac = eff.attention_cudnn910_fwd_fraction if r["direction"] == "fwd" else eff.attention_cudnn910_bwd_fraction
+    factor = attention_tile_factor(eff, r["direction"], r["seq"] / 2, 0.5, kernel="cudnn-9.10")
+    return counted_flops(r) / (chip.peak("bf16") * frac) * factor
 
 
 def load_engine_rows(path: Path = ENGINE_DATA) -> list[dict]:
@@ -198,6 +235,17 @@ def main() -> int:
             e = np.array([predicted_s(r, rule) / r["time_s"] - 1 for r in heads if r["direction"] == direction])
             print(f"{direction} {name}: {len(e)} rows, median |error| {np.median(np.abs(e)):.1%}, signed "
                   f"{np.median(e):+.1%}")
+    release = load_release_rows()
+    print("\ncuDNN 9.10.2 on B200 (the `cudnn-9.10` kernel; fitted on the 8K-32K rows, the others not):")
+    for direction in ("fwd", "bwd"):
+        f = fit_release(release, direction)
+        print(f"  {direction}: k {f['k']:.2f}, 8K causal fraction {f['anchor_fraction']:.3f}, worst fit error {f['worst']:.1%}")
+    print("| batch | tokens | pass | measured ms | meshplan ms (cudnn-9.10) | error |\n|---|---|---|---|---|---|")
+    for r in release:
+        if r["seq"] >= 8192:
+            p = release_predicted_s(r)
+            print(f"| {r['batch']} | {r['seq']} | {r['direction']} | {r['time_s'] * 1e3:.3f} | {p * 1e3:.3f} | "
+                  f"{p / r['time_s'] - 1:+.1%} |")
     engine = load_engine_rows()
     print("\n| engine prompt attention | chip | rows | fixed_s | tile_k | fraction at 8K causal | median |error| | "
           "p90 |error| |\n|---|---|---|---|---|---|---|---|")

@@ -116,7 +116,7 @@ NEW_TRAIN = {
     "--moe-dispatcher": "choice:alltoall,deepep,hybridep", "--cuda-graph": "choice:none,attn,attn_mlp,full_iteration",
     "--weight-dtype": "choice:bf16,fp32", "--fp8-recipe": "choice:tensorwise,rowwise,blockwise,delayed",
     "--framework": "choice:megatron,nemo,nemo@24.07,torchtitan@2025.06,maxtext,nemo@1", "--dtype": "choice:bf16,fp8",
-    "--pp-schedule": "choice:1f1b,zb1p,dualpipe,gpipe", "--attention-kernel": "choice:fused,fa2,sdpa",
+    "--pp-schedule": "choice:1f1b,zb1p,dualpipe,gpipe", "--attention-kernel": "choice:fused,fa2,sdpa,cudnn-9.10",
     "--cp-impl": "choice:ring,torch,allgather", "--zero3-fetch": "choice:allgather,broadcast",
     "--moe-node-limit": "int", "--pp-overlap": "switch", "--pp-head-in-split": "switch",
     "--moe-force-balance": "switch", "--ep-overlap": "switch", "--no-fused": "switch",

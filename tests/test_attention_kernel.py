@@ -83,7 +83,7 @@ def test_cli_attention_kernel_flag(capsys) -> None:
     base = ["train", "--model", "llama3-8b", "--hardware", "h100-sxm", "--chips", "8", "--seq-len", "8192",
             "--global-batch", "64", "--json"]
     code, _, err = run_cli([*base, "--attention-kernel", "fa4"], capsys)
-    assert code == 2 and "--attention-kernel must be one of fused, fa2, sdpa, got 'fa4'" in err
+    assert code == 2 and "--attention-kernel must be one of fused, fa2, sdpa, cudnn-9.10, got 'fa4'" in err
     code, out, _ = run_cli(base, capsys)
     fused = json.loads(out)["plans"][0]["step_time_s"]
     steps = {}

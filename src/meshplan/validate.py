@@ -144,6 +144,8 @@ PROFILE_RULES: dict[str, Rule] = {name: Rule(lo, hi, why, integer=False) for nam
     "comm_compute_interference": (0.0, 10.0, "a fractional slow-down"),
     "attention_tile_fwd": (0.0, 1000.0, "attention tile visits per query tile"),
     "attention_tile_bwd": (0.0, 1000.0, "attention tile visits per query tile"),
+    "attention_cudnn910_tile_fwd": (0.0, 1000.0, "attention tile visits per query tile"),
+    "attention_cudnn910_tile_bwd": (0.0, 1000.0, "attention tile visits per query tile"),
 }.items()}
 
 # Hardware YAML fields (dotted names as in the file). Ranges hold every accelerator built so far with ~100x margin.

@@ -166,7 +166,8 @@ def train(
         help="Fused attention kernel: fused (default: the chip's best, FA3/cuDNN on Hopper as Megatron-Core and "
              "MaxText run it), fa2 (the flash-attn package's FlashAttention-2: nanotron, llm-foundry) or sdpa "
              "(PyTorch SDPA, which picks its bundled FA2 first: torchtitan). Both FA2s run at about half FA3's "
-             "rate on Hopper.")] = None,
+             "rate on Hopper. cudnn-9.10: cuDNN's kernel as release 9.10 ran it (mid-2025 stacks, e.g. NeMo 25.04; "
+             "on Blackwell 20-25% slower than today's; other chips as fused).")] = None,
     pp_schedule: Annotated[str | None, typer.Option(
         help="Pipeline schedule: 1f1b (default; interleaved with --vpp), zb1p (zero-bubble ZB-H1: weight-gradient "
              "GEMMs fill the bubble), dualpipe (DeepSeek-V3: two directions, twice the model state per rank) or gpipe "
@@ -398,7 +399,8 @@ def assumptions(problem: Problem, opts: Options, config: dict | None = None) -> 
     parts.append({"torch": "CP by PyTorch all-gather (repeated K/V, fp32 merges)", "ring": "CP by Ring Attention",
                   "allgather": "CP by all-gathered K/V"}[opts.cp_impl])
     if opts.attention_kernel != "fused":
-        parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)"}[opts.attention_kernel])
+        parts.append({"fa2": "FlashAttention-2", "sdpa": "PyTorch SDPA (its FlashAttention-2)",
+                      "cudnn-9.10": "cuDNN 9.10 fused attention (mid-2025)"}[opts.attention_kernel])
     if opts.pp_schedule != "1f1b":
         parts.append({"zb1p": "zero-bubble (ZB-H1) pipeline", "dualpipe": "DualPipe pipeline",
                       "gpipe": "GPipe (all-forward-all-backward) pipeline"}[opts.pp_schedule])

@@ -53,6 +53,10 @@ class Efficiency:
     torch_grouped_matmul_peak_fraction: float
     attention_tile_fwd: float
     attention_tile_bwd: float
+    attention_cudnn910_fwd_fraction: float
+    attention_cudnn910_bwd_fraction: float
+    attention_cudnn910_tile_fwd: float
+    attention_cudnn910_tile_bwd: float
     origin: str = "defaults"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -101,10 +105,20 @@ _FIELDS = ("matmul_peak_fraction", "matmul_half_dim", "matmul_rows_half", "fp8_p
            "hbm_fraction", "kernel_overhead_s", "step_overhead_s",
            "memory_reserved_bytes", "attention_bwd_flops_ratio", "unfused_elementwise_factor",
            "comm_compute_interference", "grouped_matmul_peak_fraction", "torch_grouped_matmul_peak_fraction",
-           "attention_tile_fwd", "attention_tile_bwd")
-# fields a chip may leave out of efficiency.yaml: it then takes the named field's value (no separate measurement)
+           "attention_tile_fwd", "attention_tile_bwd", "attention_cudnn910_fwd_fraction",
+           "attention_cudnn910_bwd_fraction", "attention_cudnn910_tile_fwd", "attention_cudnn910_tile_bwd")
+# fields a chip may leave out of efficiency.yaml: it then takes the named field's value (no separate measurement;
+# an older cuDNN release not measured on a chip is taken as fast as the current one there)
 _FALLBACK_FIELDS = {"grouped_matmul_peak_fraction": "matmul_peak_fraction",
-                    "torch_grouped_matmul_peak_fraction": "grouped_matmul_peak_fraction"}
+                    "torch_grouped_matmul_peak_fraction": "grouped_matmul_peak_fraction",
+                    "attention_cudnn910_fwd_fraction": "attention_fwd_fraction",
+                    "attention_cudnn910_bwd_fraction": "attention_bwd_fraction",
+                    "attention_cudnn910_tile_fwd": "attention_tile_fwd",
+                    "attention_cudnn910_tile_bwd": "attention_tile_bwd"}
+# The fused-attention kernels whose time follows the tile law (attention_tile_factor), each with its efficiency.yaml
+# tile constants: cuDNN as the current stacks ship it ("fused"), and cuDNN 9.10 (mid-2025: "cudnn-9.10")
+ATTENTION_TILE_FIELDS = {"fused": ("attention_tile_fwd", "attention_tile_bwd"),
+                         "cudnn-9.10": ("attention_cudnn910_tile_fwd", "attention_cudnn910_tile_bwd")}
 
 
 @lru_cache(maxsize=1)
@@ -215,7 +229,7 @@ ATTENTION_ANCHOR_WIDTH = 256.0
 
 
 def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0,
-                          width: float = ATTENTION_ANCHOR_WIDTH) -> Any:
+                          width: float = ATTENTION_ANCHOR_WIDTH, kernel: str = "fused") -> Any:
     """How much longer a tiled fused attention kernel takes per counted FLOP than at the anchor shape (causal, 8,192
     tokens), for queries that attend `keys` keys on average. Its time is c·V + a·Q (efficiency.yaml
     attention_tile_fwd/_bwd): V the (query tile, key tile) pairs it visits, Q the query tiles, each of which also
@@ -230,10 +244,12 @@ def attention_tile_factor(eff: Efficiency, direction: str, keys: Any, diagonal: 
     Never below its value at ATTENTION_FIT_MAX_KEYS keys in one launch: the tables end there (no extrapolation to
     longer contexts, where they show no further gain). `width`: the head's d_qk + d_v (math/transformer
     attention_pair_width); the forward's fixed work is a fixed time, k·256/width visits of a narrower head's tiles
-    (ATTENTION_ANCHOR_WIDTH), e.g. gpt-oss's 64 + 64 window layer: 1 + 1 + 9.34 = 11.34 over 1.162: 9.76."""
+    (ATTENTION_ANCHOR_WIDTH), e.g. gpt-oss's 64 + 64 window layer: 1 + 1 + 9.34 = 11.34 over 1.162: 9.76. `kernel`:
+    whose tile constants (ATTENTION_TILE_FIELDS: the current cuDNN's, or cuDNN 9.10's)."""
+    k_fwd, k_bwd = (getattr(eff, f) for f in ATTENTION_TILE_FIELDS[kernel])
     if direction == "fwd":
-        return tile_factor(eff.attention_tile_fwd, keys, diagonal, calls, width=width)
-    return tile_factor(eff.attention_tile_bwd, keys, diagonal, calls)
+        return tile_factor(k_fwd, keys, diagonal, calls, width=width)
+    return tile_factor(k_bwd, keys, diagonal, calls)
 
 
 def tile_factor(k: float, keys: Any, diagonal: Any = 0.5, calls: Any = 1.0,

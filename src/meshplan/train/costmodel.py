@@ -19,6 +19,7 @@ import yaml
 
 from meshplan.cost.collectives import ep_dispatch_scale_out_efficiency, ragged_destinations, tpu_reduction_s
 from meshplan.cost.efficiency import (
+    ATTENTION_TILE_FIELDS,
     Efficiency,
     attention_head_dim_rate,
     attention_tile_factor,
@@ -119,6 +120,9 @@ ATTENTION_KERNEL_FRACTIONS = {
     "fused": ("attention_fwd_fraction", "attention_bwd_fraction"),
     "fa2": ("attention_fa2_fwd_fraction", "attention_fa2_bwd_fraction"),
     "sdpa": ("attention_sdpa_fwd_fraction", "attention_sdpa_bwd_fraction"),
+    # cuDNN's fused attention as release 9.10 (mid-2025) ran it (efficiency.yaml attention_cudnn910_*: NVIDIA's B200
+    # table at that release); a stack of that age, e.g. the nemo@25.04 preset
+    "cudnn-9.10": ("attention_cudnn910_fwd_fraction", "attention_cudnn910_bwd_fraction"),
 }
 ATTENTION_KERNELS = tuple(ATTENTION_KERNEL_FRACTIONS)
 # What each recompute policy runs again in the backward, as shares of the layer forward's parts (matmuls, attention
@@ -745,14 +749,17 @@ class CostModel:
             visit_f, visit_b = (self._causal_block_visits(b) for b in (self.opt.attention_block_fwd,
                                                                          self.opt.attention_block_bwd))
             f_core_f, bwd_flops = f_core * visit_f, f_core * e.attention_bwd_flops_ratio * visit_b
-            if self.opt.attention_kernel == "fused":
+            kernel = self.opt.attention_kernel
+            if kernel in ATTENTION_TILE_FIELDS:
                 # cuDNN's fixed work per query tile, at this length, window and ring-step count, over the 8K causal
-                # shape the fractions are read at (efficiency.attention_tile_factor; 1 where the chip has no tile
-                # constant). Measured for cuDNN only: the FA2/SDPA fractions are long-sequence figures of their own
+                # shape the fractions are read at (efficiency.attention_tile_factor, with the release's own tile
+                # constants; 1 where the chip has no tile constant). Measured for cuDNN only: the FA2/SDPA fractions
+                # are long-sequence figures of their own
                 keys, diag = tm.mean_attended_keys(m, S), tm.masked_tile_share(m, S)
                 calls = g["cp"] if self.opt.cp_impl in ("ring", "torch") else 1.0
-                fwd_frac = fwd_frac / attention_tile_factor(e, "fwd", keys, diag, calls, tm.attention_pair_width(m))
-                bwd_frac = bwd_frac / attention_tile_factor(e, "bwd", keys, diag, calls)
+                fwd_frac = fwd_frac / attention_tile_factor(e, "fwd", keys, diag, calls, tm.attention_pair_width(m),
+                                                            kernel=kernel)
+                bwd_frac = bwd_frac / attention_tile_factor(e, "bwd", keys, diag, calls, kernel=kernel)
             out = dict(f_s=f_core_f / (self.peak_bf16 * fwd_frac), b_s=bwd_flops / (self.peak_bf16 * bwd_frac),
                        flops_f=f_core_f, flops_b=bwd_flops, hbm_f=0.0, hbm_b=0.0)
             out.update(qk_f_s=out["f_s"], qk_flops=f_core_f, qk_hbm=0.0)  # a fused kernel recomputes as a whole
@@ -788,10 +795,13 @@ class CostModel:
         (efficiency.attention_tile_factor)."""
         head = tm.attention_pair_width(self.p.model) / 2  # mean of the QKᵀ and AV widths
         if self.p.chip.kind != "tpu":
-            if (direction == "fwd" and self.opt.attention_kernel == "fused" and self.eff.attention_tile_fwd
+            kernel = self.opt.attention_kernel
+            tiled = kernel in ATTENTION_TILE_FIELDS
+            if (direction == "fwd" and tiled and getattr(self.eff, ATTENTION_TILE_FIELDS[kernel][0])
                     and self.opt.flash_attention):
                 return 1.0  # cuDNN's forward tile factor carries the width (efficiency.attention_tile_factor)
-            return attention_head_dim_rate(self.p.chip, head, self.opt.attention_kernel, direction)
+            # any cuDNN release takes the fused kernel's published head-width points
+            return attention_head_dim_rate(self.p.chip, head, "fused" if tiled else kernel, direction)
         return min(1.0, head / self.eff.matmul_half_dim)
 
     def _pointwise_term(self, g: dict) -> dict:

@@ -117,6 +117,11 @@ VERSIONS: dict[str, dict[str, dict[str, Any]]] = {
     # Liu et al. 2025): experts split over TP
     "nemo": {"24.07": dict(fp8_recipe="delayed", pp_overlap=False, grad_reduce_bytes=4.0, fp8_params=False,
                            expert_tp=True),
+             # NeMo 25.04 (NeMo 2.0; the long-sequence tables' 25.04.rc2 container, April 2025) predates cuDNN 9.10
+             # (first in the NGC PyTorch 25.05 container, NVIDIA/cudnn-frontend@f937055 benchmark README): its fused
+             # attention runs at cuDNN 9.10's rates at best (Options.attention_kernel "cudnn-9.10"); nothing else of
+             # this release is known to differ from the current preset
+             "25.04": dict(attention_kernel="cudnn-9.10"),
              "26.06": {}},
     # torchtitan's December 2024 performance runs (benchmarks/llama3_h100_202412_torchtitan.md, torchtitan @9dec370):
     # torchao float8 tensorwise, its only recipe then (rowwise came with pytorch/ao#1629, January 2025); June 2025
