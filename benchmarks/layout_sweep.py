@@ -53,10 +53,13 @@ from meshplan.cli.app import main  # noqa: E402
 from meshplan.math.transformer import param_counts  # noqa: E402
 from meshplan.specs.hardware import load_chip, preset_chips  # noqa: E402
 from meshplan.specs.model import load_model, preset_models  # noqa: E402
+from meshplan.train.frameworks import VERSIONS  # noqa: E402
 
 GPU_CHIPS = (8, 16, 64, 256, 1024)
 TPU_CHIPS = (8, 16, 64, 256, 512, 2048)  # beyond a slice: multi-slice over DCN
-GPU_FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed", None)
+# the presets and, since session 42, each of their listed releases (`--framework nemo@25.04`)
+GPU_FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed", None) + tuple(
+    f"{base}@{version}" for base in ("megatron", "nemo", "torchtitan", "deepspeed") for version in VERSIONS.get(base, {}))
 TPU_FRAMEWORKS = ("maxtext", "jax", None)
 ENGINES = ("default", "vllm", "sglang", "trtllm")
 

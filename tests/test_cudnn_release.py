@@ -14,7 +14,7 @@ from meshplan.cost.efficiency import attention_tile_factor, default_efficiency
 from meshplan.specs.hardware import load_chip
 from meshplan.specs.model import load_model
 from meshplan.train.costmodel import Options
-from meshplan.train.frameworks import preset
+from meshplan.train.frameworks import preset, version_at
 from meshplan.train.planner import plan
 from meshplan.train.space import Pins, Problem
 
@@ -92,3 +92,12 @@ def test_cli_takes_the_kernel_and_the_preset(capsys) -> None:
                                   "--global-batch", "64", *flags], capsys)
         assert code == 0, err
         assert "cuDNN 9.10" in out
+
+
+def test_a_nemo_release_takes_its_preset() -> None:
+    # the harness reads the release from a source key ('nemo-long-sequence-25.04:...'): the newest listed preset not
+    # after it, the oldest for a release before them all (NeMo 1.x's 24.03)
+    assert version_at("nemo", 202403) == "nemo@24.07"
+    assert version_at("nemo", 202407) == "nemo@24.07"
+    assert version_at("nemo", 202504) == "nemo@25.04"
+    assert version_at("nemo", 202606) == "nemo@26.06"
