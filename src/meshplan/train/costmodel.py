@@ -301,6 +301,13 @@ class Options:
     # requires COPY operations to move parameters and gradients in and out of communication buffers ... while
     # Megatron-FSDP assigns sliced views of contiguous communication buffers"): False there.
     fsdp_copies: bool = True
+    # FSDP under pipelining. True: the stage stays gathered through the step and its gradients accumulate unsharded
+    # until the last micro-batch's backward (torch.distributed.pipelining with FSDP2, torchtitan; the JAX program,
+    # verify PP2xFSDP4). False: Megatron-FSDP, which de-allocates the unsharded weights after every fprop and dgrad and
+    # reduce-scatters the weight gradients "during every backward pass" (Megatron-LM docs/user-guide/features/
+    # megatron_fsdp.md, FSDP fundamentals; megatron_fsdp.py `grad_reduce_every_bprop` for optim_grads(_params)), pipeline
+    # or not: each micro-batch gathers and reduce-scatters as without pipelining
+    fsdp_pp_gathered_stage: bool = True
     # The FSDP parameter group besides one layer that nothing can hide (FSDP_EDGE_GROUPS): its all-gather comes before
     # the first layer's compute and its reduce-scatter after the last backward. "none": only the first layer's gather
     # and the last reduce-scatter show (XLA, Megatron-FSDP). "root": torchtitan up to v0.1.0 wraps the embedding,
@@ -1799,7 +1806,7 @@ class CostModel:
         # the first micro-batch's forward), no re-gather for the backward, and one reduce-scatter of the
         # accumulated gradients behind the last backward (torch.distributed.pipelining keeps FSDP2 unsharded
         # and skips gradient sync until the last micro-batch; torchtitan and Llama 3 train PP+FSDP so).
-        once = (sh > 1) & (g["pp"] > 1)
+        once = (sh > 1) & (g["pp"] > 1) & self.opt.fsdp_pp_gathered_stage  # (Megatron-FSDP: never)
         per_mb = (sh > 1) & ~once
         out["fsdp_mb"] = np.where(per_mb, fs_f + fs_b, 0.0)
         out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + emb_gathers * ag_emb + rs_emb, 0.0)
@@ -2151,7 +2158,8 @@ class CostModel:
         acts = acts * (1 - L.offload) + (0.0 if xla else logits + working)
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
-        once = (fs > 1) & (pp > 1)  # FSDP under pipelining: the stage stays gathered through the step
+        # FSDP under pipelining: the stage stays gathered through the step (Options.fsdp_pp_gathered_stage)
+        once = (fs > 1) & (pp > 1) & self.opt.fsdp_pp_gathered_stage
         # PyTorch FSDP gathers a whole transformer block; XLA (Options.xla_program) gathers each weight just before its matmul
         # and reduce-scatters each gradient as it is produced, and DeepSpeed ZeRO-3 fetches parameter by parameter,
         # so there only the largest weight (and the prefetched next one) is ever whole

@@ -20,13 +20,13 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # overlapped with compute (--overlap-grad-reduce, --overlap-param-gather; Megatron-LM README); FP8 by delayed scaling
     # (megatron/training/arguments.py `--fp8-recipe`, default "delayed"); the interleaved schedule overlaps its
     # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
-    # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies)
-    # and its fused SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-
+    # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies), and under
+    # pipelining gathers and reduce-scatters every micro-batch (Options.fsdp_pp_gathered_stage False), and its fused SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-
     # fusion` turns it off); a YaRN RoPE runs unfused (Options.unfused_yarn_rope: rope_utils.py apply_rotary_pos_emb
     # falls back to `_apply_rotary_pos_emb_bshd` whenever mscale != 1)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
-                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True,
-                     glu_saves_input=True, unfused_yarn_rope=True),
+                     overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, fsdp_pp_gathered_stage=False,
+                     unfused_expert_bias=True, glu_saves_input=True, unfused_yarn_rope=True),
     # NeMo: Megatron-Core underneath, and its H100 performance recipes turn on Transformer Engine's TP
     # communication overlap (userbuffers; NeMo docs, "Communication overlap"); its FP8 recipes (Megatron-Bridge
     # 26.06 performance tables: "fp8 current scaling (tensorwise)" on H100, MXFP8 blocks on Blackwell) scale by the
@@ -44,8 +44,8 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # validate_rope_fusion_compatibility also turns apply_rope_fusion off for position_embedding_type "yarn").
     "nemo": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                  overlap_param_gather=True, tp_overlap=True, fp8_recipe="tensorwise", grad_reduce_bytes=2.0,
-                 pp_overlap=True, fsdp_copies=False, unfused_expert_bias=True, glu_saves_input=True, fp8_params=True,
-                 expert_tp=False, unfused_yarn_rope=True),
+                 pp_overlap=True, fsdp_copies=False, fsdp_pp_gathered_stage=False, unfused_expert_bias=True,
+                 glu_saves_input=True, fp8_params=True, expert_tp=False, unfused_yarn_rope=True),
     # torchtitan: FSDP2 over the dp_shard×cp mesh, torch.compile on the transformer blocks only (the loss stays
     # eager: F.cross_entropy on fp32 logits), torchao float8 (dynamic scaling: an amax pass and a cast per operand,
     # weights cast on every forward; recipe "tensorwise" unless `--float8.recipe_name` says otherwise: torchao
@@ -101,8 +101,9 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
 PROGRAM_FACTS: dict[str, Any] = dict(act_bytes=4.0, param_bytes=4.0, master_bytes=0.0, fsdp_param_bytes=4.0,
                                      grad_reduce_bytes=4.0, flash_attention=False, runtime_reserve=False,
                                      cp_impl="allgather", ring_saves_kv=True, attention_block_fwd=(0, 0),
-                                     attention_block_bwd=(0, 0), expert_tp=True)
-# (the program shards its experts' F over `tensor`, measure/jaxmodel.py: ETP = TP whatever a framework preset says)
+                                     attention_block_bwd=(0, 0), expert_tp=True, fsdp_pp_gathered_stage=True)
+# (the program shards its experts' F over `tensor`, measure/jaxmodel.py: ETP = TP whatever a framework preset says;
+# under pipelining its FSDP stage stays gathered through the step, verify PP2xFSDP4, whatever a preset says)
 FRAMEWORKS["jax"] = {**FRAMEWORKS["maxtext"], **PROGRAM_FACTS}
 
 # Releases whose behaviour differs from the current preset (`--framework name@version`): each the changes on top of
