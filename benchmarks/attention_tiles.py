@@ -40,6 +40,7 @@ from meshplan.cost.efficiency import (
     default_efficiency,
 )
 from meshplan.specs.hardware import load_chip
+from meshplan.train.costmodel import ATTENTION_KERNEL_FRACTIONS
 
 DATA = Path(__file__).parent / "data" / "cudnn_sdpa_training.csv"
 HEADS_DATA = Path(__file__).parent / "data" / "cudnn_sdpa_heads.csv"
@@ -80,13 +81,14 @@ def tiles(r: dict) -> tuple[float, float]:
     return bh * (n * (n + 1) / 2 if r["causal"] else n * n), bh * n
 
 
-def fit_tiles(rows: list[dict], system: str, direction: str) -> dict:
-    """k = a/c of time = c·V + a·Q over the system's rows up to FIT_MAX_SEQ (least squares of the relative error),
-    and the measured fraction of peak of the causal 8,192-token row."""
-    sel = [r for r in rows if r["system"] == system and r["direction"] == direction and r["seq"] <= FIT_MAX_SEQ]
+def fit_tiles(rows: list[dict], system: str, direction: str, max_seq: int = FIT_MAX_SEQ,
+              chip: str | None = None) -> dict:
+    """k = a/c of time = c·V + a·Q over the system's rows up to `max_seq` (least squares of the relative error),
+    and the measured fraction of peak (of `chip`, default CHIPS[system]) of the causal 8,192-token row."""
+    sel = [r for r in rows if r["system"] == system and r["direction"] == direction and r["seq"] <= max_seq]
     a_mat = np.array([[*tiles(r)] for r in sel]) / np.array([[r["time_s"]] for r in sel])
     (c, a), *_ = np.linalg.lstsq(a_mat, np.ones(len(sel)), rcond=None)
-    peak = load_chip(CHIPS[system]).peak("bf16")
+    peak = load_chip(chip or CHIPS[system]).peak("bf16")
     anchor = next(r for r in sel if r["causal"] and r["seq"] == 8192)
     return dict(k=a / c, anchor_fraction=counted_flops(anchor) / anchor["time_s"] / peak, n=len(sel),
                 worst=max(abs((c * tiles(r)[0] + a * tiles(r)[1]) / r["time_s"] - 1) for r in sel))
@@ -106,20 +108,15 @@ def fit_release(rows: list[dict], direction: str) -> dict:
     """fit_tiles over the release table's batch-1 rows in RELEASE_FIT (k and the 8K causal fraction of B200's peak)."""
     lo, hi = RELEASE_FIT
     sel = [r for r in rows if lo <= r["seq"] <= hi and r["batch"] == 1]
-    CHIPS.setdefault("b200", "b200")
-    global FIT_MAX_SEQ
-    saved, FIT_MAX_SEQ = FIT_MAX_SEQ, hi
-    try:
-        return fit_tiles(sel, "b200", direction)
-    finally:
-        FIT_MAX_SEQ = saved
+    return fit_tiles(sel, "b200", direction, max_seq=hi, chip="b200")
 
 
 def release_predicted_s(r: dict) -> float:
     """meshplan's time for a release-table row under the `cudnn-9.10` kernel."""
     chip = load_chip("b200")
     eff = default_efficiency(chip)
-    frac = eff.attention_cudnn910_fwd_fraction if r["direction"] == "fwd" else eff.attention_cudnn910_bwd_fraction
+    fwd_field, bwd_field = ATTENTION_KERNEL_FRACTIONS["cudnn-9.10"]
+    frac = getattr(eff, fwd_field if r["direction"] == "fwd" else bwd_field)
     factor = attention_tile_factor(eff, r["direction"], r["seq"] / 2, 0.5, kernel="cudnn-9.10")
     return counted_flops(r) / (chip.peak("bf16") * frac) * factor
 

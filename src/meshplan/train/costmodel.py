@@ -1452,6 +1452,12 @@ class CostModel:
         and reduce once a step, and so does ZeRO-2 under a looped breadth-first pipeline (`_chunk_major_backward`)."""
         return np.where((L.zero == 2) & ~self._chunk_major_backward(g), g["n_micro"], 1.0)
 
+    def _fsdp_stage_gathered(self, g: dict):
+        """FSDP under pipelining that keeps the stage gathered, and its gradients unsharded, through the step
+        (Options.fsdp_pp_gathered_stage: FSDP2 under torch.distributed.pipelining and the JAX program, not
+        Megatron-FSDP): one gather and one reduce-scatter a step, the gathered stage and its gradients in memory."""
+        return (g["shard"] > 1) & (g["pp"] > 1) & self.opt.fsdp_pp_gathered_stage
+
     def _chunk_major_backward(self, g: dict):
         """A pipeline whose backward runs each model chunk for every micro-batch before the next chunk (Options.
         pp_schedule "gpipe" with vpp > 1, looped breadth-first): a chunk's gradients are whole once its micro-batches
@@ -1806,7 +1812,7 @@ class CostModel:
         # the first micro-batch's forward), no re-gather for the backward, and one reduce-scatter of the
         # accumulated gradients behind the last backward (torch.distributed.pipelining keeps FSDP2 unsharded
         # and skips gradient sync until the last micro-batch; torchtitan and Llama 3 train PP+FSDP so).
-        once = (sh > 1) & (g["pp"] > 1) & self.opt.fsdp_pp_gathered_stage  # (Megatron-FSDP: never)
+        once = self._fsdp_stage_gathered(g)  # (Megatron-FSDP: never)
         per_mb = (sh > 1) & ~once
         out["fsdp_mb"] = np.where(per_mb, fs_f + fs_b, 0.0)
         out["fsdp_link_mb"] = np.where(per_mb, nl * (2 * ag + rs) + emb_gathers * ag_emb + rs_emb, 0.0)
@@ -2158,8 +2164,7 @@ class CostModel:
         acts = acts * (1 - L.offload) + (0.0 if xla else logits + working)
         # FSDP holds one gathered layer in the working dtype and that layer's unsharded bf16 gradients before
         # the reduce-scatter (the prefetched next layer replaces the freed current one).
-        # FSDP under pipelining: the stage stays gathered through the step (Options.fsdp_pp_gathered_stage)
-        once = (fs > 1) & (pp > 1) & self.opt.fsdp_pp_gathered_stage
+        once = self._fsdp_stage_gathered(g)  # FSDP under pipelining: the stage stays gathered through the step
         # PyTorch FSDP gathers a whole transformer block; XLA (Options.xla_program) gathers each weight just before its matmul
         # and reduce-scatters each gradient as it is produced, and DeepSpeed ZeRO-3 fetches parameter by parameter,
         # so there only the largest weight (and the prefetched next one) is ever whole

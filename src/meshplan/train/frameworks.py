@@ -21,8 +21,9 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     # (megatron/training/arguments.py `--fp8-recipe`, default "delayed"); the interleaved schedule overlaps its
     # pipeline sends with the next chunk's compute (`--no-overlap-p2p-communication` turns that off, arguments.py);
     # Megatron-FSDP shards into views of its communication buffers, no copy in or out (Options.fsdp_copies), and under
-    # pipelining gathers and reduce-scatters every micro-batch (Options.fsdp_pp_gathered_stage False), and its fused SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-
-    # fusion` turns it off); a YaRN RoPE runs unfused (Options.unfused_yarn_rope: rope_utils.py apply_rotary_pos_emb
+    # pipelining gathers and reduce-scatters every micro-batch (Options.fsdp_pp_gathered_stage False), and its fused
+    # SwiGLU saves only its input (Options.glu_saves_input; Megatron-LM arguments.py `--no-bias-swiglu-fusion` turns it
+    # off); a YaRN RoPE runs unfused (Options.unfused_yarn_rope: rope_utils.py apply_rotary_pos_emb
     # falls back to `_apply_rotary_pos_emb_bshd` whenever mscale != 1)
     "megatron": dict(fused_elementwise=True, fused_loss=True, fp8_weight_cache=True, dp_overlap=True,
                      overlap_param_gather=True, pp_overlap=True, fsdp_copies=False, fsdp_pp_gathered_stage=False,
